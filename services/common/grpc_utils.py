@@ -1,0 +1,157 @@
+"""gRPC plumbing shared by the services: channel options, channels, servers, health.
+
+Every option key is spelled once, here. Message limits fit the largest
+legitimate message: pixel tensors of an Encode call (a few MiB per image)
+and 1 MiB push chunks; nothing else comes close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest gRPC message accepted or sent (an Encode call with several large images)."""
+
+REQUEST_ID_KEY = "x-request-id"
+"""gRPC metadata key that carries the request id across services (for logs)."""
+
+RETRY_AFTER_KEY = "retry-after-ms"
+"""Trailing metadata key of a RESOURCE_EXHAUSTED answer: how long to back off."""
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Fail fast instead of waiting for a dead peer to come back: the proxy
+    # retries elsewhere.
+    ("grpc.enable_retries", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+)
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """One long-lived insecure asyncio channel to ``address`` with the shared options."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def retry_after_ms(error: grpc.aio.AioRpcError) -> int | None:
+    """The ``retry-after-ms`` hint of a RESOURCE_EXHAUSTED error, if the server sent one."""
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0, int(value))
+            except ValueError:
+                return None
+    return None
+
+
+def request_id_of(context: grpc.aio.ServicerContext) -> str:
+    """The propagated request id of an incoming call, or ``"-"``."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            return str(value)[:128]
+    return "-"
+
+
+@dataclass
+class GrpcServer:
+    """A started asyncio gRPC server with its health servicer.
+
+    ``service_name`` is the fully-qualified service whose health status means
+    "ready"; ``""`` always means "alive".
+    """
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    service_name: str
+
+    async def set_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(self.service_name, status)
+
+    async def stop(self, grace: float) -> None:
+        """Marks the server not ready, then stops it, letting calls finish for ``grace`` seconds."""
+        await self.set_ready(False)
+        await self.server.stop(grace)
+
+
+async def start_server(
+    host: str,
+    port: int,
+    service_name: str,
+    register: Callable[[grpc.aio.Server], None],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> GrpcServer:
+    """Creates, binds and starts a server; ready status starts NOT_SERVING.
+
+    ``port=0`` binds an ephemeral port (tests); the bound port is returned.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC server to {host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return GrpcServer(server=server, health=health_servicer, port=bound, service_name=service_name)
+
+
+async def check_health(address: str, service_name: str, timeout: float = 2.0) -> bool:
+    """True when ``address`` reports SERVING for ``service_name`` (one-shot, own channel)."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service_name), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def wait_healthy(address: str, service_name: str, timeout: float, interval: float = 0.2) -> None:
+    """Polls health until SERVING; TimeoutError after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not await check_health(address, service_name):
+        if loop.time() > end:
+            raise TimeoutError(f"{address} not healthy after {timeout:.0f}s")
+        await asyncio.sleep(interval)
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Runs ``main(stop_event)`` on a fresh loop; SIGINT/SIGTERM set the event."""
+    import signal
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())

@@ -1,0 +1,35 @@
+"""Content hashing of images (``mm_hash``).
+
+The hash covers the decoded pixels, the image-processor settings and the
+model id, so the same picture re-encoded as PNG or JPEG-lossless hashes the
+same, while a different processor configuration or model never shares an
+embedding. Clients cannot supply a hash: the proxy always computes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from PIL import Image
+
+
+def _canonical(settings: Mapping[str, Any]) -> bytes:
+    return json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def mm_hash(image: Image.Image, processor_settings: Mapping[str, Any], model_id: str) -> str:
+    """SHA-256 hex digest of an image's RGB pixels, size, processor settings and model id."""
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    digest = hashlib.sha256()
+    digest.update(b"epd-mm-v1\0")
+    digest.update(model_id.encode())
+    digest.update(b"\0")
+    digest.update(_canonical(processor_settings))
+    digest.update(b"\0")
+    digest.update(f"{rgb.width}x{rgb.height}".encode())
+    digest.update(b"\0")
+    digest.update(rgb.tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,197 @@
+"""Builds real, random-weight LLaVA checkpoints offline (``epd make-model``).
+
+The output is an ordinary Hugging Face directory: ``config.json``,
+``model.safetensors``, tokenizer, image processor, processor config with the
+chat template, and ``generation_config.json``. ``AutoProcessor`` and
+``LlavaForConditionalGeneration.from_pretrained`` load it like any llava-hf
+checkpoint. The same preset and seed always give byte-identical weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    CLIPVisionConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+)
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+from .chat_template import LLAVA_CHAT_TEMPLATE
+from .init_weights import initialise_llava
+from .presets import PRESETS, Preset, get_preset
+from .tokenizer import IMAGE, build_hf_tokenizer
+
+logger = logging.getLogger(__name__)
+
+BUILD_VERSION = "v1"  # bump when the builder's output changes, so cached builds are not reused
+CONFIG_FILE = "config.json"
+# CLIP's own normalisation constants, as llava-1.5 uses them.
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
+    """A llava-1.5-style config (CLS dropped, second-to-last vision layer) for ``preset``."""
+    vision, text = preset.vision, preset.text
+    vision_config = CLIPVisionConfig(
+        hidden_size=vision.hidden_size,
+        num_hidden_layers=vision.num_layers,
+        num_attention_heads=vision.num_heads,
+        intermediate_size=vision.intermediate_size,
+        image_size=vision.image_size,
+        patch_size=vision.patch_size,
+        projection_dim=vision.hidden_size,
+    )
+    text_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=text.hidden_size,
+        num_hidden_layers=text.num_layers,
+        num_attention_heads=text.num_heads,
+        num_key_value_heads=text.num_kv_heads,
+        intermediate_size=text.intermediate_size,
+        max_position_embeddings=text.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    return LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        image_seq_length=preset.num_image_tokens,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+
+
+def llava_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
+    """Tokenizer + CLIP image processor (shortest-edge resize, centre crop) + chat template."""
+    size = preset.vision.image_size
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": size},
+        crop_size={"height": size, "width": size},
+        image_mean=_CLIP_MEAN,
+        image_std=_CLIP_STD,
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=preset.vision.patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token=IMAGE,
+        num_additional_image_tokens=1,  # the CLS token, which "default" then drops
+    )
+
+
+def _write_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Callable[[str], None]) -> None:
+    progress(f"training tokenizer ({preset.tokenizer_vocab_size} tokens)")
+    tokenizer = build_hf_tokenizer(preset.tokenizer_vocab_size, preset.corpus_lines, seed)
+    config = llava_config(preset, tokenizer)
+    progress("initialising weights")
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    # Built only to be saved: initialise_llava writes every parameter, and the
+    # non-persistent buffers that to_empty leaves unset are never saved.
+    model = model.to_empty(device="cpu")
+    initialise_llava(model, tokenizer.all_special_ids, seed, preset.context_strength)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    progress("saving weights")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    llava_processor(preset, tokenizer).save_pretrained(out_dir)
+
+
+def build_checkpoint(
+    preset: str,
+    out_dir: Path,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Build ``preset`` into ``out_dir`` atomically and return ``out_dir``.
+
+    The checkpoint is written to a temporary directory beside ``out_dir`` and
+    renamed into place, so readers never see half of one. If another builder
+    finished first, its (identical) result is kept. An existing non-empty
+    ``out_dir`` raises ``FileExistsError`` unless ``overwrite`` is set.
+    """
+    spec = get_preset(preset)
+    out_dir = Path(out_dir).expanduser()
+    if _is_populated(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    report = progress or (lambda message: logger.info("make-model %s: %s", preset, message))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; a model cache is meant to be shared
+    try:
+        _write_checkpoint(spec, staging, seed, report)
+        _publish(staging, out_dir, overwrite)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    report(f"done: {out_dir}")
+    return out_dir
+
+
+def _is_populated(path: Path) -> bool:
+    return path.is_dir() and any(path.iterdir())
+
+
+def _publish(staging: Path, out_dir: Path, overwrite: bool) -> None:
+    """Rename ``staging`` to ``out_dir``; a concurrent winner's directory is kept."""
+    if overwrite and _is_populated(out_dir):
+        retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, retired / out_dir.name)
+        shutil.rmtree(retired, ignore_errors=True)
+    if out_dir.is_dir() and not _is_populated(out_dir):
+        out_dir.rmdir()  # an empty directory (e.g. made by the user) is not a checkpoint
+    try:
+        os.rename(staging, out_dir)
+    except OSError:
+        if not (out_dir / CONFIG_FILE).is_file():
+            raise
+        logger.info("another builder published %s first; keeping it", out_dir)
+
+
+def default_model_dir(preset: str = "tiny") -> Path:
+    """``$EPD_CACHE_DIR/models/<preset>-v1`` (default cache dir ``~/.cache/epd``), read when called."""
+    cache_dir = os.environ.get("EPD_CACHE_DIR") or str(Path("~/.cache/epd").expanduser())
+    return Path(cache_dir).expanduser() / "models" / f"{preset}-{BUILD_VERSION}"
+
+
+def ensure_model(preset_or_path: str | None, progress: Callable[[str], None] | None = None) -> Path | str:
+    """Resolve ``--model``: empty means the tiny preset, a preset name is built on first use.
+
+    An existing directory is returned as is; anything else is returned
+    unchanged as a hub id (or a path the loader will report as missing).
+    """
+    name = preset_or_path or "tiny"
+    if name in PRESETS:
+        target = default_model_dir(name)
+        if not (target / CONFIG_FILE).is_file():
+            try:
+                build_checkpoint(name, target, progress=progress)
+            except FileExistsError:
+                if not (target / CONFIG_FILE).is_file():  # not a concurrent builder's result
+                    raise
+        return target
+    path = Path(name).expanduser()
+    return path if path.is_dir() else name

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for epd.v1 (see services/common/protogen.py)."""

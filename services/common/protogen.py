@@ -1,0 +1,58 @@
+"""Generates the Python gRPC stubs in ``services/common/pb`` from ``protos/``.
+
+The stubs are committed so that a plain ``pip install`` needs no code
+generation; ``tests/unit/test_protos.py`` fails when they drift from the
+``.proto`` files. Regenerate with ``python -m services.common.protogen``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+PROTO_ROOT = Path(__file__).resolve().parents[2] / "protos"
+PB_DIR = Path(__file__).resolve().parent / "pb"
+PROTO_FILES = ("epd/v1/epd.proto",)
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Runs protoc into ``out_dir`` and rewrites imports to be package-relative."""
+    from grpc_tools import protoc
+    import grpc_tools
+
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    with tempfile.TemporaryDirectory() as raw:
+        args = [
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{include}",
+            f"--python_out={raw}",
+            f"--pyi_out={raw}",
+            f"--grpc_python_out={raw}",
+            *PROTO_FILES,
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError("protoc failed")
+        written = []
+        for src in sorted(Path(raw).rglob("*.py*")):
+            text = src.read_text()
+            # protoc emits "from epd.v1 import epd_pb2"; our stubs live in a
+            # flat package, so the import must be relative to it.
+            text = re.sub(r"^from epd\.v1 import (\w+)", r"from . import \1", text, flags=re.M)
+            dst = out_dir / src.name
+            dst.write_text(text)
+            written.append(dst)
+    return written
+
+
+def main() -> int:
+    PB_DIR.mkdir(exist_ok=True)
+    for path in generate(PB_DIR):
+        print(f"wrote {path.relative_to(PB_DIR.parents[2])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Encoder configuration: one frozen dataclass, built once (by ``main.config_from_args`` or a test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.tensors import CHUNK_BYTES
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Everything the encoder process needs; validated on construction."""
+
+    model: str = ""
+    """Checkpoint directory or hub id; ``""`` = the built-in tiny model, built on first use."""
+    device: str = "auto"
+    """Torch device for the vision tower: auto (cuda when present, else cpu), cpu, cuda, cuda:N."""
+    dtype: str = "auto"
+    """Weight/activation dtype: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16."""
+    host: str = "127.0.0.1"
+    port: int = 50051
+    """gRPC port; 0 picks a free one (tests)."""
+    metrics_port: int = 9101
+    """Prometheus HTTP port; -1 = off (metrics are served by a later component)."""
+
+    max_batch_images: int = 8
+    """Most images in one vision forward."""
+    max_wait_ms: float = 5.0
+    """How long the worker waits for more images after the first one of a batch arrived."""
+    max_pending: int = 256
+    """Most images queued or being encoded; beyond it Encode answers RESOURCE_EXHAUSTED."""
+    cache_bytes: int = 256 * MIB
+    """Capacity of the embedding LRU cache (0 disables caching)."""
+
+    max_outbound_bytes: int = 256 * MIB
+    """Most embedding bytes being pushed to PDs at once; further pushes wait for room."""
+    push_chunk_bytes: int = CHUNK_BYTES
+    """Largest raw chunk of a PushEmbedding stream (PD accepts at most 1 MiB)."""
+    push_timeout_s: float = 30.0
+    """Push deadline when the Encode call itself has none."""
+    push_attempts: int = 3
+    """Tries per push; a retry happens only when PD never received the header (UNAVAILABLE)."""
+    push_connect_timeout_s: float = 2.0
+    """Longest wait for the channel to a PD to become ready before one attempt."""
+
+    threads: int = 0
+    """Torch intra-op threads; 0 keeps torch's default."""
+    warmup: bool = True
+    """Run one blank-image encode before reporting ready (first-call kernels, allocator)."""
+    grace_s: float = 10.0
+    """On SIGTERM, how long in-flight Encode calls may finish before the server stops."""
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_batch_images": self.max_batch_images,
+            "max_pending": self.max_pending,
+            "max_outbound_bytes": self.max_outbound_bytes,
+            "push_chunk_bytes": self.push_chunk_bytes,
+            "push_timeout_s": self.push_timeout_s,
+            "push_attempts": self.push_attempts,
+            "push_connect_timeout_s": self.push_connect_timeout_s,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        non_negative = {
+            "max_wait_ms": self.max_wait_ms,
+            "cache_bytes": self.cache_bytes,
+            "threads": self.threads,
+            "grace_s": self.grace_s,
+            "port": self.port,
+        }
+        for name, value in non_negative.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.push_chunk_bytes > CHUNK_BYTES:
+            raise ValueError(f"push_chunk_bytes must be <= {CHUNK_BYTES} (PD's chunk limit)")

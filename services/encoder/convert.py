@@ -1,0 +1,114 @@
+"""Proto <-> domain conversion for the Encoder service, including input validation.
+
+Validation errors name the field and item index only; they never echo
+what the caller sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from services.common import tensors
+from services.common.pb import epd_pb2
+from services.encoder.errors import InvalidInput
+
+MAX_ID_CHARS = 256
+"""Longest request id, mm_hash or reservation id accepted (they end up in logs and metadata)."""
+
+MAX_ADDRESS_CHARS = 512
+
+_PIXEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class EncodeItemWork:
+    """One validated image of an Encode call."""
+
+    mm_hash: str
+    reservation_id: str  # PD reservation to fill
+    pixel_values: torch.Tensor  # [3, H, W] floating point, processed by the checkpoint's image processor
+
+
+@dataclass(frozen=True)
+class EncodeWork:
+    """A validated Encode call."""
+
+    request_id: str
+    pd_address: str  # host:port of the PD holding the reservations
+    items: tuple[EncodeItemWork, ...]
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """What happened to one item; becomes an ``EncodeItemResult``."""
+
+    mm_hash: str
+    cache_hit: bool
+    encode_s: float  # vision forward time of its batch (0 on a hit)
+    push_s: float  # time to push to PD, including waiting for outbound budget
+
+    def to_pb(self) -> epd_pb2.EncodeItemResult:
+        return epd_pb2.EncodeItemResult(
+            mm_hash=self.mm_hash,
+            cache_hit=self.cache_hit,
+            encode_ms=self.encode_s * 1000.0,
+            push_ms=self.push_s * 1000.0,
+        )
+
+
+def _check_id(value: str, what: str) -> str:
+    if not value:
+        raise InvalidInput(f"{what} is required")
+    if len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise InvalidInput(f"{what} is too long or not printable")
+    return value
+
+
+def _parse_pixels(message: epd_pb2.EncodeItem, index: int) -> torch.Tensor:
+    if not message.HasField("pixel_values"):
+        raise InvalidInput(f"item {index}: pixel_values is required")
+    try:
+        pixels = tensors.from_pb(message.pixel_values)
+    except ValueError:
+        raise InvalidInput(f"item {index}: pixel_values is not a valid tensor") from None
+    if pixels.dtype not in _PIXEL_DTYPES:
+        raise InvalidInput(f"item {index}: pixel_values must be float32, float16 or bfloat16")
+    if pixels.dim() != 3 or pixels.shape[0] != 3 or pixels.shape[1] == 0 or pixels.shape[2] == 0:
+        raise InvalidInput(f"item {index}: pixel_values must have shape [3, H, W]")
+    if not bool(torch.isfinite(pixels).all()):
+        raise InvalidInput(f"item {index}: pixel_values must be finite")
+    return pixels
+
+
+def parse_encode_request(request: epd_pb2.EncodeRequest) -> EncodeWork:
+    """Validates an ``EncodeRequest``; raises ``InvalidInput`` (INVALID_ARGUMENT)."""
+    request_id = _check_id(request.request_id, "request_id")
+    address = request.pd_address
+    if not address:
+        raise InvalidInput("pd_address is required")
+    if len(address) > MAX_ADDRESS_CHARS or not address.isprintable() or any(c.isspace() for c in address):
+        raise InvalidInput("pd_address is malformed")
+    if not request.items:
+        raise InvalidInput("items must not be empty")
+    items = tuple(
+        EncodeItemWork(
+            mm_hash=_check_id(item.mm_hash, f"item {index}: mm_hash"),
+            reservation_id=_check_id(item.reservation_id, f"item {index}: reservation_id"),
+            pixel_values=_parse_pixels(item, index),
+        )
+        for index, item in enumerate(request.items)
+    )
+    return EncodeWork(request_id=request_id, pd_address=address, items=items)
+
+
+def encode_response(outcomes: Iterable[ItemOutcome]) -> epd_pb2.EncodeResponse:
+    """The reply of a successful Encode call, items in request order."""
+    return epd_pb2.EncodeResponse(items=[outcome.to_pb() for outcome in outcomes])
+
+
+def encoder_load(num_pending: int, cache_bytes: int, outbound_bytes: int) -> epd_pb2.EncoderLoad:
+    """The reply of ``GetLoad``."""
+    return epd_pb2.EncoderLoad(num_pending=num_pending, cache_bytes=cache_bytes, outbound_bytes=outbound_bytes)

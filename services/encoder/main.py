@@ -1,0 +1,113 @@
+"""``epd encoder``: command-line flags and the process entry point.
+
+Shutdown: SIGTERM/SIGINT -> health NOT_SERVING -> ``stop(grace)`` -> exit 0.
+Metrics: ``start_encoder`` takes an ``EncoderMetrics``; the Prometheus
+exporter on ``--metrics-port`` plugs in there (not started here yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.common import cli_args, grpc_utils
+from services.encoder.config import MIB, EncoderConfig
+
+log = logging.getLogger(__name__)
+
+KIB = 1 << 10
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the encoder's flags (each also read from ``EPD_<FLAG>``)."""
+    defaults = EncoderConfig()
+    cli_args.add_common_flags(parser, port=defaults.port, metrics_port=defaults.metrics_port)
+    add = cli_args.add_flag
+    add(parser, "--max-batch-images", type=int, default=defaults.max_batch_images,
+        help="most images in one vision forward")
+    add(parser, "--max-wait-ms", type=float, default=defaults.max_wait_ms,
+        help="how long a batch waits for more images after its first")
+    add(parser, "--max-pending", type=int, default=defaults.max_pending,
+        help="most images queued or encoding; more are refused with RESOURCE_EXHAUSTED")
+    add(parser, "--cache-mib", type=int, default=defaults.cache_bytes // MIB,
+        help="embedding cache capacity in MiB (0 = off)")
+    add(parser, "--max-outbound-mib", type=int, default=defaults.max_outbound_bytes // MIB,
+        help="most MiB of embedding pushes in flight")
+    add(parser, "--push-chunk-kib", type=int, default=defaults.push_chunk_bytes // KIB,
+        help="largest PushEmbedding chunk in KiB (<= 1024)")
+    add(parser, "--push-timeout-s", type=float, default=defaults.push_timeout_s,
+        help="push deadline when the Encode call has none")
+    add(parser, "--warmup", default=defaults.warmup,
+        help="run a blank-image forward before reporting ready")
+    add(parser, "--grace-s", type=float, default=defaults.grace_s,
+        help="seconds in-flight calls may finish on shutdown")
+
+def config_from_args(args: argparse.Namespace) -> EncoderConfig:
+    """The one place parsed flags become an ``EncoderConfig`` (ValueError if invalid)."""
+    return EncoderConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        max_batch_images=args.max_batch_images,
+        max_wait_ms=args.max_wait_ms,
+        max_pending=args.max_pending,
+        cache_bytes=args.cache_mib * MIB,
+        max_outbound_bytes=args.max_outbound_mib * MIB,
+        push_chunk_bytes=args.push_chunk_kib * KIB,
+        push_timeout_s=args.push_timeout_s,
+        threads=args.threads,
+        warmup=args.warmup,
+        grace_s=args.grace_s,
+    )
+
+
+async def serve(config: EncoderConfig, stop: asyncio.Event) -> None:
+    """Starts the encoder, waits for ``stop``, then drains: NOT_SERVING -> ``stop(grace)``."""
+    # Imported here so that ``--help`` does not pay for importing torch.
+    from services.encoder.server import start_encoder
+
+    server = await start_encoder(config)
+    try:
+        await stop.wait()
+        log.info("encoder draining (grace %.1fs)", config.grace_s)
+    finally:
+        await server.stop(config.grace_s)
+    log.info("encoder stopped")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the encoder until SIGTERM/SIGINT; returns the process exit code."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        log.error("invalid encoder configuration: %s", err)
+        return 2
+    if config.threads > 0:
+        import torch
+
+        torch.set_num_threads(config.threads)
+
+    try:
+        grpc_utils.run_until_signal(lambda stop: serve(config, stop))
+    except Exception:
+        log.exception("encoder failed")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.encoder.main``."""
+    parser = argparse.ArgumentParser(prog="epd encoder", description="EPD vision encoder service")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

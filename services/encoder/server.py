@@ -1,0 +1,191 @@
+"""Encoder process assembly: load the vision half, start the gRPC server, warm up, report ready.
+
+Lifecycle: ``start_encoder`` loads weights (off the event loop), starts the
+server with health NOT_SERVING, runs one blank-image forward, starts the
+batcher thread and only then reports SERVING. ``EncoderServer.stop``
+reports NOT_SERVING, lets calls drain for ``grace`` seconds, then stops the
+worker and closes the PD channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+import torch
+
+from services.common import grpc_utils
+from services.common.devices import resolve_device, resolve_dtype
+from services.common.pb import epd_pb2_grpc
+from services.encoder.batcher import Batcher
+from services.encoder.cache import EmbeddingCache
+from services.encoder.config import EncoderConfig
+from services.encoder.errors import ErrorMappingInterceptor
+from services.encoder.metrics import EncoderMetrics
+from services.encoder.pusher import EmbeddingPusher
+from services.encoder.servicer import EncoderServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "epd.v1.Encoder"
+"""Health service name that means "ready"."""
+
+
+@dataclass(frozen=True)
+class LoadedVision:
+    """The vision half of a checkpoint, ready to run."""
+
+    module: torch.nn.Module  # VisionEncoder: [N, 3, H, W] -> [N, num_tokens, hidden_size]
+    device: torch.device
+    dtype: torch.dtype
+    sample_pixels: torch.Tensor  # [3, H, W]: a blank image processed as the proxy would (warm-up input)
+    num_tokens: int  # embedding rows the LM expects for sample_pixels
+    hidden_size: int  # LM hidden size == embedding row width
+
+
+class EncoderStats(NamedTuple):
+    """Resource counters; all zero but the cache when the encoder is idle (leak checks)."""
+
+    num_pending: int  # images queued or being encoded
+    cache_bytes: int
+    num_cached: int
+    outbound_bytes: int  # bytes of pushes in flight
+
+
+def load_vision(config: EncoderConfig) -> LoadedVision:
+    """Loads only the vision tower + projector of ``config.model`` (blocking; run off the loop)."""
+    from PIL import Image
+
+    from services.common.models import ensure_model, load_adapter
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    # "" or a preset name: the built-in random-weight checkpoint, built on first use.
+    adapter = load_adapter(ensure_model(config.model))
+    module = adapter.load_vision(device, dtype).eval()
+    processor = adapter.load_processor()
+    blank = Image.new("RGB", (64, 64))
+    pixels = processor.image_processor(images=[blank], return_tensors="pt")["pixel_values"][0]
+    return LoadedVision(
+        module=module,
+        device=device,
+        dtype=dtype,
+        sample_pixels=pixels,
+        num_tokens=adapter.num_image_tokens(64, 64),
+        hidden_size=adapter.hidden_size,
+    )
+
+
+def _warm_forward(vision: LoadedVision) -> None:
+    pixels = vision.sample_pixels.unsqueeze(0).to(device=vision.device, dtype=vision.dtype)
+    with torch.inference_mode():
+        out = vision.module(pixels)
+    want = (1, vision.num_tokens, vision.hidden_size)
+    if tuple(out.shape) != want:
+        raise RuntimeError(f"vision module produced shape {list(out.shape)} for a blank image, expected {list(want)}")
+
+
+class EncoderServer:
+    """A running encoder: gRPC server, batcher thread, cache and PD pusher."""
+
+    def __init__(
+        self,
+        config: EncoderConfig,
+        vision: LoadedVision,
+        grpc_server: grpc_utils.GrpcServer,
+        batcher: Batcher,
+        pusher: EmbeddingPusher,
+        cache: EmbeddingCache,
+    ) -> None:
+        self.config = config
+        self.vision = vision
+        self._grpc = grpc_server
+        self._batcher = batcher
+        self._pusher = pusher
+        self._cache = cache
+
+    @classmethod
+    async def create(
+        cls, config: EncoderConfig, vision: LoadedVision, metrics: EncoderMetrics | None = None
+    ) -> EncoderServer:
+        """Starts serving with health NOT_SERVING; call ``become_ready`` next."""
+        metrics = metrics or EncoderMetrics()
+        cache = EmbeddingCache(config.cache_bytes)
+        batcher = Batcher(
+            vision.module,
+            cache,
+            device=vision.device,
+            dtype=vision.dtype,
+            max_batch_images=config.max_batch_images,
+            max_wait_ms=config.max_wait_ms,
+            max_pending=config.max_pending,
+            metrics=metrics,
+        )
+        pusher = EmbeddingPusher(
+            chunk_bytes=config.push_chunk_bytes,
+            max_outbound_bytes=config.max_outbound_bytes,
+            default_timeout_s=config.push_timeout_s,
+            max_attempts=config.push_attempts,
+            connect_timeout_s=config.push_connect_timeout_s,
+        )
+        servicer = EncoderServicer(batcher, pusher, cache, metrics)
+
+        def register(server: grpc.aio.Server) -> None:
+            epd_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
+
+        grpc_server = await grpc_utils.start_server(
+            config.host, config.port, SERVICE_NAME, register, interceptors=[ErrorMappingInterceptor()]
+        )
+        return cls(config, vision, grpc_server, batcher, pusher, cache)
+
+    @property
+    def port(self) -> int:
+        """The bound gRPC port."""
+        return self._grpc.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def become_ready(self) -> None:
+        """Warm-up forward (if configured), start the batcher thread, report SERVING.
+
+        Encode calls that arrive earlier wait in the queue for the worker.
+        """
+        if self.config.warmup:
+            await asyncio.to_thread(_warm_forward, self.vision)
+        self._batcher.start()
+        await self._grpc.set_ready(True)
+
+    def stats(self) -> EncoderStats:
+        return EncoderStats(
+            num_pending=self._batcher.num_pending,
+            cache_bytes=self._cache.bytes,
+            num_cached=len(self._cache),
+            outbound_bytes=self._pusher.outbound_bytes,
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING, drain calls for ``grace`` seconds (default ``config.grace_s``), stop the worker."""
+        await self._grpc.stop(self.config.grace_s if grace is None else grace)
+        await asyncio.to_thread(self._batcher.stop)
+        await self._pusher.close()
+
+
+async def start_encoder(
+    config: EncoderConfig, *, vision: LoadedVision | None = None, metrics: EncoderMetrics | None = None
+) -> EncoderServer:
+    """Loads the vision half (unless ``vision`` is given), serves, warms up and reports ready."""
+    if vision is None:
+        vision = await asyncio.to_thread(load_vision, config)
+    server = await EncoderServer.create(config, vision, metrics)
+    try:
+        await server.become_ready()
+    except BaseException:
+        await server.stop(0)
+        raise
+    log.info("encoder ready on %s (device=%s dtype=%s)", server.address, vision.device, vision.dtype)
+    return server

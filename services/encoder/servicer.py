@@ -1,0 +1,128 @@
+"""The ``epd.v1.Encoder`` servicer: validate, delegate to the batcher and pusher, report.
+
+Errors are raised as ``EncoderError`` and turned into status codes by
+``errors.ErrorMappingInterceptor``. Cancellation (client gone, deadline)
+cancels every item task; the batcher and pusher release their share in
+``finally`` blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from services.common import grpc_utils
+from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.encoder.batcher import Batcher
+from services.encoder.cache import EmbeddingCache
+from services.encoder.convert import (
+    EncodeItemWork,
+    EncodeWork,
+    ItemOutcome,
+    encode_response,
+    encoder_load,
+    parse_encode_request,
+)
+from services.encoder.errors import DeadlineExceeded, EncoderError
+from services.encoder.metrics import EncoderMetrics
+from services.encoder.pusher import EmbeddingPusher
+
+log = logging.getLogger(__name__)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The exception to report for a failed item group: an ``EncoderError`` when there is one."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    for exc in leaves:
+        if isinstance(exc, EncoderError):
+            return exc
+    return leaves[0]
+
+
+class EncoderServicer(epd_pb2_grpc.EncoderServicer):
+    """Thin adapter between the wire and the batcher/pusher."""
+
+    def __init__(
+        self,
+        batcher: Batcher,
+        pusher: EmbeddingPusher,
+        cache: EmbeddingCache,
+        metrics: EncoderMetrics | None = None,
+    ) -> None:
+        self._batcher = batcher
+        self._pusher = pusher
+        self._cache = cache
+        self._metrics = metrics or EncoderMetrics()
+
+    async def Encode(self, request: epd_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> epd_pb2.EncodeResponse:
+        """Embeds each item (cache, single flight, micro-batch) and pushes it to PD; items run concurrently."""
+        start = time.perf_counter()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        status = "UNKNOWN"
+        request_id = grpc_utils.request_id_of(context)  # until the request body is validated
+        outcomes: list[ItemOutcome] = []
+        try:
+            work = parse_encode_request(request)
+            request_id = work.request_id
+            outcomes = await self._encode_all(work, deadline, remaining)
+            status = "OK"
+            return encode_response(outcomes)
+        except EncoderError as err:
+            status = err.code.name
+            raise
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        finally:
+            duration = time.perf_counter() - start
+            self._metrics.on_request(status, duration)
+            log.info(
+                "encode request_id=%s items=%d hits=%d status=%s ms=%.1f",
+                request_id,
+                len(request.items),
+                sum(outcome.cache_hit for outcome in outcomes),
+                status,
+                duration * 1000.0,
+            )
+
+    async def _encode_all(self, work: EncodeWork, deadline: float | None, remaining: float | None) -> list[ItemOutcome]:
+        try:
+            # TaskGroup: the first failing item cancels its siblings, and
+            # cancelling this call cancels them all.
+            async with asyncio.timeout(remaining), asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._encode_item(work, item, deadline)) for item in work.items]
+        except TimeoutError:
+            raise DeadlineExceeded("deadline exceeded") from None
+        except BaseExceptionGroup as failed:
+            raise _first_error(failed) from None
+        return [task.result() for task in tasks]
+
+    async def _encode_item(self, work: EncodeWork, item: EncodeItemWork, deadline: float | None) -> ItemOutcome:
+        result = await self._batcher.encode(item.mm_hash, item.pixel_values, deadline)
+        push_start = time.perf_counter()
+        await self._pusher.push(
+            work.pd_address,
+            request_id=work.request_id,
+            reservation_id=item.reservation_id,
+            mm_hash=item.mm_hash,
+            embedding=result.embedding,
+            deadline=deadline,
+        )
+        push_s = time.perf_counter() - push_start
+        self._metrics.on_item(result.cache_hit, result.encode_s, push_s)
+        return ItemOutcome(item.mm_hash, result.cache_hit, result.encode_s, push_s)
+
+    async def GetLoad(self, request: epd_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> epd_pb2.EncoderLoad:
+        """Pending images, cache bytes and outbound push bytes, for routing."""
+        return encoder_load(self._batcher.num_pending, self._cache.bytes, self._pusher.outbound_bytes)

@@ -1,0 +1,46 @@
+"""PD service configuration: one frozen dataclass, built once from flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    """Everything a PD process needs; see ``services/pd/main.py`` for the flags."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int = 9201
+    threads: int = 0
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int = 0              # 0 = size from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 1024
+    enable_prefix_caching: bool = True
+    # scheduling
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 0              # 0 = the model's max_position_embeddings
+    max_waiting_requests: int = 1024
+    # embedding hand-off
+    embedding_cache_tokens: int = 65536
+    default_lease_ms: int = 30_000
+    max_lease_ms: int = 600_000
+    lease_sweep_interval_s: float = 0.25
+    # lifecycle
+    warmup: bool = True
+    grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if self.embedding_cache_tokens <= 0:
+            raise ValueError("embedding_cache_tokens must be positive")
+        if not 0 < self.default_lease_ms <= self.max_lease_ms:
+            raise ValueError("default_lease_ms must be in (0, max_lease_ms]")
+        if not 0 < self.lease_sweep_interval_s <= 1.0:
+            raise ValueError("lease_sweep_interval_s must be in (0, 1]: leases are swept at least once a second")

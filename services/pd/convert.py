@@ -1,0 +1,176 @@
+"""Proto <-> domain conversion for PD, and the one table of error codes.
+
+Validation of everything that arrives over the wire happens here, so the
+engine only ever sees well-formed requests. Messages never echo input.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import grpc
+
+from services.common.pb import epd_pb2
+from services.pd.engine import Allocation, Finished, TokenDelta, usage_of
+from services.pd.errors import EngineError, ErrorKind
+from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
+
+STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+FINISH_REASONS: dict[RequestStatus, int] = {
+    RequestStatus.FINISHED_STOPPED: epd_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: epd_pb2.FINISH_REASON_LENGTH,
+}
+
+MAX_REQUEST_ID_LEN = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _invalid(message: str) -> EngineError:
+    return EngineError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+def check_request_id(request_id: str) -> str:
+    if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+        raise _invalid(f"request_id must be 1..{MAX_REQUEST_ID_LEN} characters")
+    return request_id
+
+
+def spans_from_pb(items: Sequence[epd_pb2.MultiModalItem], prompt_len: int) -> list[MultiModalSpan]:
+    """Validates image items: well-formed hashes, inside the prompt, sorted, non-overlapping."""
+    spans = []
+    end = 0
+    for index, item in enumerate(items):
+        if not _HASH_RE.match(item.mm_hash):
+            raise _invalid(f"item {index}: mm_hash must be 64 lowercase hex characters")
+        if item.num_tokens == 0:
+            raise _invalid(f"item {index}: num_tokens must be positive")
+        if item.offset < end:
+            raise _invalid(f"item {index}: image spans must be sorted and must not overlap")
+        if item.offset + item.num_tokens > prompt_len:
+            raise _invalid(f"item {index}: image span extends past the prompt")
+        spans.append(MultiModalSpan(item.mm_hash, item.offset, item.num_tokens))
+        end = item.offset + item.num_tokens
+    return spans
+
+
+def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> SamplingParams:
+    temperature = params.temperature if params.HasField("temperature") else 1.0
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    top_k = params.top_k if params.HasField("top_k") else 0
+    if not 0.0 <= temperature <= 100.0 or temperature != temperature:
+        raise _invalid("temperature must be between 0 and 100")
+    if not 0.0 < top_p <= 1.0:
+        raise _invalid("top_p must be in (0, 1]")
+    if params.HasField("logprobs") and params.logprobs > MAX_LOGPROBS:
+        raise _invalid(f"logprobs must be at most {MAX_LOGPROBS}")
+    if len(params.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LEN for s in params.stop):
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters")
+    max_tokens = params.max_tokens or max_tokens_cap
+    return SamplingParams(
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        seed=params.seed if params.HasField("seed") else None,
+        max_tokens=min(max_tokens, max_tokens_cap),
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+    )
+
+
+def request_from_pb(
+    message: epd_pb2.GenerateRequest, *, eos_token_id: int | None, vocab_size: int, max_model_len: int
+) -> Request:
+    """Builds an engine ``Request`` from a validated ``GenerateRequest``."""
+    check_request_id(message.request_id)
+    prompt = list(message.prompt_token_ids)
+    if not prompt:
+        raise _invalid("prompt_token_ids must not be empty")
+    if len(prompt) >= max_model_len:
+        raise _invalid(f"prompt has {len(prompt)} tokens; this model's context is {max_model_len}")
+    if max(prompt) >= vocab_size:
+        raise _invalid("prompt_token_ids contains an id outside the vocabulary")
+    sampling = sampling_from_pb(message.sampling, max_tokens_cap=max_model_len - len(prompt))
+    return Request(
+        request_id=message.request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        mm_spans=spans_from_pb(message.mm_items, len(prompt)),
+        eos_token_id=eos_token_id,
+    )
+
+
+def preallocate_to_pb(allocations: Sequence[Allocation], lease_ms: int) -> epd_pb2.PreallocateResponse:
+    ready, reserved = epd_pb2.ItemAllocation.READY, epd_pb2.ItemAllocation.RESERVED
+    return epd_pb2.PreallocateResponse(
+        items=[
+            epd_pb2.ItemAllocation(
+                mm_hash=a.mm_hash, state=ready if a.ready else reserved, reservation_id=a.reservation_id
+            )
+            for a in allocations
+        ],
+        lease_ms=lease_ms,
+    )
+
+
+def delta_to_pb(delta: TokenDelta) -> epd_pb2.GenerateResponse:
+    return epd_pb2.GenerateResponse(
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=[
+            epd_pb2.TokenLogprob(
+                token_id=s.token_id,
+                logprob=s.logprob or 0.0,
+                top_token_ids=list(s.top_token_ids),
+                top_logprobs=list(s.top_logprobs),
+            )
+            for s in delta.logprobs
+        ],
+    )
+
+
+def final_to_pb(finished: Finished) -> epd_pb2.GenerateResponse:
+    usage = usage_of(finished.request)
+    return epd_pb2.GenerateResponse(
+        finish_reason=FINISH_REASONS.get(finished.status, epd_pb2.FINISH_REASON_STOP),
+        usage=epd_pb2.Usage(
+            prompt_tokens=int(usage["prompt_tokens"]),
+            completion_tokens=int(usage["completion_tokens"]),
+            cached_tokens=int(usage["cached_tokens"]),
+            image_tokens=int(usage["image_tokens"]),
+            timings=epd_pb2.StageTimings(
+                queue_ms=usage["queue_ms"],
+                embedding_wait_ms=usage["embedding_wait_ms"],
+                prefill_ms=usage["prefill_ms"],
+                decode_ms=usage["decode_ms"],
+            ),
+        ),
+    )
+
+
+def load_to_pb(stats: dict[str, int]) -> epd_pb2.PdLoad:
+    return epd_pb2.PdLoad(
+        num_running=stats.get("num_running", 0),
+        num_waiting=stats.get("num_waiting", 0),
+        num_kv_blocks_used=stats.get("num_kv_blocks_used", 0),
+        num_kv_blocks_total=stats.get("num_kv_blocks_total", 0),
+        embedding_tokens_reserved=stats.get("reserved_tokens", 0),
+        embedding_tokens_ready=stats.get("ready_tokens", 0),
+        embedding_tokens_capacity=stats.get("capacity_tokens", 0),
+        num_reservations=stats.get("num_reservations", 0),
+    )

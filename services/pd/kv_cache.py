@@ -1,0 +1,247 @@
+"""Paged KV-cache bookkeeping with prefix caching. Pure Python: block ids only.
+
+Blocks ``0 .. num_blocks - 1`` index the runner's KV tensors. A request owns an
+ordered block table (``request.block_ids``); block ``i`` holds the K/V of token
+positions ``[i * block_size, (i + 1) * block_size)``.
+
+Prefix caching: once a block is full and computed, it is registered under a
+chained key ``H(previous key, token ids, images overlapping the block)``. Image
+placeholder tokens are identical for every image, so the key also carries the
+``mm_hash`` of each overlapping image and where the image starts relative to the
+block: two different images at the same position never share KV.
+
+Freed blocks keep their key and join an LRU free queue, so a later request with
+the same prefix can revive them; a block is evicted from the key map only when
+it is handed out again. Blocks that never held a full cached block are reused
+first (they cost nothing to lose).
+
+Not thread-safe: the engine thread owns it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from services.pd.request import Request
+
+
+class KVCacheManager:
+    """Allocates fixed-size KV blocks to requests, with ref counts and prefix reuse.
+
+    Invariants (``check_integrity``): every block is either in the free queue
+    with ref count 0 or in use with ref count > 0; a block in the key map
+    carries that key.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_keys: list[bytes | None] = [None] * num_blocks
+        self._key_to_block: dict[bytes, int] = {}
+        # Front = next to hand out. Holds exactly the blocks with ref count 0.
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # request_id -> number of leading blocks already registered in the key map.
+        self._num_registered: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (including evictable cached ones)."""
+        return len(self._free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request (0.0 .. 1.0)."""
+        return 1.0 - len(self._free_queue) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently reachable through the prefix-cache key map."""
+        return len(self._key_to_block)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of ``request`` as ``(block_ids, num_tokens)``.
+
+        Only whole blocks hit, and never the block holding the last known token:
+        that token must be computed so the runner can sample from it. Changes no
+        ref count; pass the ids to ``allocate_slots`` to take them.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        keys = self._block_keys_of(request, max_blocks)
+        hit_ids: list[int] = []
+        for key in keys:
+            block_id = self._key_to_block.get(key)
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+        return hit_ids, len(hit_ids) * self.block_size
+
+    # --------------------------------------------------------------- mutations
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_block_ids: Sequence[int] = ()) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        The block table must then cover ``request.num_computed_tokens +
+        len(computed_block_ids) * block_size + num_new_tokens`` tokens.
+        ``computed_block_ids`` (from ``get_computed_blocks``, only for a request
+        without blocks) are shared and put first; the caller then advances
+        ``num_computed_tokens`` by their tokens. Returns False and changes
+        nothing when there are not enough free blocks.
+        """
+        if computed_block_ids and request.block_ids:
+            raise ValueError("computed blocks can only start an empty block table")
+        num_tokens = (request.num_computed_tokens
+                      + len(computed_block_ids) * self.block_size + num_new_tokens)
+        num_new_blocks = max(0, self.num_blocks_for(num_tokens)
+                             - len(request.block_ids) - len(computed_block_ids))
+        # Reviving a cached block that sits in the free queue also consumes it.
+        num_revived = sum(1 for b in computed_block_ids if self._ref_counts[b] == 0)
+        if num_new_blocks + num_revived > len(self._free_queue):
+            return False
+        for block_id in computed_block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free_queue[block_id]
+            self._ref_counts[block_id] += 1
+        request.block_ids.extend(computed_block_ids)
+        if computed_block_ids:
+            self._num_registered[request.request_id] = len(computed_block_ids)
+        for _ in range(num_new_blocks):
+            request.block_ids.append(self._take_free_block())
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache.
+
+        Call after the model step that computed them (``num_computed_tokens``
+        already advanced), so that no other request can hit a block whose K/V
+        is not written yet.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        keys = self._block_keys_of(request, num_full)
+        for i in range(start, num_full):
+            block_id, key = request.block_ids[i], keys[i]
+            if self._block_keys[block_id] is None and key not in self._key_to_block:
+                # A block with the same key computed by another request wins;
+                # this one then stays anonymous and is reused first once freed.
+                self._block_keys[block_id] = key
+                self._key_to_block[key] = block_id
+        self._num_registered[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Drop the request's block table. Idempotent.
+
+        Blocks go back in reverse order so that the tail of a prefix, the part
+        least likely to be shared, is evicted before its head.
+        """
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free_queue[block_id] = None
+                if self._block_keys[block_id] is None:
+                    # Nothing cached in it: hand it out before any cached block.
+                    self._free_queue.move_to_end(block_id, last=False)
+        request.block_ids.clear()
+        self._num_registered.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached key (blocks in use keep their contents)."""
+        self._key_to_block.clear()
+        self._block_keys = [None] * self.num_blocks
+
+    def check_integrity(self, requests: Iterable[Request] | None = None) -> None:
+        """Raise AssertionError unless the bookkeeping is consistent.
+
+        With ``requests`` (every request holding blocks), also check that each
+        block's ref count equals the number of block tables holding it.
+        """
+        num_used = sum(1 for c in self._ref_counts if c > 0)
+        _check(num_used + len(self._free_queue) == self.num_blocks, "free + used != total")
+        for block_id in self._free_queue:
+            _check(self._ref_counts[block_id] == 0, f"free block {block_id} is referenced")
+        _check(all(c >= 0 for c in self._ref_counts), "negative ref count")
+        for key, block_id in self._key_to_block.items():
+            _check(self._block_keys[block_id] == key, f"key map and block {block_id} disagree")
+        _check(sum(k is not None for k in self._block_keys) == len(self._key_to_block),
+               "a block carries a key missing from the key map")
+        if requests is not None:
+            expected = [0] * self.num_blocks
+            for request in requests:
+                for block_id in request.block_ids:
+                    expected[block_id] += 1
+            _check(expected == self._ref_counts, "ref counts differ from block tables")
+
+    # ---------------------------------------------------------------- helpers
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free_queue.popitem(last=False)
+        key = self._block_keys[block_id]
+        if key is not None:
+            # Evict: the block's old contents are about to be overwritten.
+            del self._key_to_block[key]
+            self._block_keys[block_id] = None
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _block_keys_of(self, request: Request, num_blocks: int) -> list[bytes]:
+        """Keys of the first ``num_blocks`` full blocks, memoised on the request."""
+        keys = request.block_hashes
+        if len(keys) >= num_blocks:
+            return keys
+        size = self.block_size
+        prompt, output = request.prompt_token_ids, request.output_token_ids
+        num_prompt = len(prompt)
+        for i in range(len(keys), num_blocks):
+            start, end = i * size, (i + 1) * size
+            if end <= num_prompt:
+                token_ids = prompt[start:end]
+            else:
+                token_ids = (prompt + output)[start:end]
+            prev = keys[-1] if keys else b""
+            keys.append(block_key(prev, token_ids, _image_extras(request, start, end)))
+        return keys
+
+
+def block_key(prev_key: bytes, token_ids: Sequence[int], extras: Sequence[str] = ()) -> bytes:
+    """Chained, collision-resistant key of one full block.
+
+    ``extras`` name what else decides the block's K/V (images overlapping it).
+    Token ids are fixed-width, so the byte stream is unambiguous.
+    """
+    digest = hashlib.sha256(prev_key)
+    digest.update(array("q", token_ids).tobytes())
+    for extra in extras:
+        digest.update(extra.encode())
+        digest.update(b"\x00")
+    return digest.digest()
+
+
+def _image_extras(request: Request, start: int, end: int) -> list[str]:
+    """``mm_hash@offset`` of each image overlapping ``[start, end)``.
+
+    The offset is the image's start relative to the block (may be negative),
+    which fixes which embedding rows land on which block positions.
+    """
+    return [f"{span.mm_hash}@{span.offset - start}" for span in request.mm_spans
+            if span.offset < end and span.end > start]
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

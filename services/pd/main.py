@@ -1,0 +1,71 @@
+"""``epd pd``: run one PD (language model) instance."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.common import cli_args, grpc_utils
+from services.common.logs import setup_logging
+from services.pd.config import PdConfig
+from services.pd.server import start_pd
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the PD flags (each also read from ``EPD_<FLAG>``)."""
+    cli_args.add_common_flags(parser, port=50061, metrics_port=9201)
+    add = cli_args.add_flag
+    add(parser, "--block-size", type=int, default=16, help="tokens per KV cache block")
+    add(parser, "--num-kv-blocks", type=int, default=0, help="KV cache blocks (0 = size from --kv-cache-memory-mb)")
+    add(parser, "--kv-cache-memory-mb", type=int, default=1024, help="memory for the KV cache when --num-kv-blocks is 0")
+    add(parser, "--enable-prefix-caching", default=True, help="reuse KV blocks of identical prompt prefixes")
+    add(parser, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    add(parser, "--max-num-seqs", type=int, default=64, help="most requests running at once")
+    add(parser, "--max-model-len", type=int, default=0, help="context length (0 = the model's)")
+    add(parser, "--max-waiting-requests", type=int, default=1024, help="queued requests before Generate is refused")
+    add(parser, "--embedding-cache-tokens", type=int, default=65536, help="image embedding cache capacity, in tokens")
+    add(parser, "--default-lease-ms", type=int, default=30_000, help="how long a reservation waits for its push")
+    add(parser, "--warmup", default=True, help="generate one token before reporting ready")
+    add(parser, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
+
+
+def config_from_args(args: argparse.Namespace) -> PdConfig:
+    return PdConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        threads=args.threads,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_mb=args.kv_cache_memory_mb,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_waiting_requests=args.max_waiting_requests,
+        embedding_cache_tokens=args.embedding_cache_tokens,
+        default_lease_ms=args.default_lease_ms,
+        warmup=args.warmup,
+        grace_s=args.grace,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, service="pd")
+    config = config_from_args(args)
+
+    async def main(stop: asyncio.Event) -> None:
+        server = await start_pd(config)
+        print(f"pd listening on {config.host}:{server.port}", flush=True)
+        await stop.wait()
+        log.info("stopping: draining for up to %.0fs", config.grace_s)
+        await server.stop()
+
+    grpc_utils.run_until_signal(main)
+    return 0

@@ -1,0 +1,449 @@
+"""Continuous-batching scheduler of the PD engine. Pure Python: counters and ids.
+
+One token budget per step is shared by decodes and prefill chunks (chunked
+prefill). Running requests go first, in admission order; then waiting ones,
+first come first served. A prefill chunk stops right before an image whose
+embedding is not READY, so the text before it prefills while the image is
+still being encoded; a request that cannot move at all for that reason is
+WAITING_FOR_EMBEDDING. When KV blocks run out, the newest running request is
+preempted (its KV is dropped and recomputed later) and nothing new is admitted
+in that step.
+
+Embedding references: ``add_request`` takes over one reference per image span
+that the caller acquired (``EmbeddingCache.take_over`` / ``acquire``). The
+scheduler releases a span's reference once the span is in the KV cache, takes
+it again if a preemption forces a recompute, and releases what is left when
+the request finishes. The engine thread calls ``schedule`` and
+``update_from_output`` alternately; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, MutableSequence
+from dataclasses import dataclass
+
+from services.pd.embedding_cache import EmbeddingCache
+from services.pd.kv_cache import KVCacheManager
+from services.pd.outputs import ImageSlice, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from services.pd.request import MultiModalSpan, Request, RequestStatus
+
+_RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
+_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                   RequestStatus.WAITING_FOR_EMBEDDING)
+_EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
+
+
+class QueueFull(Exception):
+    """Too much is waiting already (gRPC RESOURCE_EXHAUSTED with a retry hint)."""
+
+    def __init__(self, retry_after_s: float):
+        super().__init__(f"waiting queue full; retry after {retry_after_s:.2f}s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one PD's scheduler."""
+
+    max_model_len: int                    # prompt + output tokens of one request
+    max_num_batched_tokens: int = 2048    # token budget of one step
+    max_num_seqs: int = 64                # requests holding KV at once
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 262144      # tokens of all waiting requests
+    retry_after_s: float = 1.0            # hint returned with QueueFull
+
+    def __post_init__(self) -> None:
+        if min(self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
+               self.max_waiting_requests, self.max_waiting_tokens) <= 0:
+            raise ValueError("scheduler limits must be positive")
+
+
+class _Admit(enum.Enum):
+    ADMITTED = 0
+    BLOCKED = 1    # waits for an image; later requests may go ahead
+    NO_ROOM = 2    # not enough KV blocks: stop admitting (FCFS)
+    FAILED = 3
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests to compute."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 embedding_cache: EmbeddingCache, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.embedding_cache = embedding_cache
+        self._clock = clock
+        self.waiting: deque[Request] = deque()   # no KV blocks held
+        self.running: list[Request] = []         # holds KV blocks; admission order
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []       # for the runner, via the next SchedulerOutput
+        self._failed_in_schedule: list[Request] = []   # returned by the next update_from_output
+
+    # ------------------------------------------------------------------ queries
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a step may still do work or report a finished request."""
+        return bool(self._requests or self._failed_in_schedule)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --------------------------------------------------------------- admission
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; the caller holds one embedding reference per span.
+
+        Raises ValueError for a request this server can never run (duplicate id,
+        empty or too long prompt, bad spans, more KV than exists) and QueueFull
+        when the waiting bounds are reached. On either, nothing is taken over.
+        """
+        self._validate(request)
+        num_waiting_tokens = sum(r.num_tokens for r in self.waiting)
+        if (len(self.waiting) >= self.config.max_waiting_requests
+                or num_waiting_tokens + request.num_tokens > self.config.max_waiting_tokens):
+            raise QueueFull(self.config.retry_after_s)
+        request.status = RequestStatus.WAITING
+        request.span_refs = set(range(len(request.mm_spans)))
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError("a request with this id is already queued")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError("the prompt is longer than the maximum model length")
+        if request.sampling.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        _validate_spans(request.mm_spans, request.num_prompt_tokens)
+        max_len = min(self.config.max_model_len,
+                      request.num_prompt_tokens + request.sampling.max_tokens)
+        # The last token is sampled, never computed, so it needs no KV.
+        if self.kv_cache.num_blocks_for(max_len - 1) > self.kv_cache.num_blocks:
+            raise ValueError("the request needs more KV cache than this server has")
+
+    # ----------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick the chunks of the next step within the token budget."""
+        now = self._clock()
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, now)
+        if not out.preempted_request_ids:
+            self._schedule_waiting(out, budget, now)
+        out.num_batched_tokens = sum(chunk.num_tokens for chunk in out.chunks)
+        out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                if self._embedding_gone(blocking_hash):
+                    self._fail_in_schedule(request)
+                    continue   # removed from running: index i is the next request
+                self._mark_blocked(request, now)
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, out, now):
+                break   # the request preempted itself: it was the newest, nothing follows
+            self._add_chunk(out, request, num_new, now)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput,
+                             now: float) -> bool:
+        """Make KV room for ``request``, preempting newest-first; False if it went itself."""
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, out, now)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        blocked: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            outcome, num_new = self._try_admit(request, budget, out, now)
+            if outcome is _Admit.NO_ROOM:
+                self.waiting.appendleft(request)
+                break
+            if outcome is _Admit.BLOCKED:
+                blocked.append(request)
+            budget -= num_new
+        self.waiting.extendleft(reversed(blocked))   # keep their place in line
+
+    def _try_admit(self, request: Request, budget: int, out: SchedulerOutput,
+                   now: float) -> tuple[_Admit, int]:
+        computed_block_ids, num_hit = self.kv_cache.get_computed_blocks(request)
+        if not self._acquire_spans_from(request, num_hit):
+            self._fail_in_schedule(request)
+            return _Admit.FAILED, 0
+        num_new, _ = self._chunk_len(request, num_hit, budget)
+        if num_new == 0:
+            self._mark_blocked(request, now)
+            return _Admit.BLOCKED, 0
+        if not self.kv_cache.allocate_slots(request, num_new, computed_block_ids):
+            return _Admit.NO_ROOM, 0
+        request.num_computed_tokens = num_hit
+        if request.timings.first_scheduled is None:
+            request.num_cached_tokens = num_hit
+        self.running.append(request)
+        self._release_computed_spans(request)
+        self._add_chunk(out, request, num_new, now)
+        return _Admit.ADMITTED, num_new
+
+    def _chunk_len(self, request: Request, start: int, budget: int) -> tuple[int, str | None]:
+        """Tokens computable from ``start``; with the mm_hash that cut the chunk short."""
+        end = min(request.num_tokens, start + budget)
+        for span in request.mm_spans:
+            if span.end <= start:
+                continue
+            if span.offset >= end:
+                break
+            if not self.embedding_cache.is_ready(span.mm_hash):
+                return max(span.offset, start) - start, span.mm_hash
+        return end - start, None
+
+    def _add_chunk(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        request.status = RequestStatus.RUNNING
+        self._end_embedding_wait(request, now)
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = now
+        out.chunks.append(ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=_token_slice(request, start, end),
+            start_pos=start,
+            block_ids=list(request.block_ids),
+            image_slices=_image_slices(request.mm_spans, start, end),
+            sample=end == request.num_tokens,
+            sampling=request.sampling,
+            num_output_tokens=len(request.output_token_ids),
+        ))
+
+    def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
+        """Drop the request's KV and queue it first for a recompute.
+
+        References of spans not yet computed are kept; the others are taken
+        again at re-admission (unless the prefix cache still covers them).
+        """
+        _remove(self.running, request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._end_embedding_wait(request, now)
+        self.waiting.appendleft(request)
+        out.preempted_request_ids.append(request.request_id)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Account for a computed step; returns the requests that finished.
+
+        Also returns requests failed inside the preceding ``schedule()`` (e.g.
+        an evicted embedding at resume), so call it after every ``schedule()``,
+        even one with no chunks. Chunks of requests finished meanwhile are ignored.
+        """
+        finished, self._failed_in_schedule = self._failed_in_schedule, []
+        now = self._clock()
+        for chunk in scheduler_output.chunks:
+            request = self._requests.get(chunk.request_id)
+            if (request is None or request.status is not RequestStatus.RUNNING
+                    or request.num_computed_tokens != chunk.start_pos):
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv_cache.cache_full_blocks(request)
+            self._release_computed_spans(request)
+            if not chunk.sample:
+                continue
+            sampled = runner_output.sampled.get(chunk.request_id)
+            if sampled is None:
+                self._finish(request, RequestStatus.FINISHED_ERROR, "the model step sampled no token")
+                finished.append(request)
+                continue
+            request.output_token_ids.append(sampled.token_id)
+            if request.timings.first_token is None:
+                request.timings.first_token = now
+            status = self._stop_status(request, sampled.token_id)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if token_id == request.eos_token_id and not sampling.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if (len(request.output_token_ids) >= sampling.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ----------------------------------------------------------------- finish
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       error: str | None = None) -> Request | None:
+        """End a request: frees its KV blocks, embedding references and reservations.
+
+        Idempotent: returns None when the request is unknown or already finished.
+        """
+        if not status.is_finished:
+            raise ValueError("finish_request needs a FINISHED_* status")
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status, error)
+        return request
+
+    def fail_requests_waiting_on(self, mm_hash: str, error: str) -> list[Request]:
+        """Fail (retryably) every request that still needs the embedding ``mm_hash``."""
+        failed = [r for r in self._requests.values()
+                  if any(s.mm_hash == mm_hash and s.end > r.num_computed_tokens
+                         for s in r.mm_spans)]
+        for request in failed:
+            request.error_retryable = True
+            self._finish(request, RequestStatus.FINISHED_ERROR, error)
+        return failed
+
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        now = self._clock()
+        if not _remove(self.running, request):
+            _remove(self.waiting, request)
+        del self._requests[request.request_id]
+        request.status = status
+        request.error = error
+        self._end_embedding_wait(request, now)
+        request.timings.finished = now
+        self.kv_cache.free(request)
+        for index in sorted(request.span_refs):
+            self.embedding_cache.release(request.mm_spans[index].mm_hash)
+        request.span_refs.clear()
+        self.embedding_cache.cancel_request(request.request_id)
+        self._finished_ids.append(request.request_id)
+
+    def _fail_in_schedule(self, request: Request) -> None:
+        request.error_retryable = True
+        self._finish(request, RequestStatus.FINISHED_ERROR, _EMBEDDING_GONE)
+        self._failed_in_schedule.append(request)
+
+    # --------------------------------------------------------------- embeddings
+    def _acquire_spans_from(self, request: Request, start: int) -> bool:
+        """Hold a reference for every span not computed from ``start``; False if one is gone."""
+        for index, span in enumerate(request.mm_spans):
+            if span.end <= start:
+                continue
+            if index in request.span_refs:
+                if self._embedding_gone(span.mm_hash):
+                    return False
+            elif self.embedding_cache.acquire(span.mm_hash):
+                request.span_refs.add(index)
+            else:
+                return False
+        return True
+
+    def _release_computed_spans(self, request: Request) -> None:
+        for index in sorted(request.span_refs):
+            span = request.mm_spans[index]
+            if span.end <= request.num_computed_tokens:
+                self.embedding_cache.release(span.mm_hash)
+                request.span_refs.discard(index)
+
+    def _embedding_gone(self, mm_hash: str | None) -> bool:
+        return mm_hash is not None and self.embedding_cache.state(mm_hash) is None
+
+    def _mark_blocked(self, request: Request, now: float) -> None:
+        request.status = RequestStatus.WAITING_FOR_EMBEDDING
+        if request.timings.embedding_wait_since is None:
+            request.timings.embedding_wait_since = now
+
+    @staticmethod
+    def _end_embedding_wait(request: Request, now: float) -> None:
+        since = request.timings.embedding_wait_since
+        if since is not None:
+            request.timings.embedding_wait_s += now - since
+            request.timings.embedding_wait_since = None
+
+    # -------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless queues, counters and both caches agree."""
+        queued = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        _check(len(queued) == len(set(queued)) and set(queued) == set(self._requests),
+               "queues and the request table disagree")
+        _check(len(self.running) <= self.config.max_num_seqs, "too many running requests")
+        block_size = self.kv_cache.block_size
+        for request in self.running:
+            _check(request.status in _RUNNING_STATES, "bad status in running")
+            _check(request.num_computed_tokens < request.num_tokens, "nothing left to compute")
+            _check(len(request.block_ids) * block_size >= request.num_computed_tokens,
+                   "block table shorter than the computed tokens")
+        for request in self.waiting:
+            _check(request.status in _WAITING_STATES, "bad status in waiting")
+            _check(not request.block_ids and request.num_computed_tokens == 0,
+                   "a waiting request holds KV")
+        for request in self._requests.values():
+            _check(all(0 <= i < len(request.mm_spans) for i in request.span_refs),
+                   "span reference out of range")
+        self.kv_cache.check_integrity(self._requests.values())
+        self.embedding_cache.check_integrity()
+
+
+def _validate_spans(spans: list[MultiModalSpan], num_prompt_tokens: int) -> None:
+    end = 0
+    for span in spans:
+        if span.num_tokens <= 0 or span.offset < end or span.end > num_prompt_tokens:
+            raise ValueError("image spans must be non-empty, sorted, disjoint and inside the prompt")
+        end = span.end
+
+
+def _token_slice(request: Request, start: int, end: int) -> list[int]:
+    """``request.all_token_ids[start:end]`` without concatenating the whole sequence."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:
+        return output[start - num_prompt:end - num_prompt]
+    return prompt[start:] + output[:end - num_prompt]
+
+
+def _image_slices(spans: list[MultiModalSpan], start: int, end: int) -> list[ImageSlice]:
+    """The parts of image spans inside positions ``[start, end)``, chunk-local."""
+    slices = []
+    for span in spans:
+        lo, hi = max(start, span.offset), min(end, span.end)
+        if lo < hi:
+            slices.append(ImageSlice(span.mm_hash, src_start=lo - span.offset,
+                                     dst_start=lo - start, length=hi - lo))
+    return slices
+
+
+def _remove(queue: MutableSequence[Request], request: Request) -> bool:
+    """Remove ``request`` by identity (dataclass ``==`` compares every field)."""
+    for index, item in enumerate(queue):
+        if item is request:
+            del queue[index]
+            return True
+    return False
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

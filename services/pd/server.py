@@ -1,0 +1,162 @@
+"""Builds a PD instance (model, caches, scheduler, engine) and serves it over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from services.common import grpc_utils
+from services.common.devices import resolve_device, resolve_dtype
+from services.common.models import ensure_model, load_adapter
+from services.common.pb import epd_pb2_grpc
+from services.pd.config import PdConfig
+from services.pd.embedding_cache import EmbeddingCache
+from services.pd.engine import Engine, Failed, Finished
+from services.pd.errors import EngineError, ErrorKind
+from services.pd.kv_cache import KVCacheManager
+from services.pd.model_runner import ModelRunner
+from services.pd.request import Request, SamplingParams
+from services.pd.scheduler import Scheduler, SchedulerConfig
+from services.pd.servicer import PrefillDecodeServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "epd.v1.PrefillDecode"
+
+
+@dataclass
+class PdServer:
+    """A running PD instance: its gRPC server and its engine."""
+
+    grpc: grpc_utils.GrpcServer
+    engine: Engine
+    config: PdConfig
+
+    @property
+    def port(self) -> int:
+        return self.grpc.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.grpc.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Not ready -> stop accepting -> let calls finish for ``grace`` s -> stop the engine."""
+        await self.grpc.stop(self.config.grace_s if grace is None else grace)
+        await asyncio.to_thread(self.engine.shutdown)
+
+    async def stats(self) -> dict[str, int]:
+        return await self.engine.stats()
+
+
+def _num_kv_blocks(config: PdConfig, lm_config, dtype: torch.dtype, max_model_len: int) -> int:
+    if config.num_kv_blocks > 0:
+        return config.num_kv_blocks
+    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads
+    bytes_per_token = (
+        2 * lm_config.num_hidden_layers * lm_config.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    )
+    by_memory = (config.kv_cache_memory_mb * 1024 * 1024) // (bytes_per_token * config.block_size)
+    # Never more than every sequence at full length could use.
+    by_need = config.max_num_seqs * -(-max_model_len // config.block_size)
+    return int(max(1, min(by_memory, by_need)))
+
+
+def build_engine(config: PdConfig) -> tuple[Engine, dict]:
+    """Loads the LM half of the checkpoint and wires the engine; returns it with model facts."""
+    adapter = load_adapter(str(ensure_model(config.model)))
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    model = adapter.load_language_model(device, dtype)
+    tokenizer = adapter.load_tokenizer()
+    max_model_len = config.max_model_len or adapter.max_model_len
+    num_blocks = _num_kv_blocks(config, model.config, dtype, max_model_len)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype)
+    embeddings: dict[str, torch.Tensor] = {}
+    embedding_cache = EmbeddingCache(config.embedding_cache_tokens, on_evict=lambda h: embeddings.pop(h, None))
+    kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            max_waiting_requests=config.max_waiting_requests,
+        ),
+        kv_cache,
+        embedding_cache,
+    )
+    engine = Engine(
+        scheduler=scheduler,
+        embedding_cache=embedding_cache,
+        runner=runner,
+        tokenizer=tokenizer,
+        hidden_size=adapter.hidden_size,
+        embedding_store=embeddings,
+        prepare_embedding=lambda t: t.to(device=device, dtype=dtype),
+        lease_sweep_interval_s=config.lease_sweep_interval_s,
+    )
+    facts = {
+        "eos_token_id": adapter.eos_token_id,
+        "vocab_size": int(model.config.vocab_size),
+        "max_model_len": max_model_len,
+        "model_id": adapter.model_id,
+        "num_kv_blocks": num_blocks,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    return engine, facts
+
+
+async def warm_up(engine: Engine, eos_token_id: int | None) -> None:
+    """Generates one token end to end; raises if the engine cannot."""
+    request = Request(
+        request_id=f"warmup-{uuid.uuid4().hex}",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        eos_token_id=eos_token_id,
+    )
+    events = await engine.add_request(request)
+    while True:
+        event = await asyncio.wait_for(events.get(), timeout=300)
+        if isinstance(event, Finished):
+            return
+        if isinstance(event, Failed):
+            raise RuntimeError(f"warm-up generation failed: {event.error.message}")
+
+
+async def start_pd(config: PdConfig) -> PdServer:
+    """Loads the model, starts the engine and the gRPC server, warms up, then reports ready."""
+    engine, facts = await asyncio.to_thread(build_engine, config)
+    engine.start()
+    servicer = PrefillDecodeServicer(
+        engine,
+        config,
+        eos_token_id=facts["eos_token_id"],
+        vocab_size=facts["vocab_size"],
+        max_model_len=facts["max_model_len"],
+    )
+    server = await grpc_utils.start_server(
+        config.host, config.port, SERVICE_NAME, lambda s: epd_pb2_grpc.add_PrefillDecodeServicer_to_server(servicer, s)
+    )
+    try:
+        if config.warmup:
+            await warm_up(engine, facts["eos_token_id"])
+    except (RuntimeError, EngineError, asyncio.TimeoutError):
+        await server.stop(0)
+        engine.shutdown()
+        raise
+    await server.set_ready(True)
+    log.info(
+        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d",
+        config.host, server.port, facts["model_id"], facts["device"], facts["dtype"], facts["num_kv_blocks"],
+    )
+    return PdServer(grpc=server, engine=engine, config=config)
+
+
+__all__ = ["PdServer", "SERVICE_NAME", "build_engine", "start_pd", "warm_up", "ErrorKind"]

@@ -1,0 +1,162 @@
+"""The PrefillDecode gRPC servicer: converts, delegates to the engine, maps errors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import torch
+
+from services.common import tensors
+from services.common.grpc_utils import RETRY_AFTER_KEY, request_id_of
+from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.pd import convert
+from services.pd.config import PdConfig
+from services.pd.engine import Engine, Failed, Finished, TokenDelta
+from services.pd.errors import EngineError, ErrorKind
+from services.pd.request import RequestStatus
+
+log = logging.getLogger(__name__)
+
+_PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: EngineError) -> None:
+    """Ends the call with the status of ``error`` (and a retry-after hint for admission)."""
+    if error.retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(error.retry_after_s * 1000))),))
+    await context.abort(convert.STATUS_CODES[error.kind], error.message)
+
+
+class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
+    """Thin adapter between ``epd.v1.PrefillDecode`` and the ``Engine``."""
+
+    def __init__(
+        self, engine: Engine, config: PdConfig, *, eos_token_id: int | None, vocab_size: int, max_model_len: int
+    ):
+        self.engine = engine
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    async def Preallocate(self, request, context):
+        try:
+            convert.check_request_id(request.request_id)
+            spans = convert.spans_from_pb(request.items, len(request.prompt_token_ids))
+            lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
+            remaining = context.time_remaining()
+            if remaining is not None:
+                lease_ms = max(1, min(lease_ms, int(remaining * 1000)))
+            allocations = await self.engine.preallocate(
+                request.request_id, [(s.mm_hash, s.num_tokens) for s in spans], lease_ms / 1000.0
+            )
+        except EngineError as error:
+            await abort_with(context, error)
+        return convert.preallocate_to_pb(allocations, lease_ms)
+
+    async def Generate(self, request, context) -> AsyncIterator[epd_pb2.GenerateResponse]:
+        started = time.monotonic()
+        try:
+            engine_request = convert.request_from_pb(
+                request, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+            )
+            events = await self.engine.add_request(engine_request)
+        except EngineError as error:
+            await abort_with(context, error)
+            return
+        done = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, TokenDelta):
+                    yield convert.delta_to_pb(event)
+                elif isinstance(event, Finished):
+                    done = True
+                    if event.status == RequestStatus.FINISHED_ABORTED:
+                        await context.abort(grpc.StatusCode.CANCELLED, "request was aborted")
+                    yield convert.final_to_pb(event)
+                    self._log_finished(request_id_of(context), event, started)
+                    return
+                elif isinstance(event, Failed):
+                    done = True
+                    await abort_with(context, event.error)
+        finally:
+            # Client gone, deadline hit or server stopping: free everything.
+            if not done:
+                self.engine.abort(engine_request.request_id)
+
+    async def PushEmbedding(self, request_iterator, context):
+        try:
+            header, payload = await self._receive_push(request_iterator)
+            dtype = tensors.dtype_from_pb(header.dtype)
+            embedding = tensors.tensor_from_bytes(payload, dtype, list(header.shape))
+            await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
+        except EngineError as error:
+            await abort_with(context, error)
+        except ValueError as error:
+            await abort_with(context, EngineError(ErrorKind.INVALID_ARGUMENT, str(error)))
+        return epd_pb2.PushEmbeddingResponse(num_bytes=len(payload))
+
+    async def _receive_push(self, request_iterator) -> tuple[epd_pb2.EmbeddingHeader, bytearray]:
+        """Reads header then chunks, rejecting early: bad header, unknown lease, too many bytes."""
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, "a push must start with a header")
+        header = first.header
+        self._check_header(header)
+        await self.engine.check_push(header.request_id, header.reservation_id, header.mm_hash, header.shape[0])
+        payload = bytearray()
+        async for chunk in request_iterator:
+            if chunk.WhichOneof("kind") != "data":
+                raise EngineError(ErrorKind.INVALID_ARGUMENT, "only the first message of a push may be a header")
+            if len(chunk.data) > tensors.CHUNK_BYTES:
+                raise EngineError(ErrorKind.INVALID_ARGUMENT, "push chunk larger than 1 MiB")
+            if len(payload) + len(chunk.data) > header.num_bytes:
+                raise EngineError(ErrorKind.FAILED_PRECONDITION, "push carries more bytes than its header declared")
+            payload += chunk.data
+        if len(payload) != header.num_bytes:
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, "push ended before all declared bytes arrived")
+        return header, payload
+
+    def _check_header(self, header: epd_pb2.EmbeddingHeader) -> None:
+        convert.check_request_id(header.request_id)
+        try:
+            dtype = tensors.dtype_from_pb(header.dtype)
+        except ValueError:
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, "unsupported embedding dtype") from None
+        if dtype not in _PUSH_DTYPES:
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, "embedding dtype must be float32, float16 or bfloat16")
+        if len(header.shape) != 2 or header.shape[1] != self.engine.hidden_size or header.shape[0] == 0:
+            raise EngineError(
+                ErrorKind.INVALID_ARGUMENT, f"embedding shape must be [num_tokens, {self.engine.hidden_size}]"
+            )
+        if header.num_bytes != tensors.expected_num_bytes(dtype, list(header.shape)):
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, "num_bytes does not match dtype and shape")
+
+    async def Abort(self, request, context):
+        self.engine.abort(request.request_id)
+        return epd_pb2.AbortResponse()
+
+    async def GetLoad(self, request, context):
+        try:
+            stats = await self.engine.stats()
+        except EngineError as error:
+            await abort_with(context, error)
+        return convert.load_to_pb(stats)
+
+    @staticmethod
+    def _log_finished(request_id: str, event: Finished, started: float) -> None:
+        request = event.request
+        log.info(
+            "request=%s status=%s prompt_tokens=%d image_tokens=%d completion_tokens=%d cached_tokens=%d ms=%.1f",
+            request_id,
+            event.status.name,
+            request.num_prompt_tokens,
+            request.num_image_tokens,
+            len(request.output_token_ids),
+            request.num_cached_tokens,
+            (time.monotonic() - started) * 1000.0,
+        )

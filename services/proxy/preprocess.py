@@ -1,0 +1,197 @@
+"""OpenAI messages / prompts -> ``Prompt``: token ids with expanded image spans.
+
+This is the proxy's half of the model: the chat template, the tokenizer and
+the image processor of the checkpoint (no weights). The contract with PD is
+that ``Prompt.token_ids`` already holds ``num_tokens`` copies of the image
+token for every image, at ``offset``; PD splices embedding rows there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from services.common.hashing import mm_hash
+from services.common.pb import epd_pb2
+from services.proxy.errors import PlaceholderMismatchError, RequestError, TooManyImagesError
+from services.proxy.images import decode_data_url
+
+
+class Adapter(Protocol):
+    """The part of ``services.common.models`` adapters the proxy uses."""
+
+    model_id: str
+    image_token_id: int
+    max_model_len: int
+
+    def num_image_tokens(self, height: int, width: int) -> int: ...
+    def processor_settings(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    """One image of a prompt: where its placeholder span is and what the encoder needs."""
+
+    mm_hash: str
+    offset: int                  # first placeholder position in Prompt.token_ids
+    num_tokens: int              # placeholder count == embedding rows
+    pixel_values: torch.Tensor   # [3, H, W] float32, from the checkpoint's image processor
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A tokenized prompt ready for PD; ``images`` are in prompt order."""
+
+    token_ids: list[int]
+    images: tuple[ImageItem, ...] = ()
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.images)
+
+    def mm_items_pb(self) -> list[epd_pb2.MultiModalItem]:
+        return [
+            epd_pb2.MultiModalItem(mm_hash=i.mm_hash, offset=i.offset, num_tokens=i.num_tokens) for i in self.images
+        ]
+
+
+def expand_placeholders(
+    token_ids: Sequence[int], image_token_id: int, counts: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """Replaces the i-th image token with ``counts[i]`` copies of it.
+
+    Returns ``(expanded_ids, offsets)`` where ``offsets[i]`` is the index of
+    the i-th image's first placeholder in ``expanded_ids``. The number of
+    image tokens in ``token_ids`` must equal ``len(counts)``: an extra one
+    means the text itself contained the image token.
+    """
+    positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
+    if len(positions) != len(counts):
+        raise PlaceholderMismatchError(
+            f"The prompt has {len(positions)} image placeholders for {len(counts)} images; "
+            "text must not contain the image token.",
+            "messages",
+        )
+    if any(count <= 0 for count in counts):
+        raise ValueError("every image must expand to at least one token")
+    expanded: list[int] = []
+    offsets: list[int] = []
+    start = 0
+    for position, count in zip(positions, counts):
+        expanded.extend(token_ids[start:position])
+        offsets.append(len(expanded))
+        expanded.extend([image_token_id] * count)
+        start = position + 1
+    expanded.extend(token_ids[start:])
+    return expanded, offsets
+
+
+def _image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    urls = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            urls.extend(part["image_url"]["url"] for part in content if part.get("type") == "image_url")
+    return urls
+
+
+def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages in the processor's chat-template form: content is always a list of parts.
+
+    LLaVA-style templates iterate over content parts, so plain strings are
+    wrapped; image parts lose their URL (the template only marks the position).
+    """
+    converted = []
+    for message in messages:
+        content = message.get("content")
+        if content is None:
+            parts: list[dict[str, Any]] = []
+        elif isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+        else:
+            parts = [
+                {"type": "image"} if part.get("type") == "image_url" else {"type": "text", "text": part["text"]}
+                for part in content
+            ]
+        converted.append({"role": message["role"], "content": parts})
+    return converted
+
+
+class Preprocessor:
+    """Turns chat messages or completion prompts into ``Prompt`` objects.
+
+    Thread-safe: the methods run in a worker pool; tokenizer calls are
+    serialised (HF fast tokenizers must not be used concurrently), image
+    decoding and pixel processing are not.
+    """
+
+    def __init__(self, adapter: Adapter, processor: Any, *, max_images: int, max_image_pixels: int) -> None:
+        self.adapter = adapter
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.max_images = max_images
+        self.max_image_pixels = max_image_pixels
+        self._settings = adapter.processor_settings()
+        self._tokenizer_lock = threading.Lock()
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> Prompt:
+        """Validated OpenAI chat messages -> ``Prompt`` (see the module docstring)."""
+        urls = _image_urls(messages)
+        if len(urls) > self.max_images:
+            raise TooManyImagesError(
+                f"The request has {len(urls)} images; at most {self.max_images} are allowed.", "messages"
+            )
+        images = [decode_data_url(url, self.max_image_pixels) for url in urls]
+        rendered = self.render(messages)
+        with self._tokenizer_lock:
+            token_ids = self._encode(rendered)
+        counts = [self.adapter.num_image_tokens(image.height, image.width) for image in images]
+        expanded, offsets = expand_placeholders(token_ids, self.adapter.image_token_id, counts)
+        items = tuple(
+            ImageItem(
+                mm_hash=mm_hash(image, self._settings, self.adapter.model_id),
+                offset=offset,
+                num_tokens=count,
+                pixel_values=self.pixel_values(image),
+            )
+            for image, offset, count in zip(images, offsets, counts)
+        )
+        return Prompt(token_ids=expanded, images=items)
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The chat template applied to ``messages``: one image token per image, generation prompt added."""
+        return self.processor.apply_chat_template(
+            _template_messages(messages), add_generation_prompt=True, tokenize=False
+        )
+
+    def completion_prompt(self, prompt: str | Sequence[int]) -> Prompt:
+        """A text prompt or a list of token ids -> text-only ``Prompt``."""
+        if isinstance(prompt, str):
+            with self._tokenizer_lock:
+                token_ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab_size = len(self.tokenizer)
+            if any(not 0 <= t < vocab_size for t in token_ids):
+                raise RequestError(f"Token ids must be in [0, {vocab_size}).", "prompt")
+        if not token_ids:
+            raise RequestError("The prompt is empty.", "prompt")
+        if self.adapter.image_token_id in token_ids:
+            raise PlaceholderMismatchError("Text-only prompts must not contain the image token.", "prompt")
+        return Prompt(token_ids=token_ids)
+
+    def pixel_values(self, image: Any) -> torch.Tensor:
+        """The checkpoint's image processor applied to one RGB image: ``[3, H, W]`` float32."""
+        values = self.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+        return values.to(torch.float32).contiguous()
+
+    def _encode(self, rendered: str) -> list[int]:
+        # A template that writes the BOS token itself must not get a second
+        # one from the tokenizer.
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add_special = not (bos and rendered.startswith(bos))
+        return list(self.tokenizer(rendered, add_special_tokens=add_special)["input_ids"])

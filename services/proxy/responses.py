@@ -1,0 +1,269 @@
+"""PD messages -> OpenAI response objects and SSE events.
+
+Two formatters (chat and text completions) share one streaming and one
+collecting routine. A stream that fails after its first event ends with an
+OpenAI error event and ``[DONE]``, never with a normal ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.pb import epd_pb2
+from services.proxy.errors import ApiError, internal_error
+from services.proxy.pipeline import Trace
+
+log = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+FINISH_REASONS = {
+    epd_pb2.FINISH_REASON_STOP: "stop",
+    epd_pb2.FINISH_REASON_LENGTH: "length",
+}
+"""The one table from PD finish reasons to OpenAI strings."""
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload`` as compact JSON."""
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def usage_dict(usage: epd_pb2.Usage, trace: Trace, num_images: int) -> dict[str, Any]:
+    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` and the ``epd`` extension."""
+    timings = {
+        "preprocess": _ms(trace.preprocess_ms),
+        "preallocate": _ms(trace.preallocate_ms),
+        "encode": _ms(trace.encode_ms),
+        "queue": _ms(usage.timings.queue_ms),
+        "embedding_wait": _ms(usage.timings.embedding_wait_ms),
+        "prefill": _ms(usage.timings.prefill_ms),
+        "decode": _ms(usage.timings.decode_ms),
+        "first_token": _ms(trace.first_token_ms),
+        "total": _ms((time.monotonic() - trace.started) * 1000),
+    }
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "epd": {
+            "image_tokens": usage.image_tokens,
+            "num_images": num_images,
+            "num_images_ready": trace.num_images_ready,
+            "num_encoder_cache_hits": trace.num_encoder_cache_hits,
+            "num_pd_attempts": trace.num_pd_attempts,
+            "timings_ms": {k: v for k, v in timings.items() if v is not None},
+        },
+    }
+
+
+@dataclass
+class ResponseMeta:
+    """What every object of one response shares."""
+
+    response_id: str
+    model: str
+    decode_token: Callable[[int], str]   # token id -> its text (for logprobs)
+    num_images: int = 0
+    return_token_ids: bool = False       # extension: each choice also carries "token_ids"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ChatFormatter:
+    """``chat.completion`` / ``chat.completion.chunk`` objects."""
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        self.meta = meta
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, with_usage: bool = False) -> dict[str, Any]:
+        chunk = {"id": self.meta.response_id, "object": self.object_name, "created": self.meta.created,
+                 "model": self.meta.model, "choices": choices}
+        if with_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    def first_chunk(self, with_usage: bool) -> dict[str, Any] | None:
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], with_usage=with_usage)
+
+    def delta_chunk(self, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, with_usage: bool,
+                    token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"content": text}, "finish_reason": None,
+                  "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
+        return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
+
+    def _with_ids(self, choice: dict[str, Any], token_ids: list[int] | None) -> dict[str, Any]:
+        if self.meta.return_token_ids:
+            choice["token_ids"] = list(token_ids or [])
+        return choice
+
+    def finish_chunk(self, reason: str, with_usage: bool) -> dict[str, Any]:
+        return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}], with_usage=with_usage)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self._chunk([], usage=usage, with_usage=True)
+
+    def full(self, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, usage: dict[str, Any],
+             token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
+                  "finish_reason": reason}
+        return {
+            "id": self.meta.response_id, "object": "chat.completion", "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": [self._with_ids(choice, token_ids)],
+            "usage": usage,
+        }
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.meta.decode_token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
+        return {"content": [
+            {**self._entry(e.token_id, e.logprob),
+             "top_logprobs": [self._entry(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
+            for e in entries
+        ]}
+
+
+class CompletionFormatter(ChatFormatter):
+    """``text_completion`` objects (streamed and whole)."""
+
+    object_name = "text_completion"
+
+    def first_chunk(self, with_usage: bool) -> dict[str, Any] | None:
+        return None  # text completions have no role chunk
+
+    def delta_chunk(self, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, with_usage: bool,
+                    token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "finish_reason": None,
+                  "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
+        return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
+
+    def finish_chunk(self, reason: str, with_usage: bool) -> dict[str, Any]:
+        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}], with_usage=with_usage)
+
+    def full(self, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, usage: dict[str, Any],
+             token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "finish_reason": reason,
+                  "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
+        return {
+            "id": self.meta.response_id, "object": "text_completion", "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": [self._with_ids(choice, token_ids)],
+            "usage": usage,
+        }
+
+    def logprobs(self, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
+        tokens = [self.meta.decode_token(e.token_id) for e in entries]
+        offsets, position = [], 0
+        for token in tokens:
+            offsets.append(position)
+            position += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                {self.meta.decode_token(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+
+def _finish_reason(message: epd_pb2.GenerateResponse) -> str:
+    try:
+        return FINISH_REASONS[message.finish_reason]
+    except KeyError:
+        raise internal_error("The model server sent an unknown finish reason.") from None
+
+
+async def _events(
+    messages: AsyncGenerator[epd_pb2.GenerateResponse, None],
+    formatter: ChatFormatter,
+    trace: Trace,
+    include_usage: bool,
+    want_logprobs: bool,
+) -> AsyncIterator[bytes]:
+    first = formatter.first_chunk(include_usage)
+    async with contextlib.aclosing(messages):
+        async for message in messages:
+            if first is not None:
+                yield sse_event(first)
+                first = None
+            ids_wanted = formatter.meta.return_token_ids and message.token_ids
+            if message.text or (want_logprobs and message.logprobs) or ids_wanted:
+                logprobs = list(message.logprobs) if want_logprobs else None
+                yield sse_event(formatter.delta_chunk(message.text, logprobs, include_usage, list(message.token_ids)))
+            if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
+                yield sse_event(formatter.finish_chunk(_finish_reason(message), include_usage))
+                if include_usage:
+                    yield sse_event(formatter.usage_chunk(usage_dict(message.usage, trace, formatter.meta.num_images)))
+                yield SSE_DONE
+                return
+    raise internal_error("The model server ended the stream without a result.")
+
+
+async def stream_events(
+    messages: AsyncGenerator[epd_pb2.GenerateResponse, None],
+    formatter: ChatFormatter,
+    trace: Trace,
+    *,
+    include_usage: bool,
+    want_logprobs: bool,
+) -> AsyncGenerator[bytes, None]:
+    """PD messages -> SSE bytes, ending with ``[DONE]``.
+
+    Errors before the first event propagate (the caller can still answer
+    with an HTTP status); after it they become an error event + ``[DONE]``.
+    """
+    started = False
+    try:
+        async with contextlib.aclosing(_events(messages, formatter, trace, include_usage, want_logprobs)) as events:
+            async for event in events:
+                started = True
+                yield event
+    except Exception as error:
+        if not started:
+            raise
+        if not isinstance(error, ApiError):
+            log.exception("request %s: stream failed", formatter.meta.response_id)
+            error = internal_error()
+        yield sse_event(error.body())
+        yield SSE_DONE
+
+
+async def collect(
+    messages: AsyncGenerator[epd_pb2.GenerateResponse, None],
+    formatter: ChatFormatter,
+    trace: Trace,
+    *,
+    want_logprobs: bool,
+) -> dict[str, Any]:
+    """Consumes the whole stream into one non-streaming response object."""
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[epd_pb2.TokenLogprob] = []
+    async with contextlib.aclosing(messages):
+        async for message in messages:
+            texts.append(message.text)
+            token_ids.extend(message.token_ids)
+            logprobs.extend(message.logprobs)
+            if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
+                usage = usage_dict(message.usage, trace, formatter.meta.num_images)
+                reason = _finish_reason(message)
+                return formatter.full("".join(texts), logprobs if want_logprobs else None, reason, usage, token_ids)
+    raise internal_error("The model server ended the stream without a result.")

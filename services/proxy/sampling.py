@@ -1,0 +1,113 @@
+"""OpenAI request fields -> ``epd.v1.SamplingParams``, and the checks that go with them."""
+
+from __future__ import annotations
+
+from services.common.pb import epd_pb2
+from services.proxy.errors import PromptTooLongError, RequestError, UnsupportedFeatureError
+from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def check_supported(body: _SamplingFields) -> None:
+    """Rejects valid OpenAI parameters this server does not implement (never drops them silently)."""
+    if body.n not in (None, 1):
+        raise UnsupportedFeatureError("Only n=1 is supported.", "n")
+    if body.presence_penalty or body.frequency_penalty:
+        raise UnsupportedFeatureError("presence_penalty and frequency_penalty are not supported.", "presence_penalty")
+    if body.logit_bias:
+        raise UnsupportedFeatureError("logit_bias is not supported.", "logit_bias")
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools or body.tool_choice not in (None, "none"):
+            raise UnsupportedFeatureError("Tool calling is not supported.", "tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise UnsupportedFeatureError("Only the text response format is supported.", "response_format")
+        for index, message in enumerate(body.messages):
+            if message.content is None and message.role != "assistant":
+                raise RequestError("Message content is required.", f"messages[{index}].content")
+    if isinstance(body, CompletionRequest):
+        if body.echo or body.suffix:
+            raise UnsupportedFeatureError("echo and suffix are not supported.", "echo")
+        if body.best_of not in (None, 1):
+            raise UnsupportedFeatureError("Only best_of=1 is supported.", "best_of")
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """Normalises ``stop`` (a string or a list) and bounds it."""
+    if stop is None:
+        return []
+    strings = [stop] if isinstance(stop, str) else list(stop)
+    if len(strings) > MAX_STOP_STRINGS:
+        raise RequestError(f"At most {MAX_STOP_STRINGS} stop sequences are allowed.", "stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in strings):
+        raise RequestError(f"Stop sequences must have 1 to {MAX_STOP_CHARS} characters.", "stop")
+    return strings
+
+
+def _stop_token_ids(token_ids: list[int] | None) -> list[int]:
+    token_ids = token_ids or []
+    if len(token_ids) > MAX_STOP_STRINGS or any(not 0 <= t < 2**32 for t in token_ids):
+        raise RequestError(f"stop_token_ids must be at most {MAX_STOP_STRINGS} non-negative ids.", "stop_token_ids")
+    return token_ids
+
+
+def resolve_max_tokens(
+    requested: int | None, num_prompt_tokens: int, max_model_len: int, *, limit: int, default: int
+) -> int:
+    """How many tokens to generate: the client's ask, checked; or the default, capped by context room."""
+    room = max_model_len - num_prompt_tokens
+    if room <= 0:
+        raise PromptTooLongError(
+            f"The prompt has {num_prompt_tokens} tokens; the model's context is {max_model_len}.", "messages"
+        )
+    if requested is None:
+        return min(default, room)
+    if requested > limit:
+        raise RequestError(f"max_tokens must be at most {limit}.", "max_tokens")
+    if requested > room:
+        raise PromptTooLongError(
+            f"The prompt ({num_prompt_tokens} tokens) plus max_tokens ({requested}) exceeds "
+            f"the model's context of {max_model_len} tokens.",
+            "max_tokens",
+        )
+    return requested
+
+
+def requested_max_tokens(body: _SamplingFields) -> int | None:
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
+
+
+def requested_logprobs(body: _SamplingFields) -> int | None:
+    """Number of top alternatives per token, or None when logprobs are off."""
+    if isinstance(body, ChatCompletionRequest):
+        if not body.logprobs:
+            if body.top_logprobs:
+                raise RequestError("top_logprobs requires logprobs=true.", "top_logprobs")
+            return None
+        return body.top_logprobs or 0
+    return body.logprobs
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingParams:
+    """Builds the wire sampling parameters; unset optional fields keep PD's defaults."""
+    params = epd_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        stop=stop_strings(body.stop),
+        stop_token_ids=_stop_token_ids(body.stop_token_ids),
+        ignore_eos=body.ignore_eos,
+    )
+    if body.temperature is not None:
+        params.temperature = body.temperature
+    if body.top_p is not None:
+        params.top_p = body.top_p
+    if body.top_k is not None:
+        params.top_k = body.top_k
+    if body.seed is not None:
+        params.seed = body.seed
+    logprobs = requested_logprobs(body)
+    if logprobs is not None:
+        params.logprobs = logprobs
+    return params

@@ -1,0 +1,155 @@
+"""Runs a whole cluster (encoders, PDs, proxy) inside the test process.
+
+Servers listen on 127.0.0.1 with ports chosen by binding port 0. Everything
+runs on one asyncio loop in a background thread (the PD engine and encoder
+workers have their own threads), so tests can use blocking clients such as
+the official ``openai`` client from the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import uvicorn
+
+from services.encoder.config import EncoderConfig
+from services.encoder.server import start_encoder
+from services.pd.config import PdConfig
+from services.pd.server import start_pd
+from services.proxy.app import create_app
+from services.proxy.config import ProxyConfig
+
+
+class InProcessCluster:
+    """N encoders + M PDs + the proxy, on loopback, for one test session or module."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        num_encoders: int = 1,
+        num_pds: int = 1,
+        pd: dict[str, Any] | None = None,
+        encoder: dict[str, Any] | None = None,
+        proxy: dict[str, Any] | None = None,
+        with_proxy: bool = True,
+    ):
+        self.model_dir = model_dir
+        self.num_encoders = num_encoders
+        self.num_pds = num_pds
+        self.pd_overrides = pd or {}
+        self.encoder_overrides = encoder or {}
+        self.proxy_overrides = proxy or {}
+        self.with_proxy = with_proxy
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="cluster-loop", daemon=True)
+        self.pds: list[Any] = []
+        self.encoders: list[Any] = []
+        self.proxy_server: uvicorn.Server | None = None
+        self.port = 0
+
+    # -- lifecycle ------------------------------------------------------
+    def start(self, timeout: float = 300) -> "InProcessCluster":
+        self.thread.start()
+        self.run(self._start(), timeout=timeout)
+        return self
+
+    def stop(self) -> None:
+        try:
+            self.run(self._stop(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+    def run(self, coro: Coroutine, timeout: float = 120) -> Any:
+        """Runs ``coro`` on the cluster's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def pd_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{pd.port}" for pd in self.pds]
+
+    @property
+    def encoder_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{enc.port}" for enc in self.encoders]
+
+    async def _start(self) -> None:
+        for _ in range(self.num_pds):
+            config = PdConfig(model=self.model_dir, host="127.0.0.1", port=0, metrics_port=-1, **self.pd_overrides)
+            self.pds.append(await start_pd(config))
+        for _ in range(self.num_encoders):
+            fields = {f.name for f in dataclasses.fields(EncoderConfig)}
+            extra = {"metrics_port": -1} if "metrics_port" in fields else {}
+            config = EncoderConfig(model=self.model_dir, host="127.0.0.1", port=0, **extra, **self.encoder_overrides)
+            self.encoders.append(await start_encoder(config))
+        if self.with_proxy:
+            await self._start_proxy()
+
+    async def _start_proxy(self) -> None:
+        proxy_config = ProxyConfig(
+            model=self.model_dir,
+            host="127.0.0.1",
+            port=0,
+            pd_addresses=tuple(self.pd_addresses),
+            encoder_addresses=tuple(self.encoder_addresses),
+            **self.proxy_overrides,
+        )
+        app = create_app(proxy_config)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.proxy_server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self._proxy_task = asyncio.create_task(self.proxy_server.serve(sockets=[sock]))
+        while not self.proxy_server.started:
+            if self._proxy_task.done():
+                self._proxy_task.result()
+            await asyncio.sleep(0.02)
+
+    async def _stop(self) -> None:
+        if self.proxy_server is not None:
+            self.proxy_server.should_exit = True
+            await asyncio.wait_for(self._proxy_task, 30)
+        for encoder in self.encoders:
+            await encoder.stop(0)
+        for pd in self.pds:
+            await pd.stop(0)
+
+    # -- leak checks ------------------------------------------------------
+    async def _leaks(self) -> dict[str, int]:
+        report: dict[str, int] = {}
+        for i, pd in enumerate(self.pds):
+            stats = await pd.stats()
+            for key in ("reserved_tokens", "num_reservations", "num_running", "num_waiting",
+                        "num_kv_blocks_used", "num_live_requests", "referenced_tokens"):
+                if key in stats:
+                    report[f"pd{i}.{key}"] = int(stats[key])
+        for i, encoder in enumerate(self.encoders):
+            stats = encoder.stats()
+            if asyncio.iscoroutine(stats):
+                stats = await stats
+            if hasattr(stats, "_asdict"):
+                stats = stats._asdict()
+            for key in ("pending", "outbound_bytes", "num_pending", "in_flight"):
+                if key in stats:
+                    report[f"encoder{i}.{key}"] = int(stats[key])
+        return report
+
+    def leaks(self, settle_s: float = 5.0) -> dict[str, int]:
+        """Non-zero leak counters after letting in-flight cleanup settle (empty = clean)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            report = {k: v for k, v in self.run(self._leaks()).items() if v}
+            if not report or time.monotonic() > deadline:
+                return report
+            time.sleep(0.05)

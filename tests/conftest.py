@@ -1,0 +1,21 @@
+"""Shared fixtures: the tiny checkpoint, built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A freshly built tiny LLaVA checkpoint (random weights, real HF format)."""
+    from services.common.models import build_checkpoint
+
+    return build_checkpoint("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)

@@ -1,0 +1,74 @@
+"""``epd up`` really starts the cluster as processes and stops it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+
+from oracle_support import make_image, user_message
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports picked by binding port 0 (then released for the child to bind)."""
+    socks = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        socks.append(sock)
+    ports = [s.getsockname()[1] for s in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
+def _wait_for_line(process: subprocess.Popen, needle: str, timeout: float) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            if process.poll() is not None:
+                break
+            continue
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} not seen; output:\n{''.join(lines)}")
+
+
+def test_epd_up_serves_two_images_and_stops_cleanly(tmp_path):
+    proxy_port, encoder_port, pd_port = _free_ports(3)
+    env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable, "-m", "services.cli", "up",
+        "--port", str(proxy_port), "--encoder-base-port", str(encoder_port), "--pd-base-port", str(pd_port),
+        "--threads", "1", "--log-level", "warning",
+    ]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        lines = _wait_for_line(process, "cluster ready", timeout=240)
+        assert any("model" in line for line in lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model,
+            max_tokens=12,
+            messages=[user_message("Compare the two images.", [make_image(1), make_image(2)])],
+        )
+        assert reply.choices[0].message.content
+        assert reply.usage.completion_tokens > 0
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        output = process.stdout.read()
+        assert "stopped" in output
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

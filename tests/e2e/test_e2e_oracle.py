@@ -1,0 +1,124 @@
+"""Greedy output of the whole cluster equals transformers generate(), token for token.
+
+The cluster (proxy -> encoder -> PD) runs on loopback; requests go through
+the official ``openai`` client, streaming and not.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from cluster_support import InProcessCluster
+from oracle_support import Oracle, make_image, user_message
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    cluster = InProcessCluster(str(tiny_model_dir)).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model_dir):
+    return Oracle(str(tiny_model_dir))
+
+
+@pytest.fixture
+def client(cluster):
+    with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+    assert cluster.leaks() == {}, "something was left reserved, pending or referenced"
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _chat(client, messages, stream: bool):
+    kwargs = dict(model=_model(client), messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"return_token_ids": True})
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        choice = reply.choices[0]
+        return choice.model_extra["token_ids"], choice.message.content, choice.finish_reason, reply.usage
+    token_ids, text, finish, usage = [], "", None, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            token_ids += (choice.model_extra or {}).get("token_ids") or []
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return token_ids, text, finish, usage
+
+
+CASES = {
+    "text_only": ("Tell me a story about a cat.", []),
+    "one_image": ("What is in this picture?", [make_image(1)]),
+    "three_images": ("Compare these pictures.", [make_image(2), make_image(3, (64, 30)), make_image(4, (20, 50))]),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_equal_generate(client, oracle, case, stream):
+    text, images = CASES[case]
+    messages = [user_message(text, images)]
+    expected = oracle.generate(messages, images, MAX_TOKENS)
+    token_ids, content, finish, usage = _chat(client, messages, stream)
+    assert token_ids == expected
+    assert content == oracle.decode(expected)
+    assert finish == ("length" if len(expected) == MAX_TOKENS else "stop")
+    assert usage.completion_tokens == len(expected)
+    assert usage.prompt_tokens > 0
+
+
+def test_eight_concurrent_mixed_requests(client, oracle):
+    requests = []
+    for i in range(8):
+        images = [make_image(100 + i * 10 + k, (32 + 8 * k, 32)) for k in range(i % 3)]
+        messages = [
+            {"role": "system", "content": "You are terse."},
+            user_message(f"Request number {i}: describe.", images),
+        ]
+        requests.append((messages, images, i % 2 == 1))
+    expected = [oracle.generate(m, imgs, MAX_TOKENS) for m, imgs, _ in requests]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda r: _chat(client, r[0], r[2]), requests))
+    for want, (token_ids, content, _, _) in zip(expected, results):
+        assert token_ids == want
+        assert content == oracle.decode(want)
+
+
+def test_repeated_image_is_served_again_identically(client, oracle):
+    image = make_image(7)
+    messages = [user_message("Once more.", [image])]
+    expected = oracle.generate(messages, [image], MAX_TOKENS)
+    first = _chat(client, messages, stream=False)[0]
+    second = _chat(client, messages, stream=True)[0]
+    assert first == second == expected
+
+
+def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
+    from services.common.models import count_parameters
+
+    full = oracle.model
+    vision_half = count_parameters(full.model.vision_tower) + count_parameters(full.model.multi_modal_projector)
+    lm_half = count_parameters(full) - vision_half
+    pd_model = cluster.pds[0].engine.runner.model
+    encoder_module = cluster.encoders[0].vision.module
+    assert count_parameters(pd_model) == lm_half
+    assert count_parameters(encoder_module) == vision_half
+    pd_names = [name for name, _ in pd_model.named_parameters()]
+    encoder_names = [name for name, _ in encoder_module.named_parameters()]
+    assert not any("vision" in n or "projector" in n for n in pd_names)
+    assert not any("embed_tokens" in n or "lm_head" in n or "language_model" in n for n in encoder_names)
+    # Everything that is held is materialised (nothing left on the meta device).
+    assert all(p.device.type != "meta" for p in pd_model.parameters())
+    assert all(p.device.type != "meta" for p in encoder_module.parameters())

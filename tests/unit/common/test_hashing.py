@@ -1,0 +1,57 @@
+"""mm_hash depends on pixels, processor settings and model id, not on the file format."""
+
+import io
+
+from PIL import Image
+
+from services.common.hashing import mm_hash
+
+SETTINGS = {"size": {"shortest_edge": 32}, "image_mean": [0.5, 0.5, 0.5]}
+
+
+def _image(color=(10, 20, 30), size=(8, 6)):
+    img = Image.new("RGB", size, color)
+    img.putpixel((1, 1), (200, 100, 0))
+    return img
+
+
+def _reencode(img, fmt, **kwargs):
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kwargs)
+    buf.seek(0)
+    return Image.open(buf)
+
+
+def test_same_pixels_in_different_formats_hash_the_same():
+    img = _image()
+    png = _reencode(img, "PNG")
+    webp = _reencode(img, "WEBP", lossless=True)
+    assert mm_hash(png, SETTINGS, "m") == mm_hash(webp, SETTINGS, "m") == mm_hash(img, SETTINGS, "m")
+
+
+def test_one_pixel_changes_the_hash():
+    a, b = _image(), _image()
+    b.putpixel((0, 0), (11, 20, 30))
+    assert mm_hash(a, SETTINGS, "m") != mm_hash(b, SETTINGS, "m")
+
+
+def test_size_settings_and_model_are_part_of_the_key():
+    img = _image()
+    base = mm_hash(img, SETTINGS, "m")
+    assert mm_hash(img, {**SETTINGS, "image_mean": [0.4, 0.5, 0.5]}, "m") != base
+    assert mm_hash(img, SETTINGS, "other-model") != base
+    # Same pixel bytes, different geometry.
+    flat = Image.frombytes("RGB", (6, 8), img.tobytes())
+    assert mm_hash(flat, SETTINGS, "m") != base
+
+
+def test_settings_key_order_does_not_matter():
+    img = _image()
+    reordered = dict(reversed(list(SETTINGS.items())))
+    assert mm_hash(img, SETTINGS, "m") == mm_hash(img, reordered, "m")
+
+
+def test_non_rgb_modes_hash_as_their_rgb_pixels():
+    rgba = _image().convert("RGBA")
+    assert mm_hash(rgba, SETTINGS, "m") == mm_hash(rgba.convert("RGB"), SETTINGS, "m")
+    assert len(mm_hash(rgba, SETTINGS, "m")) == 64

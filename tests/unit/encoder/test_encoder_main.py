@@ -1,0 +1,43 @@
+"""Encoder entry point: flags -> config, env overrides, invalid config."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from services.encoder import main
+from services.encoder.config import MIB, EncoderConfig
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_flag_defaults_match_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [key for key in os.environ if key.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    assert main.config_from_args(parse([])) == EncoderConfig()
+
+
+def test_flags_and_env_build_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPD_MAX_BATCH_IMAGES", "3")
+    config = main.config_from_args(parse(["--port", "0", "--cache-mib", "4", "--no-warmup", "--push-chunk-kib", "512"]))
+    assert config.max_batch_images == 3
+    assert config.port == 0 and config.cache_bytes == 4 * MIB and not config.warmup
+    assert config.push_chunk_bytes == 512 * 1024
+
+
+def test_invalid_config_exits_with_2() -> None:
+    assert main.run(parse(["--push-chunk-kib", "2048"])) == 2
+    assert main.run(parse(["--max-batch-images", "0"])) == 2
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError):
+        EncoderConfig(max_pending=0)
+    with pytest.raises(ValueError):
+        EncoderConfig(max_wait_ms=-1)

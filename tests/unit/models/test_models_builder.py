@@ -1,0 +1,133 @@
+"""The checkpoint builder: determinism, HF loadability, chat template, tokenizer, atomic publish."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+from services.common.models import build_checkpoint, default_model_dir, ensure_model, get_preset
+from services.common.models.tokenizer import IMAGE
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_same_seed_gives_byte_identical_checkpoint(models_tiny_dir: Path, tmp_path: Path):
+    again = build_checkpoint("tiny", tmp_path / "again", seed=0)
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "processor_config.json"):
+        assert _sha256(again / name) == _sha256(models_tiny_dir / name), name
+
+
+def test_other_seed_gives_other_weights(models_tiny_dir: Path, tmp_path: Path):
+    other = build_checkpoint("tiny", tmp_path / "other", seed=1)
+    assert _sha256(other / "model.safetensors") != _sha256(models_tiny_dir / "model.safetensors")
+
+
+def test_config_is_llava_15_style(models_tiny_dir: Path):
+    config = AutoConfig.from_pretrained(models_tiny_dir)
+    tokenizer = AutoTokenizer.from_pretrained(models_tiny_dir)
+    preset = get_preset("tiny")
+    assert config.model_type == "llava"
+    assert config.vision_feature_layer == -2
+    assert config.vision_feature_select_strategy == "default"
+    assert config.image_token_id == tokenizer.convert_tokens_to_ids(IMAGE)
+    assert config.text_config.vocab_size == len(tokenizer)
+    assert config.text_config.num_key_value_heads == preset.text.num_kv_heads
+    assert config.vision_config.image_size == preset.vision.image_size
+
+
+def test_tokenizer_round_trips_text_and_keeps_image_token_whole(models_tiny_dir: Path):
+    tokenizer = AutoTokenizer.from_pretrained(models_tiny_dir)
+    for text in ["Hello, world!", "  two  spaces\nand\ttabs ", "日本語 café 🙂 naïve", "x" * 300, '{"a": [1, 2]}']:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.unk_token_id not in ids
+        assert tokenizer.decode(ids) == text
+    ids = tokenizer(f"a{IMAGE}{IMAGE}\nb")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    assert ids.count(tokenizer.convert_tokens_to_ids(IMAGE)) == 2
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        (
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}],
+            "USER: <image>\nWhat is it? ASSISTANT:",
+        ),
+        ([{"role": "user", "content": "Hi"}], "USER: Hi ASSISTANT:"),
+        (
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
+                {"role": "assistant", "content": "C"},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "image"}]},
+            ],
+            "Be brief. USER: A B ASSISTANT: C</s>USER: <image>\n<image>\n ASSISTANT:",
+        ),
+    ],
+)
+def test_chat_template_renders_llava_15_format(models_tiny_dir: Path, messages, expected):
+    processor = AutoProcessor.from_pretrained(models_tiny_dir)
+    assert processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == expected
+    without = processor.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert without == expected.removesuffix("ASSISTANT:")
+
+
+def test_processor_expands_each_image_to_its_token_count(models_tiny_dir: Path):
+    processor = AutoProcessor.from_pretrained(models_tiny_dir)
+    images = [Image.new("RGB", (50, 40), (200, 10, 10)), Image.new("L", (7, 90), 128)]
+    out = processor(text=f"USER: {IMAGE}\nx {IMAGE}\ny ASSISTANT:", images=images, return_tensors="pt")
+    image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE)
+    assert int((out["input_ids"] == image_token_id).sum()) == 2 * get_preset("tiny").num_image_tokens
+    size = get_preset("tiny").vision.image_size
+    assert tuple(out["pixel_values"].shape) == (2, 3, size, size)
+
+
+def test_existing_directory_is_not_overwritten_unless_asked(models_tiny_dir: Path, tmp_path: Path):
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        build_checkpoint("tiny", target)
+    build_checkpoint("tiny", target, overwrite=True)
+    assert not (target / "keep.txt").exists()
+    assert _sha256(target / "model.safetensors") == _sha256(models_tiny_dir / "model.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging leftovers
+
+
+def test_unknown_preset_is_rejected(tmp_path: Path):
+    with pytest.raises(KeyError, match="tiny"):
+        build_checkpoint("huge", tmp_path / "x")
+
+
+def test_default_model_dir_reads_environment_when_called(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    assert default_model_dir("bench") == tmp_path / "models" / "bench-v1"
+    monkeypatch.delenv("EPD_CACHE_DIR")
+    assert default_model_dir() == Path("~/.cache/epd/models/tiny-v1").expanduser()
+
+
+def test_ensure_model_builds_once_even_when_raced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    results: list[object] = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_model(None))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    target = default_model_dir("tiny")
+    assert results == [target, target]
+    assert (target / "model.safetensors").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["tiny-v1"]
+    assert ensure_model("tiny") == target
+
+
+def test_ensure_model_passes_directories_and_hub_ids_through(models_tiny_dir: Path):
+    assert ensure_model(str(models_tiny_dir)) == models_tiny_dir
+    assert ensure_model("llava-hf/llava-1.5-7b-hf") == "llava-hf/llava-1.5-7b-hf"

@@ -1,0 +1,42 @@
+"""``epd proxy`` flags -> ProxyConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.proxy.main import add_arguments, config_from_args, run
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults():
+    config = config_from_args(parse([]))
+    assert (config.host, config.port) == ("127.0.0.1", 8000)
+    assert config.pd_addresses == ("127.0.0.1:50061",)
+    assert config.encoder_addresses == ("127.0.0.1:50051",)
+    assert config.served_model_name is None and config.max_body_bytes == 32 * 1024 * 1024
+
+
+def test_flags_and_lists():
+    args = parse(["--pd", "a:1, b:2", "--encoder", "", "--max-images", "2", "--request-timeout", "5",
+                  "--served-model-name", "m", "--max-body-mb", "1"])
+    config = config_from_args(args)
+    assert config.pd_addresses == ("a:1", "b:2") and config.encoder_addresses == ()
+    assert config.max_images_per_request == 2 and config.request_timeout_s == 5.0
+    assert config.served_model_name == "m" and config.max_body_bytes == 1024 * 1024
+
+
+def test_environment_supplies_defaults(monkeypatch):
+    monkeypatch.setenv("EPD_PD", "x:9")
+    monkeypatch.setenv("EPD_PORT", "9000")
+    config = config_from_args(parse([]))
+    assert config.pd_addresses == ("x:9",) and config.port == 9000
+
+
+def test_nonsense_config_exits_with_usage_error(capsys):
+    assert run(parse(["--pd", "", "--log-level", "error"])) == 2
+    assert "PD address" in capsys.readouterr().out
