@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--model", default="", help="checkpoint directory, preset name (tiny, bench) or hub id; default: the tiny model, built on first use")
     add(parser, "--encoders", type=int, default=1, help="number of encoder processes")
     add(parser, "--pds", type=int, default=1, help="number of PD processes")
+    add(parser, "--pd-policy", default="least-loaded", choices=["least-loaded", "round-robin"],
+        help="proxy: how a PD is chosen (other proxy flags: set their EPD_* variables)")
+    add(parser, "--encoder-policy", default="rendezvous", choices=["rendezvous", "least-loaded", "round-robin"],
+        help="proxy: how an encoder is chosen for an image")
+    add(parser, "--colocated", default=False, help="baseline mode: no encoder processes; the PD loads the vision tower and encodes inside its step loop like a monolithic engine (needs --pds 1)")
     add(parser, "--host", default="127.0.0.1", help="address every service listens on")
     add(parser, "--port", type=int, default=8000, help="proxy HTTP port")
     add(parser, "--encoder-base-port", type=int, default=50051, help="encoder i listens on this port + i")
@@ -70,7 +75,7 @@ def _start_children(args: argparse.Namespace, model_dir: str) -> list[Child]:
     device = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
     children = []
     encoder_addresses, pd_addresses = [], []
-    for i in range(args.encoders):
+    for i in range(0 if args.colocated else args.encoders):
         port = args.encoder_base_port + i
         address = f"{args.host}:{port}"
         encoder_addresses.append(address)
@@ -81,10 +86,14 @@ def _start_children(args: argparse.Namespace, model_dir: str) -> list[Child]:
         address = f"{args.host}:{port}"
         pd_addresses.append(address)
         argv = ["pd", *common, *device, "--port", str(port), "--metrics-port", str(9201 + j)]
+        if args.colocated:
+            argv += ["--encoder", "local"]
+            encoder_addresses.append(address)  # the PD serves epd.v1.Encoder on its own port
         children.append(_spawn(f"pd-{j}", argv, address, "epd.v1.PrefillDecode"))
     proxy_argv = [
         "proxy", *common, "--port", str(args.port),
         "--pd", ",".join(pd_addresses), "--encoder", ",".join(encoder_addresses),
+        "--pd-policy", args.pd_policy, "--encoder-policy", args.encoder_policy,
     ]
     children.append(_spawn("proxy", proxy_argv, f"{args.host}:{args.port}", None))
     return children
@@ -133,10 +142,18 @@ def stop_children(children: list[Child], grace: float = 30.0) -> None:
 def run(args: argparse.Namespace) -> int:
     from services.common.models import ensure_model
 
+    if args.colocated and args.pds != 1:
+        # The proxy picks an encoder by image hash, not by PD: with several
+        # colocated PDs an image could be sent to a PD that holds no reservation.
+        print("epd: --colocated runs exactly one PD (use --pds 1)", file=sys.stderr, flush=True)
+        return 2
     print("epd: preparing model ...", flush=True)
     model_dir = str(ensure_model(args.model or None, progress=lambda msg: print(f"  {msg}", flush=True)))
     print(f"epd: model {model_dir}", flush=True)
-    print(f"epd: starting {args.encoders} encoder(s), {args.pds} PD(s) and the proxy ...", flush=True)
+    if args.colocated:
+        print("epd: starting 1 colocated PD (vision tower inside) and the proxy ...", flush=True)
+    else:
+        print(f"epd: starting {args.encoders} encoder(s), {args.pds} PD(s) and the proxy ...", flush=True)
     children = _start_children(args, model_dir)
     stop = {"requested": False}
 

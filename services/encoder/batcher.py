@@ -100,6 +100,7 @@ class Batcher:
         self._queue: deque[_Job] = deque()
         self._inflight: dict[str, _Job] = {}
         self._num_pending = 0  # queued + running images
+        self._num_images_encoded = 0  # images through a successful forward, ever (single-flight checks)
         self._stopping = False
         self._seconds_per_image = 0.05  # EWMA of forward time per image, for retry-after hints
         self._thread: threading.Thread | None = None
@@ -117,6 +118,12 @@ class Batcher:
         """Images queued or being encoded."""
         with self._cond:
             return self._num_pending
+
+    @property
+    def num_images_encoded(self) -> int:
+        """Images that went through a successful vision forward since start (cumulative)."""
+        with self._cond:
+            return self._num_images_encoded
 
     async def encode(self, mm_hash: str, pixel_values: torch.Tensor, deadline: float | None) -> EncodeResult:
         """The embedding of one image: from the cache, a shared in-flight job, or a new job.
@@ -278,6 +285,7 @@ class Batcher:
             self._cache.put(job.mm_hash, row)
         with self._cond:
             self._seconds_per_image = 0.8 * self._seconds_per_image + 0.2 * elapsed / len(group)
+            self._num_images_encoded += len(group)
             for job in group:
                 self._retire(job)
         for job, row in zip(group, rows):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.tensors import CHUNK_BYTES
+from services.encoder.faults import NO_FAULTS, Faults
 
 MIB = 1 << 20
 
@@ -51,6 +52,8 @@ class EncoderConfig:
     """Run one blank-image encode before reporting ready (first-call kernels, allocator)."""
     grace_s: float = 10.0
     """On SIGTERM, how long in-flight Encode calls may finish before the server stops."""
+    faults: Faults = NO_FAULTS
+    """Test-only fault injection in the pusher (``faults.py``); none by default."""
 
     def __post_init__(self) -> None:
         positive = {

@@ -12,7 +12,9 @@ import asyncio
 import logging
 
 from services.common import cli_args, grpc_utils
+from services.common.logs import setup_logging
 from services.encoder.config import MIB, EncoderConfig
+from services.encoder.faults import Faults
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run a blank-image forward before reporting ready")
     add(parser, "--grace-s", type=float, default=defaults.grace_s,
         help="seconds in-flight calls may finish on shutdown")
+    add(parser, "--fault", default="",
+        help="TEST ONLY: inject hand-off faults, comma-separated: never-push (report success, push nothing), "
+             "push-late-ms=N (wait N ms before each push), wrong-shape (push one row too few), "
+             "wrong-dtype (push uint8), extra-chunk (send more bytes than declared); '' = none")
+
 
 def config_from_args(args: argparse.Namespace) -> EncoderConfig:
     """The one place parsed flags become an ``EncoderConfig`` (ValueError if invalid)."""
@@ -62,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         threads=args.threads,
         warmup=args.warmup,
         grace_s=args.grace_s,
+        faults=Faults.parse(args.fault),
     )
 
 
@@ -81,9 +89,7 @@ async def serve(config: EncoderConfig, stop: asyncio.Event) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the encoder until SIGTERM/SIGINT; returns the process exit code."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, service="encoder")
     try:
         config = config_from_args(args)
     except ValueError as err:

@@ -6,6 +6,11 @@ across all pushes are bounded by a byte budget. A push is retried only
 while PD has not received its header and the channel reported UNAVAILABLE
 (nothing was accepted, so the same reservation id is still fresh); every
 other PD status goes straight back to the caller with the same code.
+
+Pushes are idempotent per (PD, request, reservation, mm_hash): a push PD
+already acknowledged is remembered (bounded), so a repeated Encode for the
+same reservation succeeds without sending the bytes again. Test-only faults
+(``faults.py``) are applied here and nowhere else.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from services.common import grpc_utils
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.common.tensors import dtype_to_pb, iter_chunks, tensor_bytes
 from services.encoder.errors import DeadlineExceeded, PushFailed
+from services.encoder.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
 MAX_CHANNELS = 64
 """Most PD channels kept open; PD addresses come from the proxy's PD list, so this is a safety cap."""
+
+MAX_DELIVERED = 4096
+"""Acknowledged pushes remembered for idempotent retries (oldest forgotten first)."""
 
 # PD statuses the caller sees unchanged; anything else becomes INTERNAL.
 _PASS_THROUGH = frozenset(
@@ -129,6 +138,7 @@ class EmbeddingPusher:
         max_attempts: int,
         connect_timeout_s: float,
         channel_factory: Callable[[str], grpc.aio.Channel] = grpc_utils.aio_channel,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self._chunk_bytes = chunk_bytes
         self._budget = ByteBudget(max_outbound_bytes)
@@ -138,6 +148,8 @@ class EmbeddingPusher:
         self._channel_factory = channel_factory
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, epd_pb2_grpc.PrefillDecodeStub]] = OrderedDict()
         self._closing: set[asyncio.Task] = set()
+        self._delivered: OrderedDict[tuple[str, str, str, str], None] = OrderedDict()
+        self._faults = faults
 
     @property
     def outbound_bytes(self) -> int:
@@ -158,10 +170,15 @@ class EmbeddingPusher:
 
         ``deadline`` is in ``time.monotonic()`` seconds (None = ``default_timeout_s``
         from now). Raises ``PushFailed`` carrying the status the caller should see,
-        or ``DeadlineExceeded``.
+        or ``DeadlineExceeded``. A push PD already acknowledged returns at once.
         """
+        key = (pd_address, request_id, reservation_id, mm_hash)
+        if key in self._delivered:
+            log.info("request_id=%s push already delivered, not sending it again", request_id)
+            return
         if deadline is None:
             deadline = time.monotonic() + self._default_timeout_s
+        embedding = self._faults.tamper(embedding)
         data = tensor_bytes(embedding)
         header = epd_pb2.EmbeddingHeader(
             request_id=request_id,
@@ -171,12 +188,20 @@ class EmbeddingPusher:
             shape=list(embedding.shape),
             num_bytes=len(data),
         )
-        connect_by = min(deadline, time.monotonic() + self._connect_timeout_s)
-        await self._budget.acquire(len(data))
         try:
+            await asyncio.wait_for(self._budget.acquire(len(data)), timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded("deadline exceeded waiting for outbound capacity") from None
+        try:
+            if self._faults.push_late_ms:  # a slow push: it holds its outbound bytes meanwhile
+                await asyncio.sleep(self._faults.push_late_ms / 1000.0)
+            if self._faults.never_push:
+                return
+            connect_by = min(deadline, time.monotonic() + self._connect_timeout_s)
             for attempt in range(1, self._max_attempts + 1):
                 try:
                     await self._push_once(pd_address, header, data, deadline, connect_by)
+                    self._remember_delivered(key)
                     return
                 except PushFailed as err:
                     if err.sent or err.code != grpc.StatusCode.UNAVAILABLE or attempt == self._max_attempts:
@@ -185,6 +210,11 @@ class EmbeddingPusher:
                     await asyncio.sleep(min(0.05 * 2**attempt, max(0.0, connect_by - time.monotonic())))
         finally:
             self._budget.release(len(data))
+
+    def _remember_delivered(self, key: tuple[str, str, str, str]) -> None:
+        self._delivered[key] = None
+        if len(self._delivered) > MAX_DELIVERED:
+            self._delivered.popitem(last=False)
 
     async def _push_once(
         self,
@@ -207,6 +237,8 @@ class EmbeddingPusher:
                 await call.write(epd_pb2.PushEmbeddingChunk(header=header))
                 sent = True
                 for chunk in iter_chunks(data, self._chunk_bytes):
+                    await call.write(epd_pb2.PushEmbeddingChunk(data=chunk))
+                for chunk in self._faults.extra_chunks():
                     await call.write(epd_pb2.PushEmbeddingChunk(data=chunk))
                 await call.done_writing()
             except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
@@ -233,7 +265,7 @@ class EmbeddingPusher:
             return
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout=max(0.0, connect_by - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise PushFailed("PD is unreachable", grpc.StatusCode.UNAVAILABLE, sent=False) from None
 
     def _channel(self, address: str) -> tuple[grpc.aio.Channel, epd_pb2_grpc.PrefillDecodeStub]:

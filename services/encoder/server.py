@@ -47,12 +47,17 @@ class LoadedVision:
 
 
 class EncoderStats(NamedTuple):
-    """Resource counters; all zero but the cache when the encoder is idle (leak checks)."""
+    """Resource counters; all zero but the cache when the encoder is idle (leak checks).
+
+    ``num_images_encoded`` is the exception: a cumulative count of images that
+    went through the vision forward (how tests see caching and single flight).
+    """
 
     num_pending: int  # images queued or being encoded
     cache_bytes: int
     num_cached: int
     outbound_bytes: int  # bytes of pushes in flight
+    num_images_encoded: int = 0
 
 
 def load_vision(config: EncoderConfig) -> LoadedVision:
@@ -130,7 +135,10 @@ class EncoderServer:
             default_timeout_s=config.push_timeout_s,
             max_attempts=config.push_attempts,
             connect_timeout_s=config.push_connect_timeout_s,
+            faults=config.faults,
         )
+        if config.faults.enabled:
+            log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
         servicer = EncoderServicer(batcher, pusher, cache, metrics)
 
         def register(server: grpc.aio.Server) -> None:
@@ -166,6 +174,7 @@ class EncoderServer:
             cache_bytes=self._cache.bytes,
             num_cached=len(self._cache),
             outbound_bytes=self._pusher.outbound_bytes,
+            num_images_encoded=self._batcher.num_images_encoded,
         )
 
     async def stop(self, grace: float | None = None) -> None:

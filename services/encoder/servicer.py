@@ -84,6 +84,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         except asyncio.CancelledError:
             status = "CANCELLED"
             raise
+        except Exception:
+            status = "INTERNAL"  # the interceptor logs it and answers INTERNAL
+            raise
         finally:
             duration = time.perf_counter() - start
             self._metrics.on_request(status, duration)

@@ -11,9 +11,20 @@ mask (``attention_mask`` is ``None``): masking is ours.
 
 Per layer the function writes the new K/V (RoPE already applied by HF) into the
 paged KV tensors at the step's slots, then attends each request's queries over
-its own context: cached blocks + new tokens. Requests with one query token
-(decodes, or a one-token prefill tail) are attended together in one padded
-SDPA call; longer chunks get one SDPA call each (their cost is model math).
+its own context: cached blocks + new tokens. Longer chunks get one SDPA call
+each (their cost is model math). Requests with one query token (decodes, or a
+one-token prefill tail) take one of two paths, picked at construction:
+
+- ``"padded"`` (GPU): one SDPA call over block tables padded to the longest
+  context; one kernel launch per layer matters more there than wasted reads.
+- ``"ragged"`` (CPU): each request is attended with two ``bmm`` calls over
+  exactly its context. Decode attention is bound by reading K/V from
+  memory, so padding to the longest context cost up to 2x, and SDPA's flash
+  kernel has a fixed cost per call that, with one query row, was ~4x the
+  bmm's (measured on the bench model). A request whose blocks are
+  consecutive (the KV manager places them so) is read in place; only the
+  others are gathered, back to back: the gather was a third of decode
+  attention.
 """
 
 from __future__ import annotations
@@ -29,6 +40,9 @@ ATTN_IMPLEMENTATION = "epd_paged"
 METADATA_KWARG = "epd_attn_metadata"
 
 
+DECODE_PATHS = ("padded", "ragged")
+
+
 @dataclass(frozen=True)
 class DecodeGroup:
     """Requests with exactly one query token, attended in one padded SDPA call."""
@@ -36,6 +50,18 @@ class DecodeGroup:
     rows: slice | torch.Tensor   # packed-batch row of each query: a slice when contiguous, else [D] long
     block_tables: torch.Tensor   # [D, max_blocks] long, padded with block 0
     mask: torch.Tensor           # [D, 1, 1, max_blocks * block_size] bool: True = attend
+
+
+@dataclass(frozen=True)
+class RaggedDecodeGroup:
+    """Requests with exactly one query token, each attended over exactly its context."""
+
+    rows: slice | torch.Tensor   # packed-batch row of each query: a slice when contiguous, else [D] long
+    block_ids: torch.Tensor      # [n] long: tables of the requests read through the gather, concatenated
+    # Per request: (in_place, first token row, context_len). In place: the row
+    # of the layer's cache viewed as [KVH, blocks * block_size, D] (its blocks
+    # are consecutive); else: the row of the gathered buffer.
+    spans: tuple[tuple[bool, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -53,13 +79,13 @@ class PrefillSeq:
 class PagedAttentionMetadata:
     """Everything the attention function needs for one step, built once per step."""
 
-    key_cache: torch.Tensor      # [layers, blocks, block_size, kv_heads, head_dim]
+    key_cache: torch.Tensor      # [layers, kv_heads, blocks, block_size, head_dim]
     value_cache: torch.Tensor    # same layout as key_cache
     positions: torch.Tensor      # [T] long: absolute position of each packed token
     slot_mapping: torch.Tensor   # [T] long: flat slot (block * block_size + offset) per packed token
-    decode: DecodeGroup | None
+    decode: DecodeGroup | RaggedDecodeGroup | None
     prefills: tuple[PrefillSeq, ...]
-    gather_keys: torch.Tensor    # [n, block_size, kv_heads, head_dim] scratch, n >= any one gather
+    gather_keys: torch.Tensor    # flat scratch with room for any one gather of this step
     gather_values: torch.Tensor
 
 
@@ -72,18 +98,19 @@ class GatherScratch:
     CPU). Grows on demand, never shrinks.
     """
 
-    def __init__(self, block_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> None:
-        self._block_shape = block_shape      # (block_size, kv_heads, head_dim)
+    def __init__(self, block_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._block_numel = block_numel      # kv_heads * block_size * head_dim: one block of one layer
         self._dtype = dtype
         self._device = device
-        self._keys = torch.empty(0, *block_shape, dtype=dtype, device=device)
+        self._keys = torch.empty(0, dtype=dtype, device=device)
         self._values = torch.empty_like(self._keys)
 
     def buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value buffers with room for at least ``num_blocks`` blocks."""
-        if num_blocks > self._keys.shape[0]:
-            size = max(num_blocks, 2 * self._keys.shape[0])
-            self._keys = torch.empty(size, *self._block_shape, dtype=self._dtype, device=self._device)
+        """Flat key and value buffers with room for at least ``num_blocks`` blocks."""
+        needed = num_blocks * self._block_numel
+        if needed > self._keys.numel():
+            size = max(needed, 2 * self._keys.numel())
+            self._keys = torch.empty(size, dtype=self._dtype, device=self._device)
             self._values = torch.empty_like(self._keys)
         return self._keys, self._values
 
@@ -102,20 +129,24 @@ def build_metadata(
     block_tables: Sequence[Sequence[int]],
     scratch: GatherScratch,
     device: torch.device,
+    decode_path: str = "padded",
 ) -> PagedAttentionMetadata:
     """Build the step's metadata from per-request lists (in packed-batch order).
 
     Request ``i`` owns ``query_lens[i]`` consecutive rows of the packed batch,
     which are its last tokens: absolute positions
     ``context_lens[i] - query_lens[i] .. context_lens[i] - 1``.
-    ``block_tables[i]`` must cover ``context_lens[i]`` tokens.
+    ``block_tables[i]`` must cover ``context_lens[i]`` tokens. ``decode_path``
+    is one of ``DECODE_PATHS`` (see the module docstring).
     """
-    block_size = key_cache.shape[2]
+    if decode_path not in DECODE_PATHS:
+        raise ValueError(f"decode_path must be one of {DECODE_PATHS}")
+    block_size = key_cache.shape[3]
     query_starts = [0]
     for n in query_lens:
         query_starts.append(query_starts[-1] + n)
     positions, slot_mapping = _positions_and_slots(
-        query_lens, context_lens, block_tables, block_size, num_blocks=key_cache.shape[1]
+        query_lens, context_lens, block_tables, block_size, num_blocks=key_cache.shape[2]
     )
     decode_ids = [i for i, n in enumerate(query_lens) if n == 1]
     prefills = tuple(
@@ -124,7 +155,8 @@ def build_metadata(
     )
     decode = None
     if decode_ids:
-        decode = _decode_group(
+        make_group = _ragged_decode_group if decode_path == "ragged" else _decode_group
+        decode = make_group(
             [query_starts[i] for i in decode_ids],
             [context_lens[i] for i in decode_ids],
             [block_tables[i] for i in decode_ids],
@@ -132,8 +164,10 @@ def build_metadata(
             device,
         )
     gather_blocks = [seq.block_ids.shape[0] for seq in prefills if seq.mask is not None]
-    if decode is not None:
+    if isinstance(decode, DecodeGroup):
         gather_blocks.append(decode.block_tables.numel())
+    elif decode is not None:
+        gather_blocks.append(decode.block_ids.numel())
     gather_keys, gather_values = scratch.buffers(max(gather_blocks, default=0))
     return PagedAttentionMetadata(
         key_cache=key_cache,
@@ -168,19 +202,39 @@ def _positions_and_slots(query_lens, context_lens, block_tables, block_size, *, 
     return torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
 
 
+def _rows(token_indices: list[int], device) -> slice | torch.Tensor:
+    first = token_indices[0]
+    if token_indices == list(range(first, first + len(token_indices))):
+        return slice(first, first + len(token_indices))  # the usual case: decodes come first
+    return torch.tensor(token_indices, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _ragged_decode_group(token_indices, context_lens, block_tables, block_size, device) -> RaggedDecodeGroup:
+    block_ids: list[int] = []
+    spans = []
+    for context_len, table in zip(context_lens, block_tables):
+        blocks = table[: -(-context_len // block_size)]
+        first = blocks[0]
+        if blocks[-1] - first == len(blocks) - 1 and all(b == first + i for i, b in enumerate(blocks)):
+            spans.append((True, first * block_size, context_len))
+        else:
+            spans.append((False, len(block_ids) * block_size, context_len))
+            block_ids.extend(blocks)
+    return RaggedDecodeGroup(
+        rows=_rows(token_indices, device),
+        block_ids=torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True),
+        spans=tuple(spans),
+    )
+
+
 def _decode_group(token_indices, context_lens, block_tables, block_size, device) -> DecodeGroup:
     num_blocks = [-(-n // block_size) for n in context_lens]
     max_blocks = max(num_blocks)
     tables = [list(t[:nb]) + [0] * (max_blocks - nb) for t, nb in zip(block_tables, num_blocks)]
     lens = torch.tensor(context_lens, dtype=torch.long)
     mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
-    first = token_indices[0]
-    if token_indices == list(range(first, first + len(token_indices))):
-        rows = slice(first, first + len(token_indices))  # the usual case: decodes come first
-    else:
-        rows = torch.tensor(token_indices, dtype=torch.long).to(device, non_blocking=True)
     return DecodeGroup(
-        rows=rows,
+        rows=_rows(token_indices, device),
         block_tables=torch.tensor(tables, dtype=torch.long).to(device, non_blocking=True),
         mask=mask[:, None, None, :].to(device, non_blocking=True),
     )
@@ -225,14 +279,16 @@ def paged_attention_forward(
     if meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {METADATA_KWARG} forward kwarg")
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
-    key_cache = meta.key_cache[module.layer_idx]      # [blocks, block_size, KVH, D]
+    key_cache = meta.key_cache[module.layer_idx]      # [KVH, blocks, block_size, D]
     value_cache = meta.value_cache[module.layer_idx]
-    # index_copy_ on a flat view writes all new tokens of all requests in one op.
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    # index_copy_ on a [KVH, slots, D] view writes all new tokens of all requests in one op.
+    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key[0])
+    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, value[0])
 
     out = query.new_empty(query.shape[2], query.shape[1], head_dim)  # [T, H, D]
-    if meta.decode is not None:
+    if isinstance(meta.decode, RaggedDecodeGroup):
+        out[meta.decode.rows] = _ragged_decode_attention(query[0], key_cache, value_cache, meta, scaling)
+    elif meta.decode is not None:
         out[meta.decode.rows] = _decode_attention(query[0], key_cache, value_cache, meta, scaling)
     for seq in meta.prefills:
         out[seq.query_start : seq.query_end] = _prefill_attention(
@@ -246,15 +302,40 @@ def _decode_attention(query, key_cache, value_cache, meta: PagedAttentionMetadat
     group = meta.decode
     num_heads, head_dim = query.shape[0], query.shape[2]
     num_reqs, max_blocks = group.block_tables.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads, block_size = key_cache.shape[0], key_cache.shape[2]
     # GQA without repeating K/V: the n_rep query heads of a KV head become the
     # "query length" axis, so each KV head is read once (HF's pack_gqa trick).
     q = query[:, group.rows].transpose(0, 1).reshape(num_reqs, num_kv_heads, -1, head_dim)
-    shape = (num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
-    k = _gather(key_cache, group.block_tables.view(-1), meta.gather_keys).view(shape).transpose(1, 2)
-    v = _gather(value_cache, group.block_tables.view(-1), meta.gather_values).view(shape).transpose(1, 2)
+    shape = (num_kv_heads, num_reqs, max_blocks * block_size, head_dim)
+    k = _gather(key_cache, group.block_tables.view(-1), meta.gather_keys).view(shape).transpose(0, 1)
+    v = _gather(value_cache, group.block_tables.view(-1), meta.gather_values).view(shape).transpose(0, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
     return out.reshape(num_reqs, num_heads, head_dim)
+
+
+def _ragged_decode_attention(query, key_cache, value_cache, meta: PagedAttentionMetadata, scaling) -> torch.Tensor:
+    """One query per request over its own gathered context: ``[D, H, head_dim]``."""
+    group = meta.decode
+    num_heads, head_dim = query.shape[0], query.shape[2]
+    num_kv_heads = key_cache.shape[0]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    # [KVH, tokens, head_dim] views, each head's rows contiguous: the cache in
+    # place, and the gathered blocks.
+    sources = {
+        True: (key_cache.view(num_kv_heads, -1, head_dim), value_cache.view(num_kv_heads, -1, head_dim)),
+        False: (_gather(key_cache, group.block_ids, meta.gather_keys).view(num_kv_heads, -1, head_dim),
+                _gather(value_cache, group.block_ids, meta.gather_values).view(num_kv_heads, -1, head_dim)),
+    }
+    # [D, KVH, n_rep, head_dim]: GQA without repeating K/V, the n_rep query
+    # heads of a KV head are the rows of one matrix product.
+    q = (query[:, group.rows] * scale).transpose(0, 1).reshape(len(group.spans), num_kv_heads, -1, head_dim)
+    out = torch.empty_like(q)
+    for i, (in_place, start, length) in enumerate(group.spans):
+        keys, values = sources[in_place]
+        scores = torch.bmm(q[i], keys[:, start : start + length].mT)          # [KVH, n_rep, len]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        torch.bmm(probs, values[:, start : start + length], out=out[i])
+    return out.view(len(group.spans), num_heads, head_dim)
 
 
 def _prefill_attention(
@@ -271,9 +352,8 @@ def _prefill_attention(
             q, k, v, is_causal=True, scale=scaling, enable_gqa=num_heads != num_kv_heads
         )
         return out[0].transpose(0, 1)
-    k = _gather(key_cache, seq.block_ids, meta.gather_keys).view(-1, num_kv_heads, head_dim)[: seq.context_len]
-    v = _gather(value_cache, seq.block_ids, meta.gather_values).view(-1, num_kv_heads, head_dim)[: seq.context_len]
-    k, v = k.transpose(0, 1), v.transpose(0, 1)                        # [KVH, ctx, D]
+    k = _gather(key_cache, seq.block_ids, meta.gather_keys).view(num_kv_heads, -1, head_dim)[:, : seq.context_len]
+    v = _gather(value_cache, seq.block_ids, meta.gather_values).view(num_kv_heads, -1, head_dim)[:, : seq.context_len]
     if num_heads != num_kv_heads:
         # enable_gqa together with a mask sends CUDA SDPA to its math
         # fallback; repeat the KV heads instead, as HF's sdpa path does.
@@ -284,9 +364,13 @@ def _prefill_attention(
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """Blocks ``block_ids`` of ``cache`` copied into the front of ``scratch``.
+    """Blocks ``block_ids`` of one layer's ``cache`` [KVH, blocks, block_size, D],
+    copied into the front of the flat ``scratch``: ``[KVH, n, block_size, D]``.
 
-    ``index_select`` copies whole blocks; advanced indexing ``cache[ids]`` was
-    measured many times slower on CPU for the same gather.
+    ``index_select`` copies whole blocks; advanced indexing ``cache[:, ids]``
+    was measured many times slower on CPU for the same gather.
     """
-    return torch.index_select(cache, 0, block_ids, out=scratch[: block_ids.shape[0]])
+    num_kv_heads, _, block_size, head_dim = cache.shape
+    shape = (num_kv_heads, block_ids.shape[0], block_size, head_dim)
+    out = scratch[: num_kv_heads * block_ids.shape[0] * block_size * head_dim].view(shape)
+    return torch.index_select(cache, 1, block_ids, out=out)

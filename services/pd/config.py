@@ -16,6 +16,7 @@ class PdConfig:
     port: int = 50061
     metrics_port: int = 9201
     threads: int = 0
+    linear_backend: str = "auto"        # auto | torch | onednn (see services/pd/cpu_linear.py)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int = 0              # 0 = size from kv_cache_memory_mb
@@ -26,21 +27,35 @@ class PdConfig:
     max_num_seqs: int = 64
     max_model_len: int = 0              # 0 = the model's max_position_embeddings
     max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 262144    # prompt tokens of all waiting requests
+    waiting_retry_after_ms: int = 1000  # retry hint sent when the waiting queue is full
     # embedding hand-off
     embedding_cache_tokens: int = 65536
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
     lease_sweep_interval_s: float = 0.25
+    encoder: str = "remote"             # remote = encoder services push embeddings; local = colocated baseline
     # lifecycle
     warmup: bool = True
     grace_s: float = 30.0
+    # Readiness watchdog: NOT_SERVING while the step loop has made no progress
+    # for this long with work pending (0 = off). Must exceed the longest step.
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if self.max_waiting_requests <= 0 or self.max_waiting_tokens <= 0 or self.waiting_retry_after_ms <= 0:
+            raise ValueError("max_waiting_requests, max_waiting_tokens and waiting_retry_after_ms must be positive")
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ValueError("linear_backend must be auto, torch or onednn")
+        if self.stall_timeout_s < 0:
+            raise ValueError("stall_timeout_s must be >= 0 (0 = no readiness watchdog)")
         if self.embedding_cache_tokens <= 0:
             raise ValueError("embedding_cache_tokens must be positive")
         if not 0 < self.default_lease_ms <= self.max_lease_ms:
             raise ValueError("default_lease_ms must be in (0, max_lease_ms]")
+        if self.encoder not in ("remote", "local"):
+            raise ValueError("encoder must be 'remote' or 'local'")
         if not 0 < self.lease_sweep_interval_s <= 1.0:
             raise ValueError("lease_sweep_interval_s must be in (0, 1]: leases are swept at least once a second")

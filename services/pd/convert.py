@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import grpc
 
 from services.common.pb import epd_pb2
-from services.pd.engine import Allocation, Finished, TokenDelta, usage_of
+from services.pd.engine import Finished, TokenDelta, usage_of
+from services.pd.handoff import Allocation
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
 

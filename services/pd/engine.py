@@ -19,15 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from services.pd.detokenizer import IncrementalDetokenizer
-from services.pd.embedding_cache import (
-    EmbeddingCache,
-    EmbeddingCacheFull,
-    ReservationNotFound,
-    ReservationRejected,
-)
+from services.pd.embedding_cache import EmbeddingCache
 from services.pd.errors import EngineError, ErrorKind
+from services.pd.handoff import Allocation, EmbeddingHandoff
 from services.pd.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
-from services.pd.request import Request, RequestStatus
+from services.pd.request import MultiModalSpan, Request, RequestStatus
 from services.pd.scheduler import QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
@@ -71,15 +67,6 @@ class _Live:
     post: Callable[[Event], None]
 
 
-@dataclass(frozen=True)
-class Allocation:
-    """Outcome of Preallocate for one item."""
-
-    mm_hash: str
-    ready: bool
-    reservation_id: str
-
-
 class Engine:
     """Owns the scheduler, the caches and the model runner; see the module docstring."""
 
@@ -94,6 +81,7 @@ class Engine:
         embedding_store: dict[str, Any],
         prepare_embedding: Callable[[Any], Any],
         lease_sweep_interval_s: float = 0.25,
+        thread_init: Callable[[], None] | None = None,
     ):
         self.scheduler = scheduler
         self.embedding_cache = embedding_cache
@@ -103,15 +91,23 @@ class Engine:
         # mm_hash -> embedding tensor on the runner's device; entries are
         # removed by the embedding cache's eviction callback.
         self._embeddings = embedding_store
-        self._prepare_embedding = prepare_embedding
+        self.handoff = EmbeddingHandoff(embedding_cache, scheduler.kv_cache, embedding_store, prepare_embedding)
         self._sweep_interval = lease_sweep_interval_s
+        # Runs first on the engine thread: per-thread runtime settings (OpenMP's
+        # thread count is per thread; oneDNN would otherwise use every core).
+        self._thread_init = thread_init
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._thread = threading.Thread(target=self._run, name="pd-engine", daemon=True)
         self._stopping = False
         self._next_sweep = 0.0
         self.num_steps = 0
+        # Where step time goes: scheduling, the model runner, accounting + detokenizing.
+        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+        # Written by the engine thread after every loop iteration, read by the
+        # readiness watchdog (``stalled_for``); plain attribute writes are atomic.
         self.last_step_time = time.monotonic()
+        self._has_work = False
 
     # ------------------------------------------------------------------
     # lifecycle
@@ -131,6 +127,17 @@ class Engine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds the step loop has made no progress while work is pending (0 = healthy or idle).
+
+        Any thread may call it. The loop comes round at least every lease
+        sweep interval even when idle or waiting for images, so only a stuck
+        (or very long) step or command makes this grow.
+        """
+        if not self._has_work and self._inbox.empty():
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - self.last_step_time)
 
     # ------------------------------------------------------------------
     # asyncio-facing API
@@ -163,10 +170,18 @@ class Engine:
         return await future
 
     async def preallocate(
-        self, request_id: str, items: Sequence[tuple[str, int]], lease_s: float
+        self,
+        request_id: str,
+        spans: Sequence[MultiModalSpan],
+        lease_s: float,
+        prompt_token_ids: Sequence[int] = (),
     ) -> list[Allocation]:
-        """Reserves (or pins) embedding-cache room for ``items`` = [(mm_hash, num_tokens)]."""
-        return await self.call(self._preallocate, request_id, list(items), lease_s)
+        """Reserves room for (or pins) the images of a prompt; see ``services/pd/handoff.py``.
+
+        With ``prompt_token_ids``, an image whose prefix is in the KV prefix
+        cache is READY without its embedding.
+        """
+        return await self.call(self._preallocate, request_id, list(spans), lease_s, list(prompt_token_ids))
 
     async def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> None:
         """Rejects a push early (before its bytes arrive) if its reservation is not live."""
@@ -199,83 +214,38 @@ class Engine:
     # engine thread: commands
     # ------------------------------------------------------------------
 
-    def _preallocate(self, request_id: str, items: list[tuple[str, int]], lease_s: float) -> list[Allocation]:
+    def _preallocate(
+        self, request_id: str, spans: list[MultiModalSpan], lease_s: float, prompt_token_ids: list[int]
+    ) -> list[Allocation]:
         if request_id in self._live:
             raise EngineError(ErrorKind.ALREADY_EXISTS, "a request with this id is already running")
-        now = time.monotonic()
-        try:
-            granted = self.embedding_cache.preallocate(request_id, items, now + lease_s, now)
-        except EmbeddingCacheFull as exc:
-            raise EngineError(
-                ErrorKind.RESOURCE_EXHAUSTED, "embedding cache is full", retry_after_s=exc.retry_after_s
-            ) from None
-        except ValueError as exc:
-            # Our own message (size conflict or over total capacity), never input.
-            raise EngineError(ErrorKind.INVALID_ARGUMENT, str(exc)) from None
-        return [Allocation(mm_hash=h, ready=state.name == "READY", reservation_id=rid) for h, state, rid in granted]
+        return self.handoff.preallocate(request_id, prompt_token_ids, spans, lease_s)
 
     def _check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> None:
-        try:
-            self.embedding_cache.check_push(request_id, reservation_id, mm_hash, num_tokens, time.monotonic())
-        except ReservationNotFound:
-            raise EngineError(ErrorKind.NOT_FOUND, "unknown reservation") from None
-        except ReservationRejected as exc:
-            raise EngineError(ErrorKind.FAILED_PRECONDITION, f"push rejected: {exc}") from None
+        self.handoff.check_push(request_id, reservation_id, mm_hash, num_tokens)
 
     def _fill(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
-        self._check_push(request_id, reservation_id, mm_hash, int(embedding.shape[0]))
-        tensor = self._prepare_embedding(embedding)
-        if self.embedding_cache.fill(request_id, reservation_id, mm_hash, time.monotonic()):
-            self._embeddings[mm_hash] = tensor
+        self.handoff.fill(request_id, reservation_id, mm_hash, embedding)
 
     def _add_request(self, request: Request, post: Callable[[Event], None]) -> None:
         if request.request_id in self._live:
             raise EngineError(ErrorKind.ALREADY_EXISTS, "a request with this id is already running")
-        self._take_embedding_refs(request)
+        held = self.handoff.take_over(request)
         try:
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(request, span_refs=held)
         except QueueFull as exc:
-            self._release_embedding_refs(request)
+            self.handoff.release(request, held)
             raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many waiting requests", exc.retry_after_s) from None
         except ValueError as exc:
-            self._release_embedding_refs(request)
+            self.handoff.release(request, held)
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(exc)) from None
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
         self._live[request.request_id] = _Live(request=request, detokenizer=detokenizer, post=post)
 
-    def _take_embedding_refs(self, request: Request) -> None:
-        """Turns the request's Preallocate reservations into one reference per image span.
-
-        A span whose image was not preallocated may still use a READY cached
-        embedding; anything else is a protocol error by the caller.
-        """
-        taken = list(self.embedding_cache.take_over(request.request_id))
-        held: list[str] = []
-        for span in request.mm_spans:
-            if span.mm_hash in taken:
-                taken.remove(span.mm_hash)
-            elif not self.embedding_cache.acquire(span.mm_hash):
-                for mm_hash in held + taken:
-                    self.embedding_cache.release(mm_hash)
-                self.embedding_cache.cancel_request(request.request_id)
-                raise EngineError(
-                    ErrorKind.FAILED_PRECONDITION,
-                    "an image of this request has no reservation on this PD (call Preallocate first)",
-                )
-            held.append(span.mm_hash)
-        # A reference left over (an item preallocated but absent from the
-        # prompt) would pin its entry forever: drop it now.
-        for mm_hash in taken:
-            self.embedding_cache.release(mm_hash)
-
-    def _release_embedding_refs(self, request: Request) -> None:
-        for span in request.mm_spans:
-            self.embedding_cache.release(span.mm_hash)
-
     def _abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        self.embedding_cache.cancel_request(request_id)
+        self.handoff.cancel(request_id)
         if live is not None:
             live.post(Finished(RequestStatus.FINISHED_ABORTED, request or live.request))
 
@@ -290,6 +260,12 @@ class Engine:
             num_kv_blocks_used=self.scheduler.kv_cache.num_blocks - self.scheduler.kv_cache.num_free_blocks,
             num_live_requests=len(self._live),
             num_embeddings_stored=len(self._embeddings),
+            num_kv_blocks_pinned=self.scheduler.kv_cache.num_pinned_blocks,
+            num_kv_leases=self.handoff.num_kv_leases,
+            num_steps=self.num_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            **{f"{stage}_ms": int(seconds * 1000) for stage, seconds in self.step_seconds.items()},
         )
         return stats
 
@@ -300,7 +276,7 @@ class Engine:
 
     def _fail(self, request_id: str, error: EngineError) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error.message)
-        self.embedding_cache.cancel_request(request_id)
+        self.handoff.cancel(request_id)
         live = self._live.pop(request_id, None)
         if live is not None:
             live.post(Failed(error))
@@ -310,12 +286,16 @@ class Engine:
     # ------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
         idle = True
         while True:
             if not self._drain_inbox(timeout=self._sweep_interval if idle else 0.0):
                 break
             self._maybe_sweep()
             idle = not self._step()
+            self._has_work = self.scheduler.has_unfinished_requests()
+            self.last_step_time = time.monotonic()
 
     def _drain_inbox(self, timeout: float) -> bool:
         """Runs queued commands; blocks up to ``timeout`` for the first. False = stop."""
@@ -337,9 +317,7 @@ class Engine:
         if now < self._next_sweep:
             return
         self._next_sweep = now + self._sweep_interval
-        result = self.embedding_cache.expire(now)
-        for mm_hash in result.dropped_hashes:
-            self._embeddings.pop(mm_hash, None)
+        for mm_hash in self.handoff.expire(now):
             error = EngineError(
                 ErrorKind.DEADLINE_EXCEEDED, "an image embedding was not delivered before its lease expired"
             )
@@ -348,14 +326,17 @@ class Engine:
 
     def _step(self) -> bool:
         """Runs one scheduled step; False when nothing could be scheduled."""
-        self.last_step_time = time.monotonic()
         if not self.scheduler.has_unfinished_requests():
             return False
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        self.step_seconds["schedule"] += scheduled - started
         runner_output = ModelRunnerOutput()
         if not scheduler_output.is_empty:
             try:
                 runner_output = self.runner.execute(scheduler_output, self._embeddings)
+                self.step_seconds["execute"] += time.perf_counter() - scheduled
             except Exception:  # noqa: BLE001 - the engine keeps serving other requests
                 log.exception("model step failed; failing the %d requests in the batch", len(scheduler_output.chunks))
                 error = EngineError(ErrorKind.INTERNAL, "model execution failed")
@@ -364,8 +345,10 @@ class Engine:
                 return True
         # Always report back, even for an empty step: requests the scheduler
         # failed inside schedule() (an evicted image on resume) surface here.
+        executed = time.perf_counter()
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._emit(scheduler_output, runner_output)
+        self.step_seconds["update"] += time.perf_counter() - executed
         for request in finished:
             if request.status == RequestStatus.FINISHED_ERROR and request.request_id in self._live:
                 kind = ErrorKind.UNAVAILABLE if request.error_retryable else ErrorKind.INTERNAL

@@ -15,6 +15,16 @@ the same prefix can revive them; a block is evicted from the key map only when
 it is handed out again. Blocks that never held a full cached block are reused
 first (they cost nothing to lose).
 
+Placement: a request's next block is the one right after its last block when
+that one is free and blank, and the blank blocks it is expected to grow into
+go to the back of the free queue; tables then tend to be contiguous, which
+lets decode attention read them in place.
+
+Pins: an owner that is not (yet) a running request can hold references on
+cached blocks (``pin`` / ``unpin``), so they cannot be evicted. Preallocate
+uses this when it answers READY for an image whose KV is already cached: the
+blocks stay until the request is admitted, or its lease ends.
+
 Not thread-safe: the engine thread owns it.
 """
 
@@ -49,6 +59,7 @@ class KVCacheManager:
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # request_id -> number of leading blocks already registered in the key map.
         self._num_registered: dict[str, int] = {}
+        self._pins: dict[str, list[int]] = {}    # owner -> pinned block ids
 
     # ------------------------------------------------------------------ queries
     @property
@@ -65,6 +76,11 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         """Blocks currently reachable through the prefix-cache key map."""
         return len(self._key_to_block)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Block references held by pins (a block pinned twice counts twice)."""
+        return sum(len(ids) for ids in self._pins.values())
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -119,7 +135,9 @@ class KVCacheManager:
         if computed_block_ids:
             self._num_registered[request.request_id] = len(computed_block_ids)
         for _ in range(num_new_blocks):
-            request.block_ids.append(self._take_free_block())
+            request.block_ids.append(self._take_next_block(request.block_ids))
+        if num_new_blocks:
+            self._keep_room_after(request)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -151,15 +169,29 @@ class KVCacheManager:
         Blocks go back in reverse order so that the tail of a prefix, the part
         least likely to be shared, is evicted before its head.
         """
-        for block_id in reversed(request.block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free_queue[block_id] = None
-                if self._block_keys[block_id] is None:
-                    # Nothing cached in it: hand it out before any cached block.
-                    self._free_queue.move_to_end(block_id, last=False)
+        self._release(request.block_ids)
         request.block_ids.clear()
         self._num_registered.pop(request.request_id, None)
+
+    def pin(self, owner: str, block_ids: Sequence[int]) -> None:
+        """Hold one reference on each of ``block_ids`` for ``owner``.
+
+        The blocks must be cached (from ``get_computed_blocks``); a free one is
+        revived. Replaces what ``owner`` had pinned before.
+        """
+        if any(self._block_keys[b] is None for b in block_ids):
+            raise ValueError("only prefix-cached blocks can be pinned")
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free_queue[block_id]
+            self._ref_counts[block_id] += 1
+        self.unpin(owner)
+        if block_ids:
+            self._pins[owner] = list(block_ids)
+
+    def unpin(self, owner: str) -> None:
+        """Drop ``owner``'s pins. Idempotent."""
+        self._release(self._pins.pop(owner, ()))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached key (blocks in use keep their contents)."""
@@ -170,7 +202,7 @@ class KVCacheManager:
         """Raise AssertionError unless the bookkeeping is consistent.
 
         With ``requests`` (every request holding blocks), also check that each
-        block's ref count equals the number of block tables holding it.
+        block's ref count equals the number of block tables and pins holding it.
         """
         num_used = sum(1 for c in self._ref_counts if c > 0)
         _check(num_used + len(self._free_queue) == self.num_blocks, "free + used != total")
@@ -183,12 +215,51 @@ class KVCacheManager:
                "a block carries a key missing from the key map")
         if requests is not None:
             expected = [0] * self.num_blocks
-            for request in requests:
-                for block_id in request.block_ids:
+            for block_ids in [r.block_ids for r in requests] + list(self._pins.values()):
+                for block_id in block_ids:
                     expected[block_id] += 1
-            _check(expected == self._ref_counts, "ref counts differ from block tables")
+            _check(expected == self._ref_counts, "ref counts differ from block tables and pins")
 
     # ---------------------------------------------------------------- helpers
+    def _release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, in reverse (tail of a prefix first)."""
+        for block_id in reversed(block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free_queue[block_id] = None
+                if self._block_keys[block_id] is None:
+                    # Nothing cached in it: hand it out before any cached block.
+                    self._free_queue.move_to_end(block_id, last=False)
+
+    def _take_next_block(self, block_ids: list[int]) -> int:
+        """The block right after the table's last one if it is free and blank, else the LRU front.
+
+        Contiguous tables let the runner read a request's K/V in place instead
+        of gathering it (``attention.py``). A blank block costs nothing to take
+        out of LRU order.
+        """
+        if block_ids:
+            after = block_ids[-1] + 1
+            if after < self.num_blocks and self._block_keys[after] is None and after in self._free_queue:
+                del self._free_queue[after]
+                self._ref_counts[after] = 1
+                return after
+        return self._take_free_block()
+
+    def _keep_room_after(self, request: Request) -> None:
+        """Move the blank free blocks that would extend the table to its full length to the back.
+
+        A soft reservation: other requests take them last, so the request
+        usually grows in place; under memory pressure they are used like any
+        other block (after evictable cached blocks).
+        """
+        expected = self.num_blocks_for(request.num_prompt_tokens + request.sampling.max_tokens - 1)
+        last = request.block_ids[-1]
+        for block_id in range(last + 1, min(last + 1 + expected - len(request.block_ids), self.num_blocks)):
+            if self._block_keys[block_id] is not None or block_id not in self._free_queue:
+                break
+            self._free_queue.move_to_end(block_id)
+
     def _take_free_block(self) -> int:
         block_id, _ = self._free_queue.popitem(last=False)
         key = self._block_keys[block_id]

@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the PD flags (each also read from ``EPD_<FLAG>``)."""
     cli_args.add_common_flags(parser, port=50061, metrics_port=9201)
     add = cli_args.add_flag
+    add(parser, "--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
+        help="who runs the LM's linear layers: auto = oneDNN for float32 on CPU (2x MKL there), else torch")
     add(parser, "--block-size", type=int, default=16, help="tokens per KV cache block")
     add(parser, "--num-kv-blocks", type=int, default=0, help="KV cache blocks (0 = size from --kv-cache-memory-mb)")
     add(parser, "--kv-cache-memory-mb", type=int, default=1024, help="memory for the KV cache when --num-kv-blocks is 0")
@@ -26,10 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--max-num-seqs", type=int, default=64, help="most requests running at once")
     add(parser, "--max-model-len", type=int, default=0, help="context length (0 = the model's)")
     add(parser, "--max-waiting-requests", type=int, default=1024, help="queued requests before Generate is refused")
+    add(parser, "--max-waiting-tokens", type=int, default=262144,
+        help="prompt tokens of all queued requests before Generate is refused")
     add(parser, "--embedding-cache-tokens", type=int, default=65536, help="image embedding cache capacity, in tokens")
     add(parser, "--default-lease-ms", type=int, default=30_000, help="how long a reservation waits for its push")
     add(parser, "--warmup", default=True, help="generate one token before reporting ready")
+    add(parser, "--encoder", default="remote", choices=["remote", "local"],
+        help="where image embeddings come from: remote = encoder services push them; local = colocated "
+             "baseline: this PD loads the vision tower, serves epd.v1.Encoder on its own port and encodes "
+             "inside its step loop (blocking the batch like a monolithic engine)")
     add(parser, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
+    add(parser, "--stall-timeout-s", type=float, default=60.0,
+        help="report not ready while the step loop is stuck this long with work pending (0 = off)")
 
 
 def config_from_args(args: argparse.Namespace) -> PdConfig:
@@ -41,6 +51,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         port=args.port,
         metrics_port=args.metrics_port,
         threads=args.threads,
+        linear_backend=args.linear_backend,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_mb=args.kv_cache_memory_mb,
@@ -49,10 +60,13 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens,
         embedding_cache_tokens=args.embedding_cache_tokens,
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,
+        encoder=args.encoder,
         grace_s=args.grace,
+        stall_timeout_s=args.stall_timeout_s,
     )
 
 

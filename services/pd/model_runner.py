@@ -15,22 +15,28 @@ import torch
 
 from services.pd.attention import (
     ATTN_IMPLEMENTATION,
-    GatherScratch,
+    DECODE_PATHS,
     METADATA_KWARG,
+    GatherScratch,
     PagedAttentionMetadata,
     build_metadata,
     register_paged_attention,
 )
+from services.pd.cpu_linear import resolve_backend, use_onednn_linear
 from services.pd.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from services.pd.sampler import Sampler
 
 
 def kv_cache_shape(config, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
-    """``[layers, blocks, block_size, kv_heads, head_dim]`` for a Llama-like config."""
+    """``[layers, kv_heads, blocks, block_size, head_dim]`` for a Llama-like config.
+
+    Head-major: one head's rows of a run of consecutive blocks are contiguous,
+    which decode attention reads ~30% faster than token-major (bench model).
+    """
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return (config.num_hidden_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    return (config.num_hidden_layers, num_kv_heads, num_blocks, block_size, head_dim)
 
 
 class ModelRunner:
@@ -39,6 +45,10 @@ class ModelRunner:
     Takes ownership of ``model``: its attention implementation is switched to
     ``epd_paged``, so it can no longer run a plain HF forward. The model must
     already live on ``device`` in ``dtype``; the KV cache is allocated there.
+    ``decode_path`` picks the one-query attention path (``attention.py``);
+    ``"auto"`` = ragged on CPU, padded elsewhere. ``linear_backend`` picks who
+    runs the linear layers (``cpu_linear.py``); ``"auto"`` = oneDNN for fp32
+    on CPU when it passes its self-check, else PyTorch's own.
     The runner keeps no per-request state (seeded sampling derives its RNG
     from the seed and the output length), so finished requests need no cleanup.
     """
@@ -52,9 +62,13 @@ class ModelRunner:
         device: torch.device | str,
         dtype: torch.dtype,
         sampler: Sampler | None = None,
+        decode_path: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if decode_path not in ("auto", *DECODE_PATHS):
+            raise ValueError(f"decode_path must be 'auto' or one of {DECODE_PATHS}")
         register_paged_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
@@ -62,6 +76,14 @@ class ModelRunner:
         self.model = model.eval()
         self.device = torch.device(device)
         self.dtype = dtype
+        # See attention.py: ragged decode attention wins on CPU, one padded
+        # kernel per layer wins on GPU.
+        if decode_path == "auto":
+            decode_path = "ragged" if self.device.type == "cpu" else "padded"
+        self.decode_path = decode_path
+        self.linear_backend = resolve_backend(linear_backend, self.device, dtype)
+        if self.linear_backend == "onednn":
+            use_onednn_linear(model)
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = kv_cache_shape(model.config, num_blocks, block_size)
@@ -69,13 +91,13 @@ class ModelRunner:
         # mask, and 0 * NaN from uninitialised memory would poison the output.
         self.key_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._scratch = GatherScratch(shape[2:], dtype, self.device)
+        self._scratch = GatherScratch(shape[1] * shape[3] * shape[4], dtype, self.device)
         self.sampler = sampler if sampler is not None else Sampler()
 
     @staticmethod
     def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of K and V for one block across all layers."""
-        layers, _, _, kv_heads, head_dim = kv_cache_shape(config, 1, block_size)
+        layers, kv_heads, _, _, head_dim = kv_cache_shape(config, 1, block_size)
         return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
@@ -141,6 +163,7 @@ class ModelRunner:
             block_tables=[c.block_ids for c in chunks],
             scratch=self._scratch,
             device=self.device,
+            decode_path=self.decode_path,
         )
 
     def _embed(self, chunks: list[ScheduledChunk], embeddings: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -13,7 +13,10 @@ Embedding references: ``add_request`` takes over one reference per image span
 that the caller acquired (``EmbeddingCache.take_over`` / ``acquire``). The
 scheduler releases a span's reference once the span is in the KV cache, takes
 it again if a preemption forces a recompute, and releases what is left when
-the request finishes. The engine thread calls ``schedule`` and
+the request finishes. A span the caller holds no reference for must be
+covered by prefix-cached KV blocks that the caller pinned under the request id
+(``KVCacheManager.pin``); the scheduler drops that pin once the request is
+admitted (its block table then holds the blocks) or finishes. The engine thread calls ``schedule`` and
 ``update_from_output`` alternately; nothing here is thread-safe.
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from collections.abc import Callable, MutableSequence
+from collections.abc import Callable, Iterable, MutableSequence
 from dataclasses import dataclass
 
 from services.pd.embedding_cache import EmbeddingCache
@@ -52,7 +55,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048    # token budget of one step
     max_num_seqs: int = 64                # requests holding KV at once
     max_waiting_requests: int = 1024
-    max_waiting_tokens: int = 262144      # tokens of all waiting requests
+    max_waiting_tokens: int = 262144      # prompt (+ output, if preempted) tokens of all waiting requests
     retry_after_s: float = 1.0            # hint returned with QueueFull
 
     def __post_init__(self) -> None:
@@ -82,6 +85,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []       # for the runner, via the next SchedulerOutput
         self._failed_in_schedule: list[Request] = []   # returned by the next update_from_output
+        # Lifetime counters (for stats and tests).
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0           # prompt tokens served by the prefix cache, all admissions
 
     # ------------------------------------------------------------------ queries
     def get_request(self, request_id: str) -> Request | None:
@@ -100,12 +106,15 @@ class Scheduler:
         return len(self.waiting)
 
     # --------------------------------------------------------------- admission
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, span_refs: Iterable[int] | None = None) -> None:
         """Queue a new request; the caller holds one embedding reference per span.
 
-        Raises ValueError for a request this server can never run (duplicate id,
-        empty or too long prompt, bad spans, more KV than exists) and QueueFull
-        when the waiting bounds are reached. On either, nothing is taken over.
+        ``span_refs`` (default: all) are the indices of the spans with a
+        reference; every other span must be covered by KV blocks pinned under
+        the request id (see the module docstring). Raises ValueError for a
+        request this server can never run (duplicate id, empty or too long
+        prompt, bad spans, more KV than exists) and QueueFull when the waiting
+        bounds are reached. On either, nothing is taken over.
         """
         self._validate(request)
         num_waiting_tokens = sum(r.num_tokens for r in self.waiting)
@@ -113,7 +122,7 @@ class Scheduler:
                 or num_waiting_tokens + request.num_tokens > self.config.max_waiting_tokens):
             raise QueueFull(self.config.retry_after_s)
         request.status = RequestStatus.WAITING
-        request.span_refs = set(range(len(request.mm_spans)))
+        request.span_refs = set(range(len(request.mm_spans)) if span_refs is None else span_refs)
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -124,6 +133,8 @@ class Scheduler:
             raise ValueError("the prompt is empty")
         if request.num_prompt_tokens > self.config.max_model_len:
             raise ValueError("the prompt is longer than the maximum model length")
+        if request.num_prompt_tokens > self.config.max_waiting_tokens:
+            raise ValueError("the prompt is longer than this server's waiting-queue token bound")
         if request.sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         _validate_spans(request.mm_spans, request.num_prompt_tokens)
@@ -199,9 +210,11 @@ class Scheduler:
             return _Admit.BLOCKED, 0
         if not self.kv_cache.allocate_slots(request, num_new, computed_block_ids):
             return _Admit.NO_ROOM, 0
+        self.kv_cache.unpin(request.request_id)   # the block table holds them now
         request.num_computed_tokens = num_hit
         if request.timings.first_scheduled is None:
             request.num_cached_tokens = num_hit
+        self.num_prefix_hit_tokens += num_hit
         self.running.append(request)
         self._release_computed_spans(request)
         self._add_chunk(out, request, num_new, now)
@@ -248,6 +261,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self._end_embedding_wait(request, now)
         self.waiting.appendleft(request)
         out.preempted_request_ids.append(request.request_id)
@@ -333,6 +347,7 @@ class Scheduler:
         self._end_embedding_wait(request, now)
         request.timings.finished = now
         self.kv_cache.free(request)
+        self.kv_cache.unpin(request.request_id)
         for index in sorted(request.span_refs):
             self.embedding_cache.release(request.mm_spans[index].mm_hash)
         request.span_refs.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from services.common import grpc_utils
 from services.common.devices import resolve_device, resolve_dtype
 from services.common.models import ensure_model, load_adapter
 from services.common.pb import epd_pb2_grpc
+from services.pd.colocated import Colocated
 from services.pd.config import PdConfig
 from services.pd.embedding_cache import EmbeddingCache
 from services.pd.engine import Engine, Failed, Finished
@@ -22,6 +24,7 @@ from services.pd.model_runner import ModelRunner
 from services.pd.request import Request, SamplingParams
 from services.pd.scheduler import Scheduler, SchedulerConfig
 from services.pd.servicer import PrefillDecodeServicer
+from services.pd.watchdog import watch_readiness
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ class PdServer:
     grpc: grpc_utils.GrpcServer
     engine: Engine
     config: PdConfig
+    colocated: Colocated | None = None  # the in-process encoder of ``--encoder local``
+    watchdog: asyncio.Task | None = None  # readiness watchdog (services/pd/watchdog.py)
 
     @property
     def port(self) -> int:
@@ -46,6 +51,10 @@ class PdServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """Not ready -> stop accepting -> let calls finish for ``grace`` s -> stop the engine."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()   # it must not report ready again while stopping
+        if self.colocated is not None:
+            await self.colocated.set_ready(self.grpc, False)
         await self.grpc.stop(self.config.grace_s if grace is None else grace)
         await asyncio.to_thread(self.engine.shutdown)
 
@@ -77,7 +86,10 @@ def build_engine(config: PdConfig) -> tuple[Engine, dict]:
     tokenizer = adapter.load_tokenizer()
     max_model_len = config.max_model_len or adapter.max_model_len
     num_blocks = _num_kv_blocks(config, model.config, dtype, max_model_len)
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype)
+    runner = ModelRunner(
+        model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype,
+        linear_backend=config.linear_backend,
+    )
     embeddings: dict[str, torch.Tensor] = {}
     embedding_cache = EmbeddingCache(config.embedding_cache_tokens, on_evict=lambda h: embeddings.pop(h, None))
     kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
@@ -87,6 +99,8 @@ def build_engine(config: PdConfig) -> tuple[Engine, dict]:
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,
             max_waiting_requests=config.max_waiting_requests,
+            max_waiting_tokens=config.max_waiting_tokens,
+            retry_after_s=config.waiting_retry_after_ms / 1000.0,
         ),
         kv_cache,
         embedding_cache,
@@ -100,6 +114,8 @@ def build_engine(config: PdConfig) -> tuple[Engine, dict]:
         embedding_store=embeddings,
         prepare_embedding=lambda t: t.to(device=device, dtype=dtype),
         lease_sweep_interval_s=config.lease_sweep_interval_s,
+        # The engine thread runs the model with the thread count chosen here.
+        thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()),
     )
     facts = {
         "eos_token_id": adapter.eos_token_id,
@@ -107,6 +123,7 @@ def build_engine(config: PdConfig) -> tuple[Engine, dict]:
         "max_model_len": max_model_len,
         "model_id": adapter.model_id,
         "num_kv_blocks": num_blocks,
+        "linear_backend": runner.linear_backend,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -133,6 +150,8 @@ async def warm_up(engine: Engine, eos_token_id: int | None) -> None:
 async def start_pd(config: PdConfig) -> PdServer:
     """Loads the model, starts the engine and the gRPC server, warms up, then reports ready."""
     engine, facts = await asyncio.to_thread(build_engine, config)
+    # Colocated mode: the vision half too, loaded before the engine thread starts.
+    colocated = await Colocated.load(config, engine) if config.encoder == "local" else None
     engine.start()
     servicer = PrefillDecodeServicer(
         engine,
@@ -141,12 +160,18 @@ async def start_pd(config: PdConfig) -> PdServer:
         vocab_size=facts["vocab_size"],
         max_model_len=facts["max_model_len"],
     )
-    server = await grpc_utils.start_server(
-        config.host, config.port, SERVICE_NAME, lambda s: epd_pb2_grpc.add_PrefillDecodeServicer_to_server(servicer, s)
-    )
+
+    def register(grpc_server) -> None:
+        epd_pb2_grpc.add_PrefillDecodeServicer_to_server(servicer, grpc_server)
+        if colocated is not None:
+            colocated.register(grpc_server)  # epd.v1.Encoder on this same port
+
+    server = await grpc_utils.start_server(config.host, config.port, SERVICE_NAME, register)
     try:
         if config.warmup:
             await warm_up(engine, facts["eos_token_id"])
+        if colocated is not None:
+            await colocated.become_ready(server, warm_up=config.warmup)
     except (RuntimeError, EngineError, asyncio.TimeoutError):
         await server.stop(0)
         engine.shutdown()
@@ -156,7 +181,10 @@ async def start_pd(config: PdConfig) -> PdServer:
         "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d",
         config.host, server.port, facts["model_id"], facts["device"], facts["dtype"], facts["num_kv_blocks"],
     )
-    return PdServer(grpc=server, engine=engine, config=config)
+    watchdog = None
+    if config.stall_timeout_s > 0:
+        watchdog = asyncio.create_task(watch_readiness(engine, server.set_ready, config.stall_timeout_s))
+    return PdServer(grpc=server, engine=engine, config=config, colocated=colocated, watchdog=watchdog)
 
 
 __all__ = ["PdServer", "SERVICE_NAME", "build_engine", "start_pd", "warm_up", "ErrorKind"]

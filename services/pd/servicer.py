@@ -51,7 +51,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             if remaining is not None:
                 lease_ms = max(1, min(lease_ms, int(remaining * 1000)))
             allocations = await self.engine.preallocate(
-                request.request_id, [(s.mm_hash, s.num_tokens) for s in spans], lease_ms / 1000.0
+                request.request_id, spans, lease_ms / 1000.0, prompt_token_ids=request.prompt_token_ids
             )
         except EngineError as error:
             await abort_with(context, error)

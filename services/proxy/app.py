@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app: ``create_app(config, backends)``.
 
-Handlers convert and delegate: body -> validated request -> ``Prompt``
-(in a worker thread) -> ``Job`` -> ``Pipeline.generate`` -> OpenAI objects.
-All state lives on ``app.state.proxy`` and is built by the lifespan.
+Handlers convert and delegate: body -> validated request -> image sources
+(remote ones fetched) -> ``Prompt`` (in a worker thread) -> one ``Job`` per
+choice -> ``Pipeline.generate`` -> OpenAI objects. All state lives on
+``app.state.proxy`` and is built by the lifespan.
 """
 
 from __future__ import annotations
@@ -18,31 +19,38 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
-from services.proxy.errors import ApiError, RequestError, error_body, model_not_found
+from services.proxy.errors import ApiError, RequestError, model_not_found
 from services.proxy.http_util import (
     ClientDisconnected,
     EventStreamResponse,
-    as_api_error,
-    error_response,
     parse_body,
     read_body,
+    request_timeout,
     unless_disconnected,
 )
+from services.proxy.media import MediaFetcher, MediaPolicy, image_sources
 from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from services.proxy.pipeline import Job, Pipeline, Trace, new_request_id
-from services.proxy.preprocess import Preprocessor, Prompt
-from services.proxy.responses import ChatFormatter, CompletionFormatter, ResponseMeta, collect, stream_events
+from services.proxy.middleware import ApiKeyMiddleware, MetricsMiddleware, install_error_handlers
+from services.proxy.jobs import Job, Trace, new_request_id
+from services.proxy.pipeline import Pipeline
+from services.proxy.preprocess import Preprocessor, Prompt, image_urls
+from services.proxy.responses import (
+    ChatFormatter,
+    Choice,
+    CompletionFormatter,
+    ResponseMeta,
+    collect,
+    stream_events,
+)
 from services.proxy.sampling import (
     check_supported,
+    choice_sampling,
     requested_logprobs,
     requested_max_tokens,
     resolve_max_tokens,
@@ -65,6 +73,7 @@ class ProxyState:
     pipeline: Pipeline
     executor: ThreadPoolExecutor
     metrics: ProxyMetrics
+    fetcher: MediaFetcher | None
     served_model_name: str
     max_model_len: int
     created: int
@@ -91,20 +100,26 @@ def _state(request: Request) -> ProxyState:
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions`` (text and images, streaming or not)."""
     state, trace = _state(request), Trace()
+    timeout_s = request_timeout(request, state.config.request_timeout_s)
     body = parse_body(await read_body(request, state.config.max_body_bytes), ChatCompletionRequest)
     state.check_model(body.model)
-    check_supported(body)
-    prompt = await state.in_worker(state.preprocessor.chat_prompt, body.messages_as_dicts())
+    check_supported(body, state.config.max_n)
+    messages = body.messages_as_dicts()
+    urls = image_urls(messages)
+    state.preprocessor.check_image_count(len(urls))
+    sources = await image_sources(urls, state.fetcher, trace.started + timeout_s - time.monotonic())
+    prompt = await state.in_worker(state.preprocessor.chat_prompt, messages, sources)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(request, state, body, prompt, trace, ChatFormatter, "chatcmpl")
+    return await _generate(request, state, body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl")
 
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions`` (text-only: a string or a list of token ids)."""
     state, trace = _state(request), Trace()
+    timeout_s = request_timeout(request, state.config.request_timeout_s)
     body = parse_body(await read_body(request, state.config.max_body_bytes), CompletionRequest)
     state.check_model(body.model)
-    check_supported(body)
+    check_supported(body, state.config.max_n)
     prompt_input = body.prompt
     if isinstance(prompt_input, list) and prompt_input and not isinstance(prompt_input[0], int):
         if len(prompt_input) != 1:
@@ -112,7 +127,7 @@ async def completions(request: Request) -> Response:
         prompt_input = prompt_input[0]
     prompt = await state.in_worker(state.preprocessor.completion_prompt, prompt_input)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(request, state, body, prompt, trace, CompletionFormatter, "cmpl")
+    return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl")
 
 
 async def _generate(
@@ -121,45 +136,56 @@ async def _generate(
     body: _SamplingFields,
     prompt: Prompt,
     trace: Trace,
+    timeout_s: float,
     formatter_cls: type[ChatFormatter],
     id_prefix: str,
 ) -> Response:
+    """One job per choice (``n``), all under the request's one deadline."""
     config = state.config
     max_tokens = resolve_max_tokens(
         requested_max_tokens(body), len(prompt.token_ids), state.max_model_len,
         limit=config.max_tokens_limit, default=config.default_max_tokens,
     )
-    job = Job(
-        request_id=new_request_id(id_prefix),
-        prompt=prompt,
-        sampling=sampling_params(body, max_tokens),
-        deadline=trace.started + config.request_timeout_s,
-        trace=trace,
-    )
+    request_id = new_request_id(id_prefix)
+    sampling = sampling_params(body, max_tokens)
+    jobs = [
+        Job(
+            request_id=request_id if index == 0 else f"{request_id}-n{index}",
+            prompt=prompt,
+            sampling=choice_sampling(sampling, index),
+            deadline=trace.started + timeout_s,
+            trace=trace if index == 0 else Trace(started=trace.started, preprocess_ms=trace.preprocess_ms),
+        )
+        for index in range(body.n or 1)
+    ]
     state.metrics.images.inc(len(prompt.images))
-    meta = ResponseMeta(job.request_id, state.served_model_name, state.decode_token, len(prompt.images),
+    meta = ResponseMeta(request_id, state.served_model_name, state.decode_token, len(prompt.images),
                         return_token_ids=body.return_token_ids)
     formatter = formatter_cls(meta)
     want_logprobs = requested_logprobs(body) is not None
-    messages = _observed(state, job, request.url.path)
+    # A client that streams sees tokens as they come; one that does not sees
+    # nothing until the end, so its jobs may restart on another PD mid-way.
+    choices = [Choice(_observed(state, job, request.url.path, buffered=not body.stream), job.trace) for job in jobs]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
-            stream_events(messages, formatter, trace, include_usage=include_usage, want_logprobs=want_logprobs)
+            stream_events(choices, formatter, include_usage=include_usage, want_logprobs=want_logprobs)
         )
     try:
-        result = await unless_disconnected(request, collect(messages, formatter, trace, want_logprobs=want_logprobs))
+        result = await unless_disconnected(request, collect(choices, formatter, want_logprobs=want_logprobs))
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(result)
 
 
-async def _observed(state: ProxyState, job: Job, endpoint: str) -> AsyncGenerator[epd_pb2.GenerateResponse, None]:
+async def _observed(
+    state: ProxyState, job: Job, endpoint: str, *, buffered: bool
+) -> AsyncGenerator[epd_pb2.GenerateResponse, None]:
     """``Pipeline.generate`` plus the per-request log line and first-token metric."""
     outcome = "cancelled"
     num_tokens = 0
     try:
-        async with contextlib.aclosing(state.pipeline.generate(job)) as messages:
+        async with contextlib.aclosing(state.pipeline.generate(job, buffered=buffered)) as messages:
             async for message in messages:
                 if num_tokens == 0 and job.trace.first_token_ms is not None:
                     state.metrics.first_token.labels(endpoint).observe(job.trace.first_token_ms / 1000)
@@ -176,10 +202,11 @@ async def _observed(state: ProxyState, job: Job, endpoint: str) -> AsyncGenerato
     finally:
         trace = job.trace
         log.info(
-            "request %s %s: %s prompt=%d images=%d ready=%d completion=%d pd=%s first_token_ms=%s total_ms=%.1f",
+            "request %s %s: %s prompt=%d images=%d ready=%d encoder_hits=%d completion=%d pd=%s attempts=%d "
+            "first_token_ms=%s total_ms=%.1f",
             job.request_id, endpoint, outcome, len(job.prompt.token_ids), len(job.prompt.images),
-            trace.num_images_ready, num_tokens, trace.pd_address,
-            None if trace.first_token_ms is None else round(trace.first_token_ms, 1),
+            trace.num_images_ready, trace.num_encoder_cache_hits, num_tokens, trace.pd_address,
+            trace.num_pd_attempts, None if trace.first_token_ms is None else round(trace.first_token_ms, 1),
             (time.monotonic() - trace.started) * 1000,
         )
 
@@ -198,11 +225,14 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder too."""
-    state = _state(request)
-    report = await state.backends.health(state.config.health_timeout_s)
+    """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder too.
+
+    Read from the health monitor's state (no calls are made here).
+    """
+    backends = _state(request).backends
+    report = backends.health_report()
     pd_ok = any(report["pd"].values())
-    encoder_ok = not report["encoder"] or any(report["encoder"].values())
+    encoder_ok = not backends.has_encoders or any(report["encoder"].values())
     ok = pd_ok and encoder_ok
     return JSONResponse({"status": "ok" if ok else "unavailable", **report}, status_code=200 if ok else 503)
 
@@ -214,63 +244,7 @@ async def metrics(request: Request) -> Response:
 # --------------------------------------------------------------------------- wiring
 
 
-_GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-
-class _MetricsMiddleware:
-    """Counts requests by status and times successful ones, streams included (pure ASGI)."""
-
-    def __init__(self, app: ASGIApp, metrics: ProxyMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or path not in _GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
-        started, status = time.monotonic(), 500
-        self.metrics.in_flight.labels(path).inc()
-
-        async def send_and_watch(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_watch)
-        finally:
-            self.metrics.in_flight.labels(path).dec()
-            self.metrics.requests.labels(path, str(status)).inc()
-            if status < 400:
-                self.metrics.duration.labels(path).observe(time.monotonic() - started)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(request: Request, exc: Exception) -> Response:
-        # ApiError, RequestError, and anything unexpected (a bare 500 that names nothing).
-        return error_response(as_api_error(exc))
-
-    async def on_validation_error(request: Request, exc: Exception) -> Response:
-        errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-        location = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-        message = f"{location}: {errors[0]['msg']}" if errors else "Invalid request."
-        return JSONResponse(error_body(message, "invalid_request_error", location, "invalid_request"), 400)
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
-        error_type = "invalid_request_error" if status < 500 else "server_error"
-        return JSONResponse(error_body(str(getattr(exc, "detail", "")) or "Error.", error_type), status)
-
-    app.add_exception_handler(ApiError, on_api_error)
-    app.add_exception_handler(RequestError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_api_error)
-
-
-def _lifespan(config: ProxyConfig, backends: Backends | None, metrics: ProxyMetrics):
+def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetcher | None, metrics: ProxyMetrics):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
         from services.common.models import load_adapter
@@ -282,43 +256,59 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, metrics: ProxyMetr
             max_images=config.max_images_per_request, max_image_pixels=config.max_image_pixels,
         )
         owned = backends is None
-        pool = backends or Backends.connect(
-            config.pd_addresses, config.encoder_addresses, cooldown_s=config.instance_cooldown_s
-        )
-        pipeline = Pipeline(pool, lease_ms=config.lease_ms)
+        pool = backends or Backends.connect(config)
+        await pool.start()
+        metrics.watch_instances(lambda: [*pool.pds, *pool.encoders])
+        pipeline = Pipeline(pool, lease_ms=config.lease_ms, pd_attempts=config.pd_attempts,
+                            encoder_attempts=config.encoder_attempts, metrics=metrics)
+        media = fetcher
+        if media is None and config.allowed_media_domains:
+            media = MediaFetcher(MediaPolicy(config.allowed_media_domains, config.media_timeout_s,
+                                             config.max_media_bytes))
         executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="proxy-preprocess")
         app.state.proxy = ProxyState(
             config=config, adapter=adapter, preprocessor=preprocessor, backends=pool, pipeline=pipeline,
-            executor=executor, metrics=metrics, served_model_name=config.served_model_name or adapter.model_id,
+            executor=executor, metrics=metrics, fetcher=media,
+            served_model_name=config.served_model_name or adapter.model_id,
             max_model_len=min(config.max_model_len or adapter.max_model_len, adapter.max_model_len),
             created=int(time.time()),
         )
-        log.info("proxy serving %s: PDs %s, encoders %s", app.state.proxy.served_model_name,
-                 [p.address for p in pool.pds], [e.address for e in pool.encoders])
+        log.info("proxy serving %s: PDs %s, encoders %s (policies %s / %s)", app.state.proxy.served_model_name,
+                 [p.address for p in pool.pds], [e.address for e in pool.encoders],
+                 config.pd_policy, config.encoder_policy)
         try:
             yield
         finally:
             await pipeline.drain()
             if owned:
                 await pool.close()
+            if media is not None and fetcher is None:
+                await media.aclose()
             executor.shutdown(wait=False, cancel_futures=True)
 
     return lifespan
 
 
-def create_app(config: ProxyConfig, backends: Backends | None = None) -> FastAPI:
+def create_app(
+    config: ProxyConfig, backends: Backends | None = None, *, fetcher: MediaFetcher | None = None
+) -> FastAPI:
     """Builds the proxy app; the lifespan loads the processor and opens channels.
 
     ``backends``: pools to use instead of connecting to ``config``'s
-    addresses (the caller then owns and closes them).
+    addresses (the caller then owns and closes them). ``fetcher``: the
+    remote-image fetcher to use (tests inject a resolver and transport);
+    by default one is built when ``config.allowed_media_domains`` is set.
     """
     metrics_ = ProxyMetrics()
-    app = FastAPI(title="EPD proxy", version="1", lifespan=_lifespan(config, backends, metrics_), openapi_url=None)
+    app = FastAPI(title="EPD proxy", version="1", openapi_url=None,
+                  lifespan=_lifespan(config, backends, fetcher, metrics_))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
-    _install_error_handlers(app)
-    app.add_middleware(_MetricsMiddleware, metrics=metrics_)
+    install_error_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(MetricsMiddleware, metrics=metrics_)  # outermost: counts refused requests too
     return app

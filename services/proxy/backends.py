@@ -1,214 +1,149 @@
-"""gRPC clients for the PD and encoder pools, and the routing policies over them.
+"""The PD and encoder pools, their routing policies, and the background keeping them current.
 
-One long-lived channel per instance. Every call carries the request id in
-metadata and the request's remaining deadline as its gRPC timeout. Routing
-policies are chosen when ``Backends`` is built, never per call.
+One long-lived channel per instance. ``Backends`` answers one question for
+the pipeline: "which instances, best first?" (``pd_candidates`` /
+``encoder_candidates``). Only routable instances are offered: ready (or
+not yet checked), circuit breaker closed or probing, still listed in DNS.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
-import time
-from collections.abc import Callable, Sequence
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+import contextlib
+import logging
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from services.common import grpc_utils
-from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.proxy.discovery import Pool, Resolver, system_resolver
+from services.proxy.instances import CircuitBreaker, EncoderClient, Instance, PdClient, Readiness
+from services.proxy.monitor import Monitor, wait_known
+from services.proxy.routing import EncoderPolicy, PdPolicy, make_encoder_policy, make_pd_policy
 
-PD_SERVICE = "epd.v1.PrefillDecode"
-ENCODER_SERVICE = "epd.v1.Encoder"
-ABORT_TIMEOUT_S = 5.0
-"""Abort is cleanup: it gets its own short timeout, not the (maybe spent) request deadline."""
+if TYPE_CHECKING:
+    from services.proxy.config import ProxyConfig
 
+log = logging.getLogger(__name__)
 
-def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return ((grpc_utils.REQUEST_ID_KEY, request_id),)
-
-
-class Instance:
-    """One backend process: its channel, the proxy's in-flight count, and a cooldown mark.
-
-    ``num_outstanding`` counts this proxy's requests on the instance (a
-    least-outstanding router needs no extra RPC). ``down_until`` is set after
-    UNAVAILABLE so routers try the instance last for a while (a one-state
-    circuit breaker: it still gets traffic when nothing else is left).
-    """
-
-    service_name = ""
-
-    def __init__(self, address: str, channel: grpc.aio.Channel, clock: Callable[[], float] = time.monotonic) -> None:
-        self.address = address
-        self.channel = channel
-        self.num_outstanding = 0
-        self.down_until = 0.0
-        self._clock = clock
-
-    def mark_down(self, cooldown_s: float) -> None:
-        self.down_until = self._clock() + cooldown_s
-
-    def is_down(self) -> bool:
-        return self._clock() < self.down_until
-
-    async def is_ready(self, timeout: float) -> bool:
-        """grpc.health.v1 readiness of the instance's service, over the long-lived channel."""
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=self.service_name), timeout=timeout)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.address})"
-
-
-class PdClient(Instance):
-    """Client of one PD (``epd.v1.PrefillDecode``)."""
-
-    service_name = PD_SERVICE
-
-    def __init__(self, address: str, channel: grpc.aio.Channel, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(address, channel, clock)
-        self.stub = epd_pb2_grpc.PrefillDecodeStub(channel)
-
-    async def preallocate(
-        self, request: epd_pb2.PreallocateRequest, *, timeout: float
-    ) -> epd_pb2.PreallocateResponse:
-        return await self.stub.Preallocate(request, timeout=timeout, metadata=_metadata(request.request_id))
-
-    def generate(self, request: epd_pb2.GenerateRequest, *, timeout: float) -> grpc.aio.UnaryStreamCall:
-        """Starts the Generate stream; read it with ``call.read()``, stop it with ``call.cancel()``."""
-        return self.stub.Generate(request, timeout=timeout, metadata=_metadata(request.request_id))
-
-    async def abort(self, request_id: str) -> None:
-        """Idempotent cancel on PD; failures are swallowed (the lease sweep is the backstop)."""
-        try:
-            await self.stub.Abort(
-                epd_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S, metadata=_metadata(request_id)
-            )
-        except grpc.aio.AioRpcError:
-            pass
-
-
-class EncoderClient(Instance):
-    """Client of one encoder (``epd.v1.Encoder``)."""
-
-    service_name = ENCODER_SERVICE
-
-    def __init__(self, address: str, channel: grpc.aio.Channel, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(address, channel, clock)
-        self.stub = epd_pb2_grpc.EncoderStub(channel)
-
-    async def encode(self, request: epd_pb2.EncodeRequest, *, timeout: float) -> epd_pb2.EncodeResponse:
-        return await self.stub.Encode(request, timeout=timeout, metadata=_metadata(request.request_id))
-
-
-class LeastOutstandingRouter:
-    """PD policy: fewest in-flight requests from this proxy first; instances in cooldown last.
-
-    Ties rotate so equal instances share load instead of the first one
-    taking every request.
-    """
-
-    def __init__(self, instances: Sequence[PdClient]) -> None:
-        self.instances = list(instances)
-        self._rotation = itertools.count()
-
-    def candidates(self) -> list[PdClient]:
-        """All instances, best first (the pipeline fails over down this list)."""
-        n = len(self.instances)
-        start = next(self._rotation) % n
-        order = sorted(
-            range(n),
-            key=lambda i: (self.instances[i].is_down(), self.instances[i].num_outstanding, (i - start) % n),
-        )
-        return [self.instances[i] for i in order]
-
-
-class RendezvousRouter:
-    """Encoder policy: highest-random-weight hashing on ``mm_hash`` (cache affinity).
-
-    A repeated image lands on the encoder that has it cached; adding or
-    removing an encoder only moves the images that hashed to it. Instances
-    in cooldown go last, so a dead encoder's images fail over to their
-    second choice.
-    """
-
-    def __init__(self, instances: Sequence[EncoderClient]) -> None:
-        self.instances = list(instances)
-
-    @staticmethod
-    def _weight(address: str, mm_hash: str) -> int:
-        digest = hashlib.blake2b(f"{address}\0{mm_hash}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big")
-
-    def rank(self, mm_hash: str) -> list[EncoderClient]:
-        return sorted(self.instances, key=lambda e: (e.is_down(), -self._weight(e.address, mm_hash)))
-
-
-class RoundRobinRouter:
-    """Encoder policy without affinity: rotate through the instances (cooldown ones last)."""
-
-    def __init__(self, instances: Sequence[EncoderClient]) -> None:
-        self.instances = list(instances)
-        self._rotation = itertools.count()
-
-    def rank(self, mm_hash: str) -> list[EncoderClient]:
-        start = next(self._rotation) % len(self.instances)
-        rotated = self.instances[start:] + self.instances[:start]
-        return sorted(rotated, key=lambda e: e.is_down())  # stable: keeps the rotation among equals
-
-
-ENCODER_ROUTERS = {"rendezvous": RendezvousRouter, "round_robin": RoundRobinRouter}
+INITIAL_HEALTH_WAIT_S = 2.0
+"""How long start-up waits for the first health answers (instances are routable meanwhile)."""
 
 
 class Backends:
-    """The PD and encoder pools with their routers; owns the channels it opened."""
+    """PD and encoder pools with the policies that rank them."""
 
     def __init__(
         self,
-        pds: Sequence[PdClient],
-        encoders: Sequence[EncoderClient],
+        pd_pool: Pool,
+        encoder_pool: Pool,
         *,
-        encoder_routing: str = "rendezvous",
-        cooldown_s: float = 2.0,
+        pd_policy: PdPolicy,
+        encoder_policy: EncoderPolicy,
+        monitor: Monitor | None = None,
+        dns_refresh_s: float = 5.0,
     ) -> None:
-        if not pds:
-            raise ValueError("at least one PD is required")
-        if encoder_routing not in ENCODER_ROUTERS:
-            raise ValueError(f"unknown encoder routing {encoder_routing!r}")
-        self.pds = list(pds)
-        self.encoders = list(encoders)
-        self.pd_router = LeastOutstandingRouter(self.pds)
-        self.encoder_router = ENCODER_ROUTERS[encoder_routing](self.encoders)
-        self.cooldown_s = cooldown_s
+        self.pd_pool = pd_pool
+        self.encoder_pool = encoder_pool
+        self.pd_policy = pd_policy
+        self.encoder_policy = encoder_policy
+        self.monitor = monitor
+        self.dns_refresh_s = dns_refresh_s
+        self._refresher: asyncio.Task | None = None
+        self._started = False
 
     @classmethod
-    def connect(
-        cls,
-        pd_addresses: Sequence[str],
-        encoder_addresses: Sequence[str],
-        *,
-        encoder_routing: str = "rendezvous",
-        cooldown_s: float = 2.0,
-    ) -> Backends:
-        """Opens one channel per instance (channels connect lazily; nothing blocks here)."""
-        pds = [PdClient(a, grpc_utils.aio_channel(a)) for a in pd_addresses]
-        encoders = [EncoderClient(a, grpc_utils.aio_channel(a)) for a in encoder_addresses]
-        return cls(pds, encoders, encoder_routing=encoder_routing, cooldown_s=cooldown_s)
+    def connect(cls, config: ProxyConfig, *, resolver: Resolver = system_resolver) -> Backends:
+        """Pools for ``config``'s targets with health watching and load polling (nothing connects yet)."""
+        monitor = Monitor(load_interval_s=config.load_poll_s)
 
-    async def health(self, timeout: float) -> dict[str, dict[str, bool]]:
-        """Readiness of every instance: ``{"pd": {addr: ok}, "encoder": {addr: ok}}``."""
-        instances: list[Instance] = [*self.pds, *self.encoders]
-        results = await asyncio.gather(*(i.is_ready(timeout) for i in instances))
-        report: dict[str, dict[str, bool]] = {"pd": {}, "encoder": {}}
-        for instance, ok in zip(instances, results):
-            report["pd" if isinstance(instance, PdClient) else "encoder"][instance.address] = ok
-        return report
+        def breaker() -> CircuitBreaker:
+            return CircuitBreaker(config.breaker_failures, config.breaker_open_s, max(config.breaker_open_s, 30.0))
+
+        async def removed(instance: Instance) -> None:
+            await monitor.unwatch(instance)
+            await instance.channel.close()
+
+        def pool(kind: str, targets, client_cls) -> Pool:
+            return Pool(
+                kind, targets,
+                lambda address: client_cls(address, grpc_utils.aio_channel(address), breaker=breaker()),
+                resolver=resolver, on_added=monitor.watch, on_removed=removed,
+            )
+
+        return cls(
+            pool("pd", config.pd_addresses, PdClient),
+            pool("encoder", config.encoder_addresses, EncoderClient),
+            pd_policy=make_pd_policy(config.pd_policy),
+            encoder_policy=make_encoder_policy(config.encoder_policy, saturation=config.encoder_saturation),
+            monitor=monitor,
+            dns_refresh_s=config.dns_refresh_s,
+        )
+
+    # -- lifecycle ------------------------------------------------------------
+    async def start(self, initial_wait_s: float = INITIAL_HEALTH_WAIT_S) -> None:
+        """Resolves the targets, starts watching them, and re-resolves names periodically (idempotent)."""
+        if self._started:
+            return
+        self._started = True
+        await self.pd_pool.refresh()
+        await self.encoder_pool.refresh()
+        if self.pd_pool.has_dns_targets or self.encoder_pool.has_dns_targets:
+            self._refresher = asyncio.create_task(self._refresh_forever(), name="dns refresh")
+        if self.monitor is not None:
+            await wait_known([*self.pds, *self.encoders], initial_wait_s)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.dns_refresh_s)
+            for pool in (self.pd_pool, self.encoder_pool):
+                try:
+                    await pool.refresh()
+                except Exception:  # keep refreshing whatever one round did
+                    log.exception("%s pool refresh failed", pool.kind)
 
     async def close(self) -> None:
-        await asyncio.gather(*(i.channel.close() for i in [*self.pds, *self.encoders]))
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        if self.monitor is not None:
+            await self.monitor.close()
+        instances = [*self.pd_pool.all_instances(), *self.encoder_pool.all_instances()]
+        await asyncio.gather(*(i.channel.close() for i in instances), return_exceptions=True)
+
+    # -- routing --------------------------------------------------------------
+    @property
+    def pds(self) -> list[PdClient]:
+        return self.pd_pool.instances  # type: ignore[return-value]
+
+    @property
+    def encoders(self) -> list[EncoderClient]:
+        return self.encoder_pool.instances  # type: ignore[return-value]
+
+    @property
+    def has_encoders(self) -> bool:
+        """Encoders are configured (whether or not any is up right now)."""
+        return bool(self.encoder_pool.targets)
+
+    def pd_candidates(self, exclude: Collection[str] = ()) -> list[PdClient]:
+        """Routable PDs not in ``exclude``, best first (may be empty)."""
+        return self.pd_policy.rank([p for p in self.pds if p.routable() and p.address not in exclude])
+
+    def encoder_candidates(self, mm_hash: str, exclude: Collection[str] = ()) -> list[EncoderClient]:
+        """Routable encoders not in ``exclude`` for this image, best first (may be empty)."""
+        return self.encoder_policy.rank(
+            [e for e in self.encoders if e.routable() and e.address not in exclude], mm_hash
+        )
+
+    def health_report(self) -> dict[str, dict[str, bool]]:
+        """Readiness of every listed instance: ``{"pd": {addr: ok}, "encoder": {addr: ok}}``.
+
+        ``ok`` means health says SERVING and the circuit breaker lets traffic through.
+        """
+        def ok(instance: Instance) -> bool:
+            return instance.readiness is Readiness.READY and instance.routable()
+
+        return {
+            "pd": {p.address: ok(p) for p in self.pds},
+            "encoder": {e.address: ok(e) for e in self.encoders},
+        }

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.proxy.discovery import parse_target
+from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
 
 MIB = 1024 * 1024
-
-
-def _check_address(address: str) -> None:
-    """Accepts ``host:port`` (IPv6 as ``[::1]:port``) or a gRPC target with a scheme."""
-    if "://" in address or address.startswith("unix:"):
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"backend address must be host:port, got {address!r}")
 
 
 @dataclass(frozen=True)
@@ -28,10 +22,13 @@ class ProxyConfig:
     model: str = ""                              # checkpoint dir or hub id ("" = built-in tiny); processor only
     host: str = "127.0.0.1"
     port: int = 8000                             # 0 = pick a free port
+    # Each entry: ip:port (one instance), name:port (every address the name resolves
+    # to, re-resolved every dns_refresh_s), or a gRPC target with a scheme.
     pd_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
     encoder_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
     served_model_name: str | None = None         # name in /v1/models and requests; None = adapter.model_id
-    request_timeout_s: float = 300.0             # end-to-end deadline of one request, propagated to every RPC
+    request_timeout_s: float = 300.0             # end-to-end deadline of one request, propagated to every RPC;
+                                                 # X-Request-Timeout may shorten it per request
     max_body_bytes: int = 32 * MIB
     max_images_per_request: int = 8
     max_image_pixels: int = 4096 * 4096          # width × height, read from the header before decoding
@@ -40,19 +37,35 @@ class ProxyConfig:
     default_max_tokens: int = 1024               # when the client does not say (also capped by context room)
     lease_ms: int = 0                            # Preallocate lease; 0 = PD default (always <= the deadline)
     preprocess_threads: int = 2                  # image decoding + tokenization run off the event loop
-    instance_cooldown_s: float = 2.0             # an UNAVAILABLE instance is tried last for this long
-    health_timeout_s: float = 1.0                # per-instance timeout of /health checks
+    max_n: int = 8                               # most choices (n) in one request
+    # routing and failure handling
+    pd_policy: str = "least-loaded"              # see routing.PD_POLICIES
+    encoder_policy: str = "rendezvous"           # see routing.ENCODER_POLICIES
+    encoder_saturation: int = 16                 # images in flight beyond which an encoder's affinity yields
+    pd_attempts: int = 3                         # PDs one request may try (before its first byte)
+    encoder_attempts: int = 3                    # encoders one image may try
+    breaker_failures: int = 3                    # consecutive failures that open an instance's breaker
+    breaker_open_s: float = 2.0                  # how long an open breaker keeps traffic away before a probe
+    load_poll_s: float = 0.5                     # GetLoad polling period (0 = own in-flight counts only)
+    dns_refresh_s: float = 5.0                   # re-resolution period of named targets
+    # access and remote media
+    api_key: str | None = field(default=None, repr=False)  # required as "Authorization: Bearer <key>" when set
+    # https image URLs may come from these hosts ("*.x" = its subdomains); () = data URLs only
+    allowed_media_domains: tuple[str, ...] = ()
+    media_timeout_s: float = 10.0                # one remote image fetch (also capped by the request deadline)
+    max_media_bytes: int = 16 * MIB              # largest remote image
 
     def __post_init__(self) -> None:
         # Normalise lists passed by callers into tuples so the config stays hashable.
         object.__setattr__(self, "pd_addresses", tuple(self.pd_addresses))
         object.__setattr__(self, "encoder_addresses", tuple(self.encoder_addresses))
+        object.__setattr__(self, "allowed_media_domains", tuple(d.strip().lower() for d in self.allowed_media_domains))
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         if not self.pd_addresses:
             raise ValueError("at least one PD address is required")
         for address in self.pd_addresses + self.encoder_addresses:
-            _check_address(address)
+            parse_target(address)
         if len(set(self.pd_addresses)) != len(self.pd_addresses):
             raise ValueError("PD addresses must be distinct")
         if len(set(self.encoder_addresses)) != len(self.encoder_addresses):
@@ -66,7 +79,15 @@ class ProxyConfig:
             "max_tokens_limit": self.max_tokens_limit,
             "default_max_tokens": self.default_max_tokens,
             "preprocess_threads": self.preprocess_threads,
-            "health_timeout_s": self.health_timeout_s,
+            "max_n": self.max_n,
+            "encoder_saturation": self.encoder_saturation,
+            "pd_attempts": self.pd_attempts,
+            "encoder_attempts": self.encoder_attempts,
+            "breaker_failures": self.breaker_failures,
+            "breaker_open_s": self.breaker_open_s,
+            "dns_refresh_s": self.dns_refresh_s,
+            "media_timeout_s": self.media_timeout_s,
+            "max_media_bytes": self.max_media_bytes,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -75,7 +96,15 @@ class ProxyConfig:
             raise ValueError("max_images_per_request must be >= 0 (0 = text only)")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
-        if self.lease_ms < 0 or self.instance_cooldown_s < 0 or self.max_model_len < 0:
-            raise ValueError("lease_ms, instance_cooldown_s and max_model_len must be >= 0")
+        if self.lease_ms < 0 or self.load_poll_s < 0 or self.max_model_len < 0:
+            raise ValueError("lease_ms, load_poll_s and max_model_len must be >= 0")
+        if self.pd_policy not in PD_POLICIES:
+            raise ValueError(f"pd_policy must be one of {', '.join(PD_POLICIES)}")
+        if self.encoder_policy not in ENCODER_POLICIES:
+            raise ValueError(f"encoder_policy must be one of {', '.join(ENCODER_POLICIES)}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be blank")
+        if any(not d or "/" in d or d.startswith("*") and not d.startswith("*.") for d in self.allowed_media_domains):
+            raise ValueError("allowed_media_domains entries must be host names or *.domain patterns")
         if self.lease_ms > self.request_timeout_s * 1000:
             raise ValueError("lease_ms must not exceed the request timeout")

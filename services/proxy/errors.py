@@ -23,6 +23,7 @@ import grpc
 
 MAX_MESSAGE_CHARS = 512
 """Error messages are bounded; longer ones are cut (they never carry input anyway)."""
+MAX_PARAM_CHARS = 128
 
 
 @dataclass
@@ -60,7 +61,7 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
         "error": {
             "message": message[:MAX_MESSAGE_CHARS],
             "type": error_type,
-            "param": param,
+            "param": None if param is None else param[:MAX_PARAM_CHARS],
             "code": code,
         }
     }
@@ -110,9 +111,21 @@ class ImageError(RequestError):
 
 
 class InvalidImageUrlError(ImageError):
-    """Not a ``data:image/...;base64,`` URL (remote URLs are not fetched)."""
+    """Not a ``data:image/...;base64,`` URL, nor an https URL this server may fetch."""
 
     code = "invalid_image_url"
+
+
+class ImageUrlNotAllowedError(ImageError):
+    """An https image URL refused by policy: host not allowed, private address, cross-host redirect."""
+
+    code = "image_url_not_allowed"
+
+
+class ImageFetchError(ImageError):
+    """An allowed image URL could not be fetched (status, timeout, size cap, connection)."""
+
+    code = "image_fetch_failed"
 
 
 class InvalidBase64Error(ImageError):
@@ -143,6 +156,23 @@ class TooManyImagesError(RequestError):
     """More images in one request than ``max_images_per_request``."""
 
     code = "too_many_images"
+
+
+class InvalidTimeoutError(RequestError):
+    """The ``X-Request-Timeout`` header is not a positive number of seconds."""
+
+    code = "invalid_request_timeout"
+
+
+def no_backend(kind: str) -> ApiError:
+    """Nothing of ``kind`` is routable (all not ready, breakers open, or all tried)."""
+    return ApiError(503, f"No {kind} instance is available; retry later.", "server_error", "backend_unavailable",
+                    retry_after_s=DEFAULT_RETRY_AFTER_S)
+
+
+def invalid_api_key() -> ApiError:
+    return ApiError(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
 
 
 def model_not_found(param: str = "model") -> ApiError:

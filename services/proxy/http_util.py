@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
@@ -21,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from services.proxy.errors import ApiError, RequestError, body_too_large, internal_error
+from services.proxy.errors import ApiError, InvalidTimeoutError, RequestError, body_too_large, internal_error
+from services.proxy.schemas import FIELD_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +73,60 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# Pydantic error types whose message is built from the schema only (limits,
+# expected types, allowed literals, JSON syntax positions), never from the input.
+# Others (e.g. ``union_tag_invalid``, which quotes the tag sent) get a generic message.
+_SAFE_MESSAGE_TYPES = frozenset({
+    "missing", "json_invalid", "json_type", "model_type", "model_attributes_type", "dict_type", "list_type",
+    "string_type", "int_type", "float_type", "bool_type", "int_from_float", "finite_number", "literal_error",
+    "greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
+    "string_too_short", "string_too_long", "union_tag_not_found", "none_required",
+})
+
+
+def describe_validation_error(errors: list) -> tuple[str, str | None]:
+    """``(message, param)`` of the first validation error, built without any client input.
+
+    Location parts are kept only when they are indexes or schema field names
+    (a dict key the client chose is dropped).
+    """
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    parts = [str(p) for p in first.get("loc", ()) if isinstance(p, int) or p in FIELD_NAMES]
+    location = ".".join(parts)
+    detail = str(first.get("msg", "")) if first.get("type") in _SAFE_MESSAGE_TYPES else "Invalid value."
+    return (f"{location}: {detail}" if location else detail), (location or None)
+
+
 def parse_body(raw: bytes, model: type[ModelT]) -> ModelT:
     """Validates JSON against ``model``; errors become a 400 naming the field, never the value."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
-        first = error.errors(include_url=False, include_input=False)[0]
-        location = ".".join(str(part) for part in first["loc"])
-        message = f"{location}: {first['msg']}" if location else str(first["msg"])
-        raise RequestError(message, location or None) from None
+        message, param = describe_validation_error(error.errors(include_url=False, include_input=False))
+        raise RequestError(message, param) from None
+
+
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+def request_timeout(request: Request, default_s: float) -> float:
+    """The request's end-to-end timeout: ``X-Request-Timeout`` seconds, capped by ``default_s``.
+
+    The header may only shorten the server's own limit; anything but a
+    positive finite number is a 400.
+    """
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return default_s
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidTimeoutError("X-Request-Timeout must be a positive number of seconds.", "X-Request-Timeout")
+    return min(value, default_s)
 
 
 async def wait_disconnect(receive: Receive) -> None:

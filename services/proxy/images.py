@@ -1,4 +1,4 @@
-"""Strict decoding of client images (data URLs only).
+"""Strict decoding of client images (data URL payloads and fetched bytes).
 
 Order of checks matters: each one runs before the work it protects.
 The base64 alphabet is checked while decoding; the format is sniffed from
@@ -60,13 +60,20 @@ def _data_url_payload(url: str) -> bytes:
     return data
 
 
+def pixel_limit(max_pixels: int) -> int:
+    """The stricter of our cap and Pillow's own bomb guard (which is never switched off)."""
+    guard = Image.MAX_IMAGE_PIXELS
+    return min(max_pixels, guard) if guard else max_pixels
+
+
 def decode_image_bytes(data: bytes, max_pixels: int) -> Image.Image:
     """Opens, size-checks and fully decodes image bytes; returns an RGB image."""
+    max_pixels = pixel_limit(max_pixels)
     try:
         # ``formats`` restricts the plugins Pillow may try, so a TIFF, PSD,
         # SVG-ish or any other parser never sees client bytes.
         image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-    except Image.DecompressionBombError:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # the warning, when warnings are errors
         raise ImageTooLargeError("The image has too many pixels.", "image_url") from None
     except UnidentifiedImageError:
         raise UnsupportedImageFormatError("The image is not a PNG, JPEG, WEBP or GIF file.", "image_url") from None

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 from services.common import cli_args
 from services.common.logs import setup_logging
 from services.proxy.config import MIB, ProxyConfig
+from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
 
 
 def _addresses(text: str) -> tuple[str, ...]:
+    """A comma-separated list (addresses, domains) as a tuple, blanks dropped."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
@@ -19,10 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--model", default="", help="checkpoint directory or hub id; only its processor is loaded (default: the built-in tiny model)")
     add(parser, "--host", default="127.0.0.1", help="HTTP address to listen on")
     add(parser, "--port", type=int, default=8000, help="HTTP port (0 = pick a free one)")
-    add(parser, "--pd", default="127.0.0.1:50061", help="comma-separated PD gRPC addresses")
-    add(parser, "--encoder", default="127.0.0.1:50051", help="comma-separated encoder gRPC addresses ('' = text only)")
+    add(parser, "--pd", default="127.0.0.1:50061",
+        help="comma-separated PD gRPC addresses; a host name stands for every address it resolves to")
+    add(parser, "--encoder", default="127.0.0.1:50051",
+        help="comma-separated encoder gRPC addresses, names as for --pd ('' = text only)")
     add(parser, "--served-model-name", default="", help="model name clients use (default: the checkpoint's id)")
-    add(parser, "--request-timeout", type=float, default=300.0, help="end-to-end deadline of one request, seconds")
+    add(parser, "--request-timeout", type=float, default=300.0,
+        help="end-to-end deadline of one request, seconds (X-Request-Timeout may shorten it)")
     add(parser, "--max-body-mb", type=float, default=32.0, help="largest request body, MiB")
     add(parser, "--max-images", type=int, default=8, help="most images in one request")
     add(parser, "--max-image-pixels", type=int, default=4096 * 4096, help="largest width x height of one image (checked before decoding)")
@@ -31,6 +37,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--default-max-tokens", type=int, default=1024, help="max_tokens when the client does not set it")
     add(parser, "--lease-ms", type=int, default=0, help="Preallocate lease (0 = PD's default)")
     add(parser, "--preprocess-threads", type=int, default=2, help="threads for image decoding and tokenization")
+    add(parser, "--max-n", type=int, default=8, help="most choices (n) in one request")
+    add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")
+    add(parser, "--encoder-policy", default="rendezvous", choices=list(ENCODER_POLICIES),
+        help="how an encoder is chosen for an image (rendezvous = cache affinity on the image hash)")
+    add(parser, "--encoder-saturation", type=int, default=16,
+        help="images in flight on an encoder beyond which its rendezvous images go to the least-loaded one")
+    add(parser, "--pd-attempts", type=int, default=3, help="PDs one request may try before its first byte")
+    add(parser, "--encoder-attempts", type=int, default=3, help="encoders one image may try")
+    add(parser, "--breaker-failures", type=int, default=3, help="consecutive failures that open an instance's circuit breaker")
+    add(parser, "--breaker-open-s", type=float, default=2.0, help="seconds an open breaker keeps traffic away before a probe")
+    add(parser, "--load-poll-s", type=float, default=0.5, help="GetLoad polling period (0 = off)")
+    add(parser, "--dns-refresh-s", type=float, default=5.0, help="re-resolution period of named backends")
+    add(parser, "--api-key", default="", help="require 'Authorization: Bearer <key>' on /v1/* ('' = open; prefer the env variable)")
+    add(parser, "--allowed-media-domains", default="",
+        help="comma-separated hosts whose https image URLs may be fetched ('*.example.com' = subdomains; '' = data URLs only)")
+    add(parser, "--media-timeout", type=float, default=10.0, help="timeout of one remote image fetch, seconds")
+    add(parser, "--max-media-mb", type=float, default=16.0, help="largest remote image, MiB")
     add(parser, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
@@ -52,6 +75,20 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         default_max_tokens=args.default_max_tokens,
         lease_ms=args.lease_ms,
         preprocess_threads=args.preprocess_threads,
+        max_n=args.max_n,
+        pd_policy=args.pd_policy,
+        encoder_policy=args.encoder_policy,
+        encoder_saturation=args.encoder_saturation,
+        pd_attempts=args.pd_attempts,
+        encoder_attempts=args.encoder_attempts,
+        breaker_failures=args.breaker_failures,
+        breaker_open_s=args.breaker_open_s,
+        load_poll_s=args.load_poll_s,
+        dns_refresh_s=args.dns_refresh_s,
+        api_key=args.api_key or None,
+        allowed_media_domains=_addresses(args.allowed_media_domains),
+        media_timeout_s=args.media_timeout,
+        max_media_bytes=int(args.max_media_mb * MIB),
     )
 
 
@@ -68,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"epd proxy: {error}")
         return 2
     setup_logging(args.log_level, service="proxy")
+    # uvicorn re-raises the signal that stopped it once it has drained; with
+    # our own (no-op) handlers installed that ends in a clean exit 0 instead
+    # of death by SIGTERM.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(
         create_app(config),
         host=config.host,

@@ -2,13 +2,19 @@
 
 Text-only: PD ``Generate`` directly. With images: ``Preallocate`` on PD
 (no encoder work before PD has room), then PD ``Generate`` and one
-``Encode`` per chosen encoder run concurrently; the encoders push the
-embeddings straight to that PD.
+``Encode`` per reserved image run concurrently, each image on its own
+best encoder; the encoders push the embeddings straight to that PD.
 
-Failover happens only before the first token reached the caller and
-always with a fresh request id: a PD that answers RESOURCE_EXHAUSTED or
-UNAVAILABLE at admission is skipped for the next candidate; an encoder
-that is UNAVAILABLE hands its images to the next one in their ranking.
+Failure handling, all within the job's one deadline (the gRPC timeout of
+every call is what is left of it):
+
+- an image whose encoder fails or is unreachable is retried on the next
+  encoder in its ranking (same reservation: nothing was filled);
+- a PD that refuses (RESOURCE_EXHAUSTED) or is unreachable before the first
+  token reached the caller is replaced by the next PD, always with a fresh
+  request id; a buffered (non-streaming) job may also restart on another PD
+  after a mid-stream UNAVAILABLE, since the client has seen nothing yet;
+- every call's outcome feeds the instance's circuit breaker.
 
 Every exit path (finish, error, cancellation, client gone) cancels the
 Generate stream and the Encode calls; any exit but a clean finish also
@@ -21,54 +27,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import grpc
 
 from services.common import grpc_utils, tensors
 from services.common.pb import epd_pb2
-from services.proxy.backends import Backends, EncoderClient, PdClient
-from services.proxy.errors import ApiError, from_grpc, internal_error
-from services.proxy.preprocess import ImageItem, Prompt
+from services.proxy.backends import Backends
+from services.proxy.errors import ApiError, from_grpc, internal_error, no_backend
+from services.proxy.instances import Instance, Outcome, PdClient, outcome_of
+from services.proxy.jobs import Job
+from services.proxy.metrics import ProxyMetrics
+from services.proxy.preprocess import ImageItem
 
 log = logging.getLogger(__name__)
 
-_ADMISSION_RETRY_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-MAX_ENCODER_FAILOVERS = 1
-"""Extra encoders an image group may try after an UNAVAILABLE one."""
+S = grpc.StatusCode
+_PD_RETRY_CODES = frozenset({S.RESOURCE_EXHAUSTED, S.UNAVAILABLE})
+_ENCODER_RETRY_CODES = frozenset({S.UNAVAILABLE, S.RESOURCE_EXHAUSTED, S.INTERNAL, S.UNKNOWN, S.ABORTED})
+"""Not retried: bad input (same everywhere), deadline (spent), PD-side reservation errors."""
+DEFAULT_BUSY_S = 1.0
+"""How long an instance that said RESOURCE_EXHAUSTED without a hint counts as busy."""
 
 
-def new_request_id(prefix: str = "chatcmpl") -> str:
-    """A fresh, unguessable request id (also the OpenAI response id)."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+class BackendError(Exception):
+    """A backend call failed; keeps the gRPC error and which instance gave it."""
 
-
-@dataclass
-class Trace:
-    """Proxy-side measurements of one request (reported as ``usage.epd``)."""
-
-    started: float = field(default_factory=time.monotonic)
-    preprocess_ms: float = 0.0
-    preallocate_ms: float | None = None
-    encode_ms: float | None = None          # wall time of the slowest Encode call
-    first_token_ms: float | None = None     # arrival -> first PD message
-    num_images_ready: int = 0               # already on PD at Preallocate (no encode)
-    num_encoder_cache_hits: int = 0
-    num_pd_attempts: int = 0
-    pd_address: str | None = None
-
-
-@dataclass
-class Job:
-    """One generation request as the pipeline sees it."""
-
-    request_id: str
-    prompt: Prompt
-    sampling: epd_pb2.SamplingParams
-    deadline: float                          # time.monotonic() value
-    trace: Trace = field(default_factory=Trace)
+    def __init__(self, error: grpc.aio.AioRpcError, instance: Instance) -> None:
+        super().__init__(error.code().name)
+        self.error = error
+        self.code = error.code()
+        self.instance = instance
 
 
 class _Attempt:
@@ -83,15 +72,18 @@ class _Attempt:
         self.encode_tasks: list[asyncio.Task] = []
         self._pending_encodes: set[asyncio.Task] = set()
         self.first: epd_pb2.GenerateResponse | None = None  # set by start()
-        self.finished = False  # PD sent its final message
+        self.finished = False    # PD sent its final message
         self.started_rpc = False
-        pd.num_outstanding += 1
+        self.outcome = Outcome.NEUTRAL
+        self.status = "CANCELLED"  # for metrics: OK, a gRPC code name, or CANCELLED
+        pd.begin()
 
     async def start(self) -> epd_pb2.GenerateResponse:
         """Admits the job on this PD and returns its first message."""
         job, pd = self.job, self.pd
         reserved: list[tuple[ImageItem, str]] = []
         self.started_rpc = True
+        job.trace.num_images_ready = job.trace.num_encoder_cache_hits = 0  # this attempt's, not a failed one's
         if job.prompt.images:
             begin = time.monotonic()
             reply = await pd.preallocate(
@@ -115,13 +107,14 @@ class _Attempt:
             timeout=self.pipeline.remaining(job),
         )
         self.encode_tasks = [
-            asyncio.create_task(self.pipeline.encode_group(self, ranked, items))
-            for ranked, items in self.pipeline.group_by_encoder(reserved)
+            asyncio.create_task(self.pipeline.encode_image(self, image, reservation_id))
+            for image, reservation_id in reserved
         ]
         self._pending_encodes = set(self.encode_tasks)
         self.first = await self.next()
         if self.first is None:
             raise internal_error("The model server ended the stream without a result.")
+        self.outcome = Outcome.SUCCESS
         return self.first
 
     def _reserved(self, reply: epd_pb2.PreallocateResponse) -> list[tuple[ImageItem, str]]:
@@ -149,11 +142,13 @@ class _Attempt:
         try:
             while self._pending_encodes:
                 done, _ = await asyncio.wait({read, *self._pending_encodes}, return_when=asyncio.FIRST_COMPLETED)
-                for task in done - {read}:
+                if read in done:
+                    # PD answered first. If it failed, that is the cause; an Encode
+                    # failing at the same moment (pushing to that PD) is its echo.
+                    break
+                for task in done:
                     self._pending_encodes.discard(task)
                     task.result()  # an Encode failure ends the request: PD would wait forever
-                if read in done:
-                    break
             message = await read
         finally:
             # Cancelling a pending read cancels the RPC, which is what every
@@ -164,7 +159,13 @@ class _Attempt:
             return None
         if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished = True
+            self.status = "OK"
         return message
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        """Records a PD error for the breaker and metrics."""
+        self.outcome = outcome_of(error.code())
+        self.status = error.code().name
 
     def stop(self) -> list[asyncio.Task]:
         """Cancels everything in flight; returns the tasks to await (never raises)."""
@@ -172,16 +173,28 @@ class _Attempt:
             self.call.cancel()
         for task in self.encode_tasks:
             task.cancel()
-        self.pd.num_outstanding -= 1
+        self.pd.end(self.outcome)
         return self.encode_tasks
 
 
 class Pipeline:
     """Runs jobs against the backends; one instance per app."""
 
-    def __init__(self, backends: Backends, *, lease_ms: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        backends: Backends,
+        *,
+        lease_ms: int = 0,
+        pd_attempts: int = 3,
+        encoder_attempts: int = 3,
+        metrics: ProxyMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.backends = backends
         self._lease_ms = lease_ms
+        self.pd_attempts = pd_attempts
+        self.encoder_attempts = encoder_attempts
+        self.metrics = metrics or ProxyMetrics()
         self._clock = clock
         self._cleanups: set[asyncio.Task] = set()  # strong refs: cleanup outlives a cancelled caller
 
@@ -198,34 +211,56 @@ class Pipeline:
             return 0
         return max(1, min(self._lease_ms, int(self.remaining(job) * 1000)))
 
-    async def generate(self, job: Job) -> AsyncIterator[epd_pb2.GenerateResponse]:
+    async def generate(self, job: Job, *, buffered: bool = False) -> AsyncIterator[epd_pb2.GenerateResponse]:
         """Yields PD messages up to and including the one with ``finish_reason``.
 
-        Raises ``ApiError`` (mapped from gRPC status codes) on any failure,
-        before or after the first message.
+        ``buffered``: collect the whole result before yielding anything, which
+        lets a PD that dies mid-generation be replaced (the caller has seen
+        nothing). Raises ``ApiError`` (mapped from gRPC status codes) on any
+        failure, before or after the first message.
         """
-        if job.prompt.images and not self.backends.encoders:
+        if job.prompt.images and not self.backends.has_encoders:
             raise ApiError(503, "No encoder is configured for image requests.", "server_error", "backend_unavailable")
-        attempt = await self._admit(job)
-        try:
-            message = attempt.first
-            while message is not None:
+        tried: set[str] = set()
+        while True:
+            attempt = await self._admit(job, tried)
+            kept: list[epd_pb2.GenerateResponse] = []
+            try:
+                message = attempt.first
+                while message is not None:
+                    if buffered:
+                        kept.append(message)
+                    else:
+                        yield message
+                    if attempt.finished:
+                        break
+                    message = await attempt.next()
+                else:
+                    raise internal_error("The model server ended the stream without a result.")
+            except grpc.aio.AioRpcError as error:
+                attempt.fail(error)
+                if buffered and error.code() == S.UNAVAILABLE and job.trace.num_pd_attempts < self.pd_attempts:
+                    self._note_retry(attempt.pd, error.code(), attempt.request_id)
+                    continue  # (the finally below releases this attempt first)
+                raise self._to_api_error(error, attempt.request_id) from None
+            except BackendError as failure:
+                raise self._to_api_error(failure.error, attempt.request_id, what=failure.instance.kind) from None
+            finally:
+                await self._finish(attempt)
+            for message in kept:
                 yield message
-                if attempt.finished:
-                    return
-                message = await attempt.next()
-            raise internal_error("The model server ended the stream without a result.")
-        except grpc.aio.AioRpcError as error:
-            raise self._to_api_error(error, attempt.request_id) from None
-        finally:
-            await self._finish(attempt)
+            return
 
-    async def _admit(self, job: Job) -> _Attempt:
-        """Starts the job on the best PD, failing over on admission refusals."""
-        candidates = self.backends.pd_router.candidates()
-        for index, pd in enumerate(candidates):
-            request_id = job.request_id if index == 0 else f"{job.request_id}-{index}"
-            attempt = _Attempt(self, job, pd, request_id)
+    async def _admit(self, job: Job, tried: set[str]) -> _Attempt:
+        """Starts the job on the best PD not tried yet, failing over on refusals and outages."""
+        last: BackendError | None = None
+        while job.trace.num_pd_attempts < self.pd_attempts:
+            candidates = self.backends.pd_candidates(exclude=tried)
+            if not candidates:
+                break
+            pd = candidates[0]
+            tried.add(pd.address)
+            attempt = _Attempt(self, job, pd, job.attempt_id(job.trace.num_pd_attempts))
             job.trace.num_pd_attempts += 1
             job.trace.pd_address = pd.address
             try:
@@ -233,71 +268,92 @@ class Pipeline:
                 job.trace.first_token_ms = (time.monotonic() - job.trace.started) * 1000
                 return attempt
             except grpc.aio.AioRpcError as error:
+                attempt.fail(error)
                 await self._finish(attempt)
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    pd.mark_down(self.backends.cooldown_s)
-                if error.code() in _ADMISSION_RETRY_CODES and index + 1 < len(candidates):
-                    log.info("request %s: PD %s refused (%s), trying the next", request_id, pd.address, error.code().name)
-                    continue
-                raise self._to_api_error(error, request_id) from None
+                if error.code() == S.RESOURCE_EXHAUSTED:
+                    pd.mark_busy(_retry_after_s(error))
+                if error.code() not in _PD_RETRY_CODES:
+                    raise self._to_api_error(error, attempt.request_id) from None
+                self._note_retry(pd, error.code(), attempt.request_id)
+                last = BackendError(error, pd)
+            except BackendError as failure:
+                await self._finish(attempt)
+                # Encoders that cannot reach a PD which has just gone away: the
+                # PD is the cause, so the job moves on like after a PD outage.
+                if failure.code != S.UNAVAILABLE or pd.routable():
+                    raise self._to_api_error(failure.error, attempt.request_id, what=failure.instance.kind) from None
+                self._note_retry(pd, failure.code, attempt.request_id)
+                last = failure
             except BaseException:
                 await self._finish(attempt)
                 raise
-        raise AssertionError("unreachable: the router always returns at least one PD")
+        if last is None:
+            raise no_backend("PD")
+        raise self._to_api_error(last.error, job.request_id)
 
-    def group_by_encoder(
-        self, reserved: list[tuple[ImageItem, str]]
-    ) -> list[tuple[list[EncoderClient], list[tuple[ImageItem, str]]]]:
-        """One group per first-choice encoder; a group fails over along its first item's ranking."""
-        groups: dict[str, tuple[list[EncoderClient], list[tuple[ImageItem, str]]]] = {}
-        for image, reservation_id in reserved:
-            ranked = self.backends.encoder_router.rank(image.mm_hash)
-            groups.setdefault(ranked[0].address, (ranked, []))[1].append((image, reservation_id))
-        return list(groups.values())
-
-    async def encode_group(
-        self, attempt: _Attempt, ranked: list[EncoderClient], items: list[tuple[ImageItem, str]]
-    ) -> None:
-        """One Encode call for ``items``; the encoder pushes results to ``attempt.pd``."""
+    async def encode_image(self, attempt: _Attempt, image: ImageItem, reservation_id: str) -> None:
+        """Encodes one image for ``attempt.pd``, moving to the next encoder when one fails."""
         job = attempt.job
         request = epd_pb2.EncodeRequest(
             request_id=attempt.request_id,
             pd_address=attempt.pd.address,
-            items=[
-                epd_pb2.EncodeItem(
-                    mm_hash=image.mm_hash, reservation_id=reservation_id, pixel_values=tensors.to_pb(image.pixel_values)
-                )
-                for image, reservation_id in items
-            ],
+            items=[epd_pb2.EncodeItem(
+                mm_hash=image.mm_hash, reservation_id=reservation_id, pixel_values=tensors.to_pb(image.pixel_values)
+            )],
         )
+        tried: list[str] = []
+        last: BackendError | None = None
         begin = time.monotonic()
-        for index, encoder in enumerate(ranked[: 1 + MAX_ENCODER_FAILOVERS]):
-            encoder.num_outstanding += 1
+        for _ in range(self.encoder_attempts):
+            candidates = self.backends.encoder_candidates(image.mm_hash, exclude=tried)
+            if not candidates:
+                break
+            encoder = candidates[0]
+            tried.append(encoder.address)
+            outcome, status = Outcome.NEUTRAL, "CANCELLED"
+            encoder.begin()
             try:
                 reply = await encoder.encode(request, timeout=self.remaining(job))
+                outcome, status = Outcome.SUCCESS, "OK"
             except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    encoder.mark_down(self.backends.cooldown_s)
-                    if index + 1 < min(len(ranked), 1 + MAX_ENCODER_FAILOVERS):
-                        continue
-                raise self._to_api_error(error, attempt.request_id, what="encoder") from None
+                outcome, status = outcome_of(error.code()), error.code().name
+                if error.code() == S.RESOURCE_EXHAUSTED:
+                    encoder.mark_busy(_retry_after_s(error))
+                if error.code() not in _ENCODER_RETRY_CODES:
+                    raise BackendError(error, encoder) from None
+                job.trace.num_encoder_retries += 1
+                self._note_retry(encoder, error.code(), attempt.request_id)
+                last = BackendError(error, encoder)
+                continue
             finally:
-                encoder.num_outstanding -= 1
-            elapsed_ms = (time.monotonic() - begin) * 1000
-            job.trace.encode_ms = max(job.trace.encode_ms or 0.0, elapsed_ms)
-            job.trace.num_encoder_cache_hits += sum(1 for item in reply.items if item.cache_hit)
+                encoder.end(outcome)
+                self.metrics.backend_requests.labels("encoder", encoder.address, status).inc()
+            job.trace.encode_ms = max(job.trace.encode_ms or 0.0, (time.monotonic() - begin) * 1000)
+            hits = sum(1 for item in reply.items if item.cache_hit)
+            job.trace.num_encoder_cache_hits += hits
+            self.metrics.image_sources.labels("encoder_cache" if hits else "encoded").inc()
             return
+        if last is None:
+            raise no_backend("encoder")
+        raise last
 
-    def _to_api_error(self, error: grpc.aio.AioRpcError, request_id: str, what: str = "PD") -> ApiError:
+    def _note_retry(self, instance: Instance, code: grpc.StatusCode, request_id: str) -> None:
+        log.info("request %s: %s %s answered %s; trying another", request_id, instance.kind, instance.address, code.name)
+        self.metrics.retries.labels(instance.kind, code.name).inc()
+
+    def _to_api_error(self, error: grpc.aio.AioRpcError, request_id: str, what: str = "pd") -> ApiError:
         code = error.code()
         # Backend details are ours (no client input), but keep them out of the
         # HTTP body anyway; the log has them for operators.
         log.warning("request %s: %s failed with %s: %.200s", request_id, what, code.name, error.details() or "")
-        return from_grpc(code, grpc_utils.retry_after_ms(error) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None)
+        return from_grpc(code, grpc_utils.retry_after_ms(error) if code == S.RESOURCE_EXHAUSTED else None)
 
     async def _finish(self, attempt: _Attempt) -> None:
         """Stops the attempt; Abort on PD unless it finished cleanly. Survives cancellation."""
         tasks = attempt.stop()
+        self.metrics.backend_requests.labels("pd", attempt.pd.address, attempt.status).inc()
+        if attempt.job.trace.num_images_ready and attempt.finished:
+            self.metrics.image_sources.labels("pd_cache").inc(attempt.job.trace.num_images_ready)
         needs_abort = attempt.started_rpc and not attempt.finished
 
         async def cleanup() -> None:
@@ -314,3 +370,8 @@ class Pipeline:
         """Waits for outstanding cleanups (Aborts) at shutdown."""
         if self._cleanups:
             await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+
+
+def _retry_after_s(error: grpc.aio.AioRpcError) -> float:
+    hint = grpc_utils.retry_after_ms(error)
+    return DEFAULT_BUSY_S if hint is None else hint / 1000

@@ -18,7 +18,7 @@ import torch
 from services.common.hashing import mm_hash
 from services.common.pb import epd_pb2
 from services.proxy.errors import PlaceholderMismatchError, RequestError, TooManyImagesError
-from services.proxy.images import decode_data_url
+from services.proxy.images import decode_data_url, decode_image_bytes
 
 
 class Adapter(Protocol):
@@ -90,7 +90,8 @@ def expand_placeholders(
     return expanded, offsets
 
 
-def _image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+def image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The image URLs of chat messages, in prompt order."""
     urls = []
     for message in messages:
         content = message.get("content")
@@ -138,14 +139,27 @@ class Preprocessor:
         self._settings = adapter.processor_settings()
         self._tokenizer_lock = threading.Lock()
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> Prompt:
-        """Validated OpenAI chat messages -> ``Prompt`` (see the module docstring)."""
-        urls = _image_urls(messages)
-        if len(urls) > self.max_images:
+    def check_image_count(self, num_images: int) -> None:
+        """Refuses more images than allowed (before any is fetched or decoded)."""
+        if num_images > self.max_images:
             raise TooManyImagesError(
-                f"The request has {len(urls)} images; at most {self.max_images} are allowed.", "messages"
+                f"The request has {num_images} images; at most {self.max_images} are allowed.", "messages"
             )
-        images = [decode_data_url(url, self.max_image_pixels) for url in urls]
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], sources: Sequence[str | bytes] | None = None) -> Prompt:
+        """Validated OpenAI chat messages -> ``Prompt`` (see the module docstring).
+
+        ``sources``: one per image in prompt order, a data URL or fetched
+        bytes (``media.image_sources``); by default the messages' own URLs,
+        which must then be data URLs.
+        """
+        sources = image_urls(messages) if sources is None else list(sources)
+        self.check_image_count(len(sources))
+        images = [
+            decode_image_bytes(source, self.max_image_pixels) if isinstance(source, bytes)
+            else decode_data_url(source, self.max_image_pixels)
+            for source in sources
+        ]
         rendered = self.render(messages)
         with self._tokenizer_lock:
             token_ids = self._encode(rendered)

@@ -1,23 +1,26 @@
 """PD messages -> OpenAI response objects and SSE events.
 
 Two formatters (chat and text completions) share one streaming and one
-collecting routine. A stream that fails after its first event ends with an
-OpenAI error event and ``[DONE]``, never with a normal ``finish_reason``.
+collecting routine. A request with ``n`` choices has one PD stream per
+choice, merged as messages arrive. A stream that fails after its first
+event ends with an OpenAI error event and ``[DONE]``, never with a normal
+``finish_reason``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import ApiError, internal_error
-from services.proxy.pipeline import Trace
+from services.proxy.jobs import Trace
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,13 @@ class ResponseMeta:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+class Choice(NamedTuple):
+    """One choice's PD messages (``Pipeline.generate``) and its proxy-side trace."""
+
+    messages: AsyncGenerator[epd_pb2.GenerateResponse, None]
+    trace: Trace
+
+
 class ChatFormatter:
     """``chat.completion`` / ``chat.completion.chunk`` objects."""
 
@@ -88,20 +98,21 @@ class ChatFormatter:
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, with_usage: bool = False) -> dict[str, Any]:
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+               with_usage: bool = False) -> dict[str, Any]:
         chunk = {"id": self.meta.response_id, "object": self.object_name, "created": self.meta.created,
                  "model": self.meta.model, "choices": choices}
         if with_usage:
             chunk["usage"] = usage
         return chunk
 
-    def first_chunk(self, with_usage: bool) -> dict[str, Any] | None:
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], with_usage=with_usage)
 
-    def delta_chunk(self, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, with_usage: bool,
+    def delta_chunk(self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, with_usage: bool,
                     token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"content": text}, "finish_reason": None,
+        choice = {"index": index, "delta": {"content": text}, "finish_reason": None,
                   "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
         return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
 
@@ -110,22 +121,25 @@ class ChatFormatter:
             choice["token_ids"] = list(token_ids or [])
         return choice
 
-    def finish_chunk(self, reason: str, with_usage: bool) -> dict[str, Any]:
-        return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}], with_usage=with_usage)
+    def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
+        return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}],
+                           with_usage=with_usage)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._chunk([], usage=usage, with_usage=True)
 
-    def full(self, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, usage: dict[str, Any],
-             token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+    def choice(self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str,
+               token_ids: list[int]) -> dict[str, Any]:
+        """One entry of a whole response's ``choices``."""
+        choice = {"index": index, "message": {"role": "assistant", "content": text},
                   "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
                   "finish_reason": reason}
+        return self._with_ids(choice, token_ids)
+
+    def full(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": self.meta.response_id, "object": "chat.completion", "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": [self._with_ids(choice, token_ids)],
-            "usage": usage,
+            "model": self.meta.model, "choices": choices, "usage": usage,
         }
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -145,27 +159,29 @@ class CompletionFormatter(ChatFormatter):
 
     object_name = "text_completion"
 
-    def first_chunk(self, with_usage: bool) -> dict[str, Any] | None:
+    def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
         return None  # text completions have no role chunk
 
-    def delta_chunk(self, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, with_usage: bool,
+    def delta_chunk(self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, with_usage: bool,
                     token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "finish_reason": None,
+        choice = {"index": index, "text": text, "finish_reason": None,
                   "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
         return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
 
-    def finish_chunk(self, reason: str, with_usage: bool) -> dict[str, Any]:
-        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}], with_usage=with_usage)
+    def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
+        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": reason}],
+                           with_usage=with_usage)
 
-    def full(self, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, usage: dict[str, Any],
-             token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "finish_reason": reason,
+    def choice(self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str,
+               token_ids: list[int]) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "finish_reason": reason,
                   "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
+        return self._with_ids(choice, token_ids)
+
+    def full(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": self.meta.response_id, "object": "text_completion", "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": [self._with_ids(choice, token_ids)],
-            "usage": usage,
+            "model": self.meta.model, "choices": choices, "usage": usage,
         }
 
     def logprobs(self, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
@@ -191,36 +207,88 @@ def _finish_reason(message: epd_pb2.GenerateResponse) -> str:
         raise internal_error("The model server sent an unknown finish reason.") from None
 
 
+def combined_usage(finals: Sequence[epd_pb2.GenerateResponse], traces: Sequence[Trace], num_images: int) -> dict[str, Any]:
+    """Usage of a whole response: the prompt counted once, completions summed over the choices."""
+    usage = usage_dict(finals[0].usage, traces[0], num_images)
+    if len(finals) > 1:
+        usage["completion_tokens"] = sum(f.usage.completion_tokens for f in finals)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage["epd"]["num_choices"] = len(finals)
+        usage["epd"]["num_pd_attempts"] = sum(t.num_pd_attempts for t in traces)
+    return usage
+
+
+async def _next_or_none(messages: AsyncGenerator[epd_pb2.GenerateResponse, None]) -> epd_pb2.GenerateResponse | None:
+    try:
+        return await anext(messages)
+    except StopAsyncIteration:  # cannot travel through a Future as itself
+        return None
+
+
+async def merge(choices: Sequence[Choice]) -> AsyncGenerator[tuple[int, epd_pb2.GenerateResponse], None]:
+    """``(choice index, message)`` from every choice, in arrival order.
+
+    The first failure of any choice ends the merge; leaving it (error,
+    consumer gone) cancels and closes every choice, which releases their
+    PD and encoder work.
+    """
+    if len(choices) == 1:
+        async with contextlib.aclosing(choices[0].messages) as messages:
+            async for message in messages:
+                yield 0, message
+        return
+    pending: dict[asyncio.Task, int] = {}
+    try:
+        for index, choice in enumerate(choices):
+            pending[asyncio.create_task(_next_or_none(choice.messages))] = index
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                message = task.result()
+                if message is not None:
+                    pending[asyncio.create_task(_next_or_none(choices[index].messages))] = index
+                    yield index, message
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for choice in choices:
+            with contextlib.suppress(Exception):
+                await choice.messages.aclose()
+
+
 async def _events(
-    messages: AsyncGenerator[epd_pb2.GenerateResponse, None],
-    formatter: ChatFormatter,
-    trace: Trace,
-    include_usage: bool,
-    want_logprobs: bool,
+    choices: Sequence[Choice], formatter: ChatFormatter, include_usage: bool, want_logprobs: bool
 ) -> AsyncIterator[bytes]:
-    first = formatter.first_chunk(include_usage)
-    async with contextlib.aclosing(messages):
-        async for message in messages:
-            if first is not None:
-                yield sse_event(first)
-                first = None
+    started = [False] * len(choices)
+    finals: list[epd_pb2.GenerateResponse | None] = [None] * len(choices)
+    async with contextlib.aclosing(merge(choices)) as messages:
+        async for index, message in messages:
+            if not started[index]:
+                started[index] = True
+                role = formatter.role_chunk(index, include_usage)
+                if role is not None:
+                    yield sse_event(role)
             ids_wanted = formatter.meta.return_token_ids and message.token_ids
             if message.text or (want_logprobs and message.logprobs) or ids_wanted:
                 logprobs = list(message.logprobs) if want_logprobs else None
-                yield sse_event(formatter.delta_chunk(message.text, logprobs, include_usage, list(message.token_ids)))
+                yield sse_event(formatter.delta_chunk(index, message.text, logprobs, include_usage,
+                                                      list(message.token_ids)))
             if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
-                yield sse_event(formatter.finish_chunk(_finish_reason(message), include_usage))
-                if include_usage:
-                    yield sse_event(formatter.usage_chunk(usage_dict(message.usage, trace, formatter.meta.num_images)))
-                yield SSE_DONE
-                return
-    raise internal_error("The model server ended the stream without a result.")
+                yield sse_event(formatter.finish_chunk(index, _finish_reason(message), include_usage))
+                finals[index] = message
+    if any(final is None for final in finals):
+        raise internal_error("The model server ended the stream without a result.")
+    if include_usage:
+        traces = [c.trace for c in choices]
+        yield sse_event(formatter.usage_chunk(combined_usage(finals, traces, formatter.meta.num_images)))
+    yield SSE_DONE
 
 
 async def stream_events(
-    messages: AsyncGenerator[epd_pb2.GenerateResponse, None],
+    choices: Sequence[Choice],
     formatter: ChatFormatter,
-    trace: Trace,
     *,
     include_usage: bool,
     want_logprobs: bool,
@@ -232,7 +300,7 @@ async def stream_events(
     """
     started = False
     try:
-        async with contextlib.aclosing(_events(messages, formatter, trace, include_usage, want_logprobs)) as events:
+        async with contextlib.aclosing(_events(choices, formatter, include_usage, want_logprobs)) as events:
             async for event in events:
                 started = True
                 yield event
@@ -246,24 +314,25 @@ async def stream_events(
         yield SSE_DONE
 
 
-async def collect(
-    messages: AsyncGenerator[epd_pb2.GenerateResponse, None],
-    formatter: ChatFormatter,
-    trace: Trace,
-    *,
-    want_logprobs: bool,
-) -> dict[str, Any]:
-    """Consumes the whole stream into one non-streaming response object."""
-    texts: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[epd_pb2.TokenLogprob] = []
-    async with contextlib.aclosing(messages):
-        async for message in messages:
-            texts.append(message.text)
-            token_ids.extend(message.token_ids)
-            logprobs.extend(message.logprobs)
+async def collect(choices: Sequence[Choice], formatter: ChatFormatter, *, want_logprobs: bool) -> dict[str, Any]:
+    """Consumes every choice into one non-streaming response object."""
+    n = len(choices)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    token_ids: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[epd_pb2.TokenLogprob]] = [[] for _ in range(n)]
+    finals: list[epd_pb2.GenerateResponse | None] = [None] * n
+    async with contextlib.aclosing(merge(choices)) as messages:
+        async for index, message in messages:
+            texts[index].append(message.text)
+            token_ids[index].extend(message.token_ids)
+            logprobs[index].extend(message.logprobs)
             if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
-                usage = usage_dict(message.usage, trace, formatter.meta.num_images)
-                reason = _finish_reason(message)
-                return formatter.full("".join(texts), logprobs if want_logprobs else None, reason, usage, token_ids)
-    raise internal_error("The model server ended the stream without a result.")
+                finals[index] = message
+    if any(final is None for final in finals):
+        raise internal_error("The model server ended the stream without a result.")
+    entries = [
+        formatter.choice(i, "".join(texts[i]), logprobs[i] if want_logprobs else None, _finish_reason(finals[i]),
+                         token_ids[i])
+        for i in range(n)
+    ]
+    return formatter.full(entries, combined_usage(finals, [c.trace for c in choices], formatter.meta.num_images))

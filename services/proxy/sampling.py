@@ -10,10 +10,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
-def check_supported(body: _SamplingFields) -> None:
+def check_supported(body: _SamplingFields, max_n: int = 1) -> None:
     """Rejects valid OpenAI parameters this server does not implement (never drops them silently)."""
-    if body.n not in (None, 1):
-        raise UnsupportedFeatureError("Only n=1 is supported.", "n")
+    if body.n is not None and body.n > max_n:
+        raise RequestError(f"n must be at most {max_n}.", "n")
     if body.presence_penalty or body.frequency_penalty:
         raise UnsupportedFeatureError("presence_penalty and frequency_penalty are not supported.", "presence_penalty")
     if body.logit_bias:
@@ -89,6 +89,17 @@ def requested_logprobs(body: _SamplingFields) -> int | None:
             return None
         return body.top_logprobs or 0
     return body.logprobs
+
+
+def choice_sampling(params: epd_pb2.SamplingParams, index: int) -> epd_pb2.SamplingParams:
+    """Sampling of choice ``index`` of ``n``: a given seed is offset per choice, so the
+    choices differ from each other yet the whole response stays reproducible."""
+    if index == 0 or not params.HasField("seed"):
+        return params
+    copy = epd_pb2.SamplingParams()
+    copy.CopyFrom(params)
+    copy.seed = (params.seed + index) % 2**64
+    return copy
 
 
 def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingParams:

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored (OpenAI clients send some we have no use for);
 known fields we cannot honour are rejected in ``sampling.py`` with a clear 400
-instead of being silently dropped.
+instead of being silently dropped. Types are strict, as OpenAI's are:
+``"5"`` is not an integer and ``"yes"`` is not a boolean.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ _MAX_TEXT_PARTS = 1024  # per message; bounds work before the body reaches the t
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ImageUrl(_Body):
@@ -66,7 +67,7 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=256)  # accepted (OpenAI end-user id), not used
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -92,3 +93,15 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+
+
+def _field_names(*models: type[BaseModel]) -> frozenset[str]:
+    names: set[str] = set()
+    for model in models:
+        names.update(model.model_fields)
+    return frozenset(names)
+
+
+FIELD_NAMES = _field_names(ImageUrl, TextPart, ImagePart, ChatMessage, StreamOptions, ChatCompletionRequest,
+                           CompletionRequest)
+"""Every field name of the request schemas: the only strings an error location may repeat."""

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -135,8 +136,8 @@ class LlavaAdapter(ModelAdapter):
         return encoder.eval().requires_grad_(False)
 
     def load_language_model(self, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(self.config.text_config)
+        with init_empty_weights():  # a copy: from_config records attention/dtype choices on its config
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(self.config.text_config), dtype=dtype)
         tied = self.config.tie_word_embeddings or self.config.text_config.tie_word_embeddings
         load_part(
             model, self._weights(), {"": Part.LANGUAGE_MODEL}, torch.device(device), dtype,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    CLIPImageProcessorPil,
     CLIPVisionConfig,
     GenerationConfig,
     LlamaConfig,
@@ -26,7 +27,6 @@ from transformers import (
     LlavaProcessor,
     PreTrainedTokenizerFast,
 )
-from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
 from .chat_template import LLAVA_CHAT_TEMPLATE
 from .init_weights import initialise_llava

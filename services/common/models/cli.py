@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -15,14 +16,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_flag(parser, "--preset", default="tiny", choices=sorted(PRESETS), help="model shapes: tiny (tests, seconds) or bench (ViT-B/16 + ~125M LM)")
     cli_args.add_flag(parser, "--out", default="", help="output directory (default: the model cache, $EPD_CACHE_DIR/models/<preset>-v1)")
     cli_args.add_flag(parser, "--seed", type=int, default=0, help="random seed; the same seed gives byte-identical weights")
+    cli_args.add_flag(parser, "--force", default=False, help="replace an existing checkpoint in --out")
 
 
 def run(args: argparse.Namespace) -> int:
     from services.common.models import build_checkpoint, default_model_dir
 
     out = Path(args.out) if args.out else default_model_dir(args.preset)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        print(f"{out} already exists and is not empty; pass --force to replace it", file=sys.stderr)
+        return 2
     started = time.monotonic()
-    path = build_checkpoint(args.preset, out, seed=args.seed, progress=lambda msg: print(f"  {msg}", flush=True))
+    path = build_checkpoint(
+        args.preset, out, seed=args.seed, overwrite=args.force, progress=lambda msg: print(f"  {msg}", flush=True)
+    )
     print(f"built {args.preset} checkpoint at {path} in {time.monotonic() - started:.1f}s "
           "(random weights: its text is gibberish by design)")
     return 0

@@ -86,7 +86,7 @@ BENCH = Preset(
     ),
     tokenizer_vocab_size=8192,
     corpus_lines=20000,
-    context_strength=1.0,
+    context_strength=1.2,
 )
 
 # Read-only view: presets are looked up, never registered at runtime.

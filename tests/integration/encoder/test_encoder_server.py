@@ -362,6 +362,20 @@ async def test_client_cancellation_during_push_releases_outbound_bytes(cluster: 
     assert cluster.pd.pushes == []  # PD saw the stream end without its payload
 
 
+async def test_outbound_bytes_are_bounded(cluster: Cluster) -> None:
+    one_embedding = NUM_TOKENS * HIDDEN * 4
+    cluster.pd.hold = asyncio.Event()
+    async with extra_encoder(replace(TEST_CONFIG, max_outbound_bytes=one_embedding), cluster.vision) as (enc, stub):
+        call = asyncio.ensure_future(stub.Encode(encode_request(cluster.pd_address, 17.0, 18.0), timeout=10))
+        await asyncio.wait_for(cluster.pd.got_header.wait(), 5)
+        await asyncio.sleep(0.1)
+        assert cluster.pd.num_calls == 1  # the second push waits for budget
+        assert enc.stats().outbound_bytes == one_embedding
+        cluster.pd.hold.set()
+        reply = await call
+    assert len(reply.items) == 2 and len(cluster.pd.pushes) == 2
+
+
 async def test_vision_failure_is_internal_and_server_keeps_serving(cluster: Cluster) -> None:
     cluster.vision.fail_next = True
     with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -17,10 +17,10 @@ async def cluster_factory(tiny_model_dir):
     """Builds doubles + proxy (in-process ASGI client); ``http=True`` serves over real HTTP (uvicorn)."""
     stack: list = []
 
-    async def make(num_pds: int = 1, num_encoders: int = 1, http: bool = False, **overrides) -> Cluster:
+    async def make(num_pds: int = 1, num_encoders: int = 1, http: bool = False, fetcher=None, **overrides) -> Cluster:
         cluster = await start_doubles(num_pds, num_encoders)
         stack.append(("servers", cluster))
-        app = create_app(proxy_config(tiny_model_dir, cluster, **overrides))
+        app = create_app(proxy_config(tiny_model_dir, cluster, **overrides), fetcher=fetcher)
         cluster.app = app
         if http:
             server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))

@@ -62,6 +62,8 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
         self.finish_reason = epd_pb2.FINISH_REASON_STOP
         self.num_active = 0                               # Generate calls in progress
         self.generate_cancelled = 0
+        self.deadlines: list[float | None] = []           # time_remaining() seen by each Generate
+        self.load = epd_pb2.PdLoad()                      # what GetLoad answers
         self._filled_changed = asyncio.Event()
 
     def fill(self, reservation_id: str) -> None:
@@ -91,6 +93,7 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
 
     async def Generate(self, request, context):
         self.generates.append(request)
+        self.deadlines.append(context.time_remaining())
         self.request_ids_seen.append(metadata_request_id(context))
         self.num_active += 1
         try:
@@ -125,6 +128,9 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
         self.aborts.append(request.request_id)
         return epd_pb2.AbortResponse()
 
+    async def GetLoad(self, request, context):
+        return self.load
+
 
 class FakeEncoder(epd_pb2_grpc.EncoderServicer):
     """Test double of an encoder: records Encode calls and fills the PD's reservations."""
@@ -133,22 +139,34 @@ class FakeEncoder(epd_pb2_grpc.EncoderServicer):
         self.address = ""
         self.pds_by_address = pds_by_address
         self.encodes: list[epd_pb2.EncodeRequest] = []
-        self.failure: Failure | None = None
+        self.failure: Failure | None = None               # every call fails
+        self.next_failures: list[Failure] = []            # the next calls fail, one each
         self.delay_s = 0.0
+        self.cancelled = 0
+        self.cache_hits: set[str] = set()                 # mm_hashes to report as cache hits
+        self.deadlines: list[float | None] = []           # time_remaining() seen by each Encode
 
     async def Encode(self, request, context):
         self.encodes.append(request)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        self.deadlines.append(context.time_remaining())
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.next_failures:
+            await self.next_failures.pop(0).raise_in(context)
         if self.failure is not None:
             await self.failure.raise_in(context)
         pd = self.pds_by_address[request.pd_address]
         for item in request.items:
             assert item.pixel_values.dtype == epd_pb2.DTYPE_FLOAT32 and len(item.pixel_values.shape) == 3
             pd.fill(item.reservation_id)
-        return epd_pb2.EncodeResponse(
-            items=[epd_pb2.EncodeItemResult(mm_hash=i.mm_hash, encode_ms=1.0) for i in request.items]
-        )
+        return epd_pb2.EncodeResponse(items=[
+            epd_pb2.EncodeItemResult(mm_hash=i.mm_hash, encode_ms=1.0, cache_hit=i.mm_hash in self.cache_hits)
+            for i in request.items
+        ])
 
 
 @dataclass
@@ -172,26 +190,36 @@ class Cluster:
         return self.encoders[0]
 
 
+async def serve_pd(pd: FakePd, host: str = "127.0.0.1", port: int = 0) -> grpc_utils.GrpcServer:
+    """Serves ``pd`` (ready) on ``host:port``; also used to bring a stopped double back on its old port."""
+    server = await grpc_utils.start_server(
+        host, port, "epd.v1.PrefillDecode", lambda s: epd_pb2_grpc.add_PrefillDecodeServicer_to_server(pd, s)
+    )
+    await server.set_ready(True)
+    pd.address = f"{host}:{server.port}"
+    return server
+
+
+async def serve_encoder(encoder: FakeEncoder, host: str = "127.0.0.1", port: int = 0) -> grpc_utils.GrpcServer:
+    server = await grpc_utils.start_server(
+        host, port, "epd.v1.Encoder", lambda s: epd_pb2_grpc.add_EncoderServicer_to_server(encoder, s)
+    )
+    await server.set_ready(True)
+    encoder.address = f"{host}:{server.port}"
+    return server
+
+
 async def start_doubles(num_pds: int = 1, num_encoders: int = 1) -> Cluster:
     pds = [FakePd() for _ in range(num_pds)]
     by_address: dict[str, FakePd] = {}
     servers = []
     for pd in pds:
-        server = await grpc_utils.start_server(
-            "127.0.0.1", 0, "epd.v1.PrefillDecode", lambda s, pd=pd: epd_pb2_grpc.add_PrefillDecodeServicer_to_server(pd, s)
-        )
-        await server.set_ready(True)
-        pd.address = f"127.0.0.1:{server.port}"
+        server = await serve_pd(pd)
         by_address[pd.address] = pd
         servers.append(server)
     encoders = [FakeEncoder(by_address) for _ in range(num_encoders)]
     for encoder in encoders:
-        server = await grpc_utils.start_server(
-            "127.0.0.1", 0, "epd.v1.Encoder", lambda s, e=encoder: epd_pb2_grpc.add_EncoderServicer_to_server(e, s)
-        )
-        await server.set_ready(True)
-        encoder.address = f"127.0.0.1:{server.port}"
-        servers.append(server)
+        servers.append(await serve_encoder(encoder))
     return Cluster(pds=pds, encoders=encoders, servers=servers)
 
 
@@ -203,6 +231,7 @@ def proxy_config(model_dir, cluster: Cluster, **overrides) -> ProxyConfig:
         encoder_addresses=tuple(e.address for e in cluster.encoders),
         served_model_name="tiny-llava",
         request_timeout_s=overrides.pop("request_timeout_s", 10.0),
+        load_poll_s=overrides.pop("load_poll_s", 0.05),
         **overrides,
     )
 

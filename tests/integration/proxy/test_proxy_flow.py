@@ -9,6 +9,7 @@ import grpc
 from proxy_doubles import Failure, image_message, png_data_url
 
 from services.common.pb import epd_pb2
+from services.proxy.routing import rendezvous_weight
 
 TEXT = {"model": "tiny-llava", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 
@@ -51,9 +52,10 @@ async def test_image_request_preallocates_then_encodes_and_generates(cluster_fac
     pd, encoder = cluster.pd, cluster.encoder
     [pre] = pd.preallocates
     [generate] = pd.generates
-    [encode] = encoder.encodes
+    encodes = encoder.encodes                                # one Encode call per image, in parallel
     request_id = reply.json()["id"]
-    assert pre.request_id == generate.request_id == encode.request_id == request_id
+    assert pre.request_id == generate.request_id == request_id
+    assert {e.request_id for e in encodes} == {request_id}
     # Items in prompt order, each span of image tokens inside the prompt.
     assert len(pre.items) == 2 and pre.items[0].offset < pre.items[1].offset
     assert pre.items[0].mm_hash != pre.items[1].mm_hash
@@ -65,10 +67,10 @@ async def test_image_request_preallocates_then_encodes_and_generates(cluster_fac
         span = generate.prompt_token_ids[item.offset:item.offset + item.num_tokens]
         assert set(span) == image_token_ids
     # Encode carries the reservations Preallocate granted and the PD to push to.
-    assert encode.pd_address == pd.address
-    assert [(i.mm_hash, i.reservation_id) for i in encode.items] == [
+    assert {e.pd_address for e in encodes} == {pd.address}
+    assert sorted((i.mm_hash, i.reservation_id) for e in encodes for i in e.items) == sorted(
         (item.mm_hash, f"{request_id}/res{index}") for index, item in enumerate(pre.items)
-    ]
+    )
     assert pre.lease_ms == 0                                 # PD's default, capped by the call deadline
     usage = reply.json()["usage"]
     assert usage["epd"]["image_tokens"] == sum(i.num_tokens for i in pre.items)
@@ -104,7 +106,9 @@ async def test_images_spread_over_encoders_with_affinity(cluster_factory):
     assert (await cluster.client.post("/v1/chat/completions", json=request)).status_code == 200
     placement = {i.mm_hash: e.address for e in cluster.encoders for call in e.encodes for i in call.items}
     assert len(placement) == 6
-    assert sum(len(e.encodes) for e in cluster.encoders) == len(set(placement.values()))  # one call per encoder
+    assert sum(len(e.encodes) for e in cluster.encoders) == 6           # one call per image, in parallel
+    for mm_hash, address in placement.items():                          # each on its rendezvous owner
+        assert address == max(cluster.encoders, key=lambda e: rendezvous_weight(e.address, mm_hash)).address
     for encoder in cluster.encoders:
         encoder.encodes.clear()
     assert (await cluster.client.post("/v1/chat/completions", json=request)).status_code == 200

@@ -8,11 +8,14 @@ import io
 import random
 
 import grpc
+import httpx
 import openai
 import pydantic
 import pytest
 from PIL import Image
 from proxy_doubles import Failure, image_message, png_data_url
+
+from services.proxy.media import MediaFetcher, MediaPolicy
 
 SECRET = "zebra-secret-42"
 TEXT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
@@ -39,7 +42,10 @@ def assert_openai_error(reply, status: int, code: str | None = None) -> dict:
         ({"max_tokens": 3}, "invalid_request", "messages"),
         ({"messages": []}, "invalid_request", "messages"),
         ({"messages": [{"role": "wizard", "content": SECRET}]}, "invalid_request", None),
-        ({**TEXT, "n": 2}, "unsupported_parameter", "n"),
+        ({**TEXT, "n": 9}, "invalid_request", "n"),
+        ({**TEXT, "n": 0}, "invalid_request", "n"),
+        ({**TEXT, "logit_bias": {SECRET: "high"}}, "invalid_request", "logit_bias"),
+        ({"messages": [{"role": "user", "content": [{"type": SECRET, "text": "x"}]}]}, "invalid_request", "messages"),
         ({**TEXT, "temperature": 9}, "invalid_request", "temperature"),
         ({**TEXT, "max_tokens": 4000}, "context_length_exceeded", "max_tokens"),
         ({**TEXT, "max_tokens": 10**6}, "invalid_request", "max_tokens"),
@@ -118,14 +124,24 @@ async def test_models_health_and_metrics(cluster_factory):
     metrics = (await cluster.client.get("/metrics")).text
     assert 'epd_proxy_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in metrics
     await cluster.servers[0].set_ready(False)                 # the only PD drains
+    await wait_until_async(lambda: cluster.client.get("/health"), lambda r: r.status_code == 503)
     health = await cluster.client.get("/health")
-    assert health.status_code == 503 and health.json()["pd"] == {cluster.pd.address: False}
+    assert health.json()["pd"] == {cluster.pd.address: False}
 
 
 async def test_health_needs_an_encoder_when_encoders_are_configured(cluster_factory):
     cluster = await cluster_factory()
     await cluster.servers[1].set_ready(False)
-    assert (await cluster.client.get("/health")).status_code == 503
+    await wait_until_async(lambda: cluster.client.get("/health"), lambda r: r.status_code == 503)
+
+
+async def wait_until_async(call, predicate, timeout: float = 5.0):
+    for _ in range(int(timeout / 0.02)):
+        reply = await call()
+        if predicate(reply):
+            return reply
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
 
 
 async def wait_until(predicate, timeout: float = 5.0) -> None:
@@ -238,3 +254,32 @@ async def test_openai_client_sees_errors(cluster_factory):
             await client.chat.completions.create(model="other", messages=TEXT["messages"])
     finally:
         await client.close()
+
+
+async def test_allowed_https_image_is_fetched_pinned_and_encoded(cluster_factory):
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(buffer, format="PNG")
+    requests: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return httpx.Response(200, content=buffer.getvalue())
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return {"img.example.com": ["93.184.215.14"]}[host]
+
+    media = MediaFetcher(MediaPolicy(("img.example.com",)), resolver=resolver, transport=httpx.MockTransport(handler))
+    cluster = await cluster_factory(fetcher=media)
+    try:
+        remote = await post(cluster, {"messages": [image_message("https://img.example.com/cat.png")]})
+        assert remote.status_code == 200, remote.text
+        assert requests[0].url.host == "93.184.215.14" and requests[0].headers["host"] == "img.example.com"
+        inline = await post(cluster, {"messages": [image_message(png_data_url((200, 30, 30)))]})
+        assert inline.status_code == 200
+        first, second = cluster.pd.preallocates
+        assert first.items[0].mm_hash == second.items[0].mm_hash   # same pixels, same hash, however sent
+        refused = await post(cluster, {"messages": [image_message(f"https://evil.example.net/{SECRET}.png")]})
+        assert_openai_error(refused, 400, "image_url_not_allowed")
+        assert len(requests) == 1 and len(cluster.pd.preallocates) == 2
+    finally:
+        await media.aclose()

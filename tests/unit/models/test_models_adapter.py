@@ -88,7 +88,8 @@ def test_adapter_reports_model_facts(models_tiny_dir: Path):
 def test_num_image_tokens_matches_processor_expansion(models_tiny_dir: Path, height: int, width: int):
     adapter = load_adapter(models_tiny_dir)
     processor = adapter.load_processor()
-    out = processor(text="USER: <image>\nhi ASSISTANT:", images=[Image.new("RGB", (width, height))], return_tensors="pt")
+    image = Image.new("RGB", (width, height))
+    out = processor(text="USER: <image>\nhi ASSISTANT:", images=[image], return_tensors="pt")
     assert int((out["input_ids"] == adapter.image_token_id).sum()) == adapter.num_image_tokens(height, width)
     assert adapter.num_image_tokens(height, width) == get_preset("tiny").num_image_tokens
 
@@ -185,7 +186,8 @@ def test_tied_embeddings_checkpoint_without_head_loads(models_tiny_dir: Path, tm
 def test_missing_tensors_are_named_in_the_error(models_tiny_dir: Path, tmp_path: Path):
     tensors = _checkpoint_tensors(models_tiny_dir)
     dropped = ["multi_modal_projector.linear_2.bias", "language_model.model.norm.weight"]
-    copy = _copy_with_tensors(models_tiny_dir, tmp_path / "broken", {k: v for k, v in tensors.items() if k not in dropped})
+    kept = {k: v for k, v in tensors.items() if k not in dropped}
+    copy = _copy_with_tensors(models_tiny_dir, tmp_path / "broken", kept)
     adapter = load_adapter(copy)
     with pytest.raises(MissingWeightsError, match=r"missing 1 tensor\(s\): multi_modal_projector\.linear_2\.bias$"):
         adapter.load_vision(CPU, torch.float32)

@@ -44,7 +44,8 @@ def test_config_is_llava_15_style(models_tiny_dir: Path):
 
 def test_tokenizer_round_trips_text_and_keeps_image_token_whole(models_tiny_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(models_tiny_dir)
-    for text in ["Hello, world!", "  two  spaces\nand\ttabs ", "日本語 café 🙂 naïve", "x" * 300, '{"a": [1, 2]}']:
+    texts = ["Hello, world!", "  two  spaces\nand\ttabs ", "日本語 café 🙂 naïve", "x" * 300, '{"a": [1, 2]}']
+    for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert tokenizer.unk_token_id not in ids
         assert tokenizer.decode(ids) == text

@@ -218,3 +218,82 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError):
         kv.allocate_slots(a, 1, [0])
     kv.free(a)
+
+
+def test_pinned_cached_blocks_survive_eviction_until_unpinned(kv):
+    a = make_request("a", range(9))               # 2 full cached blocks
+    compute_all(kv, a)
+    kv.free(a)
+    hit_ids, num_hit = kv.get_computed_blocks(make_request("probe", range(9)))
+    assert num_hit == 8
+    kv.pin("owner", hit_ids)                      # revives them out of the free queue
+    assert kv.num_pinned_blocks == 2 and kv.num_free_blocks == 6
+    kv.check_integrity([])
+    filler = make_request("filler", range(100, 124))
+    assert kv.allocate_slots(filler, 24)          # takes every free block ...
+    assert not set(filler.block_ids) & set(hit_ids)
+    assert kv.get_computed_blocks(make_request("b", range(9))) == (hit_ids, 8)   # ... but not the pinned ones
+    kv.pin("owner", hit_ids[:1])                  # re-pinning replaces the old pin
+    assert kv.num_pinned_blocks == 1 and kv.num_free_blocks == 1
+    kv.unpin("owner")
+    kv.unpin("owner")                             # idempotent
+    assert kv.num_pinned_blocks == 0 and kv.num_free_blocks == 2
+    kv.check_integrity([filler])
+    kv.free(filler)
+
+
+def test_pin_shares_blocks_with_a_running_request(kv):
+    a = make_request("a", range(9))
+    compute_all(kv, a)                            # a still holds its blocks
+    hit_ids, _ = kv.get_computed_blocks(make_request("probe", range(9)))
+    kv.pin("owner", hit_ids)
+    kv.check_integrity([a])                       # each hit block: one table + one pin
+    kv.free(a)
+    assert kv.num_free_blocks == 8 - 2            # the pin keeps both alive
+    kv.unpin("owner")
+    assert kv.num_free_blocks == 8 and kv.get_computed_blocks(make_request("c", range(9)))[1] == 8
+
+
+def test_only_cached_blocks_can_be_pinned(kv):
+    a = make_request("a", range(6))
+    assert kv.allocate_slots(a, 6)                # allocated, never registered
+    with pytest.raises(ValueError, match="cached"):
+        kv.pin("owner", a.block_ids[:1])
+    assert kv.num_pinned_blocks == 0
+    kv.check_integrity([a])
+    kv.free(a)
+
+
+def _grow(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
+    """Decode ``num_tokens`` more tokens, one allocation per token (as steps do)."""
+    for _ in range(num_tokens):
+        assert kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+
+
+def test_tables_grow_in_place_when_room_was_kept():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    a = Request("a", list(range(8)), SamplingParams(max_tokens=9))     # grows to 16 tokens: 4 blocks
+    b = Request("b", list(range(50, 58)), SamplingParams(max_tokens=9))
+    assert kv.allocate_slots(a, 8) and kv.allocate_slots(b, 8)
+    a.num_computed_tokens = b.num_computed_tokens = 8
+    assert a.block_ids == [0, 1] and b.block_ids == [4, 5]              # b skipped a's room (2, 3)
+    _grow(kv, a, 8)
+    _grow(kv, b, 8)
+    assert a.block_ids == [0, 1, 2, 3] and b.block_ids == [4, 5, 6, 7]
+    kv.check_integrity([a, b])
+    kv.free(a)
+    kv.free(b)
+
+
+def test_kept_room_is_used_by_others_under_pressure():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a = Request("a", list(range(4)), SamplingParams(max_tokens=9))      # would grow to 3 blocks
+    assert kv.allocate_slots(a, 4)
+    b = Request("b", list(range(50, 62)), SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(b, 12)                                     # needs 3: takes a's room too
+    assert sorted(a.block_ids + b.block_ids) == [0, 1, 2, 3]
+    assert not kv.allocate_slots(a, 1 + 4)
+    kv.check_integrity([a, b])
+    kv.free(a)
+    kv.free(b)

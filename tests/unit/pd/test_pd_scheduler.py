@@ -292,6 +292,7 @@ def test_preempts_newest_and_admits_nothing_in_that_step(make):
     assert [c.request_id for c in out.chunks] == ["old"]  # no admission in a preempting step ...
     assert h.kv.num_free_blocks >= 2                      # ... although late would fit now
     assert new.status is RequestStatus.PREEMPTED and new.num_preemptions == 1
+    assert h.sched.num_preemptions == 1
     assert new.block_ids == [] and new.num_computed_tokens == 0
     assert list(h.sched.waiting) == [new, late] and late.status is RequestStatus.WAITING
     outputs_before = list(new.output_token_ids)
@@ -357,6 +358,7 @@ def test_prefix_hit_sets_cached_tokens_and_skips_compute(h):
     assert b.num_cached_tokens == 12 and chunk_of(out, "b").start_pos == 12
     assert chunk_of(out, "b").num_tokens == 3
     assert a.num_cached_tokens == 0
+    assert h.sched.num_prefix_hit_tokens == 12
     h.run()
 
 
@@ -404,8 +406,11 @@ def test_queue_bounds_and_invalid_requests(make):
         h.add("c", range(1))
     assert info.value.retry_after_s == 1.0
     h.step()                                              # both admitted: waiting is empty
+    h.add("d", range(7))
     with pytest.raises(QueueFull):
-        h.add("d", range(11))                             # over the waiting token bound
+        h.add("x", range(4))                              # 7 + 4 waiting tokens > 10
+    with pytest.raises(ValueError, match="waiting-queue"):
+        h.add("y", range(11))                             # could never wait here, even alone
     with pytest.raises(ValueError):
         h.add("e", range(13))                             # longer than max_model_len
     with pytest.raises(ValueError):

@@ -38,9 +38,11 @@ def models() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     return model, copy.deepcopy(model)
 
 
-@pytest.fixture
-def runner(models) -> ModelRunner:
-    return ModelRunner(models[0], num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, device="cpu", dtype=torch.float32)
+@pytest.fixture(params=["padded", "ragged"])
+def runner(models, request) -> ModelRunner:
+    """A runner per one-query attention path (both run on CPU)."""
+    return ModelRunner(models[0], num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, device="cpu",
+                       dtype=torch.float32, decode_path=request.param)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -148,12 +150,14 @@ def test_batched_greedy_generation_equals_hf_generate(runner, models):
         assert output == expected[0, len(prompt):].tolist()
 
 
-def test_multi_head_attention_with_explicit_head_dim():
+@pytest.mark.parametrize("decode_path", ["padded", "ragged"])
+def test_multi_head_attention_with_explicit_head_dim(decode_path):
     # No GQA (kv heads == heads) and head_dim != hidden / heads: the other attention branches.
     torch.manual_seed(1)
     model = LlamaForCausalLM(_config(num_key_value_heads=4, head_dim=8)).eval()
     ref = copy.deepcopy(model)
-    runner = ModelRunner(model, num_blocks=16, block_size=BLOCK_SIZE, device="cpu", dtype=torch.float32)
+    runner = ModelRunner(model, num_blocks=16, block_size=BLOCK_SIZE, device="cpu", dtype=torch.float32,
+                         decode_path=decode_path)
     a, b = _tokens(11, 30), _tokens(7, 31)
     _step(runner, _chunk("a", a[:5], 0, [3, 1]), _chunk("b", b[:6], 0, [9, 8]))
     logits = _step(runner, _chunk("b", b[6:], 6, [9, 8]), _chunk("a", a[5:], 5, [3, 1, 12]))
@@ -186,6 +190,13 @@ def test_invalid_image_slices_are_refused(runner, models):
               embeddings={"i": torch.zeros(4, hidden)})
 
 
+def test_decode_path_is_picked_by_device_or_refused(models):
+    model = copy.deepcopy(models[1])
+    assert ModelRunner(model, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32).decode_path == "ragged"
+    with pytest.raises(ValueError, match="decode_path"):
+        ModelRunner(model, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32, decode_path="fast")
+
+
 def test_attention_without_metadata_fails_loudly(runner):
     assert runner.model.config._attn_implementation == ATTN_IMPLEMENTATION
     with torch.inference_mode(), pytest.raises(RuntimeError, match=METADATA_KWARG):
@@ -194,8 +205,16 @@ def test_attention_without_metadata_fails_loudly(runner):
 
 def test_kv_cache_sizing_from_memory_budget():
     config = _config()
-    assert kv_cache_shape(config, 10, 16) == (2, 10, 16, 2, 16)
+    assert kv_cache_shape(config, 10, 16) == (2, 2, 10, 16, 16)
     per_block = ModelRunner.kv_bytes_per_block(config, 16, torch.float16)
     assert per_block == 2 * 2 * 16 * 2 * 16 * 2
     assert ModelRunner.num_blocks_for_budget(config, 10 * per_block + 1, block_size=16, dtype=torch.float16) == 10
     assert ModelRunner.num_blocks_for_budget(config, per_block - 1, block_size=16, dtype=torch.float16) == 0
+
+
+def test_ragged_decode_reads_consecutive_blocks_in_place_and_gathers_the_rest():
+    from services.pd.attention import _ragged_decode_group
+
+    group = _ragged_decode_group([0, 1, 2], [9, 4, 5], [[6, 7, 8], [3], [2, 9]], 4, "cpu")
+    assert group.spans == ((True, 24, 9), (True, 12, 4), (False, 0, 5))
+    assert group.block_ids.tolist() == [2, 9]                            # only the scattered table

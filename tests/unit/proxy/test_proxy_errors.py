@@ -14,7 +14,7 @@ from services.proxy.errors import (
     from_grpc,
     model_not_found,
 )
-from services.proxy.sampling import check_supported, resolve_max_tokens, sampling_params, stop_strings
+from services.proxy.sampling import check_supported, choice_sampling, resolve_max_tokens, sampling_params, stop_strings
 from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
 
 S = grpc.StatusCode
@@ -86,11 +86,34 @@ def test_config_defaults_are_valid():
         {"lease_ms": -5},
         {"lease_ms": 10_000, "request_timeout_s": 1},
         {"served_model_name": "  "},
+        {"pd_policy": "random"},
+        {"encoder_policy": "sticky"},
+        {"api_key": " "},
+        {"allowed_media_domains": ("example.com/path",)},
+        {"allowed_media_domains": ("*example.com",)},
+        {"max_n": 0},
+        {"breaker_failures": 0},
+        {"load_poll_s": -1},
     ],
 )
 def test_config_rejects_nonsense(kwargs):
     with pytest.raises(ValueError):
         ProxyConfig(model="m", **kwargs)
+
+
+def test_config_hides_the_api_key_and_normalises_domains():
+    config = ProxyConfig(model="m", api_key="s3cret-key", allowed_media_domains=["Images.Example.com", "*.cdn.org"])
+    assert "s3cret-key" not in repr(config)
+    assert config.allowed_media_domains == ("images.example.com", "*.cdn.org")
+
+
+def test_choice_sampling_offsets_the_seed_only():
+    base = sampling_params(chat(seed=2**64 - 1, temperature=0.7), 5)
+    assert choice_sampling(base, 0) is base
+    second = choice_sampling(base, 1)
+    assert second.seed == 0 and second.temperature == pytest.approx(0.7) and base.seed == 2**64 - 1
+    unseeded = sampling_params(chat(temperature=0.7), 5)
+    assert not choice_sampling(unseeded, 3).HasField("seed")
 
 
 def test_config_is_frozen_and_lists_become_tuples():
@@ -148,7 +171,6 @@ def test_stop_accepts_string_or_list_and_bounds_it():
 @pytest.mark.parametrize(
     "fields",
     [
-        {"n": 2},
         {"presence_penalty": 0.5},
         {"tools": [{"type": "function"}]},
         {"response_format": {"type": "json_object"}},
@@ -162,5 +184,9 @@ def test_unsupported_parameters_are_rejected_not_dropped(fields):
 
 def test_supported_defaults_pass():
     check_supported(chat(n=1, presence_penalty=0, response_format={"type": "text"}))
+    check_supported(chat(n=8), max_n=8)
+    with pytest.raises(RequestError) as caught:
+        check_supported(chat(n=9), max_n=8)
+    assert caught.value.param == "n"
     with pytest.raises(UnsupportedFeatureError):
         check_supported(CompletionRequest(prompt="x", echo=True))

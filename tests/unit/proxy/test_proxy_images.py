@@ -104,3 +104,24 @@ def test_errors_are_request_errors_without_input():
         decode_data_url(f"data:image/png;base64,{secret}", MAX_PIXELS)
     assert secret not in str(caught.value)
     assert caught.value.to_api_error().status_code == 400
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A few hundred bytes whose PNG header claims ``width`` x ``height`` pixels."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+@pytest.mark.parametrize("side", [50_000, 12_000])   # over Pillow's hard limit / only over its warning limit
+def test_decompression_bombs_are_refused_even_with_a_lax_cap(side):
+    # Our cap set absurdly high: Pillow's own guard (never disabled) still bounds it.
+    assert Image.MAX_IMAGE_PIXELS
+    with pytest.raises(ImageTooLargeError):
+        decode_data_url(data_url(png_claiming(side, side)), max_pixels=10**12)

@@ -40,3 +40,24 @@ def test_environment_supplies_defaults(monkeypatch):
 def test_nonsense_config_exits_with_usage_error(capsys):
     assert run(parse(["--pd", "", "--log-level", "error"])) == 2
     assert "PD address" in capsys.readouterr().out
+
+
+def test_routing_access_and_media_flags():
+    config = config_from_args(parse([
+        "--pd-policy", "round-robin", "--encoder-policy", "least-loaded", "--encoder-saturation", "4",
+        "--pd-attempts", "2", "--encoder-attempts", "5", "--breaker-failures", "1", "--breaker-open-s", "0.5",
+        "--load-poll-s", "0", "--dns-refresh-s", "1", "--max-n", "2", "--api-key", "k",
+        "--allowed-media-domains", "img.example.com, *.cdn.org", "--media-timeout", "3", "--max-media-mb", "2",
+    ]))
+    assert (config.pd_policy, config.encoder_policy, config.encoder_saturation) == ("round-robin", "least-loaded", 4)
+    assert (config.pd_attempts, config.encoder_attempts, config.breaker_failures) == (2, 5, 1)
+    assert (config.breaker_open_s, config.load_poll_s, config.dns_refresh_s, config.max_n) == (0.5, 0.0, 1.0, 2)
+    assert config.api_key == "k" and config.allowed_media_domains == ("img.example.com", "*.cdn.org")
+    assert config.media_timeout_s == 3.0 and config.max_media_bytes == 2 * 1024 * 1024
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EPD_API_KEY", "from-env")
+    assert config_from_args(parse([])).api_key == "from-env"
+    monkeypatch.delenv("EPD_API_KEY")
+    assert config_from_args(parse([])).api_key is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -9,10 +10,11 @@ import pytest
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import ApiError, from_grpc
-from services.proxy.pipeline import Trace
+from services.proxy.jobs import Trace
 from services.proxy.responses import (
     SSE_DONE,
     ChatFormatter,
+    Choice,
     CompletionFormatter,
     ResponseMeta,
     collect,
@@ -47,9 +49,13 @@ def parse(events: list[bytes]) -> list:
     return out
 
 
+def one(source) -> list[Choice]:
+    return [Choice(source, Trace())]
+
+
 async def run_stream(source, formatter=None, include_usage=False, want_logprobs=False) -> list:
     formatter = formatter or ChatFormatter(meta())
-    return parse([e async for e in stream_events(source, formatter, Trace(), include_usage=include_usage,
+    return parse([e async for e in stream_events(one(source), formatter, include_usage=include_usage,
                                                  want_logprobs=want_logprobs)])
 
 
@@ -126,7 +132,7 @@ async def test_completion_stream_and_collect():
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["ab", "c", ""]
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
-    whole = await collect(messages(epd_pb2.GenerateResponse(text="ab"), final("c")), formatter, Trace(),
+    whole = await collect(one(messages(epd_pb2.GenerateResponse(text="ab"), final("c"))), formatter,
                           want_logprobs=False)
     assert whole["choices"][0]["text"] == "abc"
     assert whole["usage"]["total_tokens"] == 12
@@ -134,8 +140,8 @@ async def test_completion_stream_and_collect():
 
 async def test_completion_logprobs_format():
     entry = epd_pb2.TokenLogprob(token_id=5, logprob=-0.5, top_token_ids=[6], top_logprobs=[-1.0])
-    whole = await collect(messages(epd_pb2.GenerateResponse(text="<5>", logprobs=[entry, entry]), final()),
-                          CompletionFormatter(meta()), Trace(), want_logprobs=True)
+    whole = await collect(one(messages(epd_pb2.GenerateResponse(text="<5>", logprobs=[entry, entry]), final())),
+                          CompletionFormatter(meta()), want_logprobs=True)
     logprobs = whole["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["<5>", "<5>"]
     assert logprobs["token_logprobs"] == [-0.5, -0.5]
@@ -144,9 +150,75 @@ async def test_completion_logprobs_format():
 
 
 async def test_chat_collect():
-    whole = await collect(messages(epd_pb2.GenerateResponse(text="a"), final("b")), ChatFormatter(meta()),
-                          Trace(), want_logprobs=False)
+    whole = await collect(one(messages(epd_pb2.GenerateResponse(text="a"), final("b"))), ChatFormatter(meta()),
+                          want_logprobs=False)
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
     assert whole["choices"][0]["finish_reason"] == "stop"
     assert whole["choices"][0]["logprobs"] is None
+
+
+# --------------------------------------------------------------------------- n > 1
+
+
+async def slow_messages(delay: float, *items):
+    for item in items:
+        await asyncio.sleep(delay)
+        if isinstance(item, Exception):
+            raise item
+        yield item
+
+
+async def test_two_choices_stream_interleaved_with_indexes_and_one_usage():
+    choices = [
+        Choice(slow_messages(0.01, epd_pb2.GenerateResponse(text="a1"), final("a2")), Trace()),
+        Choice(slow_messages(0.015, epd_pb2.GenerateResponse(text="b1"), final("b2")), Trace()),
+    ]
+    events = parse([e async for e in stream_events(choices, ChatFormatter(meta()), include_usage=True,
+                                                   want_logprobs=False)])
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert usage["prompt_tokens"] == 10 and usage["completion_tokens"] == 4 and usage["total_tokens"] == 14
+    assert usage["epd"]["num_choices"] == 2
+    by_index: dict[int, str] = {0: "", 1: ""}
+    roles, finishes = [], []
+    for event in events[:-2]:
+        choice = event["choices"][0]
+        by_index[choice["index"]] += choice["delta"].get("content", "")
+        if choice["delta"].get("role"):
+            roles.append(choice["index"])
+        if choice["finish_reason"]:
+            finishes.append(choice["index"])
+    assert by_index == {0: "a1a2", 1: "b1b2"}
+    assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]
+
+
+async def test_two_choices_collect_in_index_order():
+    choices = [
+        Choice(slow_messages(0.02, final("slow")), Trace()),
+        Choice(slow_messages(0.0, final("fast", epd_pb2.FINISH_REASON_LENGTH)), Trace()),
+    ]
+    whole = await collect(choices, CompletionFormatter(meta()), want_logprobs=False)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "slow", "stop"), (1, "fast", "length"),
+    ]
+    assert whole["usage"]["completion_tokens"] == 4
+
+
+async def test_one_failing_choice_fails_the_request_and_closes_the_others():
+    closed = []
+
+    async def endless():
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield epd_pb2.GenerateResponse(text="x")
+        finally:
+            closed.append(True)
+
+    choices = [Choice(endless(), Trace()),
+               Choice(slow_messages(0.03, from_grpc(grpc.StatusCode.UNAVAILABLE)), Trace())]
+    with pytest.raises(ApiError) as caught:
+        await collect(choices, ChatFormatter(meta()), want_logprobs=False)
+    assert caught.value.status_code == 503
+    assert closed == [True]

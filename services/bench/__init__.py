@@ -1,0 +1,1 @@
+"""``epd bench``: side-by-side benchmarks (each compares configurations in one run)."""

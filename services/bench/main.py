@@ -1,0 +1,38 @@
+"""``epd bench <name>``: dispatches to ``services.bench.<name>``.
+
+Each benchmark module exposes ``add_arguments(parser)`` and ``run(args)``
+and keeps heavy imports (torch, models) inside ``run``, so listing them is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+
+import services.bench as package
+
+
+def _benchmarks() -> dict[str, str]:
+    """Benchmark name -> module, for every module here with ``run``, except this one."""
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name not in ("main",) and not info.name.startswith("_"):
+            found[info.name.replace("_", "-")] = f"{package.__name__}.{info.name}"
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    benchmarks = _benchmarks()
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    sub.required = True
+    for name, module_name in sorted(benchmarks.items()):
+        module = importlib.import_module(module_name)
+        summary = (module.__doc__ or "").strip().splitlines()[0]
+        bench = sub.add_parser(name, help=summary, description=module.__doc__)
+        module.add_arguments(bench)
+        bench.set_defaults(bench_module=module_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(args.bench_module).run(args) or 0)

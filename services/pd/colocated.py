@@ -1,0 +1,324 @@
+"""Colocated mode (``epd pd --encoder local``): PD runs the vision tower inside its own step loop.
+
+This is the baseline every benchmark compares against: a monolithic engine.
+PD loads the vision half of the checkpoint too and serves ``epd.v1.Encoder``
+on its own port, so the proxy needs no special case (its encoder address is
+the PD's address) and requests follow the same Preallocate -> Generate +
+Encode path as in disaggregated mode.
+
+An Encode call queues its images and asks the engine thread to encode
+everything queued. That command runs between two engine steps, so the vision
+forward blocks the batch exactly as it does in a monolithic engine, and its
+results fill the reservations through the engine's own fill path (no gRPC
+push, no copy). Images queued by concurrent calls share one forward (up to
+``MAX_BATCH_IMAGES``); an image already READY on PD, or queued twice, is
+computed once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2
+
+from services.common import grpc_utils, tensors
+from services.common.devices import resolve_device, resolve_dtype
+from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.pd.config import PdConfig
+from services.pd.convert import check_request_id
+from services.pd.embedding_cache import ReservationNotFound, ReservationRejected
+from services.pd.engine import Engine
+from services.pd.errors import EngineError, ErrorKind
+from services.pd.servicer import abort_with
+
+log = logging.getLogger(__name__)
+
+ENCODER_SERVICE = "epd.v1.Encoder"
+"""Health service name that means "ready to encode"."""
+
+MAX_BATCH_IMAGES = 8
+"""Most images in one colocated vision forward (the encoder service's default batch)."""
+
+MAX_ID_CHARS = 256
+_PIXEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ColocatedVision:
+    """The vision half of the checkpoint, loaded into the PD process."""
+
+    module: torch.nn.Module  # VisionEncoder: [N, 3, H, W] -> [N, num_tokens, hidden_size]
+    device: torch.device
+    dtype: torch.dtype
+    sample_pixels: torch.Tensor  # [3, H, W]: a blank image as the proxy would process it (warm-up)
+    num_tokens: int  # rows the LM expects for sample_pixels
+    hidden_size: int
+
+
+def load_colocated_vision(config: PdConfig) -> ColocatedVision:
+    """Loads the vision tower + projector of ``config.model`` (blocking; run off the loop)."""
+    from PIL import Image
+
+    from services.common.models import ensure_model, load_adapter
+
+    adapter = load_adapter(str(ensure_model(config.model)))
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    blank = Image.new("RGB", (64, 64))
+    pixels = adapter.load_processor().image_processor(images=[blank], return_tensors="pt")["pixel_values"][0]
+    return ColocatedVision(
+        module=adapter.load_vision(device, dtype).eval(),
+        device=device,
+        dtype=dtype,
+        sample_pixels=pixels,
+        num_tokens=adapter.num_image_tokens(64, 64),
+        hidden_size=adapter.hidden_size,
+    )
+
+
+@dataclass(eq=False)
+class ColocatedItem:
+    """One image of an Encode call; the engine thread writes its outcome."""
+
+    request_id: str
+    reservation_id: str
+    mm_hash: str
+    pixel_values: torch.Tensor  # [3, H, W]
+    deadline: float  # time.monotonic() seconds (inf = none)
+    cancelled: bool = False  # the call is gone: skip at dequeue
+    error: EngineError | None = None
+    cache_hit: bool = False  # already READY on PD: filled without a forward
+    encode_s: float = 0.0
+
+
+class ColocatedEncoder:
+    """Queue of images waiting for the engine thread, and the code that encodes them there."""
+
+    def __init__(self, engine: Engine, vision: ColocatedVision, max_batch_images: int = MAX_BATCH_IMAGES) -> None:
+        self._engine = engine
+        self._vision = vision
+        self._max_batch = max_batch_images
+        self._lock = threading.Lock()  # guards the queue and the counter (loop and engine thread)
+        self._queue: deque[ColocatedItem] = deque()
+        self._num_images_encoded = 0
+
+    @property
+    def vision(self) -> ColocatedVision:
+        return self._vision
+
+    @property
+    def num_pending(self) -> int:
+        """Images queued and not yet taken by the engine thread."""
+        with self._lock:
+            return len(self._queue)
+
+    @property
+    def num_images_encoded(self) -> int:
+        """Images that went through a successful vision forward since start (cumulative)."""
+        with self._lock:
+            return self._num_images_encoded
+
+    async def warm_up(self) -> None:
+        """One blank-image forward on the engine thread; raises if the shape is not what the LM expects."""
+        await self._engine.call(self._warm_forward)
+
+    async def encode(self, items: list[ColocatedItem]) -> list[ColocatedItem]:
+        """Encodes ``items`` on the engine thread and fills their reservations; raises the first error."""
+        with self._lock:
+            self._queue.extend(items)
+        try:
+            # Our items are queued before our command, so they are done (by
+            # this command or an earlier one) when it returns.
+            await self._engine.call(self._encode_queued)
+        finally:
+            with self._lock:
+                for item in items:
+                    item.cancelled = True  # a no-op once done; skips them if we were cancelled
+                    if item in self._queue:
+                        self._queue.remove(item)
+        for item in items:
+            if item.error is not None:
+                raise item.error
+        return items
+
+    # ------------------------------------------------------------ engine thread
+
+    def _warm_forward(self) -> None:
+        vision = self._vision
+        pixels = vision.sample_pixels.unsqueeze(0).to(device=vision.device, dtype=vision.dtype)
+        with torch.inference_mode():
+            out = vision.module(pixels)
+        want = (1, vision.num_tokens, vision.hidden_size)
+        if tuple(out.shape) != want:
+            raise RuntimeError(f"vision module produced shape {list(out.shape)}, expected {list(want)}")
+
+    def _encode_queued(self) -> None:
+        with self._lock:
+            items = list(self._queue)
+            self._queue.clear()
+        now = time.monotonic()
+        by_hash: dict[str, list[ColocatedItem]] = {}
+        for item in items:
+            if item.cancelled:
+                continue
+            if now >= item.deadline:
+                item.error = EngineError(ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded before encoding")
+            elif self._engine.embedding_cache.is_ready(item.mm_hash):
+                self._fill_ready(item)
+            else:
+                by_hash.setdefault(item.mm_hash, []).append(item)
+        by_shape: dict[tuple[int, ...], list[list[ColocatedItem]]] = {}
+        for same_image in by_hash.values():
+            by_shape.setdefault(tuple(same_image[0].pixel_values.shape), []).append(same_image)
+        for groups in by_shape.values():
+            for start in range(0, len(groups), self._max_batch):
+                self._forward_and_fill(groups[start : start + self._max_batch])
+
+    def _forward_and_fill(self, groups: list[list[ColocatedItem]]) -> None:
+        """One forward over the first item of each group (one group per image); fills every item."""
+        vision = self._vision
+        start = time.perf_counter()
+        try:
+            pixels = torch.stack([group[0].pixel_values for group in groups])  # [N, 3, H, W]
+            with torch.inference_mode():
+                out = vision.module(pixels.to(device=vision.device, dtype=vision.dtype))
+            if out.dim() != 3 or out.shape[0] != len(groups):
+                raise RuntimeError("vision module returned an unexpected output shape")
+        except Exception:
+            log.exception("colocated vision forward failed for %d images", len(groups))
+            for group in groups:
+                for item in group:
+                    item.error = EngineError(ErrorKind.INTERNAL, "vision encoder failed")
+            return
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self._num_images_encoded += len(groups)
+        for group, row in zip(groups, out.unbind(0)):
+            # A stored row must not pin the whole batch's output.
+            row = row.clone() if len(groups) > 1 else row
+            for item in group:
+                item.encode_s = elapsed
+                try:
+                    # The engine's own push path (validation, cast, store), run in place.
+                    self._engine._fill(item.request_id, item.reservation_id, item.mm_hash, row)
+                except EngineError as error:
+                    item.error = error
+
+    def _fill_ready(self, item: ColocatedItem) -> None:
+        """Another reservation already brought this image: mark this one filled too (no forward)."""
+        try:
+            self._engine.embedding_cache.fill(item.request_id, item.reservation_id, item.mm_hash, time.monotonic())
+        except ReservationNotFound:
+            item.error = EngineError(ErrorKind.NOT_FOUND, "unknown reservation")
+        except ReservationRejected as exc:
+            item.error = EngineError(ErrorKind.FAILED_PRECONDITION, f"push rejected: {exc}")
+        else:
+            item.cache_hit = True
+
+
+def _check_id(value: str, what: str) -> str:
+    if not value or len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise EngineError(ErrorKind.INVALID_ARGUMENT, f"{what} must be 1..{MAX_ID_CHARS} printable characters")
+    return value
+
+
+def _parse_pixels(item: epd_pb2.EncodeItem, index: int) -> torch.Tensor:
+    invalid = EngineError(ErrorKind.INVALID_ARGUMENT, f"item {index}: pixel_values must be a finite float [3, H, W]")
+    if not item.HasField("pixel_values"):
+        raise invalid
+    try:
+        pixels = tensors.from_pb(item.pixel_values)
+    except ValueError:
+        raise invalid from None
+    if pixels.dtype not in _PIXEL_DTYPES or pixels.dim() != 3 or pixels.shape[0] != 3 or pixels.numel() == 0:
+        raise invalid
+    if not bool(torch.isfinite(pixels).all()):
+        raise invalid
+    return pixels
+
+
+def parse_encode_request(request: epd_pb2.EncodeRequest, deadline: float) -> list[ColocatedItem]:
+    """Validates an EncodeRequest into items; ``pd_address`` is not used (the reservations are ours)."""
+    request_id = check_request_id(request.request_id)
+    if not request.items:
+        raise EngineError(ErrorKind.INVALID_ARGUMENT, "items must not be empty")
+    return [
+        ColocatedItem(
+            request_id=request_id,
+            reservation_id=_check_id(item.reservation_id, f"item {index}: reservation_id"),
+            mm_hash=_check_id(item.mm_hash, f"item {index}: mm_hash"),
+            pixel_values=_parse_pixels(item, index),
+            deadline=deadline,
+        )
+        for index, item in enumerate(request.items)
+    ]
+
+
+class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
+    """``epd.v1.Encoder`` served by PD itself; reservations held by another PD are NOT_FOUND."""
+
+    def __init__(self, encoder: ColocatedEncoder) -> None:
+        self._encoder = encoder
+
+    async def Encode(self, request: epd_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        remaining = context.time_remaining()
+        deadline = float("inf") if remaining is None else time.monotonic() + remaining
+        status = "CANCELLED"
+        try:
+            done = await self._encoder.encode(parse_encode_request(request, deadline))
+            status = "OK"
+        except EngineError as error:
+            status = error.kind.name
+            await abort_with(context, error)
+        finally:
+            log.info(
+                "colocated encode request_id=%s items=%d status=%s ms=%.1f",
+                grpc_utils.request_id_of(context), len(request.items), status, (time.perf_counter() - start) * 1000,
+            )
+        return epd_pb2.EncodeResponse(
+            items=[
+                epd_pb2.EncodeItemResult(mm_hash=item.mm_hash, cache_hit=item.cache_hit, encode_ms=item.encode_s * 1000)
+                for item in done
+            ]
+        )
+
+    async def GetLoad(self, request: epd_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> Any:
+        # PD's embedding cache is the only cache; nothing is pushed over the network.
+        return epd_pb2.EncoderLoad(num_pending=self._encoder.num_pending)
+
+
+class Colocated:
+    """The colocated encoder of one PD: what ``start_pd`` registers, warms up and marks ready."""
+
+    def __init__(self, encoder: ColocatedEncoder) -> None:
+        self.encoder = encoder
+        self._servicer = ColocatedEncoderServicer(encoder)
+
+    @classmethod
+    async def load(cls, config: PdConfig, engine: Engine) -> Colocated:
+        """Loads the vision half off the event loop; serve it with ``register`` + ``become_ready``."""
+        vision = await asyncio.to_thread(load_colocated_vision, config)
+        return cls(ColocatedEncoder(engine, vision))
+
+    def register(self, server: grpc.aio.Server) -> None:
+        epd_pb2_grpc.add_EncoderServicer_to_server(self._servicer, server)
+
+    async def become_ready(self, server: grpc_utils.GrpcServer, warm_up: bool = True) -> None:
+        """Warm-up forward on the engine thread (unless disabled), then report ``epd.v1.Encoder`` SERVING."""
+        if warm_up:
+            await self.encoder.warm_up()
+        await self.set_ready(server, True)
+
+    @staticmethod
+    async def set_ready(server: grpc_utils.GrpcServer, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        await server.health.set(ENCODER_SERVICE, status)

@@ -1,0 +1,271 @@
+"""One backend instance as the proxy sees it: channel, readiness, load, circuit breaker.
+
+Routing reads three kinds of state, each owned by one writer:
+
+- ``readiness``: written by the health monitor (grpc.health.v1 Watch);
+- ``load`` / ``load_baseline``: written by the load poller (GetLoad);
+- ``num_outstanding`` and the breaker: written by the pipeline around each call
+  (``begin()`` / ``end(outcome)``, always paired).
+
+All of it lives on the proxy's event loop; nothing here blocks or locks.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import grpc_utils
+from services.common.pb import epd_pb2, epd_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PD_SERVICE = "epd.v1.PrefillDecode"
+ENCODER_SERVICE = "epd.v1.Encoder"
+ABORT_TIMEOUT_S = 5.0
+"""Abort is cleanup: it gets its own short timeout, not the (maybe spent) request deadline."""
+
+Clock = Callable[[], float]
+
+
+class Readiness(enum.IntEnum):
+    """What the instance's health service last said (UNKNOWN until the first answer)."""
+
+    UNKNOWN = 0
+    READY = 1
+    NOT_READY = 2
+
+
+class Outcome(enum.IntEnum):
+    """How a call ended, as far as the instance's health is concerned."""
+
+    SUCCESS = 0
+    NEUTRAL = 1   # the caller's fault or choice (bad input, deadline, overload, cancellation)
+    FAILURE = 2   # the instance is broken or unreachable
+
+
+_FAILURE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNIMPLEMENTED,
+})
+
+
+def outcome_of(code: grpc.StatusCode) -> Outcome:
+    """The breaker's reading of a status code; deadlines and overload are not the instance's fault."""
+    if code == grpc.StatusCode.OK:
+        return Outcome.SUCCESS
+    return Outcome.FAILURE if code in _FAILURE_CODES else Outcome.NEUTRAL
+
+
+class BreakerState(enum.IntEnum):
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+class CircuitBreaker:
+    """Consecutive-failure circuit breaker of one instance.
+
+    CLOSED until ``threshold`` failures in a row; then OPEN (no traffic) for
+    ``open_s``; then HALF_OPEN: one probe call at a time. A successful probe
+    closes it; a failed one opens it again for twice as long (up to
+    ``max_open_s``). Neutral outcomes only release the probe slot.
+    """
+
+    def __init__(self, threshold: int = 3, open_s: float = 2.0, max_open_s: float = 30.0,
+                 clock: Clock = time.monotonic) -> None:
+        if threshold < 1 or open_s <= 0 or max_open_s < open_s:
+            raise ValueError("threshold >= 1 and 0 < open_s <= max_open_s are required")
+        self.threshold = threshold
+        self.open_s = open_s
+        self.max_open_s = max_open_s
+        self._clock = clock
+        self._num_failures = 0
+        self._opened_at: float | None = None
+        self._current_open_s = open_s
+        self._probing = False
+
+    @property
+    def state(self) -> BreakerState:
+        if self._opened_at is None:
+            return BreakerState.CLOSED
+        if self._clock() - self._opened_at < self._current_open_s:
+            return BreakerState.OPEN
+        return BreakerState.HALF_OPEN
+
+    def allows(self) -> bool:
+        """May a new call go to the instance now?"""
+        state = self.state
+        return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self._probing)
+
+    def on_start(self) -> None:
+        """A call was sent; in HALF_OPEN it is the one probe."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._probing = True
+
+    def on_end(self, outcome: Outcome) -> None:
+        was_open = self._opened_at is not None
+        self._probing = False
+        if outcome is Outcome.SUCCESS:
+            self._num_failures = 0
+            self._opened_at = None
+            self._current_open_s = self.open_s
+        elif outcome is Outcome.FAILURE:
+            self._num_failures += 1
+            if was_open and self.state is not BreakerState.OPEN:
+                # A failed probe: back off longer before the next one.
+                self._current_open_s = min(self._current_open_s * 2, self.max_open_s)
+                self._opened_at = self._clock()
+            elif not was_open and self._num_failures >= self.threshold:
+                self._opened_at = self._clock()
+
+
+class Instance:
+    """One backend process and the proxy's view of it.
+
+    ``num_outstanding`` counts this proxy's calls in flight on the instance
+    (requests for PD, images for encoders); ``others_load()`` estimates the
+    work other proxies put there, from the last GetLoad answer.
+    """
+
+    kind = ""
+    service_name = ""
+
+    def __init__(self, address: str, channel: grpc.aio.Channel, *,
+                 breaker: CircuitBreaker | None = None, clock: Clock = time.monotonic) -> None:
+        self.address = address
+        self.channel = channel
+        self.breaker = breaker or CircuitBreaker(clock=clock)
+        self.readiness = Readiness.UNKNOWN
+        self.num_outstanding = 0
+        self.load: object | None = None       # last GetLoad reply (PdLoad / EncoderLoad)
+        self.load_baseline = 0                 # num_outstanding when that reply was taken
+        self.busy_until = 0.0                  # RESOURCE_EXHAUSTED retry-after hint
+        self.retired = False                   # gone from DNS: no new calls; closed when idle
+        self._clock = clock
+        self.health_stub = health_pb2_grpc.HealthStub(channel)
+
+    # -- routing view -----------------------------------------------------
+    def routable(self) -> bool:
+        """Not known to be down: ready (or not yet checked), breaker allows, still listed."""
+        return not self.retired and self.readiness is not Readiness.NOT_READY and self.breaker.allows()
+
+    def is_busy(self) -> bool:
+        return self._clock() < self.busy_until
+
+    def mark_busy(self, retry_after_s: float) -> None:
+        self.busy_until = self._clock() + retry_after_s
+
+    def reported_load(self) -> int:
+        """Work in the instance's own GetLoad answer (0 before the first one)."""
+        return 0
+
+    def others_load(self) -> int:
+        """Work other proxies had on the instance at the last poll (ours subtracted)."""
+        return max(0, self.reported_load() - self.load_baseline)
+
+    def estimated_load(self) -> int:
+        """Ours now plus everyone else's as last reported: what least-loaded routing sorts by."""
+        return self.num_outstanding + self.others_load()
+
+    # -- writers ------------------------------------------------------------
+    def set_readiness(self, readiness: Readiness) -> None:
+        if readiness is not self.readiness:
+            log.info("%s %s is %s", self.kind, self.address, readiness.name.lower().replace("_", " "))
+        self.readiness = readiness
+
+    def set_load(self, load: object) -> None:
+        self.load = load
+        self.load_baseline = self.num_outstanding
+
+    def begin(self, count: int = 1) -> None:
+        """A call starts (pair with ``end``)."""
+        self.num_outstanding += count
+        self.breaker.on_start()
+
+    def end(self, outcome: Outcome, count: int = 1) -> None:
+        self.num_outstanding -= count
+        self.breaker.on_end(outcome)
+
+    async def get_load(self, timeout: float) -> object:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address})"
+
+
+def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return ((grpc_utils.REQUEST_ID_KEY, request_id),)
+
+
+class PdClient(Instance):
+    """Client of one PD (``epd.v1.PrefillDecode``)."""
+
+    kind = "pd"
+    service_name = PD_SERVICE
+
+    def __init__(self, address: str, channel: grpc.aio.Channel, **kwargs) -> None:
+        super().__init__(address, channel, **kwargs)
+        self.stub = epd_pb2_grpc.PrefillDecodeStub(channel)
+
+    def reported_load(self) -> int:
+        load = self.load
+        return 0 if load is None else int(load.num_running + load.num_waiting)
+
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use at the last poll (0 when unknown)."""
+        load = self.load
+        if load is None or not load.num_kv_blocks_total:
+            return 0.0
+        return load.num_kv_blocks_used / load.num_kv_blocks_total
+
+    async def get_load(self, timeout: float) -> epd_pb2.PdLoad:
+        return await self.stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=timeout)
+
+    async def preallocate(self, request: epd_pb2.PreallocateRequest, *, timeout: float) -> epd_pb2.PreallocateResponse:
+        return await self.stub.Preallocate(request, timeout=timeout, metadata=_metadata(request.request_id))
+
+    def generate(self, request: epd_pb2.GenerateRequest, *, timeout: float) -> grpc.aio.UnaryStreamCall:
+        """Starts the Generate stream; read it with ``call.read()``, stop it with ``call.cancel()``."""
+        return self.stub.Generate(request, timeout=timeout, metadata=_metadata(request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Idempotent cancel on PD; failures are swallowed (the lease sweep is the backstop)."""
+        try:
+            await self.stub.Abort(
+                epd_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S, metadata=_metadata(request_id)
+            )
+        except grpc.aio.AioRpcError:
+            pass
+
+
+class EncoderClient(Instance):
+    """Client of one encoder (``epd.v1.Encoder``); ``num_outstanding`` counts images."""
+
+    kind = "encoder"
+    service_name = ENCODER_SERVICE
+
+    def __init__(self, address: str, channel: grpc.aio.Channel, **kwargs) -> None:
+        super().__init__(address, channel, **kwargs)
+        self.stub = epd_pb2_grpc.EncoderStub(channel)
+
+    def reported_load(self) -> int:
+        return 0 if self.load is None else int(self.load.num_pending)
+
+    async def get_load(self, timeout: float) -> epd_pb2.EncoderLoad:
+        return await self.stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=timeout)
+
+    async def encode(self, request: epd_pb2.EncodeRequest, *, timeout: float) -> epd_pb2.EncodeResponse:
+        return await self.stub.Encode(request, timeout=timeout, metadata=_metadata(request.request_id))
+
+
+def serving(reply: health_pb2.HealthCheckResponse) -> Readiness:
+    return Readiness.READY if reply.status == health_pb2.HealthCheckResponse.SERVING else Readiness.NOT_READY

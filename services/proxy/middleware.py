@@ -1,0 +1,93 @@
+"""Cross-cutting HTTP concerns: API key, request metrics, OpenAI-shaped errors for everything."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.proxy.errors import ApiError, RequestError, error_body, invalid_api_key
+from services.proxy.http_util import as_api_error, describe_validation_error, error_response
+from services.proxy.metrics import ProxyMetrics
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on ``/v1/*`` (``/health`` and ``/metrics`` stay open).
+
+    Runs before the body is read, so an unauthenticated client costs
+    nothing; the comparison takes constant time.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = b"Bearer " + api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
+            given = next((value for name, value in scope.get("headers", ()) if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self._expected):
+                await error_response(invalid_api_key())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class MetricsMiddleware:
+    """Counts requests by status and times successful ones, streams included (pure ASGI)."""
+
+    def __init__(self, app: ASGIApp, metrics: ProxyMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        started, status = time.monotonic(), 500
+        self.metrics.in_flight.labels(path).inc()
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            self.metrics.in_flight.labels(path).dec()
+            self.metrics.requests.labels(path, str(status)).inc()
+            if status < 400:
+                self.metrics.duration.labels(path).observe(time.monotonic() - started)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's, leaves as an OpenAI error body that names no input."""
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        # ApiError, RequestError, and anything unexpected (a bare 500 that names nothing).
+        return error_response(as_api_error(exc))
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        errors = list(exc.errors()) if isinstance(exc, RequestValidationError) else []
+        message, param = describe_validation_error(errors)
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_request"), 400)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
+        error_type = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(error_body(str(getattr(exc, "detail", "")) or "Error.", error_type), status)
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_api_error)

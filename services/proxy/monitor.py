@@ -1,0 +1,92 @@
+"""Keeps each instance's readiness and load current, in the background.
+
+Readiness comes from a ``grpc.health.v1`` Watch stream on the instance's
+own channel: the server pushes every change (NOT_SERVING while warming up or
+draining), and a dead process ends the stream at once, so a SIGKILLed
+instance is out of rotation within milliseconds, not a polling period. The
+stream is re-opened with capped backoff; the first answer of a recovered
+instance puts it back.
+
+Load comes from polling ``GetLoad`` on ready instances every
+``load_interval_s`` (0 = off; routing then uses this proxy's own counts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from services.proxy.instances import Instance, Readiness, serving
+
+log = logging.getLogger(__name__)
+
+
+class Monitor:
+    """One health-watch task and one load-poll task per watched instance."""
+
+    def __init__(self, *, load_interval_s: float = 0.5, retry_s: float = 0.2, max_retry_s: float = 2.0,
+                 rpc_timeout_s: float = 2.0) -> None:
+        self.load_interval_s = load_interval_s
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._tasks: dict[int, list[asyncio.Task]] = {}
+
+    def watch(self, instance: Instance) -> None:
+        tasks = [asyncio.create_task(self._watch_health(instance), name=f"health {instance.address}")]
+        if self.load_interval_s > 0:
+            tasks.append(asyncio.create_task(self._poll_load(instance), name=f"load {instance.address}"))
+        self._tasks[id(instance)] = tasks
+
+    async def unwatch(self, instance: Instance) -> None:
+        await _cancel(self._tasks.pop(id(instance), []))
+
+    async def close(self) -> None:
+        tasks = [t for group in self._tasks.values() for t in group]
+        self._tasks.clear()
+        await _cancel(tasks)
+
+    async def _watch_health(self, instance: Instance) -> None:
+        request = health_pb2.HealthCheckRequest(service=instance.service_name)
+        backoff = self.retry_s
+        while True:
+            try:
+                async for reply in instance.health_stub.Watch(request):
+                    instance.set_readiness(serving(reply))
+                    backoff = self.retry_s
+            except grpc.aio.AioRpcError:
+                pass
+            # The stream ended: the process is gone, stopping, or unreachable.
+            instance.set_readiness(Readiness.NOT_READY)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.max_retry_s)
+
+    async def _poll_load(self, instance: Instance) -> None:
+        while True:
+            await asyncio.sleep(self.load_interval_s)
+            if instance.readiness is not Readiness.READY:
+                continue
+            try:
+                instance.set_load(await instance.get_load(self.rpc_timeout_s))
+            except grpc.aio.AioRpcError as error:
+                log.debug("%s %s: GetLoad failed (%s)", instance.kind, instance.address, error.code().name)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def wait_known(instances: list[Instance], timeout: float) -> None:
+    """Waits (at most ``timeout``) until every instance's readiness is known."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while any(i.readiness is Readiness.UNKNOWN for i in instances) and loop.time() < end:
+        await asyncio.sleep(0.01)

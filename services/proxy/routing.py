@@ -1,0 +1,145 @@
+"""Routing policies: pure functions of the instances' state (no I/O, no gRPC calls).
+
+A policy ranks the *routable* instances (``Backends`` filters out not-ready,
+breaker-open and retired ones first), best first; the pipeline tries them in
+that order. Policies are chosen once at start-up by name (``--pd-policy``,
+``--encoder-policy``), never per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from typing import Protocol
+
+from services.proxy.instances import EncoderClient, PdClient
+
+
+class PdPolicy(Protocol):
+    def rank(self, instances: Sequence[PdClient]) -> list[PdClient]: ...
+
+
+class EncoderPolicy(Protocol):
+    def rank(self, instances: Sequence[EncoderClient], mm_hash: str) -> list[EncoderClient]: ...
+
+
+class _Rotation:
+    """Rotating tie-breaker so equal instances share work instead of the first taking all."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def offsets(self, n: int) -> list[int]:
+        start = next(self._counter) % n if n else 0
+        return [(i - start) % n for i in range(n)]
+
+
+class LeastLoadedPdPolicy:
+    """PD: least outstanding work first.
+
+    Work = this proxy's in-flight requests on the PD now + the other
+    proxies' share of the PD's running and waiting requests at its last
+    GetLoad. Instances that recently answered RESOURCE_EXHAUSTED go after
+    the others; KV-cache usage and then rotation break ties.
+    """
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def rank(self, instances: Sequence[PdClient]) -> list[PdClient]:
+        offsets = self._rotation.offsets(len(instances))
+        order = sorted(
+            range(len(instances)),
+            key=lambda i: (instances[i].is_busy(), instances[i].estimated_load(), instances[i].kv_usage(), offsets[i]),
+        )
+        return [instances[i] for i in order]
+
+
+class RoundRobinPdPolicy:
+    """PD: rotate through the instances, ignoring load (recently busy ones last)."""
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def rank(self, instances: Sequence[PdClient]) -> list[PdClient]:
+        offsets = self._rotation.offsets(len(instances))
+        order = sorted(range(len(instances)), key=lambda i: (instances[i].is_busy(), offsets[i]))
+        return [instances[i] for i in order]
+
+
+def rendezvous_weight(address: str, mm_hash: str) -> int:
+    """Highest-random-weight score of (instance, image); stable across processes."""
+    digest = hashlib.blake2b(f"{address}\0{mm_hash}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class RendezvousPolicy:
+    """Encoder: rendezvous hashing on ``mm_hash`` for cache affinity, with a saturation fallback.
+
+    A repeated image lands on the encoder that has it cached, and adding or
+    removing an encoder moves only that encoder's images. When the preferred
+    encoder is saturated (``saturation`` images or more in flight, or it just
+    answered RESOURCE_EXHAUSTED), the least-loaded unsaturated encoder goes
+    first instead: a cache miss there beats queueing behind a hot spot.
+    """
+
+    def __init__(self, saturation: int = 16) -> None:
+        if saturation < 1:
+            raise ValueError("saturation must be >= 1")
+        self.saturation = saturation
+
+    def saturated(self, encoder: EncoderClient) -> bool:
+        return encoder.is_busy() or encoder.estimated_load() >= self.saturation
+
+    def rank(self, instances: Sequence[EncoderClient], mm_hash: str) -> list[EncoderClient]:
+        by_weight = sorted(instances, key=lambda e: -rendezvous_weight(e.address, mm_hash))
+        if not by_weight or not self.saturated(by_weight[0]):
+            return by_weight
+        free = [e for e in by_weight if not self.saturated(e)]
+        full = [e for e in by_weight if self.saturated(e)]
+        return sorted(free, key=lambda e: e.estimated_load()) + full  # stable: weight breaks load ties
+
+
+class LeastLoadedEncoderPolicy:
+    """Encoder: fewest images in flight first (no affinity); rotation breaks ties."""
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def rank(self, instances: Sequence[EncoderClient], mm_hash: str) -> list[EncoderClient]:
+        offsets = self._rotation.offsets(len(instances))
+        order = sorted(
+            range(len(instances)), key=lambda i: (instances[i].is_busy(), instances[i].estimated_load(), offsets[i])
+        )
+        return [instances[i] for i in order]
+
+
+class RoundRobinEncoderPolicy:
+    """Encoder: rotate through the instances (no affinity, no load)."""
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def rank(self, instances: Sequence[EncoderClient], mm_hash: str) -> list[EncoderClient]:
+        offsets = self._rotation.offsets(len(instances))
+        order = sorted(range(len(instances)), key=lambda i: (instances[i].is_busy(), offsets[i]))
+        return [instances[i] for i in order]
+
+
+PD_POLICIES = {"least-loaded": LeastLoadedPdPolicy, "round-robin": RoundRobinPdPolicy}
+ENCODER_POLICIES = {
+    "rendezvous": RendezvousPolicy,
+    "least-loaded": LeastLoadedEncoderPolicy,
+    "round-robin": RoundRobinEncoderPolicy,
+}
+
+
+def make_pd_policy(name: str) -> PdPolicy:
+    return PD_POLICIES[name]()
+
+
+def make_encoder_policy(name: str, *, saturation: int) -> EncoderPolicy:
+    if name == "rendezvous":
+        return RendezvousPolicy(saturation)
+    return ENCODER_POLICIES[name]()

@@ -1,0 +1,54 @@
+"""``epd bench serve`` command line: flags, usage errors (exit 2 before anything starts), model resolution."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.bench import serve
+from services.cli import build_parser
+
+
+def parse(*flags: str):
+    argv = ["bench", "serve", *flags]
+    return build_parser(argv).parse_args(argv)
+
+
+def test_defaults_describe_the_issue_run():
+    args = parse()
+    assert args.workload == "mixed" and args.model == "bench"
+    assert args.configs == "colocated,replicas,disagg"
+    assert args.rates == () and args.rate_multipliers == (0.5, 1.0, 1.5, 2.0, 3.0)
+    assert args.replica_proxy == "per-replica" and args.plots and args.progress
+
+
+def test_lists_parse_and_bad_lists_are_refused():
+    args = parse("--rates", "0.5,1,2", "--cores", "0,1")
+    assert args.rates == (0.5, 1.0, 2.0) and args.cores == (0, 1)
+    for bad in (["--rates", "fast"], ["--rates", "1,-2"], ["--cores", "a"]):
+        with pytest.raises(SystemExit):
+            parse(*bad)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--configs", "monolith"], "unknown configuration"),
+        (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+        (["--num-requests", "0"], "must be >= 1"),
+        (["--slo-tpot-ms", "-1"], "must be >= 0"),
+        (["--cores", "0", "--configs", "disagg"], "at least 2 cores"),
+    ],
+)
+def test_usage_errors_exit_2_before_starting_anything(flags, message, tmp_path, capsys):
+    assert serve.run(parse(*flags, "--out", str(tmp_path / "out"))) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_checkpoint_directory_is_used_as_is(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {"image_size": 48}}))
+    assert serve._model_dir(str(tmp_path)) == str(tmp_path.resolve())
+    assert serve._image_size(str(tmp_path)) == 48
+    assert serve._image_size(str(tmp_path / "missing")) == 336

@@ -1,0 +1,81 @@
+"""``epd bench serve`` layouts: the same cores for every configuration, explicit pinning, proxy placement."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.bench._serve_layout import LayoutConfig, build_topologies, split_cores
+from services.bench._serve_procs import Cluster, ServiceArgs, child_env
+
+
+def test_split_cores_is_contiguous_and_even_with_extra_cores_last():
+    assert split_cores((0, 1), 2) == [(0,), (1,)]
+    assert split_cores((0, 1, 2, 3, 4), 2) == [(0, 1), (2, 3, 4)]
+    assert split_cores((4, 5, 6, 7), 1) == [(4, 5, 6, 7)]
+    with pytest.raises(ValueError, match="at least 3 cores"):
+        split_cores((0, 1), 3)
+    with pytest.raises(ValueError):
+        split_cores((0, 1), 0)
+
+
+def test_two_core_defaults_match_the_issue():
+    topologies = build_topologies(LayoutConfig(cores=(0, 1)))
+    assert list(topologies) == ["colocated", "replicas", "disagg"]
+    colocated = {p.name: p for p in topologies["colocated"].processes}
+    assert colocated["pd-0"].cores == (0, 1) and colocated["pd-0"].threads == 2 and colocated["pd-0"].encoder_local
+    replicas = {p.name: p for p in topologies["replicas"].processes}
+    assert [replicas[n].cores for n in ("pd-0", "pd-1")] == [(0,), (1,)]
+    assert replicas["proxy-1"].cores == (1,) and replicas["proxy-1"].pd_names == ("pd-1",)
+    disagg = {p.name: p for p in topologies["disagg"].processes}
+    assert disagg["encoder-0"].cores == (0,) and disagg["pd-0"].cores == (1,)
+    assert not disagg["pd-0"].encoder_local
+    assert disagg["proxy-0"].cores == (0,) and disagg["proxy-0"].encoder_names == ("encoder-0",)
+    # Every configuration uses exactly the same cores, and the sharing proxy is said out loud.
+    for topology in topologies.values():
+        assert {c for p in topology.servers for c in p.cores} == {0, 1}
+        assert any("shared with" in note for note in topology.notes)
+
+
+def test_larger_machines_follow_vllms_one_encoder_per_three_pds():
+    topologies = build_topologies(LayoutConfig(cores=(0, 1, 2, 3)), ("disagg", "replicas"))
+    assert list(topologies) == ["replicas", "disagg"]
+    disagg = topologies["disagg"]
+    assert [p.name for p in disagg.servers] == ["encoder-0", "pd-0", "pd-1", "pd-2"]
+    shared = build_topologies(LayoutConfig(cores=(0, 1, 2, 3), replicas=2, replica_proxy="shared"), ("replicas",))
+    proxies = shared["replicas"].proxies
+    assert len(proxies) == 1 and proxies[0].pd_names == ("pd-0", "pd-1") == proxies[0].encoder_names
+
+
+def test_layout_errors_are_reported():
+    with pytest.raises(ValueError, match="unknown configuration"):
+        build_topologies(LayoutConfig(cores=(0, 1)), ("monolith",))
+    with pytest.raises(ValueError, match="proxy core"):
+        build_topologies(LayoutConfig(cores=(0, 1), proxy_core=5))
+    with pytest.raises(ValueError, match="at least 3 cores"):
+        build_topologies(LayoutConfig(cores=(0, 1), encoders=2, pds=1), ("disagg",))
+    with pytest.raises(ValueError, match="no cores"):
+        build_topologies(LayoutConfig(cores=()))
+    with pytest.raises(ValueError, match="replica proxy"):
+        build_topologies(LayoutConfig(cores=(0, 1), replica_proxy="nope"), ("replicas",))
+
+
+def test_command_lines_carry_placement_and_routing(tmp_path):
+    topology = build_topologies(LayoutConfig(cores=(0, 1)), ("colocated",))["colocated"]
+    service = ServiceArgs(model_dir="/models/x", pd_args=("--max-num-seqs", "8"))
+    cluster = Cluster(topology, service, tmp_path)
+    argv = {c.spec.name: c.argv for c in cluster.children}
+    pd_address = next(c.address for c in cluster.children if c.spec.name == "pd-0")
+    assert argv["pd-0"][0] == "pd" and argv["pd-0"][-2:] == ["--max-num-seqs", "8"]
+    assert ["--encoder", "local"] == argv["pd-0"][argv["pd-0"].index("--encoder"):][:2]
+    assert argv["pd-0"][argv["pd-0"].index("--threads") + 1] == "2"
+    proxy = argv["proxy-0"]
+    assert proxy[proxy.index("--pd") + 1] == pd_address == proxy[proxy.index("--encoder") + 1]
+    assert cluster.proxy_urls[0].startswith("http://127.0.0.1:")
+
+
+def test_children_get_no_epd_settings_and_fixed_threads(monkeypatch):
+    monkeypatch.setenv("EPD_MAX_NUM_SEQS", "1")
+    monkeypatch.setenv("EPD_CACHE_DIR", "/tmp/cache")
+    env = child_env(3)
+    assert "EPD_MAX_NUM_SEQS" not in env and env["EPD_CACHE_DIR"] == "/tmp/cache"
+    assert env["OMP_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "3"

@@ -1,0 +1,82 @@
+"""``epd bench serve`` end to end on the tiny model: real processes, pinned, one short rate, every output file.
+
+Proves the harness, not performance: two configurations (colocated, PD with
+``--encoder local``, and disaggregated; the replicas layout differs only in
+placement, covered by the layout and client tests), six requests, four
+tokens each. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.bench._serve_workload import make_requests
+
+pytestmark = pytest.mark.e2e
+
+
+def seed_with_text_and_images(count: int) -> int:
+    """The first seed whose ``mixed`` run has both kinds of request (so both groups are reported)."""
+    for seed in range(1000):
+        kinds = {s.kind for s in make_requests("mixed", count, seed=seed, run=0, image_size=32, prompt_words=8)}
+        if kinds == {"text", "image"}:
+            return seed
+    raise AssertionError("no such seed")
+
+
+def test_bench_serve_writes_json_markdown_and_plots(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    seed = seed_with_text_and_images(6)
+    command = [
+        sys.executable, "-m", "services.cli", "bench", "serve", "--model", str(tiny_model_dir),
+        "--workload", "mixed", "--configs", "colocated,disagg", "--rates", "6",
+        "--num-requests", "6", "--max-tokens", "4", "--prompt-words", "8", "--seed", str(seed),
+        "--calibration-requests", "1", "--startup-timeout", "120", "--request-timeout", "60",
+        "--out", str(out), "--no-progress",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "## Goodput" in done.stdout
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["schema"] == "epd-bench-serve/1"
+    assert results["rates"] == [6.0] and results["workload"]["seed"] == seed
+    assert results["slo"]["ttft_ms"] > 0 and "Derived on colocated" in results["slo"]["derivation"]
+    assert results["calibration"]["config"] == "colocated"
+    for name, num_processes in (("colocated", 2), ("disagg", 3)):
+        config = results["configs"][name]
+        assert config["error"] is None
+        assert len(config["processes"]) == num_processes
+        for process in config["processes"]:
+            assert process["measured_affinity"] == process["cores"] and process["threads"] >= 1
+        summary = config["by_rate"]["6"]
+        assert summary["num_ok"] == 6 and summary["num_failed"] == 0
+        assert {"all", "text", "image"} <= set(summary["groups"])
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            assert summary["groups"]["all"][metric]["p99"] is not None
+        assert summary["request_throughput"] > 0
+    analysis = results["analysis"]
+    assert analysis["target_rate"] == 6.0
+    assert set(analysis["goodput"]) == {"colocated", "disagg"}
+    assert analysis["ratios_to_disagg"]["colocated"]["6"]["itl_p99_text"] is not None
+    assert [t["name"] for t in analysis["targets"]][-1] == "goodput (c) / max((a), (b))"
+
+    markdown = (out / "results.md").read_text()
+    for heading in ("## Configurations", "## Results per rate", "## Ratios to (c)", "## Goodput", "## Targets"):
+        assert heading in markdown
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 12 and all(json.loads(line)["error"] is None for line in lines)
+    assert len(list((out / "logs").glob("*.log"))) == 5
+    if importlib.util.find_spec("matplotlib") is None:
+        assert results["plots"] == {}
+    else:
+        assert sorted(results["plots"].values()) == ["cdf-mixed.png", "rates-mixed.png"]
+        for name in results["plots"].values():
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

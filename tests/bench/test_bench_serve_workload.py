@@ -1,0 +1,102 @@
+"""``epd bench serve`` workloads: seeded, reproducible requests, images and Poisson arrivals."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+
+import pytest
+
+from services.bench._serve_workload import (
+    WORKLOADS,
+    chat_body,
+    encode_bodies,
+    lone_requests,
+    make_requests,
+    poisson_arrivals,
+    render_image,
+)
+
+
+def requests(workload, count=400, seed=0, run=0):
+    return make_requests(workload, count, seed=seed, run=run, image_size=32, prompt_words=8, max_tokens=16)
+
+
+def test_poisson_arrivals_are_reproducible_and_scale_with_the_rate():
+    slow = poisson_arrivals(500, 2.0, seed=7)
+    assert slow == poisson_arrivals(500, 2.0, seed=7)
+    assert slow != poisson_arrivals(500, 2.0, seed=8)
+    fast = poisson_arrivals(500, 4.0, seed=7)
+    assert fast == pytest.approx([t / 2 for t in slow])  # the same pattern, compressed
+    assert slow[0] == 0.0 and slow == sorted(slow)
+    gaps = [b - a for a, b in itertools.pairwise(slow)]
+    assert statistics.mean(gaps) == pytest.approx(0.5, rel=0.15)  # exponential with mean 1/rate
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, 0.0, seed=0)
+
+
+def test_requests_are_reproducible_and_differ_between_runs():
+    assert requests("mixed") == requests("mixed")
+    assert requests("mixed", run=1) != requests("mixed", run=0)
+    images_run0 = {ref.key for spec in requests("mixed", run=0) for ref in spec.images}
+    images_run1 = {ref.key for spec in requests("mixed", run=1) for ref in spec.images}
+    assert images_run0 and not images_run0 & images_run1  # no cache carries over between rates
+
+
+def test_mixed_workload_is_mostly_text_with_one_to_four_images():
+    specs = requests("mixed", count=1000)
+    with_images = [s for s in specs if s.images]
+    assert 0.07 < len(with_images) / len(specs) < 0.13
+    assert {len(s.images) for s in with_images} == {1, 2, 3, 4}
+    assert all(s.kind == "text" and s.image_class is None for s in specs if not s.images)
+    assert all(s.image_class == "first_seen" for s in with_images)
+
+
+def test_multi_image_and_text_workloads():
+    assert all(len(s.images) == 4 for s in requests("multi-image", count=50))
+    assert not any(s.images for s in requests("text", count=50))
+
+
+def test_repeat_workload_repeats_about_half_of_the_images():
+    specs = requests("repeat", count=400)
+    assert all(len(s.images) == 1 for s in specs)
+    repeated = [s for s in specs if s.image_class == "repeated"]
+    assert 0.4 < len(repeated) / len(specs) < 0.6
+    seen = set()
+    for spec in specs:  # "repeated" means: sent by an earlier request of the run
+        key = spec.images[0].key
+        assert (key in seen) == (spec.image_class == "repeated")
+        seen.add(key)
+
+
+def test_images_are_deterministic_noise_near_the_model_size():
+    specs = requests("multi-image", count=5)
+    ref = specs[0].images[0]
+    assert 24 <= ref.width <= 40 and 24 <= ref.height <= 40  # 32 px +- 25%
+    assert render_image(ref) == render_image(ref)
+    assert render_image(ref) != render_image(specs[0].images[1])
+
+
+def test_bodies_stream_a_fixed_number_of_tokens_with_token_ids():
+    specs = requests("mixed", count=40)
+    bodies = [json.loads(b) for b in encode_bodies(specs)]
+    for spec, body in zip(specs, bodies):
+        assert body["stream"] and body["ignore_eos"] and body["return_token_ids"]
+        assert body["max_tokens"] == 16 and body["stream_options"] == {"include_usage": True}
+        content = body["messages"][0]["content"]
+        if spec.images:
+            urls = [part["image_url"]["url"] for part in content if part["type"] == "image_url"]
+            assert len(urls) == len(spec.images) and all(u.startswith("data:image/jpeg;base64,") for u in urls)
+        else:
+            assert content == spec.prompt
+    assert chat_body(specs[0], {})["temperature"] == 0.0
+
+
+def test_lone_requests_carry_the_workloads_most_images():
+    texts, heavy = lone_requests("mixed", 2, seed=0, run=5, image_size=32)
+    assert len(texts) == 2 and not any(t.images for t in texts)
+    assert [len(h.images) for h in heavy] == [4, 4]
+    assert len({ref.key for h in heavy for ref in h.images}) == 8  # all new
+    assert lone_requests("text", 2, seed=0, run=5, image_size=32)[1] == []
+    assert set(WORKLOADS) == {"mixed", "multi-image", "repeat", "text"}

@@ -1,0 +1,95 @@
+"""Helpers for the deploy tests: reading deploy/ files and their service commands."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+GPU_COMPOSE_FILE = DEPLOY / "docker-compose.gpu.yml"
+K8S_DIR = DEPLOY / "k8s"
+
+READY_SERVICE = {"pd": "epd.v1.PrefillDecode", "encoder": "epd.v1.Encoder"}
+"""gRPC health service name that means "ready", per EPD command."""
+
+GRACE_FLAG = {"pd": "--grace", "encoder": "--grace-s", "proxy": "--grace"}
+"""The flag that sets how long each server drains on SIGTERM."""
+
+DEFAULT_GRACE_S = {"pd": 30.0, "encoder": 10.0, "proxy": 30.0}
+"""Each server's drain time when its grace flag is not given (their --help defaults)."""
+
+_DEFAULT_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+def load_compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def load_k8s() -> list[dict]:
+    """Every document of every manifest in deploy/k8s (not the kustomization), each tagged with its file name."""
+    docs = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                doc["__file__"] = path.name
+                docs.append(doc)
+    return docs
+
+
+def with_defaults(text: str) -> str:
+    """Compose interpolation as it happens with none of the variables set: ``${X:-d}`` -> ``d``."""
+    return _DEFAULT_VAR.sub(lambda m: m.group(2) or "", text)
+
+
+def duration_s(text: str | int | float) -> float:
+    """A compose duration (``1m30s``, ``300s``, ``500ms``) in seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    parts = _DURATION.findall(text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"bad duration {text!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
+    """The value of ``name`` in ``argv`` (``--flag value`` or ``--flag=value``)."""
+    for i, token in enumerate(argv):
+        if token == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith(name + "="):
+            return token.split("=", 1)[1]
+    return default
+
+
+def grace_s(argv: list[str]) -> float:
+    """How long the server that ``argv`` starts drains on SIGTERM."""
+    command = argv[0]
+    return float(flag(argv, GRACE_FLAG[command], str(DEFAULT_GRACE_S[command])))
+
+
+def parse_epd_args(argv: list[str]):
+    """Parses ``epd <argv>`` with the real CLI parser: unknown flags fail here."""
+    from services.cli import build_parser
+
+    return build_parser(argv).parse_args(argv)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports picked by binding port 0 (then released for the child to bind)."""
+    socks = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        socks.append(sock)
+    ports = [s.getsockname()[1] for s in socks]
+    for sock in socks:
+        sock.close()
+    return ports

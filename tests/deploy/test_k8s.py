@@ -1,0 +1,156 @@
+"""deploy/k8s: the manifests parse, and probes, ports, flags and discovery names agree."""
+
+from __future__ import annotations
+
+import pytest
+
+import yaml
+
+from deploy_support import K8S_DIR, READY_SERVICE, flag, grace_s, load_compose, load_k8s, parse_epd_args
+
+SERVERS = ("pd", "encoder", "proxy")
+
+
+@pytest.fixture(scope="module")
+def docs() -> dict[tuple[str, str], dict]:
+    by_key = {}
+    for doc in load_k8s():
+        key = (doc["kind"], doc["metadata"]["name"])
+        assert key not in by_key, f"duplicate {key}"
+        by_key[key] = doc
+    return by_key
+
+
+def _main_container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _ports(container: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def test_the_expected_objects_and_no_namespace(docs):
+    assert set(docs) == {
+        ("ConfigMap", "epd-config"),
+        ("Deployment", "pd"), ("Deployment", "encoder"), ("Deployment", "proxy"),
+        ("Service", "pd-headless"), ("Service", "encoder-headless"), ("Service", "proxy"),
+    }
+    for doc in docs.values():
+        assert doc["apiVersion"] in ("v1", "apps/v1")
+        assert "namespace" not in doc["metadata"], "manifests are namespace-free (kubectl apply -n NS)"
+
+
+def test_containers_run_real_cli_commands(docs):
+    for name in SERVERS:
+        container = _main_container(docs[("Deployment", name)])
+        assert "command" not in container  # the image's ENTRYPOINT is `epd`
+        args = parse_epd_args(container["args"])
+        assert args.command == name and args.host == "0.0.0.0"
+        assert container["envFrom"] == [{"configMapRef": {"name": "epd-config"}}]
+
+
+def test_grpc_probes(docs):
+    for name in ("pd", "encoder"):
+        container = _main_container(docs[("Deployment", name)])
+        port = int(flag(container["args"], "--port"))
+        assert _ports(container)["grpc"] == port
+        assert container["readinessProbe"]["grpc"] == {"port": port, "service": READY_SERVICE[name]}
+        assert container["livenessProbe"]["grpc"] == {"port": port, "service": ""}
+        # Loading weights happens before the port opens: liveness waits for startup.
+        assert container["startupProbe"]["grpc"] == {"port": port, "service": ""}
+        assert _ports(container)["metrics"] == int(flag(container["args"], "--metrics-port"))
+        annotations = docs[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == flag(container["args"], "--metrics-port")
+
+
+def test_proxy_probes(docs):
+    container = _main_container(docs[("Deployment", "proxy")])
+    port = int(flag(container["args"], "--port"))
+    assert _ports(container)["http"] == port
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
+    # Liveness must not depend on the backends, or a PD outage restarts every proxy.
+    assert container["livenessProbe"]["tcpSocket"] == {"port": port}
+    assert container["startupProbe"]["tcpSocket"] == {"port": port}
+
+
+def test_resources_and_grace(docs):
+    for name in SERVERS:
+        deployment = docs[("Deployment", name)]
+        spec = deployment["spec"]["template"]["spec"]
+        container = _main_container(deployment)
+        for part in [container, *spec["initContainers"]]:
+            assert {"cpu", "memory"} <= set(part["resources"]["requests"]), part["name"]
+            assert "memory" in part["resources"]["limits"], part["name"]
+        assert spec["terminationGracePeriodSeconds"] > grace_s(container["args"]), name
+        assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+def test_headless_services_route_to_the_right_pods_and_ports(docs):
+    proxy_args = _main_container(docs[("Deployment", "proxy")])["args"]
+    for name in ("pd", "encoder"):
+        deployment = docs[("Deployment", name)]
+        service = docs[("Service", f"{name}-headless")]["spec"]
+        assert service["clusterIP"] == "None"
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert service["selector"].items() <= labels.items()
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        container_ports = _ports(_main_container(deployment))
+        for port in service["ports"]:
+            assert port["port"] == container_ports[port["targetPort"]]
+        grpc_port = container_ports["grpc"]
+        # The proxy discovers instances by resolving the headless name.
+        assert flag(proxy_args, f"--{name}") == f"{name}-headless:{grpc_port}"
+
+
+def test_proxy_service(docs):
+    service = docs[("Service", "proxy")]["spec"]
+    deployment = docs[("Deployment", "proxy")]
+    assert service.get("type", "ClusterIP") == "ClusterIP"
+    assert service["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    (port,) = service["ports"]
+    assert _ports(_main_container(deployment))[port["targetPort"]] == port["port"]
+
+
+def test_every_pod_gets_the_configured_model(docs):
+    model_dir = docs[("ConfigMap", "epd-config")]["data"]["EPD_MODEL"]
+    compose_model = load_compose()["services"]["model"]
+    for name in SERVERS:
+        spec = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        (init,) = spec["initContainers"]
+        # The same idempotent build step as the compose `model` service.
+        assert init["command"] == compose_model["entrypoint"] and init["args"] == compose_model["command"]
+        assert f"--out {model_dir}" in init["args"][0]
+        mounts = {m["name"]: m for m in _main_container(docs[("Deployment", name)])["volumeMounts"]}
+        init_mounts = {m["name"]: m for m in init["volumeMounts"]}
+        assert model_dir.startswith(mounts["models"]["mountPath"] + "/") and mounts["models"]["readOnly"]
+        assert init_mounts["models"]["mountPath"] == mounts["models"]["mountPath"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "emptyDir" in volumes["models"]
+
+
+def test_kustomization_lists_every_manifest_and_the_image(docs):
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    manifests = sorted(p.name for p in K8S_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert kustomization["resources"] == manifests
+    (image,) = kustomization["images"]
+    used = set()
+    for name in SERVERS:
+        spec = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        used |= {c["image"].split(":")[0] for c in [*spec["containers"], *spec["initContainers"]]}
+    assert used == {image["name"]}
+
+
+def test_kubectl_kustomize_renders_every_object():
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    result = subprocess.run([kubectl, "kustomize", str(K8S_DIR)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == {
+        (d["kind"], d["metadata"]["name"]) for d in load_k8s()
+    }

@@ -1,0 +1,129 @@
+"""The engine under pressure still equals transformers generate(), token for token.
+
+Each scenario runs its own cluster (proxy -> encoder -> PD) with PD settings
+that force one engine mechanism: 32 concurrent mixed requests, chunked
+prefill with a 16-token step budget (prompts and image spans split across
+steps), a KV pool barely larger than one request (recompute preemption), and
+prefix-cache hits on a repeated long prompt, with and without an image. The
+oracle is ``LlavaForConditionalGeneration.generate`` (greedy) on the full
+checkpoint; requests go through the official ``openai`` client.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from cluster_support import InProcessCluster
+from oracle_support import Oracle, make_image, user_message
+
+MAX_TOKENS = 16
+LONG_TEXT = " ".join(f"Fact {i}: the quick brown fox number {i} jumps over lazy dog {i * 7}." for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model_dir):
+    return Oracle(str(tiny_model_dir))
+
+
+@pytest.fixture
+def start_cluster(tiny_model_dir):
+    """Starts a cluster with PD overrides; stops it (after a leak check) when the test ends."""
+    started: list[InProcessCluster] = []
+
+    def start(**pd_overrides) -> InProcessCluster:
+        started.append(InProcessCluster(str(tiny_model_dir), pd=pd_overrides).start())
+        return started[-1]
+
+    yield start
+    for cluster in started:
+        try:
+            assert cluster.leaks() == {}, "something was left reserved, pending or referenced"
+        finally:
+            cluster.stop()
+
+
+def _chat(cluster: InProcessCluster, messages: list[dict]):
+    """One greedy, non-streaming chat completion: (token ids, usage)."""
+    with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=300) as client:
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+    return reply.choices[0].model_extra["token_ids"], reply.usage
+
+
+def _pd_stats(cluster: InProcessCluster) -> dict[str, int]:
+    return cluster.run(cluster.pds[0].stats())
+
+
+def _mixed_requests(count: int) -> list[tuple[list[dict], list]]:
+    """Requests with 0, 1 or 2 images drawn from a small pool (so some images repeat)."""
+    requests = []
+    for i in range(count):
+        images = [make_image(500 + (i * 3 + k) % 7, (32 + 8 * k, 40)) for k in range(i % 3)]
+        text = f"Request {i}: describe what you see in detail." + (" Be brief." if i % 2 else "")
+        requests.append(([user_message(text, images)], images))
+    return requests
+
+
+def _check_concurrently(cluster, oracle, requests) -> None:
+    expected = [oracle.generate(messages, images, MAX_TOKENS) for messages, images in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: _chat(cluster, r[0])[0], requests))
+    for i, (want, got) in enumerate(zip(expected, results)):
+        assert got == want, f"request {i} differs from generate()"
+
+
+def test_32_concurrent_mixed_requests(start_cluster, oracle):
+    cluster = start_cluster()
+    _check_concurrently(cluster, oracle, _mixed_requests(32))
+
+
+def test_chunked_prefill_with_a_16_token_step_budget(start_cluster, oracle):
+    cluster = start_cluster(max_num_batched_tokens=16)
+    requests = _mixed_requests(6)
+    _check_concurrently(cluster, oracle, requests)
+    # Every prompt (>= 16 image rows plus the template) needed several steps.
+    assert _pd_stats(cluster)["num_steps"] >= sum(1 for _ in requests) * 2
+
+
+def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, oracle):
+    requests = _mixed_requests(6)
+    longest = max(_num_prompt_tokens(oracle, messages, images) for messages, images in requests)
+    block_size = 16
+    num_blocks = -(-(longest + MAX_TOKENS) // block_size) + 1
+    cluster = start_cluster(num_kv_blocks=num_blocks, block_size=block_size)
+    _check_concurrently(cluster, oracle, requests)
+    assert _pd_stats(cluster)["num_preemptions"] > 0, "the pool was meant to force preemption"
+
+
+def _num_prompt_tokens(oracle: Oracle, messages: list[dict], images: list) -> int:
+    hf_messages = [{"role": m["role"], "content": [
+        {"type": "image"} if part["type"] == "image_url" else {"type": "text", "text": part["text"]}
+        for part in m["content"]] if isinstance(m["content"], list) else m["content"]} for m in messages]
+    text = oracle.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    return int(oracle.processor(text=text, images=images or None, return_tensors="pt")["input_ids"].shape[1])
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])
+def test_repeated_long_prompt_hits_the_prefix_cache(start_cluster, oracle, with_image):
+    # Room for one image only: the image's embedding is evicted before the
+    # repeat, which then must be served from the KV prefix cache alone.
+    cluster = start_cluster(embedding_cache_tokens=16)
+    images = [make_image(77, (48, 48))] if with_image else []
+    question = "Summarise the facts above in three short sentences, and mention every number you saw there."
+    messages = [{"role": "system", "content": LONG_TEXT}, user_message(question, images)]
+    expected = oracle.generate(messages, images, MAX_TOKENS)
+    first, first_usage = _chat(cluster, messages)
+    if with_image:
+        _chat(cluster, [user_message("Another picture.", [make_image(78)])])   # evicts the first image
+    repeat, repeat_usage = _chat(cluster, messages)
+    assert first == repeat == expected
+    assert first_usage.prompt_tokens_details.cached_tokens == 0
+    cached = repeat_usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and repeat_usage.prompt_tokens - 16 <= cached < repeat_usage.prompt_tokens
+    if with_image:
+        assert repeat_usage.model_extra["epd"]["num_images_ready"] == 1   # from cached KV: nothing encoded
+    assert _pd_stats(cluster)["num_prefix_hit_tokens"] == cached

@@ -1,0 +1,28 @@
+"""``epd bench engine`` end to end in a tiny configuration: every system and the TTFT pair."""
+
+from __future__ import annotations
+
+import json
+
+from services import cli
+
+
+def test_bench_engine_runs_every_system_and_the_prefix_cache_experiment(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "engine", "--model", str(tiny_model_dir), "--quick", "--repeat", "2", "--json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert set(results) == {"engine", "engine_torch_linear", "generate_batch", "generate", "static"}
+    for name, result in results.items():
+        assert result["num_tokens"] == 8 * 16, name          # every request generated exactly --output-len
+        assert len(result["seconds"]) == 2 and result["tokens_per_s"] > 0
+    [first_pair, second_pair] = report["prefix_cache_ttft"]
+    for pair in (first_pair, second_pair):
+        assert pair["first"]["preallocate"] == "RESERVED" and pair["first"]["cached_tokens"] == 0
+        assert pair["repeat"]["preallocate"] == "READY" and pair["repeat"]["via_prefix_cache"]
+        assert pair["repeat"]["cached_tokens"] >= pair["prompt_tokens"] - 16
+    table = capsys.readouterr().out
+    assert "| engine |" in table and "| static |" in table and "TTFT first" in table
+    # Greedy outputs agree with generate() (the random prompts hold no near-ties for the tiny model).
+    assert "| engine | 8 | 128 |" in table and "8/8 |" in table

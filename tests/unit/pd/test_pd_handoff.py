@@ -1,0 +1,237 @@
+"""EmbeddingHandoff: Preallocate answers, KV pins, take-over, leases (no model, no torch).
+
+Preallocate may answer READY for an image because its KV is in the prefix
+cache, even when the embedding itself is long gone; those KV blocks are pinned
+until the request is admitted or its lease ends.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.pd.embedding_cache import EmbeddingCache
+from services.pd.errors import EngineError, ErrorKind
+from services.pd.handoff import EmbeddingHandoff
+from services.pd.kv_cache import KVCacheManager
+from services.pd.outputs import ModelRunnerOutput, SampledToken
+from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
+from services.pd.scheduler import QueueFull, Scheduler, SchedulerConfig
+
+IMG = 0
+LEASE_S = 10.0
+PROMPT = [1, 2, 3, 4] + [IMG] * 8 + [5, 6, 7, 8, 9]   # image at 4..11, 17 tokens
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeEmbedding:
+    """Stands in for a [rows, hidden] tensor: the hand-off only reads its row count."""
+
+    def __init__(self, rows: int) -> None:
+        self.shape = (rows, 8)
+
+
+class Harness:
+    def __init__(self, *, num_blocks=16, embedding_tokens=16, prefix_caching=True, max_waiting_requests=8):
+        self.clock = FakeClock()
+        self.store: dict[str, object] = {}
+        self.kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=prefix_caching)
+        self.emb = EmbeddingCache(embedding_tokens, on_evict=lambda h: self.store.pop(h, None))
+        self.handoff = EmbeddingHandoff(self.emb, self.kv, self.store, lambda t: t, clock=self.clock)
+        config = SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, max_waiting_requests=max_waiting_requests)
+        self.sched = Scheduler(config, self.kv, self.emb, clock=self.clock)
+
+    def preallocate(self, request_id, spans, prompt=PROMPT):
+        return self.handoff.preallocate(request_id, prompt, [MultiModalSpan(*s) for s in spans], LEASE_S)
+
+    def push(self, request_id, allocation, rows=8):
+        self.handoff.fill(request_id, allocation.reservation_id, allocation.mm_hash, FakeEmbedding(rows))
+
+    def generate(self, request_id, spans, prompt=PROMPT, max_tokens=2) -> Request:
+        request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens),
+                          mm_spans=[MultiModalSpan(*s) for s in spans])
+        held = self.handoff.take_over(request)
+        self.sched.add_request(request, span_refs=held)
+        return request
+
+    def step(self):
+        out = self.sched.schedule()
+        sampled = {c.request_id: SampledToken(7) for c in out.chunks if c.sample}
+        finished = self.sched.update_from_output(out, ModelRunnerOutput(sampled))
+        self.check()
+        return out, finished
+
+    def run(self):
+        for _ in range(50):
+            if not self.sched.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def check(self):
+        self.sched.check_integrity()
+
+    def serve(self, request_id, mm_hash, prompt=PROMPT) -> Request:
+        """Preallocate, push, generate and finish one request with one image at 4..11."""
+        [allocation] = self.preallocate(request_id, [(mm_hash, 4, 8)], prompt)
+        if not allocation.ready:
+            self.push(request_id, allocation)
+        request = self.generate(request_id, [(mm_hash, 4, 8)], prompt)
+        self.run()
+        return request
+
+    def evict_embeddings(self):
+        """Fill the embedding cache with another image so every READY entry goes."""
+        [filler] = self.preallocate("filler", [("filler", 0, self.emb.capacity_tokens)],
+                                    prompt=[IMG] * self.emb.capacity_tokens + [1])
+        self.handoff.cancel("filler")
+        assert filler.ready is False and not self.store
+
+
+@pytest.fixture
+def h():
+    harness = Harness()
+    yield harness
+    harness.check()
+    assert harness.kv.num_pinned_blocks == 0 and harness.handoff.num_kv_leases == 0
+
+
+def test_reserved_pushed_taken_over_and_released(h):
+    [allocation] = h.preallocate("a", [("cat", 4, 8)])
+    assert not allocation.ready and not allocation.via_prefix_cache
+    h.push("a", allocation)
+    assert "cat" in h.store
+    request = h.generate("a", [("cat", 4, 8)])
+    assert request.span_refs == {0} and h.emb.ref_count("cat") == 1
+    h.run()
+    assert request.status is RequestStatus.FINISHED_LENGTH and h.emb.ref_count("cat") == 0
+
+
+def test_ready_from_prefix_cache_after_the_embedding_was_evicted(h):
+    first = h.serve("a", "cat")
+    h.evict_embeddings()
+    [allocation] = h.preallocate("b", [("cat", 4, 8)])
+    assert allocation.ready and allocation.via_prefix_cache
+    assert h.emb.state("cat") is None and h.kv.num_pinned_blocks == 3   # blocks 0..2 cover 0..11
+    # Traffic that wants every free block cannot evict the pinned prefix.
+    hog = h.generate("hog", [], prompt=list(range(100, 100 + 4 * h.kv.num_free_blocks)), max_tokens=1)
+    h.step()
+    assert hog.is_finished
+    request = h.generate("b", [("cat", 4, 8)])
+    assert request.span_refs == set()                                   # no embedding needed at all
+    out, _ = h.step()
+    [chunk] = out.chunks
+    # The pinned blocks (through the image) survived the hog; block 3 did not.
+    assert chunk.start_pos == 12 and chunk.image_slices == []
+    assert request.num_cached_tokens == 12 and h.kv.num_pinned_blocks == 0   # admitted: pin handed over
+    h.run()
+    assert request.output_token_ids == first.output_token_ids
+
+
+def test_another_image_at_the_same_position_is_not_ready(h):
+    h.serve("a", "cat")
+    [allocation] = h.preallocate("b", [("dog", 4, 8)])
+    assert not allocation.ready and h.kv.num_pinned_blocks == 0
+    h.handoff.cancel("b")
+
+
+def test_partial_coverage_pins_the_first_image_and_reserves_the_second(h):
+    prompt = PROMPT + [IMG] * 4 + [10]                                  # second image at 17..20
+    h.serve("a", "cat", prompt=prompt[:17] + [11, 12, 13, 14, 15])
+    answers = h.preallocate("b", [("cat", 4, 8), ("dog", 17, 4)], prompt=prompt)
+    assert [a.ready for a in answers] == [True, False]
+    assert answers[0].via_prefix_cache and h.kv.num_pinned_blocks == 3
+    h.push("b", answers[1], rows=4)
+    request = h.generate("b", [("cat", 4, 8), ("dog", 17, 4)], prompt=prompt)
+    assert request.span_refs == {1}
+    h.step()
+    assert request.num_cached_tokens == 16 and h.emb.ref_count("dog") == 0   # second image computed
+    h.run()
+
+
+def test_a_push_to_a_kv_pin_is_rejected(h):
+    h.serve("a", "cat")
+    h.evict_embeddings()
+    [allocation] = h.preallocate("b", [("cat", 4, 8)])
+    with pytest.raises(EngineError) as info:
+        h.push("b", allocation)
+    assert info.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert "cat" not in h.store
+    h.handoff.cancel("b")
+    h.handoff.cancel("b")                                               # idempotent
+
+
+def test_kv_pin_lease_expires_then_generate_still_finds_cached_kv(h):
+    h.serve("a", "cat")
+    h.evict_embeddings()
+    h.preallocate("b", [("cat", 4, 8)])
+    h.clock.now += LEASE_S + 1
+    assert h.handoff.expire(h.clock.now) == []
+    assert h.kv.num_pinned_blocks == 0 and h.handoff.num_kv_leases == 0
+    request = h.generate("b", [("cat", 4, 8)])                          # the KV is still cached
+    assert request.span_refs == set() and h.kv.num_pinned_blocks == 3
+    h.run()
+
+
+def test_generate_fails_cleanly_when_neither_kv_nor_embedding_is_left(h):
+    h.serve("a", "cat")
+    h.evict_embeddings()
+    h.preallocate("b", [("cat", 4, 8)])
+    h.clock.now += LEASE_S + 1
+    h.handoff.expire(h.clock.now)
+    hog = h.generate("hog", [], prompt=list(range(100, 100 + 4 * h.kv.num_blocks - 1)), max_tokens=1)
+    h.step()                                                            # every block reused: prefix gone
+    h.sched.finish_request(hog.request_id, RequestStatus.FINISHED_ABORTED)
+    request = Request("b", list(PROMPT), SamplingParams(), mm_spans=[MultiModalSpan("cat", 4, 8)])
+    with pytest.raises(EngineError) as info:
+        h.handoff.take_over(request)
+    assert info.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert h.kv.num_pinned_blocks == 0 and h.emb.stats()["num_reservations"] == 0
+
+
+def test_refused_generate_gives_back_references_and_pins():
+    h = Harness(max_waiting_requests=1)
+    h.serve("a", "cat")
+    [ready] = h.preallocate("b", [("cat", 4, 8)])                       # embedding READY and KV cached
+    assert ready.via_prefix_cache
+    h.generate("blocker", [], prompt=[1, 2, 3])                         # fills the waiting queue
+    request = Request("b", list(PROMPT), SamplingParams(), mm_spans=[MultiModalSpan("cat", 4, 8)])
+    held = h.handoff.take_over(request)
+    with pytest.raises(QueueFull):
+        h.sched.add_request(request, span_refs=held)
+    h.handoff.release(request, held)
+    assert h.kv.num_pinned_blocks == 0 and h.emb.ref_count("cat") == 0
+    h.run()
+    h.check()
+
+
+def test_failed_preallocate_pins_nothing(h):
+    h.serve("a", "cat")
+    h.preallocate("holder", [("dog", 0, 8)], prompt=[IMG] * 8 + [1])   # 8 of 16 rows, unevictable
+    prompt = PROMPT + [IMG] * 16 + [10]
+    with pytest.raises(EngineError) as info:
+        h.preallocate("b", [("cat", 4, 8), ("huge", 17, 16)], prompt=prompt)
+    assert info.value.kind is ErrorKind.RESOURCE_EXHAUSTED and info.value.retry_after_s
+    assert h.kv.num_pinned_blocks == 0 and h.handoff.num_kv_leases == 0
+    with pytest.raises(EngineError) as info:
+        h.preallocate("b", [("cat", 4, 8), ("huge", 17, 17)], prompt=prompt + [IMG])   # can never fit
+    assert info.value.kind is ErrorKind.INVALID_ARGUMENT
+    assert h.kv.num_pinned_blocks == 0
+    h.handoff.cancel("holder")
+
+
+def test_without_prefix_caching_the_embedding_cache_answers():
+    h = Harness(prefix_caching=False)
+    h.serve("a", "cat")
+    [allocation] = h.preallocate("b", [("cat", 4, 8)])
+    assert allocation.ready and not allocation.via_prefix_cache          # pinned in the embedding cache
+    request = h.generate("b", [("cat", 4, 8)])
+    assert request.span_refs == {0}
+    h.run()
+    assert h.emb.ref_count("cat") == 0
