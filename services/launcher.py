@@ -95,6 +95,11 @@ def _start_children(args: argparse.Namespace, model_dir: str) -> list[Child]:
         "--pd", ",".join(pd_addresses), "--encoder", ",".join(encoder_addresses),
         "--pd-policy", args.pd_policy, "--encoder-policy", args.encoder_policy,
     ]
+    from services.common.models import PRESETS
+
+    # A built-in preset is served under its name ("tiny"), not its cache directory's.
+    if (args.model or "tiny") in PRESETS:
+        proxy_argv += ["--served-model-name", args.model or "tiny"]
     children.append(_spawn("proxy", proxy_argv, f"{args.host}:{args.port}", None))
     return children
 

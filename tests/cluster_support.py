@@ -26,6 +26,19 @@ from services.proxy.app import create_app
 from services.proxy.config import ProxyConfig
 
 
+def free_ports(count: int) -> list[int]:
+    """Ports picked by binding port 0 (then released for a child process to bind)."""
+    socks = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        socks.append(sock)
+    ports = [s.getsockname()[1] for s in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
 class InProcessCluster:
     """N encoders + M PDs + the proxy, on loopback, for one test session or module."""
 

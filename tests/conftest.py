@@ -19,3 +19,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from services.common.models import build_checkpoint
 
     return build_checkpoint("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_model_dir):
+    """``transformers`` ``generate()`` on the full tiny checkpoint (the correctness oracle)."""
+    from oracle_support import Oracle
+
+    return Oracle(str(tiny_model_dir))

@@ -65,7 +65,7 @@ class LayoutConfig:
     pds: int = 0                 # 0 = the remaining cores, one PD each
     proxy_core: int | None = None  # None = the first core
     proxy_threads: int = 1
-    replica_proxy: str = "per-replica"
+    replica_proxy: str = "shared"
 
 
 def split_cores(cores: tuple[int, ...], num_groups: int) -> list[tuple[int, ...]]:

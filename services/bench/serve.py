@@ -87,9 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(lay, "--pds", type=int, default=0, help="(c): PD processes (0 = the remaining cores, one each)")
     add(lay, "--proxy-core", type=int, default=-1, help="CPU id the proxy is pinned to (-1 = the first core)")
     add(lay, "--proxy-threads", type=int, default=1, help="proxy preprocessing threads")
-    add(lay, "--replica-proxy", default="per-replica", choices=["per-replica", "shared"],
-        help="(b): one proxy per replica with the client balancing over them, or one shared proxy (needs a proxy "
-             "that sends each image to the PD that reserved it)")
+    add(lay, "--replica-proxy", default="shared", choices=["shared", "per-replica"],
+        help="(b): one proxy in front of every replica (each image is encoded by the PD that reserved it), or one "
+             "proxy per replica with the client balancing over them")
     svc = parser.add_argument_group("services")
     add(svc, "--pd-args", default="", help="extra flags for every PD (shell syntax), e.g. '--max-num-seqs 32'")
     add(svc, "--encoder-args", default="", help="extra flags for every encoder (shell syntax)")

@@ -72,9 +72,10 @@ def tensor_from_bytes(
         raise ValueError(f"tensor payload is {len(data)} bytes, expected {want} for shape {list(shape)}")
     if want == 0:
         return torch.empty(shape, dtype=dtype)
-    # Copy into a bytearray: the tensor then owns writable memory and the
-    # (read-only) gRPC buffer can be released.
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    # The tensor must own writable memory: a bytearray is used as is (the
+    # caller hands it over), anything else (a read-only gRPC buffer) is copied.
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)
 
 

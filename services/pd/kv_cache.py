@@ -38,6 +38,11 @@ from collections.abc import Iterable, Sequence
 from services.pd.request import Request
 
 
+# Most blank blocks kept ahead of one request: a max_tokens in the thousands
+# must not push the whole blank pool behind the prefix cache.
+_MAX_KEPT_ROOM_BLOCKS = 64
+
+
 class KVCacheManager:
     """Allocates fixed-size KV blocks to requests, with ref counts and prefix reuse.
 
@@ -254,8 +259,9 @@ class KVCacheManager:
         other block (after evictable cached blocks).
         """
         expected = self.num_blocks_for(request.num_prompt_tokens + request.sampling.max_tokens - 1)
+        room = min(expected - len(request.block_ids), _MAX_KEPT_ROOM_BLOCKS)
         last = request.block_ids[-1]
-        for block_id in range(last + 1, min(last + 1 + expected - len(request.block_ids), self.num_blocks)):
+        for block_id in range(last + 1, min(last + 1 + room, self.num_blocks)):
             if self._block_keys[block_id] is not None or block_id not in self._free_queue:
                 break
             self._free_queue.move_to_end(block_id)

@@ -16,8 +16,9 @@ it again if a preemption forces a recompute, and releases what is left when
 the request finishes. A span the caller holds no reference for must be
 covered by prefix-cached KV blocks that the caller pinned under the request id
 (``KVCacheManager.pin``); the scheduler drops that pin once the request is
-admitted (its block table then holds the blocks) or finishes. The engine thread calls ``schedule`` and
-``update_from_output`` alternately; nothing here is thread-safe.
+admitted (its block table then holds the blocks) or finishes. The engine
+thread calls ``schedule`` and ``update_from_output`` alternately; nothing
+here is thread-safe.
 """
 
 from __future__ import annotations

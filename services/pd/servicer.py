@@ -108,16 +108,23 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         header = first.header
         self._check_header(header)
         await self.engine.check_push(header.request_id, header.reservation_id, header.mm_hash, header.shape[0])
-        payload = bytearray()
+        # One buffer of the declared size, filled in place: each chunk's bytes
+        # are read from the message once and copied once.
+        payload = bytearray(header.num_bytes)
+        view = memoryview(payload)
+        received = 0
         async for chunk in request_iterator:
             if chunk.WhichOneof("kind") != "data":
                 raise EngineError(ErrorKind.INVALID_ARGUMENT, "only the first message of a push may be a header")
-            if len(chunk.data) > tensors.CHUNK_BYTES:
+            data = chunk.data
+            if len(data) > tensors.CHUNK_BYTES:
                 raise EngineError(ErrorKind.INVALID_ARGUMENT, "push chunk larger than 1 MiB")
-            if len(payload) + len(chunk.data) > header.num_bytes:
+            if received + len(data) > header.num_bytes:
                 raise EngineError(ErrorKind.FAILED_PRECONDITION, "push carries more bytes than its header declared")
-            payload += chunk.data
-        if len(payload) != header.num_bytes:
+            view[received : received + len(data)] = data
+            received += len(data)
+        view.release()
+        if received != header.num_bytes:
             raise EngineError(ErrorKind.INVALID_ARGUMENT, "push ended before all declared bytes arrived")
         return header, payload
 

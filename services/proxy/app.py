@@ -178,6 +178,14 @@ async def _generate(
     return JSONResponse(result)
 
 
+def default_served_name(model: str, model_id: str) -> str:
+    """A built-in preset is served under its preset name ("tiny"); anything else under its model id."""
+    from services.common.models import PRESETS
+
+    name = model or "tiny"
+    return name if name in PRESETS else model_id
+
+
 async def _observed(
     state: ProxyState, job: Job, endpoint: str, *, buffered: bool
 ) -> AsyncGenerator[epd_pb2.GenerateResponse, None]:
@@ -269,7 +277,7 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         app.state.proxy = ProxyState(
             config=config, adapter=adapter, preprocessor=preprocessor, backends=pool, pipeline=pipeline,
             executor=executor, metrics=metrics, fetcher=media,
-            served_model_name=config.served_model_name or adapter.model_id,
+            served_model_name=config.served_model_name or default_served_name(config.model, adapter.model_id),
             max_model_len=min(config.max_model_len or adapter.max_model_len, adapter.max_model_len),
             created=int(time.time()),
         )

@@ -129,11 +129,23 @@ class Backends:
         """Routable PDs not in ``exclude``, best first (may be empty)."""
         return self.pd_policy.rank([p for p in self.pds if p.routable() and p.address not in exclude])
 
-    def encoder_candidates(self, mm_hash: str, exclude: Collection[str] = ()) -> list[EncoderClient]:
-        """Routable encoders not in ``exclude`` for this image, best first (may be empty)."""
-        return self.encoder_policy.rank(
-            [e for e in self.encoders if e.routable() and e.address not in exclude], mm_hash
-        )
+    def encoder_candidates(
+        self, mm_hash: str, exclude: Collection[str] = (), pd_address: str | None = None
+    ) -> list[EncoderClient]:
+        """Routable encoders not in ``exclude`` for an image bound for ``pd_address``, best first.
+
+        An address listed as both PD and encoder is a colocated PD: it can
+        only fill its own reservations, so it is offered for images bound
+        for itself (first: encoding in place moves no bytes) and never for
+        another PD's.
+        """
+        pd_addresses = {p.address for p in self.pds}
+        usable = [
+            e for e in self.encoders
+            if e.routable() and e.address not in exclude and (e.address not in pd_addresses or e.address == pd_address)
+        ]
+        ranked = self.encoder_policy.rank(usable, mm_hash)
+        return sorted(ranked, key=lambda e: e.address != pd_address)  # stable: keeps the policy's order
 
     def health_report(self) -> dict[str, dict[str, bool]]:
         """Readiness of every listed instance: ``{"pd": {addr: ok}, "encoder": {addr: ok}}``.

@@ -305,7 +305,7 @@ class Pipeline:
         last: BackendError | None = None
         begin = time.monotonic()
         for _ in range(self.encoder_attempts):
-            candidates = self.backends.encoder_candidates(image.mm_hash, exclude=tried)
+            candidates = self.backends.encoder_candidates(image.mm_hash, exclude=tried, pd_address=attempt.pd.address)
             if not candidates:
                 break
             encoder = candidates[0]

@@ -20,7 +20,7 @@ def test_defaults_describe_the_issue_run():
     assert args.workload == "mixed" and args.model == "bench"
     assert args.configs == "colocated,replicas,disagg"
     assert args.rates == () and args.rate_multipliers == (0.5, 1.0, 1.5, 2.0, 3.0)
-    assert args.replica_proxy == "per-replica" and args.plots and args.progress
+    assert args.replica_proxy == "shared" and args.plots and args.progress
 
 
 def test_lists_parse_and_bad_lists_are_refused():

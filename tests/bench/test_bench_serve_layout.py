@@ -25,7 +25,12 @@ def test_two_core_defaults_match_the_issue():
     assert colocated["pd-0"].cores == (0, 1) and colocated["pd-0"].threads == 2 and colocated["pd-0"].encoder_local
     replicas = {p.name: p for p in topologies["replicas"].processes}
     assert [replicas[n].cores for n in ("pd-0", "pd-1")] == [(0,), (1,)]
-    assert replicas["proxy-1"].cores == (1,) and replicas["proxy-1"].pd_names == ("pd-1",)
+    # One proxy in front of both replicas (as the issue's baseline asks).
+    assert replicas["proxy-0"].cores == (0,) and replicas["proxy-0"].pd_names == ("pd-0", "pd-1")
+    assert "proxy-1" not in replicas
+    per_replica = build_topologies(LayoutConfig(cores=(0, 1), replica_proxy="per-replica"), ("replicas",))
+    per_replica = {p.name: p for p in per_replica["replicas"].processes}
+    assert per_replica["proxy-1"].cores == (1,) and per_replica["proxy-1"].pd_names == ("pd-1",)
     disagg = {p.name: p for p in topologies["disagg"].processes}
     assert disagg["encoder-0"].cores == (0,) and disagg["pd-0"].cores == (1,)
     assert not disagg["pd-0"].encoder_local

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import yaml
@@ -82,14 +81,3 @@ def parse_epd_args(argv: list[str]):
     return build_parser(argv).parse_args(argv)
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports picked by binding port 0 (then released for the child to bind)."""
-    socks = []
-    for _ in range(count):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        socks.append(sock)
-    ports = [s.getsockname()[1] for s in socks]
-    for sock in socks:
-        sock.close()
-    return ports

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from deploy_support import (
     COMPOSE_FILE,
     DEPLOY,

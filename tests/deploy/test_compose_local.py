@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
-from deploy_support import REPO, duration_s, flag, free_ports, load_compose, with_defaults
+from cluster_support import free_ports
+from deploy_support import REPO, duration_s, flag, load_compose, with_defaults
 from oracle_support import data_url, make_image
 
 START_TIMEOUT_S = 120.0

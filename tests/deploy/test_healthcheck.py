@@ -10,9 +10,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from cluster_support import free_ports
 
 from services.common import grpc_utils, healthcheck
-from deploy_support import free_ports
 
 READY = "epd.v1.Encoder"
 

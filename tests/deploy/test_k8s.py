@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pytest
-
 import yaml
-
-from deploy_support import K8S_DIR, READY_SERVICE, flag, grace_s, load_compose, load_k8s, parse_epd_args
+from deploy_support import (
+    K8S_DIR,
+    READY_SERVICE,
+    flag,
+    grace_s,
+    load_compose,
+    load_k8s,
+    parse_epd_args,
+)
 
 SERVERS = ("pd", "encoder", "proxy")
 

@@ -22,11 +22,6 @@ MAX_TOKENS = 16
 LONG_TEXT = " ".join(f"Fact {i}: the quick brown fox number {i} jumps over lazy dog {i * 7}." for i in range(12))
 
 
-@pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
-    return Oracle(str(tiny_model_dir))
-
-
 @pytest.fixture
 def start_cluster(tiny_model_dir):
     """Starts a cluster with PD overrides; stops it (after a leak check) when the test ends."""

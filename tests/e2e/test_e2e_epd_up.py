@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import openai
-
+from cluster_support import free_ports
 from oracle_support import make_image, user_message
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports picked by binding port 0 (then released for the child to bind)."""
-    socks = []
-    for _ in range(count):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        socks.append(sock)
-    ports = [s.getsockname()[1] for s in socks]
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 def _wait_for_line(process: subprocess.Popen, needle: str, timeout: float) -> list[str]:
@@ -42,7 +28,7 @@ def _wait_for_line(process: subprocess.Popen, needle: str, timeout: float) -> li
 
 
 def test_epd_up_serves_two_images_and_stops_cleanly(tmp_path):
-    proxy_port, encoder_port, pd_port = _free_ports(3)
+    proxy_port, encoder_port, pd_port = free_ports(3)
     env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     command = [
         sys.executable, "-m", "services.cli", "up",

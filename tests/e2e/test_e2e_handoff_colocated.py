@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from cluster_support import InProcessCluster
-from oracle_support import Oracle, make_image, user_message
+from oracle_support import make_image, user_message
 from test_e2e_handoff_support import MAX_TOKENS, chat, client_for
 
 from services.common import grpc_utils
@@ -38,10 +38,6 @@ def clusters(tiny_model_dir):
         for cluster in started:
             cluster.stop()
 
-
-@pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
-    return Oracle(str(tiny_model_dir))
 
 
 CASES = [

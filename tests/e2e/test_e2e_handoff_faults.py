@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from cluster_support import InProcessCluster
-from oracle_support import Oracle, make_image, user_message
+from oracle_support import make_image, user_message
 from test_e2e_handoff_support import MAX_TOKENS, ProxyOnly, chat, client_for
 
 from services.encoder.config import EncoderConfig
@@ -56,10 +56,6 @@ def setup(tiny_model_dir):
             proxy.stop()
         cluster.stop()
 
-
-@pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
-    return Oracle(str(tiny_model_dir))
 
 
 def _status_of(client: openai.OpenAI, messages: list[dict]) -> int:

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from cluster_support import InProcessCluster
+from cluster_support import InProcessCluster, free_ports
 from oracle_support import Oracle, make_image, user_message
-from test_e2e_handoff_support import MAX_TOKENS, ProxyOnly, chat, client_for, free_ports
+from test_e2e_handoff_support import MAX_TOKENS, ProxyOnly, chat, client_for
 
 from services.common import grpc_utils
 from services.common.pb import epd_pb2, epd_pb2_grpc

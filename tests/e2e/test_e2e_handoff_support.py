@@ -8,7 +8,6 @@ proxy's routing policy is.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import openai
@@ -50,12 +49,3 @@ def chat(client: openai.OpenAI, messages: list[dict], max_tokens: int = MAX_TOKE
     return reply.choices[0].model_extra["token_ids"], (reply.usage.model_extra or {}).get("epd", {})
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports picked by binding port 0, then released for a child process to bind."""
-    socks = [socket.socket() for _ in range(count)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports

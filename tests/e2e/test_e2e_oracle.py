@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-
 from cluster_support import InProcessCluster
-from oracle_support import Oracle, make_image, user_message
+from oracle_support import make_image, user_message
 
 MAX_TOKENS = 24
 
@@ -23,10 +22,6 @@ def cluster(tiny_model_dir):
     yield cluster
     cluster.stop()
 
-
-@pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
-    return Oracle(str(tiny_model_dir))
 
 
 @pytest.fixture

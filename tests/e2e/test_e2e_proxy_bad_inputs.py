@@ -14,10 +14,9 @@ import zlib
 
 import httpx
 import pytest
-from PIL import Image
-
 from cluster_support import InProcessCluster
 from oracle_support import data_url, make_image
+from PIL import Image
 
 SECRET = "zq-secret-7781"
 API_KEY = "test-key-1"

@@ -27,9 +27,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
-
-from cluster_support import InProcessCluster
+from cluster_support import InProcessCluster, free_ports
 from oracle_support import Oracle, make_image, user_message
+
 from services.common import grpc_utils
 from services.proxy.app import create_app
 from services.proxy.config import ProxyConfig
@@ -45,14 +45,6 @@ REQUEST_TIMEOUT_S = 15        # X-Request-Timeout of every request
 CLIENT_TIMEOUT_S = 30         # a request still open after this has hung
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 class Service:

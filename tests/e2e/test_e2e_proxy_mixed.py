@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 import pytest
-
 from cluster_support import InProcessCluster
 from oracle_support import Oracle, make_image, user_message
 

@@ -13,9 +13,8 @@ import math
 
 import openai
 import pytest
-
 from cluster_support import InProcessCluster
-from oracle_support import Oracle, make_image, user_message
+from oracle_support import make_image, user_message
 
 API_KEY = "sk-test-e2e"
 MAX_TOKENS = 12
@@ -27,10 +26,6 @@ def cluster(tiny_model_dir):
     yield cluster
     cluster.stop()
 
-
-@pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
-    return Oracle(str(tiny_model_dir))
 
 
 @pytest.fixture

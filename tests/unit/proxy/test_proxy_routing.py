@@ -294,3 +294,17 @@ def test_expand_without_images_is_identity():
 def test_placeholder_count_must_match_images(ids, counts):
     with pytest.raises(PlaceholderMismatchError):
         expand_placeholders(ids, IMG, counts)
+
+
+async def test_a_colocated_pd_encodes_only_its_own_images():
+    """Addresses listed as PD and encoder are colocated PDs (``epd pd --encoder local``)."""
+    pd_list = pds(2)
+    colocated = [EncoderClient(p.address, FakeChannel(), breaker=CircuitBreaker(clock=FakeClock()), clock=FakeClock())
+                 for p in pd_list]
+    remote = encoders(1)
+    backends = await static_backends(pd_list, colocated + remote)
+    for mm_hash in ("a", "b", "c", "d"):
+        assert addresses(backends.encoder_candidates(mm_hash, pd_address="pd1:1")) == ["pd1:1", "enc0:1"]
+        assert addresses(backends.encoder_candidates(mm_hash, pd_address="pd0:1")) == ["pd0:1", "enc0:1"]
+    # Without a target PD only real encoders are offered.
+    assert addresses(backends.encoder_candidates("a")) == ["enc0:1"]
