@@ -18,72 +18,24 @@ Not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+
+from services.pd.embedding_records import (  # noqa: F401 - re-exported: the cache's public types
+    CacheEntry,
+    EmbeddingCacheFull,
+    EntryState,
+    ExpiryResult,
+    Reservation,
+    ReservationKind,
+    ReservationNotFound,
+    ReservationRejected,
+)
+from services.pd.invariants import check
 
 _MAX_TOMBSTONES = 4096   # remembered removed reservation ids, to tell "late" from "unknown"
-
-
-class EntryState(enum.IntEnum):
-    """State of a cache entry; also the per-item answer of ``preallocate``."""
-
-    RESERVED = 0   # room held, waiting for a push
-    READY = 1      # embedding present in the engine
-
-
-class ReservationKind(enum.Enum):
-    PUSH = "push"  # the holder expects the encoder to push this embedding
-    PIN = "pin"    # the embedding is READY; keep it until Generate takes over
-
-
-class EmbeddingCacheFull(Exception):
-    """Not enough room even after evicting everything evictable (gRPC RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, retry_after_s: float):
-        super().__init__(f"embedding cache full; retry after {retry_after_s:.2f}s")
-        self.retry_after_s = retry_after_s
-
-
-class ReservationNotFound(Exception):
-    """No such reservation was ever known here (gRPC NOT_FOUND)."""
-
-
-class ReservationRejected(Exception):
-    """The push does not match a live reservation (gRPC FAILED_PRECONDITION)."""
-
-
-@dataclass
-class Reservation:
-    """A request's claim on one entry, valid until ``lease_deadline`` (monotonic s)."""
-
-    reservation_id: str
-    request_id: str
-    mm_hash: str
-    lease_deadline: float
-    kind: ReservationKind
-    filled: bool = False
-    # A reference already stands for it (taken over) or its request is gone:
-    # the reservation ends as soon as it is filled.
-    end_on_fill: bool = False
-
-
-@dataclass
-class _Entry:
-    mm_hash: str
-    num_tokens: int
-    state: EntryState
-    ref_count: int = 0
-    reservation_ids: set[str] = field(default_factory=set)
-
-
-class ExpiryResult(NamedTuple):
-    expired: list[Reservation]
-    dropped_hashes: list[str]   # RESERVED entries removed: fail requests waiting on them
 
 
 class EmbeddingCache:
@@ -96,7 +48,7 @@ class EmbeddingCache:
         self.capacity_tokens = capacity_tokens
         self.retry_after_s = retry_after_s
         self._on_evict = on_evict
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, CacheEntry] = {}
         self._evictable: OrderedDict[str, None] = OrderedDict()   # READY, unreferenced; LRU first
         self._evictable_tokens = 0
         self._used_tokens = 0
@@ -175,7 +127,7 @@ class EmbeddingCache:
         self._evict_until(new_tokens)
         for mm_hash, num_tokens in sizes.items():
             if mm_hash not in answers:
-                entry = _Entry(mm_hash, num_tokens, EntryState.RESERVED)
+                entry = CacheEntry(mm_hash, num_tokens, EntryState.RESERVED)
                 self._entries[mm_hash] = entry
                 self._used_tokens += num_tokens
                 answers[mm_hash] = self._add_reservation(
@@ -306,23 +258,23 @@ class EmbeddingCache:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the bookkeeping is consistent."""
-        _check(self._used_tokens == sum(e.num_tokens for e in self._entries.values()),
+        check(self._used_tokens == sum(e.num_tokens for e in self._entries.values()),
                "used tokens differ from entries")
-        _check(self._used_tokens <= self.capacity_tokens, "over capacity")
+        check(self._used_tokens <= self.capacity_tokens, "over capacity")
         evictable = [h for h, e in self._entries.items() if self._is_evictable(e)]
-        _check(set(evictable) == set(self._evictable), "evictable set out of date")
-        _check(self._evictable_tokens == sum(self._entries[h].num_tokens for h in evictable),
+        check(set(evictable) == set(self._evictable), "evictable set out of date")
+        check(self._evictable_tokens == sum(self._entries[h].num_tokens for h in evictable),
                "evictable tokens out of date")
         for entry in self._entries.values():
-            _check(entry.ref_count >= 0, "negative ref count")
+            check(entry.ref_count >= 0, "negative ref count")
             for rid in entry.reservation_ids:
-                _check(self._reservations[rid].mm_hash == entry.mm_hash, "reservation index")
+                check(self._reservations[rid].mm_hash == entry.mm_hash, "reservation index")
             if entry.state is EntryState.RESERVED:
-                _check(self._num_pushes(entry) > 0, "RESERVED entry without a pending push")
+                check(self._num_pushes(entry) > 0, "RESERVED entry without a pending push")
         for rid, reservation in self._reservations.items():
-            _check(rid in self._entries[reservation.mm_hash].reservation_ids, "entry index")
-            _check(rid in self._by_request.get(reservation.request_id, ()), "request index")
-        _check(sum(len(ids) for ids in self._by_request.values()) == len(self._reservations),
+            check(rid in self._entries[reservation.mm_hash].reservation_ids, "entry index")
+            check(rid in self._by_request.get(reservation.request_id, ()), "request index")
+        check(sum(len(ids) for ids in self._by_request.values()) == len(self._reservations),
                "request index has stale ids")
 
     # ---------------------------------------------------------------- helpers
@@ -369,7 +321,7 @@ class EmbeddingCache:
             self._used_tokens -= entry.num_tokens
             self._on_evict(mm_hash)
 
-    def _add_reservation(self, request_id: str, entry: _Entry, kind: ReservationKind,
+    def _add_reservation(self, request_id: str, entry: CacheEntry, kind: ReservationKind,
                          lease_deadline: float) -> tuple[str, EntryState, str]:
         reservation_id = f"{self._id_prefix}-{next(self._ids)}"
         self._reservations[reservation_id] = Reservation(
@@ -397,12 +349,12 @@ class EmbeddingCache:
     def _reservations_of(self, request_id: str) -> list[Reservation]:
         return [self._reservations[rid] for rid in self._by_request.get(request_id, ())]
 
-    def _num_pushes(self, entry: _Entry) -> int:
+    def _num_pushes(self, entry: CacheEntry) -> int:
         return sum(1 for rid in entry.reservation_ids
                    if self._reservations[rid].kind is ReservationKind.PUSH
                    and not self._reservations[rid].filled)
 
-    def _drop_if_orphaned(self, entry: _Entry) -> bool:
+    def _drop_if_orphaned(self, entry: CacheEntry) -> bool:
         """Remove a RESERVED entry that no push can fill any more."""
         if entry.state is not EntryState.RESERVED or self._num_pushes(entry) > 0:
             return False
@@ -413,11 +365,11 @@ class EmbeddingCache:
         return True
 
     @staticmethod
-    def _is_evictable(entry: _Entry) -> bool:
+    def _is_evictable(entry: CacheEntry) -> bool:
         return (entry.state is EntryState.READY and entry.ref_count == 0
                 and not entry.reservation_ids)
 
-    def _touch(self, entry: _Entry) -> None:
+    def _touch(self, entry: CacheEntry) -> None:
         """Re-file the entry after a change; a use makes it most recently used."""
         if entry.mm_hash in self._evictable:
             del self._evictable[entry.mm_hash]
@@ -426,7 +378,3 @@ class EmbeddingCache:
             self._evictable[entry.mm_hash] = None
             self._evictable_tokens += entry.num_tokens
 
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

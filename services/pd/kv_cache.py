@@ -35,6 +35,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from services.pd.invariants import check
 from services.pd.request import Request
 
 
@@ -210,20 +211,20 @@ class KVCacheManager:
         block's ref count equals the number of block tables and pins holding it.
         """
         num_used = sum(1 for c in self._ref_counts if c > 0)
-        _check(num_used + len(self._free_queue) == self.num_blocks, "free + used != total")
+        check(num_used + len(self._free_queue) == self.num_blocks, "free + used != total")
         for block_id in self._free_queue:
-            _check(self._ref_counts[block_id] == 0, f"free block {block_id} is referenced")
-        _check(all(c >= 0 for c in self._ref_counts), "negative ref count")
+            check(self._ref_counts[block_id] == 0, f"free block {block_id} is referenced")
+        check(all(c >= 0 for c in self._ref_counts), "negative ref count")
         for key, block_id in self._key_to_block.items():
-            _check(self._block_keys[block_id] == key, f"key map and block {block_id} disagree")
-        _check(sum(k is not None for k in self._block_keys) == len(self._key_to_block),
+            check(self._block_keys[block_id] == key, f"key map and block {block_id} disagree")
+        check(sum(k is not None for k in self._block_keys) == len(self._key_to_block),
                "a block carries a key missing from the key map")
         if requests is not None:
             expected = [0] * self.num_blocks
             for block_ids in [r.block_ids for r in requests] + list(self._pins.values()):
                 for block_id in block_ids:
                     expected[block_id] += 1
-            _check(expected == self._ref_counts, "ref counts differ from block tables and pins")
+            check(expected == self._ref_counts, "ref counts differ from block tables and pins")
 
     # ---------------------------------------------------------------- helpers
     def _release(self, block_ids: Sequence[int]) -> None:
@@ -318,7 +319,3 @@ def _image_extras(request: Request, start: int, end: int) -> list[str]:
     return [f"{span.mm_hash}@{span.offset - start}" for span in request.mm_spans
             if span.offset < end and span.end > start]
 
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

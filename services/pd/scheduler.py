@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 from services.pd.embedding_cache import EmbeddingCache
 from services.pd.kv_cache import KVCacheManager
-from services.pd.outputs import ImageSlice, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from services.pd.request import MultiModalSpan, Request, RequestStatus
+from services.pd.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from services.pd.request import Request, RequestStatus
+from services.pd import spans
+from services.pd.invariants import check
 
 _RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED,
@@ -138,7 +140,7 @@ class Scheduler:
             raise ValueError("the prompt is longer than this server's waiting-queue token bound")
         if request.sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        _validate_spans(request.mm_spans, request.num_prompt_tokens)
+        spans.validate_spans(request.mm_spans, request.num_prompt_tokens)
         max_len = min(self.config.max_model_len,
                       request.num_prompt_tokens + request.sampling.max_tokens)
         # The last token is sampled, never computed, so it needs no KV.
@@ -163,10 +165,10 @@ class Scheduler:
             request = self.running[i]
             num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, budget)
             if num_new == 0:
-                if self._embedding_gone(blocking_hash):
+                if spans.embedding_gone(self.embedding_cache, blocking_hash):
                     self._fail_in_schedule(request)
                     continue   # removed from running: index i is the next request
-                self._mark_blocked(request, now)
+                spans.mark_blocked(request, now)
                 i += 1
                 continue
             if not self._allocate_or_preempt(request, num_new, out, now):
@@ -202,12 +204,12 @@ class Scheduler:
     def _try_admit(self, request: Request, budget: int, out: SchedulerOutput,
                    now: float) -> tuple[_Admit, int]:
         computed_block_ids, num_hit = self.kv_cache.get_computed_blocks(request)
-        if not self._acquire_spans_from(request, num_hit):
+        if not spans.acquire_spans_from(self.embedding_cache, request, num_hit):
             self._fail_in_schedule(request)
             return _Admit.FAILED, 0
         num_new, _ = self._chunk_len(request, num_hit, budget)
         if num_new == 0:
-            self._mark_blocked(request, now)
+            spans.mark_blocked(request, now)
             return _Admit.BLOCKED, 0
         if not self.kv_cache.allocate_slots(request, num_new, computed_block_ids):
             return _Admit.NO_ROOM, 0
@@ -217,7 +219,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit
         self.num_prefix_hit_tokens += num_hit
         self.running.append(request)
-        self._release_computed_spans(request)
+        spans.release_computed_spans(self.embedding_cache, request)
         self._add_chunk(out, request, num_new, now)
         return _Admit.ADMITTED, num_new
 
@@ -237,15 +239,15 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         request.status = RequestStatus.RUNNING
-        self._end_embedding_wait(request, now)
+        spans.end_embedding_wait(request, now)
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = now
         out.chunks.append(ScheduledChunk(
             request_id=request.request_id,
-            token_ids=_token_slice(request, start, end),
+            token_ids=spans.token_slice(request, start, end),
             start_pos=start,
             block_ids=list(request.block_ids),
-            image_slices=_image_slices(request.mm_spans, start, end),
+            image_slices=spans.image_slices(request.mm_spans, start, end),
             sample=end == request.num_tokens,
             sampling=request.sampling,
             num_output_tokens=len(request.output_token_ids),
@@ -263,7 +265,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._end_embedding_wait(request, now)
+        spans.end_embedding_wait(request, now)
         self.waiting.appendleft(request)
         out.preempted_request_ids.append(request.request_id)
 
@@ -285,7 +287,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens += chunk.num_tokens
             self.kv_cache.cache_full_blocks(request)
-            self._release_computed_spans(request)
+            spans.release_computed_spans(self.embedding_cache, request)
             if not chunk.sample:
                 continue
             sampled = runner_output.sampled.get(chunk.request_id)
@@ -345,7 +347,7 @@ class Scheduler:
         del self._requests[request.request_id]
         request.status = status
         request.error = error
-        self._end_embedding_wait(request, now)
+        spans.end_embedding_wait(request, now)
         request.timings.finished = now
         self.kv_cache.free(request)
         self.kv_cache.unpin(request.request_id)
@@ -360,95 +362,28 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ERROR, _EMBEDDING_GONE)
         self._failed_in_schedule.append(request)
 
-    # --------------------------------------------------------------- embeddings
-    def _acquire_spans_from(self, request: Request, start: int) -> bool:
-        """Hold a reference for every span not computed from ``start``; False if one is gone."""
-        for index, span in enumerate(request.mm_spans):
-            if span.end <= start:
-                continue
-            if index in request.span_refs:
-                if self._embedding_gone(span.mm_hash):
-                    return False
-            elif self.embedding_cache.acquire(span.mm_hash):
-                request.span_refs.add(index)
-            else:
-                return False
-        return True
-
-    def _release_computed_spans(self, request: Request) -> None:
-        for index in sorted(request.span_refs):
-            span = request.mm_spans[index]
-            if span.end <= request.num_computed_tokens:
-                self.embedding_cache.release(span.mm_hash)
-                request.span_refs.discard(index)
-
-    def _embedding_gone(self, mm_hash: str | None) -> bool:
-        return mm_hash is not None and self.embedding_cache.state(mm_hash) is None
-
-    def _mark_blocked(self, request: Request, now: float) -> None:
-        request.status = RequestStatus.WAITING_FOR_EMBEDDING
-        if request.timings.embedding_wait_since is None:
-            request.timings.embedding_wait_since = now
-
-    @staticmethod
-    def _end_embedding_wait(request: Request, now: float) -> None:
-        since = request.timings.embedding_wait_since
-        if since is not None:
-            request.timings.embedding_wait_s += now - since
-            request.timings.embedding_wait_since = None
-
     # -------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Raise AssertionError unless queues, counters and both caches agree."""
         queued = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        _check(len(queued) == len(set(queued)) and set(queued) == set(self._requests),
+        check(len(queued) == len(set(queued)) and set(queued) == set(self._requests),
                "queues and the request table disagree")
-        _check(len(self.running) <= self.config.max_num_seqs, "too many running requests")
+        check(len(self.running) <= self.config.max_num_seqs, "too many running requests")
         block_size = self.kv_cache.block_size
         for request in self.running:
-            _check(request.status in _RUNNING_STATES, "bad status in running")
-            _check(request.num_computed_tokens < request.num_tokens, "nothing left to compute")
-            _check(len(request.block_ids) * block_size >= request.num_computed_tokens,
+            check(request.status in _RUNNING_STATES, "bad status in running")
+            check(request.num_computed_tokens < request.num_tokens, "nothing left to compute")
+            check(len(request.block_ids) * block_size >= request.num_computed_tokens,
                    "block table shorter than the computed tokens")
         for request in self.waiting:
-            _check(request.status in _WAITING_STATES, "bad status in waiting")
-            _check(not request.block_ids and request.num_computed_tokens == 0,
+            check(request.status in _WAITING_STATES, "bad status in waiting")
+            check(not request.block_ids and request.num_computed_tokens == 0,
                    "a waiting request holds KV")
         for request in self._requests.values():
-            _check(all(0 <= i < len(request.mm_spans) for i in request.span_refs),
+            check(all(0 <= i < len(request.mm_spans) for i in request.span_refs),
                    "span reference out of range")
         self.kv_cache.check_integrity(self._requests.values())
         self.embedding_cache.check_integrity()
-
-
-def _validate_spans(spans: list[MultiModalSpan], num_prompt_tokens: int) -> None:
-    end = 0
-    for span in spans:
-        if span.num_tokens <= 0 or span.offset < end or span.end > num_prompt_tokens:
-            raise ValueError("image spans must be non-empty, sorted, disjoint and inside the prompt")
-        end = span.end
-
-
-def _token_slice(request: Request, start: int, end: int) -> list[int]:
-    """``request.all_token_ids[start:end]`` without concatenating the whole sequence."""
-    prompt, output = request.prompt_token_ids, request.output_token_ids
-    num_prompt = len(prompt)
-    if end <= num_prompt:
-        return prompt[start:end]
-    if start >= num_prompt:
-        return output[start - num_prompt:end - num_prompt]
-    return prompt[start:] + output[:end - num_prompt]
-
-
-def _image_slices(spans: list[MultiModalSpan], start: int, end: int) -> list[ImageSlice]:
-    """The parts of image spans inside positions ``[start, end)``, chunk-local."""
-    slices = []
-    for span in spans:
-        lo, hi = max(start, span.offset), min(end, span.end)
-        if lo < hi:
-            slices.append(ImageSlice(span.mm_hash, src_start=lo - span.offset,
-                                     dst_start=lo - start, length=hi - lo))
-    return slices
 
 
 def _remove(queue: MutableSequence[Request], request: Request) -> bool:
@@ -459,7 +394,3 @@ def _remove(queue: MutableSequence[Request], request: Request) -> bool:
             return True
     return False
 
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

@@ -1,0 +1,83 @@
+"""How a request's tokens and image spans map onto chunks and embedding references.
+
+Pure Python helpers of the scheduler: which token ids and image rows a chunk
+covers, which image embeddings a request holds a reference on, and how long
+it waited for them. Nothing here decides what to schedule.
+"""
+
+from __future__ import annotations
+
+from services.pd.embedding_cache import EmbeddingCache
+from services.pd.outputs import ImageSlice
+from services.pd.request import MultiModalSpan, Request, RequestStatus
+
+
+def validate_spans(spans: list[MultiModalSpan], num_prompt_tokens: int) -> None:
+    end = 0
+    for span in spans:
+        if span.num_tokens <= 0 or span.offset < end or span.end > num_prompt_tokens:
+            raise ValueError("image spans must be non-empty, sorted, disjoint and inside the prompt")
+        end = span.end
+
+
+def token_slice(request: Request, start: int, end: int) -> list[int]:
+    """``request.all_token_ids[start:end]`` without concatenating the whole sequence."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:
+        return output[start - num_prompt:end - num_prompt]
+    return prompt[start:] + output[:end - num_prompt]
+
+
+def image_slices(spans: list[MultiModalSpan], start: int, end: int) -> list[ImageSlice]:
+    """The parts of image spans inside positions ``[start, end)``, chunk-local."""
+    slices = []
+    for span in spans:
+        lo, hi = max(start, span.offset), min(end, span.end)
+        if lo < hi:
+            slices.append(ImageSlice(span.mm_hash, src_start=lo - span.offset,
+                                     dst_start=lo - start, length=hi - lo))
+    return slices
+
+
+def embedding_gone(cache: EmbeddingCache, mm_hash: str | None) -> bool:
+    return mm_hash is not None and cache.state(mm_hash) is None
+
+
+def acquire_spans_from(cache: EmbeddingCache, request: Request, start: int) -> bool:
+    """Hold a reference for every span not computed from ``start``; False if one is gone."""
+    for index, span in enumerate(request.mm_spans):
+        if span.end <= start:
+            continue
+        if index in request.span_refs:
+            if embedding_gone(cache, span.mm_hash):
+                return False
+        elif cache.acquire(span.mm_hash):
+            request.span_refs.add(index)
+        else:
+            return False
+    return True
+
+
+def release_computed_spans(cache: EmbeddingCache, request: Request) -> None:
+    """Drop the references of spans now fully in the KV cache (the entries stay cached)."""
+    for index in sorted(request.span_refs):
+        span = request.mm_spans[index]
+        if span.end <= request.num_computed_tokens:
+            cache.release(span.mm_hash)
+            request.span_refs.discard(index)
+
+
+def mark_blocked(request: Request, now: float) -> None:
+    request.status = RequestStatus.WAITING_FOR_EMBEDDING
+    if request.timings.embedding_wait_since is None:
+        request.timings.embedding_wait_since = now
+
+
+def end_embedding_wait(request: Request, now: float) -> None:
+    since = request.timings.embedding_wait_since
+    if since is not None:
+        request.timings.embedding_wait_s += now - since
+        request.timings.embedding_wait_since = None
