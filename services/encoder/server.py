@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import grpc
-import torch
 
 from services.common import grpc_utils
-from services.common.devices import resolve_device, resolve_dtype
+from services.common.models.loaded_vision import LoadedVision
 from services.common.pb import epd_pb2_grpc
 from services.encoder.batcher import Batcher
 from services.encoder.cache import EmbeddingCache
@@ -32,18 +30,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "epd.v1.Encoder"
 """Health service name that means "ready"."""
-
-
-@dataclass(frozen=True)
-class LoadedVision:
-    """The vision half of a checkpoint, ready to run."""
-
-    module: torch.nn.Module  # VisionEncoder: [N, 3, H, W] -> [N, num_tokens, hidden_size]
-    device: torch.device
-    dtype: torch.dtype
-    sample_pixels: torch.Tensor  # [3, H, W]: a blank image processed as the proxy would (warm-up input)
-    num_tokens: int  # embedding rows the LM expects for sample_pixels
-    hidden_size: int  # LM hidden size == embedding row width
 
 
 class EncoderStats(NamedTuple):
@@ -62,35 +48,7 @@ class EncoderStats(NamedTuple):
 
 def load_vision(config: EncoderConfig) -> LoadedVision:
     """Loads only the vision tower + projector of ``config.model`` (blocking; run off the loop)."""
-    from PIL import Image
-
-    from services.common.models import ensure_model, load_adapter
-
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    # "" or a preset name: the built-in random-weight checkpoint, built on first use.
-    adapter = load_adapter(ensure_model(config.model))
-    module = adapter.load_vision(device, dtype).eval()
-    processor = adapter.load_processor()
-    blank = Image.new("RGB", (64, 64))
-    pixels = processor.image_processor(images=[blank], return_tensors="pt")["pixel_values"][0]
-    return LoadedVision(
-        module=module,
-        device=device,
-        dtype=dtype,
-        sample_pixels=pixels,
-        num_tokens=adapter.num_image_tokens(64, 64),
-        hidden_size=adapter.hidden_size,
-    )
-
-
-def _warm_forward(vision: LoadedVision) -> None:
-    pixels = vision.sample_pixels.unsqueeze(0).to(device=vision.device, dtype=vision.dtype)
-    with torch.inference_mode():
-        out = vision.module(pixels)
-    want = (1, vision.num_tokens, vision.hidden_size)
-    if tuple(out.shape) != want:
-        raise RuntimeError(f"vision module produced shape {list(out.shape)} for a blank image, expected {list(want)}")
+    return LoadedVision.load(config.model, config.device, config.dtype)
 
 
 class EncoderServer:
@@ -164,7 +122,7 @@ class EncoderServer:
         Encode calls that arrive earlier wait in the queue for the worker.
         """
         if self.config.warmup:
-            await asyncio.to_thread(_warm_forward, self.vision)
+            await asyncio.to_thread(self.vision.warm_up)
         self._batcher.start()
         await self._grpc.set_ready(True)
 

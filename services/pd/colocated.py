@@ -30,7 +30,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, tensors
-from services.common.devices import resolve_device, resolve_dtype
+from services.common.models.loaded_vision import LoadedVision
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd.config import PdConfig
 from services.pd.convert import check_request_id
@@ -51,39 +51,6 @@ MAX_ID_CHARS = 256
 _PIXEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
-class ColocatedVision:
-    """The vision half of the checkpoint, loaded into the PD process."""
-
-    module: torch.nn.Module  # VisionEncoder: [N, 3, H, W] -> [N, num_tokens, hidden_size]
-    device: torch.device
-    dtype: torch.dtype
-    sample_pixels: torch.Tensor  # [3, H, W]: a blank image as the proxy would process it (warm-up)
-    num_tokens: int  # rows the LM expects for sample_pixels
-    hidden_size: int
-
-
-def load_colocated_vision(config: PdConfig) -> ColocatedVision:
-    """Loads the vision tower + projector of ``config.model`` (blocking; run off the loop)."""
-    from PIL import Image
-
-    from services.common.models import ensure_model, load_adapter
-
-    adapter = load_adapter(str(ensure_model(config.model)))
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    blank = Image.new("RGB", (64, 64))
-    pixels = adapter.load_processor().image_processor(images=[blank], return_tensors="pt")["pixel_values"][0]
-    return ColocatedVision(
-        module=adapter.load_vision(device, dtype).eval(),
-        device=device,
-        dtype=dtype,
-        sample_pixels=pixels,
-        num_tokens=adapter.num_image_tokens(64, 64),
-        hidden_size=adapter.hidden_size,
-    )
-
-
 @dataclass(eq=False)
 class ColocatedItem:
     """One image of an Encode call; the engine thread writes its outcome."""
@@ -102,7 +69,7 @@ class ColocatedItem:
 class ColocatedEncoder:
     """Queue of images waiting for the engine thread, and the code that encodes them there."""
 
-    def __init__(self, engine: Engine, vision: ColocatedVision, max_batch_images: int = MAX_BATCH_IMAGES) -> None:
+    def __init__(self, engine: Engine, vision: LoadedVision, max_batch_images: int = MAX_BATCH_IMAGES) -> None:
         self._engine = engine
         self._vision = vision
         self._max_batch = max_batch_images
@@ -111,7 +78,7 @@ class ColocatedEncoder:
         self._num_images_encoded = 0
 
     @property
-    def vision(self) -> ColocatedVision:
+    def vision(self) -> LoadedVision:
         return self._vision
 
     @property
@@ -128,7 +95,7 @@ class ColocatedEncoder:
 
     async def warm_up(self) -> None:
         """One blank-image forward on the engine thread; raises if the shape is not what the LM expects."""
-        await self._engine.call(self._warm_forward)
+        await self._engine.call(self._vision.warm_up)
 
     async def encode(self, items: list[ColocatedItem]) -> list[ColocatedItem]:
         """Encodes ``items`` on the engine thread and fills their reservations; raises the first error."""
@@ -150,15 +117,6 @@ class ColocatedEncoder:
         return items
 
     # ------------------------------------------------------------ engine thread
-
-    def _warm_forward(self) -> None:
-        vision = self._vision
-        pixels = vision.sample_pixels.unsqueeze(0).to(device=vision.device, dtype=vision.dtype)
-        with torch.inference_mode():
-            out = vision.module(pixels)
-        want = (1, vision.num_tokens, vision.hidden_size)
-        if tuple(out.shape) != want:
-            raise RuntimeError(f"vision module produced shape {list(out.shape)}, expected {list(want)}")
 
     def _encode_queued(self) -> None:
         with self._lock:
@@ -306,7 +264,7 @@ class Colocated:
     @classmethod
     async def load(cls, config: PdConfig, engine: Engine) -> Colocated:
         """Loads the vision half off the event loop; serve it with ``register`` + ``become_ready``."""
-        vision = await asyncio.to_thread(load_colocated_vision, config)
+        vision = await asyncio.to_thread(LoadedVision.load, config.model, config.device, config.dtype)
         return cls(ColocatedEncoder(engine, vision))
 
     def register(self, server: grpc.aio.Server) -> None:
