@@ -18,10 +18,9 @@ import pytest
 import torch
 from cluster_support import InProcessCluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pd_client import greedy, new_request_id, push_chunks, run_generate
 
-from services.common import tensors
 from services.common.grpc_utils import RETRY_AFTER_KEY
-from services.common.models import load_adapter
 from services.common.pb import epd_pb2, epd_pb2_grpc
 
 MAX_WAITING_TOKENS = 48
@@ -42,11 +41,6 @@ def cluster(tiny_model_dir):
     cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return load_adapter(str(tiny_model_dir))
-
-
 @pytest.fixture
 def stub(cluster):
     with grpc.insecure_channel(cluster.pd_addresses[0]) as channel:
@@ -55,33 +49,15 @@ def stub(cluster):
     assert cluster.run(cluster.pds[0].stats())["num_kv_blocks_pinned"] == 0
 
 
-def _rid() -> str:
-    return f"test-{uuid.uuid4().hex}"
-
-
 def _request(request_id, prompt, items=(), max_tokens=8, **sampling) -> epd_pb2.GenerateRequest:
     return epd_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt, mm_items=list(items),
-        sampling=epd_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
+        request_id=request_id, prompt_token_ids=prompt, mm_items=list(items), sampling=greedy(max_tokens, **sampling)
     )
 
 
 def _generate(stub, request: epd_pb2.GenerateRequest):
-    token_ids, final = [], None
-    for message in stub.Generate(request, timeout=60):
-        token_ids += message.token_ids
-        if message.finish_reason:
-            final = message
+    token_ids, _, final = run_generate(stub, request)
     return token_ids, final
-
-
-def _push(request_id, reservation_id, mm_hash, embedding):
-    payload = bytes(tensors.tensor_bytes(embedding))
-    yield epd_pb2.PushEmbeddingChunk(header=epd_pb2.EmbeddingHeader(
-        request_id=request_id, reservation_id=reservation_id, mm_hash=mm_hash,
-        dtype=tensors.dtype_to_pb(embedding.dtype), shape=list(embedding.shape), num_bytes=len(payload)))
-    for chunk in tensors.iter_chunks(payload):
-        yield epd_pb2.PushEmbeddingChunk(data=chunk)
 
 
 def _preallocate(stub, request_id, prompt, items) -> epd_pb2.PreallocateResponse:
@@ -102,23 +78,23 @@ def test_preallocate_answers_ready_from_cached_kv_after_the_embedding_is_gone(st
     # 3 text tokens, 16 image rows, 20 text tokens: blocks 0-1 (32 tokens) cover the image.
     prompt = [5, 6, 7] + [adapter.image_token_id] * 16 + list(range(20, 40))
     items = [epd_pb2.MultiModalItem(mm_hash=mm_hash, offset=3, num_tokens=16)]
-    first = _rid()
+    first = new_request_id()
     [reserved] = _preallocate(stub, first, prompt, items).items
     assert reserved.state == epd_pb2.ItemAllocation.RESERVED
-    stub.PushEmbedding(_push(first, reserved.reservation_id, mm_hash, torch.randn(16, adapter.hidden_size)))
+    stub.PushEmbedding(push_chunks(first, reserved.reservation_id, mm_hash, torch.randn(16, adapter.hidden_size)))
     expected, final = _generate(stub, _request(first, prompt, items))
     assert final.usage.cached_tokens == 0
     # Another image fills the 64-row embedding cache: the first one is evicted.
-    filler = _rid()
+    filler = new_request_id()
     big = [epd_pb2.MultiModalItem(mm_hash=uuid.uuid4().hex * 2, offset=0, num_tokens=60)]
     _preallocate(stub, filler, [adapter.image_token_id] * 60 + [1], big)
     stub.Abort(epd_pb2.AbortRequest(request_id=filler))
 
-    repeat = _rid()
+    repeat = new_request_id()
     [ready] = _preallocate(stub, repeat, prompt, items).items
     assert ready.state == epd_pb2.ItemAllocation.READY
     with pytest.raises(grpc.RpcError) as info:   # a KV pin is never a push target
-        stub.PushEmbedding(_push(repeat, ready.reservation_id, mm_hash, torch.randn(16, adapter.hidden_size)))
+        stub.PushEmbedding(push_chunks(repeat, ready.reservation_id, mm_hash, torch.randn(16, adapter.hidden_size)))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     token_ids, final = _generate(stub, _request(repeat, prompt, items))
     assert token_ids == expected
@@ -128,11 +104,11 @@ def test_preallocate_answers_ready_from_cached_kv_after_the_embedding_is_gone(st
 def test_a_kv_pin_is_released_by_abort_before_generate(stub, adapter, cluster):
     prompt = [5, 6, 7] + [adapter.image_token_id] * 16 + list(range(40, 60))
     items = [epd_pb2.MultiModalItem(mm_hash=uuid.uuid4().hex * 2, offset=3, num_tokens=16)]
-    first = _rid()
+    first = new_request_id()
     [reserved] = _preallocate(stub, first, prompt, items).items
-    stub.PushEmbedding(_push(first, reserved.reservation_id, items[0].mm_hash, torch.randn(16, adapter.hidden_size)))
+    stub.PushEmbedding(push_chunks(first, reserved.reservation_id, items[0].mm_hash, torch.randn(16, adapter.hidden_size)))
     _generate(stub, _request(first, prompt, items, max_tokens=1))
-    repeat = _rid()
+    repeat = new_request_id()
     [ready] = _preallocate(stub, repeat, prompt, items).items
     assert ready.state == epd_pb2.ItemAllocation.READY
     assert cluster.run(cluster.pds[0].stats())["num_kv_blocks_pinned"] == 2
@@ -142,16 +118,16 @@ def test_a_kv_pin_is_released_by_abort_before_generate(stub, adapter, cluster):
 # -- the waiting-queue bound ---------------------------------------------------
 
 def test_waiting_token_bound_answers_resource_exhausted_with_retry_after(stub, cluster):
-    running = stub.Generate(_request(_rid(), [1, 2, 3], max_tokens=1000, ignore_eos=True), timeout=60)
+    running = stub.Generate(_request(new_request_id(), [1, 2, 3], max_tokens=1000, ignore_eos=True), timeout=60)
     next(running)                                   # holds the only running slot
-    queued = stub.Generate(_request(_rid(), list(range(1, 31)), ignore_eos=True), timeout=60)   # 30 wait
+    queued = stub.Generate(_request(new_request_id(), list(range(1, 31)), ignore_eos=True), timeout=60)   # 30 wait
     _wait_for(lambda: cluster.run(cluster.pds[0].stats())["num_waiting"] == 1, what="a queued request")
     with pytest.raises(grpc.RpcError) as info:     # 30 + 20 > 48 waiting tokens
-        list(stub.Generate(_request(_rid(), list(range(1, 21))), timeout=10))
+        list(stub.Generate(_request(new_request_id(), list(range(1, 21))), timeout=10))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert int(dict(info.value.trailing_metadata())[RETRY_AFTER_KEY]) == 250
     with pytest.raises(grpc.RpcError) as info:     # could never wait here, even alone
-        list(stub.Generate(_request(_rid(), list(range(1, MAX_WAITING_TOKENS + 2))), timeout=10))
+        list(stub.Generate(_request(new_request_id(), list(range(1, MAX_WAITING_TOKENS + 2))), timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     running.cancel()
     assert len([t for m in queued for t in m.token_ids]) == 8   # the queued one runs to the end
@@ -172,7 +148,7 @@ def test_frozen_step_loop_reports_not_serving_then_recovers(stub, cluster):
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     address = cluster.pd_addresses[0]
     _wait_for(lambda: _ready_status(address) == serving, what="SERVING")
-    stream = stub.Generate(_request(_rid(), [1, 2, 3], max_tokens=1000, ignore_eos=True), timeout=60)
+    stream = stub.Generate(_request(new_request_id(), [1, 2, 3], max_tokens=1000, ignore_eos=True), timeout=60)
     next(stream)                                   # work is pending
     release = threading.Event()
     engine = cluster.pds[0].engine

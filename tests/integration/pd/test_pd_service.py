@@ -14,12 +14,11 @@ import uuid
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from cluster_support import InProcessCluster
-from services.common import tensors
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pd_client import greedy, new_request_id, push_chunks, run_generate
+
 from services.common.grpc_utils import RETRY_AFTER_KEY
-from services.common.models import load_adapter
 from services.common.pb import epd_pb2, epd_pb2_grpc
 
 HASH_A = "a" * 64
@@ -35,11 +34,6 @@ def pd_cluster(tiny_model_dir):
     cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return load_adapter(str(tiny_model_dir))
-
-
 @pytest.fixture
 def stub(pd_cluster):
     with grpc.insecure_channel(pd_cluster.pd_addresses[0]) as channel:
@@ -47,47 +41,17 @@ def stub(pd_cluster):
     assert pd_cluster.leaks() == {}, "PD left something reserved, pending or referenced"
 
 
-def _rid() -> str:
-    return f"test-{uuid.uuid4().hex}"
-
-
-def _greedy(max_tokens=8, **extra) -> epd_pb2.SamplingParams:
-    return epd_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
-
-
 def _generate(stub, request_id, prompt, items=(), sampling=None, timeout=60):
     """Runs Generate to the end; returns (token_ids, text, final message)."""
-    token_ids, text, final = [], "", None
     request = epd_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt, mm_items=list(items), sampling=sampling or _greedy()
+        request_id=request_id, prompt_token_ids=prompt, mm_items=list(items), sampling=sampling or greedy()
     )
-    for message in stub.Generate(request, timeout=timeout):
-        token_ids += message.token_ids
-        text += message.text
-        if message.finish_reason:
-            final = message
-    return token_ids, text, final
+    return run_generate(stub, request, timeout)
 
 
 def _image_prompt(adapter, num_tokens, prefix=3, suffix=3):
     prompt = [5] * prefix + [adapter.image_token_id] * num_tokens + [6] * suffix
     return prompt, prefix
-
-
-def _push_chunks(request_id, reservation_id, mm_hash, embedding, chunk_bytes=tensors.CHUNK_BYTES, extra=b""):
-    payload = bytes(tensors.tensor_bytes(embedding)) + extra
-    yield epd_pb2.PushEmbeddingChunk(
-        header=epd_pb2.EmbeddingHeader(
-            request_id=request_id,
-            reservation_id=reservation_id,
-            mm_hash=mm_hash,
-            dtype=tensors.dtype_to_pb(embedding.dtype),
-            shape=list(embedding.shape),
-            num_bytes=len(payload) - len(extra),
-        )
-    )
-    for chunk in tensors.iter_chunks(payload, chunk_bytes):
-        yield epd_pb2.PushEmbeddingChunk(data=chunk)
 
 
 def _code(call):
@@ -107,7 +71,7 @@ def test_health_reports_ready_and_alive(pd_cluster):
 
 
 def test_text_generation_streams_tokens_and_usage(stub):
-    token_ids, text, final = _generate(stub, _rid(), [1, 7, 8, 9, 10], sampling=_greedy(6, ignore_eos=True))
+    token_ids, text, final = _generate(stub, new_request_id(), [1, 7, 8, 9, 10], sampling=greedy(6, ignore_eos=True))
     assert len(token_ids) == 6
     assert final.finish_reason == epd_pb2.FINISH_REASON_LENGTH
     assert final.usage.prompt_tokens == 5 and final.usage.completion_tokens == 6
@@ -117,17 +81,17 @@ def test_text_generation_streams_tokens_and_usage(stub):
 def test_preallocate_push_generate(stub, adapter):
     num_tokens = 16
     prompt, offset = _image_prompt(adapter, num_tokens)
-    request_id = _rid()
+    request_id = new_request_id()
     items = [epd_pb2.MultiModalItem(mm_hash=HASH_A, offset=offset, num_tokens=num_tokens)]
     reply = stub.Preallocate(epd_pb2.PreallocateRequest(request_id=request_id, prompt_token_ids=prompt, items=items))
     assert reply.items[0].state == epd_pb2.ItemAllocation.RESERVED and reply.lease_ms > 0
     embedding = torch.randn(num_tokens, adapter.hidden_size)
-    pushed = stub.PushEmbedding(_push_chunks(request_id, reply.items[0].reservation_id, HASH_A, embedding))
+    pushed = stub.PushEmbedding(push_chunks(request_id, reply.items[0].reservation_id, HASH_A, embedding))
     assert pushed.num_bytes == embedding.numel() * 4
     token_ids, _, final = _generate(stub, request_id, prompt, items)
     assert final.usage.image_tokens == num_tokens and token_ids
     # The same image again is READY (cached on PD): no push needed.
-    again = _rid()
+    again = new_request_id()
     reply = stub.Preallocate(epd_pb2.PreallocateRequest(request_id=again, prompt_token_ids=prompt, items=items))
     assert reply.items[0].state == epd_pb2.ItemAllocation.READY
     assert _generate(stub, again, prompt, items)[0] == token_ids
@@ -135,14 +99,14 @@ def test_preallocate_push_generate(stub, adapter):
 
 def test_generate_waits_for_a_push_that_arrives_later(stub, adapter):
     prompt, offset = _image_prompt(adapter, 16, prefix=20)
-    request_id = _rid()
+    request_id = new_request_id()
     items = [epd_pb2.MultiModalItem(mm_hash=HASH_B, offset=offset, num_tokens=16)]
     reply = stub.Preallocate(epd_pb2.PreallocateRequest(request_id=request_id, prompt_token_ids=prompt, items=items))
     reservation = reply.items[0].reservation_id
 
     def push_later():
         time.sleep(0.3)
-        stub.PushEmbedding(_push_chunks(request_id, reservation, HASH_B, torch.randn(16, adapter.hidden_size)))
+        stub.PushEmbedding(push_chunks(request_id, reservation, HASH_B, torch.randn(16, adapter.hidden_size)))
 
     pusher = threading.Thread(target=push_later)
     pusher.start()
@@ -153,10 +117,10 @@ def test_generate_waits_for_a_push_that_arrives_later(stub, adapter):
 
 def test_stop_string_ends_generation_before_it(stub):
     prompt = [1, 11, 12, 13]
-    _, full_text, _ = _generate(stub, _rid(), prompt, sampling=_greedy(16, ignore_eos=True))
+    _, full_text, _ = _generate(stub, new_request_id(), prompt, sampling=greedy(16, ignore_eos=True))
     stop = full_text[4:7]
     assert stop, "tiny model produced too little text for this test"
-    _, text, final = _generate(stub, _rid(), prompt, sampling=_greedy(16, ignore_eos=True, stop=[stop]))
+    _, text, final = _generate(stub, new_request_id(), prompt, sampling=greedy(16, ignore_eos=True, stop=[stop]))
     assert stop not in text and full_text.startswith(text)
     assert final.finish_reason == epd_pb2.FINISH_REASON_STOP
 
@@ -191,7 +155,7 @@ def test_get_load_reports_capacity(stub):
          "prompt-too-long"],
 )
 def test_invalid_generate_is_rejected(stub, change):
-    request = epd_pb2.GenerateRequest(request_id=_rid(), prompt_token_ids=[1, 2, 3, 4], sampling=_greedy())
+    request = epd_pb2.GenerateRequest(request_id=new_request_id(), prompt_token_ids=[1, 2, 3, 4], sampling=greedy())
     change(request)
     assert _code(lambda: list(stub.Generate(request, timeout=10))) == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -199,14 +163,14 @@ def test_invalid_generate_is_rejected(stub, change):
 def test_image_without_reservation_is_a_failed_precondition(stub, adapter):
     prompt, offset = _image_prompt(adapter, 16)
     items = [epd_pb2.MultiModalItem(mm_hash="c" * 64, offset=offset, num_tokens=16)]
-    call = lambda: _generate(stub, _rid(), prompt, items)  # noqa: E731
+    call = lambda: _generate(stub, new_request_id(), prompt, items)  # noqa: E731
     assert _code(call) == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_duplicate_running_request_id_is_rejected(stub):
-    request_id = _rid()
+    request_id = new_request_id()
     request = epd_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=_greedy(400, ignore_eos=True)
+        request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=greedy(400, ignore_eos=True)
     )
     first = stub.Generate(request, timeout=60)
     next(first)
@@ -220,7 +184,7 @@ def test_duplicate_running_request_id_is_rejected(stub):
 def reservation(stub, adapter):
     """A live reservation of 16 tokens; cancelled (via Abort) after the test."""
     prompt, offset = _image_prompt(adapter, 16)
-    request_id = _rid()
+    request_id = new_request_id()
     mm_hash = uuid.uuid4().hex * 2
     items = [epd_pb2.MultiModalItem(mm_hash=mm_hash, offset=offset, num_tokens=16)]
     reply = stub.Preallocate(epd_pb2.PreallocateRequest(request_id=request_id, prompt_token_ids=prompt, items=items))
@@ -240,32 +204,32 @@ def test_push_must_start_with_a_header(stub, reservation):
 )
 def test_push_with_wrong_shape_or_dtype_is_rejected(stub, reservation, embedding):
     request_id, reservation_id, mm_hash = reservation
-    code = _code(lambda: stub.PushEmbedding(_push_chunks(request_id, reservation_id, mm_hash, embedding)))
+    code = _code(lambda: stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, embedding)))
     assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def test_push_with_extra_bytes_is_rejected(stub, reservation, adapter):
     request_id, reservation_id, mm_hash = reservation
-    chunks = _push_chunks(request_id, reservation_id, mm_hash, torch.zeros(16, adapter.hidden_size), extra=b"\0" * 4)
+    chunks = push_chunks(request_id, reservation_id, mm_hash, torch.zeros(16, adapter.hidden_size), extra=b"\0" * 4)
     assert _code(lambda: stub.PushEmbedding(chunks)) == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_truncated_push_is_rejected(stub, reservation, adapter):
     request_id, reservation_id, mm_hash = reservation
-    chunks = list(_push_chunks(request_id, reservation_id, mm_hash, torch.zeros(16, adapter.hidden_size), 1024))
+    chunks = list(push_chunks(request_id, reservation_id, mm_hash, torch.zeros(16, adapter.hidden_size), 1024))
     assert _code(lambda: stub.PushEmbedding(iter(chunks[:-1]))) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_push_with_mismatched_ids_is_rejected(stub, reservation, adapter):
     request_id, reservation_id, mm_hash = reservation
     embedding = torch.zeros(16, adapter.hidden_size)
-    assert _code(lambda: stub.PushEmbedding(_push_chunks("other", reservation_id, mm_hash, embedding))) == (
+    assert _code(lambda: stub.PushEmbedding(push_chunks("other", reservation_id, mm_hash, embedding))) == (
         grpc.StatusCode.FAILED_PRECONDITION
     )
-    assert _code(lambda: stub.PushEmbedding(_push_chunks(request_id, reservation_id, HASH_B, embedding))) == (
+    assert _code(lambda: stub.PushEmbedding(push_chunks(request_id, reservation_id, HASH_B, embedding))) == (
         grpc.StatusCode.FAILED_PRECONDITION
     )
-    assert _code(lambda: stub.PushEmbedding(_push_chunks(request_id, "no-such-id", mm_hash, embedding))) == (
+    assert _code(lambda: stub.PushEmbedding(push_chunks(request_id, "no-such-id", mm_hash, embedding))) == (
         grpc.StatusCode.NOT_FOUND
     )
 
@@ -275,13 +239,13 @@ def test_push_after_abort_is_rejected(stub, reservation, adapter):
     stub.Abort(epd_pb2.AbortRequest(request_id=request_id))
     time.sleep(0.1)
     embedding = torch.zeros(16, adapter.hidden_size)
-    code = _code(lambda: stub.PushEmbedding(_push_chunks(request_id, reservation_id, mm_hash, embedding)))
+    code = _code(lambda: stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, embedding)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_lease_expiry_fails_the_waiting_request(stub, adapter):
     prompt, offset = _image_prompt(adapter, 16)
-    request_id = _rid()
+    request_id = new_request_id()
     items = [epd_pb2.MultiModalItem(mm_hash="d" * 64, offset=offset, num_tokens=16)]
     stub.Preallocate(
         epd_pb2.PreallocateRequest(request_id=request_id, prompt_token_ids=prompt, items=items, lease_ms=300)
@@ -293,12 +257,12 @@ def test_lease_expiry_fails_the_waiting_request(stub, adapter):
 
 def test_full_embedding_cache_answers_resource_exhausted_with_retry_after(stub, adapter):
     prompt, offset = _image_prompt(adapter, 48)
-    holder = _rid()
+    holder = new_request_id()
     items = [epd_pb2.MultiModalItem(mm_hash="e" * 64, offset=offset, num_tokens=48)]
     stub.Preallocate(epd_pb2.PreallocateRequest(request_id=holder, prompt_token_ids=prompt, items=items))
     others = [epd_pb2.MultiModalItem(mm_hash="f" * 64, offset=offset, num_tokens=48)]
     with pytest.raises(grpc.RpcError) as info:
-        stub.Preallocate(epd_pb2.PreallocateRequest(request_id=_rid(), prompt_token_ids=prompt, items=others))
+        stub.Preallocate(epd_pb2.PreallocateRequest(request_id=new_request_id(), prompt_token_ids=prompt, items=others))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     hints = dict(info.value.trailing_metadata())
     assert int(hints[RETRY_AFTER_KEY]) > 0
@@ -306,9 +270,9 @@ def test_full_embedding_cache_answers_resource_exhausted_with_retry_after(stub, 
 
 
 def test_abort_ends_a_running_stream(stub):
-    request_id = _rid()
+    request_id = new_request_id()
     request = epd_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=_greedy(1000, ignore_eos=True)
+        request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=greedy(1000, ignore_eos=True)
     )
     stream = stub.Generate(request, timeout=60)
     next(stream)
@@ -320,7 +284,7 @@ def test_abort_ends_a_running_stream(stub):
 
 def test_client_cancel_frees_the_request(stub, pd_cluster):
     request = epd_pb2.GenerateRequest(
-        request_id=_rid(), prompt_token_ids=[1, 2, 3], sampling=_greedy(1000, ignore_eos=True)
+        request_id=new_request_id(), prompt_token_ids=[1, 2, 3], sampling=greedy(1000, ignore_eos=True)
     )
     stream = stub.Generate(request, timeout=60)
     next(stream)
