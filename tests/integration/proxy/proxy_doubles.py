@@ -245,3 +245,12 @@ def png_data_url(color=(200, 30, 30), size=(40, 30)) -> str:
 def image_message(*urls: str, text: str = "What is in these images?") -> dict:
     content = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     return {"role": "user", "content": content}
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    """Polls ``predicate`` until true; AssertionError after ``timeout`` seconds."""
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")

@@ -7,7 +7,14 @@ import asyncio
 import grpc
 import httpx
 import pytest
-from proxy_doubles import Failure, FakePd, image_message, png_data_url, serve_pd
+from proxy_doubles import (
+    Failure,
+    FakePd,
+    image_message,
+    png_data_url,
+    serve_pd,
+    wait_until,
+)
 
 from services.common.pb import epd_pb2
 from services.proxy.app import create_app
@@ -18,14 +25,6 @@ from services.proxy.routing import rendezvous_weight
 
 S = grpc.StatusCode
 TEXT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def backends(cluster) -> Backends:

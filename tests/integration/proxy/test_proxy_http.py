@@ -13,7 +13,7 @@ import openai
 import pydantic
 import pytest
 from PIL import Image
-from proxy_doubles import Failure, image_message, png_data_url
+from proxy_doubles import Failure, image_message, png_data_url, wait_until
 
 from services.proxy.media import MediaFetcher, MediaPolicy
 
@@ -140,14 +140,6 @@ async def wait_until_async(call, predicate, timeout: float = 5.0):
         reply = await call()
         if predicate(reply):
             return reply
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
         await asyncio.sleep(0.02)
     raise AssertionError("condition not reached")
 
