@@ -70,8 +70,10 @@ def _spawn(name: str, argv: list[str], address: str, health_service: str | None)
     return Child(name=name, process=process, address=address, health_service=health_service)
 
 
-def _start_children(args: argparse.Namespace, model_dir: str) -> list[Child]:
-    common = ["--model", model_dir, "--host", args.host, "--log-level", args.log_level]
+def _start_children(args: argparse.Namespace) -> list[Child]:
+    # Children get the model as the user named it: a preset resolves to the
+    # checkpoint built above (same cache directory) and keeps its served name.
+    common = ["--model", args.model or "tiny", "--host", args.host, "--log-level", args.log_level]
     device = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
     children = []
     encoder_addresses, pd_addresses = [], []
@@ -95,11 +97,6 @@ def _start_children(args: argparse.Namespace, model_dir: str) -> list[Child]:
         "--pd", ",".join(pd_addresses), "--encoder", ",".join(encoder_addresses),
         "--pd-policy", args.pd_policy, "--encoder-policy", args.encoder_policy,
     ]
-    from services.common.models import PRESETS
-
-    # A built-in preset is served under its name ("tiny"), not its cache directory's.
-    if (args.model or "tiny") in PRESETS:
-        proxy_argv += ["--served-model-name", args.model or "tiny"]
     children.append(_spawn("proxy", proxy_argv, f"{args.host}:{args.port}", None))
     return children
 
@@ -159,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         print("epd: starting 1 colocated PD (vision tower inside) and the proxy ...", flush=True)
     else:
         print(f"epd: starting {args.encoders} encoder(s), {args.pds} PD(s) and the proxy ...", flush=True)
-    children = _start_children(args, model_dir)
+    children = _start_children(args)
     stop = {"requested": False}
 
     def request_stop(signum, frame):  # noqa: ARG001 - signal handler signature

@@ -255,9 +255,9 @@ async def metrics(request: Request) -> Response:
 def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetcher | None, metrics: ProxyMetrics):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
-        from services.common.models import load_adapter
+        from services.common.models import ensure_model, load_adapter
 
-        adapter = await asyncio.to_thread(load_adapter, config.model)
+        adapter = await asyncio.to_thread(lambda: load_adapter(str(ensure_model(config.model))))
         processor = await asyncio.to_thread(adapter.load_processor)
         preprocessor = Preprocessor(
             adapter, processor,

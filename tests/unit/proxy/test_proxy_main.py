@@ -61,3 +61,11 @@ def test_api_key_from_the_environment(monkeypatch):
     assert config_from_args(parse([])).api_key == "from-env"
     monkeypatch.delenv("EPD_API_KEY")
     assert config_from_args(parse([])).api_key is None
+
+
+def test_a_built_in_preset_is_served_under_its_name():
+    from services.proxy.app import default_served_name
+
+    assert default_served_name("", "tiny-v1") == "tiny"           # the README's curl example uses "tiny"
+    assert default_served_name("bench", "bench-v1") == "bench"
+    assert default_served_name("/models/llava", "llava") == "llava"
