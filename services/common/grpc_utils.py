@@ -67,6 +67,11 @@ def retry_after_ms(error: grpc.aio.AioRpcError) -> int | None:
     return None
 
 
+def set_retry_after(context: grpc.aio.ServicerContext, retry_after_ms: int) -> None:
+    """Attaches the ``retry-after-ms`` hint to a call about to end RESOURCE_EXHAUSTED."""
+    context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(0, int(retry_after_ms)))),))
+
+
 def request_id_of(context: grpc.aio.ServicerContext) -> str:
     """The propagated request id of an incoming call, or ``"-"``."""
     for key, value in context.invocation_metadata() or ():

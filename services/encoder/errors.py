@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from services.common.grpc_utils import RETRY_AFTER_KEY
+from services.common.grpc_utils import set_retry_after
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _map_errors(behavior: Handler) -> Handler:
             raise
         except EncoderError as err:
             if isinstance(err, Overloaded):
-                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(err.retry_after_ms)),))
+                set_retry_after(context, err.retry_after_ms)
             await context.abort(err.code, err.message)
         except Exception:
             # Anything unexpected is a bug: log it with its traceback, tell the

@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from services.common import tensors
-from services.common.grpc_utils import RETRY_AFTER_KEY, request_id_of
+from services.common.grpc_utils import request_id_of, set_retry_after
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
 from services.pd.config import PdConfig
@@ -26,7 +26,7 @@ _PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 async def abort_with(context: grpc.aio.ServicerContext, error: EngineError) -> None:
     """Ends the call with the status of ``error`` (and a retry-after hint for admission)."""
     if error.retry_after_s is not None:
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(error.retry_after_s * 1000))),))
+        set_retry_after(context, int(error.retry_after_s * 1000))
     await context.abort(convert.STATUS_CODES[error.kind], error.message)
 
 

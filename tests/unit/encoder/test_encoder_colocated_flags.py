@@ -34,7 +34,7 @@ def _children(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str, lis
         return launcher.Child(name=name, process=None, address=address, health_service=health_service)
 
     monkeypatch.setattr(launcher, "_spawn", fake_spawn)
-    launcher._start_children(_parse(launcher.add_arguments, argv), "/models/tiny")
+    launcher._start_children(_parse(launcher.add_arguments, argv))
     return spawned
 
 
