@@ -1,12 +1,16 @@
 """Locust load test of an EPD cluster's OpenAI API: streaming chat over SSE.
 
-Three kinds of users, each sending ``/v1/chat/completions`` with
-``stream: true`` and reading the server-sent events as they arrive:
+Kinds of users, each sending ``/v1/chat/completions`` with ``stream: true``
+and reading the server-sent events as they arrive:
 
 - ``TextChatUser``: text only;
 - ``ImageChatUser``: one new random-noise image per request (always encoded);
 - ``RepeatedImageChatUser``: one image out of a small fixed pool (after the
-  first round, served from the encoder's or PD's embedding cache).
+  first round, served from the encoder's or PD's embedding cache);
+- ``DisconnectingChatUser`` (weight 0 unless asked for): hangs up after a
+  random number of tokens, half of the time with a new image;
+- ``InvalidInputUser`` (weight 0 unless asked for): broken images, bad
+  parameters and malformed JSON, each of which must get a clean 4xx.
 
 Besides Locust's own ``POST`` entry (whose time is the time to the response
 headers, since the body is streamed), every request reports custom metrics
@@ -19,7 +23,10 @@ the web UI and ``--csv`` files:
 - ``E2E <kind>``: request sent -> ``data: [DONE]``.
 
 A request fails (and Locust counts it) on a non-200 status, an error event
-inside the stream, or a stream that ends without ``[DONE]``.
+inside the stream, or a stream that ends without ``[DONE]``; a 429/503 with
+``Retry-After`` and an OpenAI error body is a clean rejection, not a failure.
+Every request also adds one ``OUTCOME`` entry named ``succeeded``,
+``rejected``, ``disconnected``, ``bad-input-rejected`` or ``failed``.
 
 Headless, bounded run against a cluster started with ``epd up``::
 
@@ -30,7 +37,9 @@ Options (command line or environment): ``--text-weight`` / ``EPD_LOAD_TEXT_WEIGH
 ``--repeat-weight`` / ``EPD_LOAD_REPEAT_WEIGHT`` (1), ``--max-tokens`` /
 ``EPD_LOAD_MAX_TOKENS`` (32), ``--image-size`` / ``EPD_LOAD_IMAGE_SIZE`` (224),
 ``--image-pool`` / ``EPD_LOAD_IMAGE_POOL`` (4), ``--think-time`` /
-``EPD_LOAD_THINK_TIME`` (seconds between a user's requests, default 0.5).
+``EPD_LOAD_THINK_TIME`` (seconds between a user's requests, default 0.5),
+``--disconnect-weight`` / ``EPD_LOAD_DISCONNECT_WEIGHT`` (0) and
+``--invalid-weight`` / ``EPD_LOAD_INVALID_WEIGHT`` (0).
 A weight of 0 leaves that kind of user out.
 """
 
@@ -60,6 +69,10 @@ def _add_options(parser: Any) -> None:
                        help="weight of ImageChatUser (0 = none)")
     group.add_argument("--repeat-weight", type=int, default=1, env_var="EPD_LOAD_REPEAT_WEIGHT",
                        help="weight of RepeatedImageChatUser (0 = none)")
+    group.add_argument("--disconnect-weight", type=int, default=0, env_var="EPD_LOAD_DISCONNECT_WEIGHT",
+                       help="weight of DisconnectingChatUser (0 = none)")
+    group.add_argument("--invalid-weight", type=int, default=0, env_var="EPD_LOAD_INVALID_WEIGHT",
+                       help="weight of InvalidInputUser (0 = none)")
     group.add_argument("--max-tokens", type=int, default=32, env_var="EPD_LOAD_MAX_TOKENS",
                        help="output tokens of every request (ignore_eos)")
     group.add_argument("--image-size", type=int, default=224, env_var="EPD_LOAD_IMAGE_SIZE",
@@ -79,8 +92,12 @@ def _apply_options(environment: Any, **_: Any) -> None:
     TextChatUser.weight = options.text_weight
     ImageChatUser.weight = options.image_weight
     RepeatedImageChatUser.weight = options.repeat_weight
-    if options.text_weight + options.image_weight + options.repeat_weight <= 0:
-        raise ValueError("at least one of --text-weight, --image-weight, --repeat-weight must be positive")
+    DisconnectingChatUser.weight = options.disconnect_weight
+    InvalidInputUser.weight = options.invalid_weight
+    weights = (options.text_weight, options.image_weight, options.repeat_weight, options.disconnect_weight,
+               options.invalid_weight)
+    if min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError("user weights must be >= 0 and at least one positive")
 
 
 def noise_image_url(data: bytes, size: int) -> str:
@@ -97,6 +114,30 @@ def _fire(environment: Any, kind: str, name: str, milliseconds: float) -> None:
                                     exception=None, context={})
 
 
+def _outcome(environment: Any, outcome: str) -> None:
+    """One ``OUTCOME`` entry per request: succeeded, rejected, disconnected, bad-input-rejected or failed."""
+    _fire(environment, "OUTCOME", outcome, 0.0)
+
+
+def clean_error(reply: Any) -> str | None:
+    """Why an error reply is not a clean OpenAI error (JSON ``{"error": {...}}`` of at most 1 KiB), or None."""
+    body = reply.content or b""
+    if len(body) > 1024:
+        return f"error body of {len(body)} bytes"
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return "error body is not JSON"
+    if not isinstance(error, dict) or not error.get("message"):
+        return "error body is not an OpenAI error"
+    return None
+
+
+def clean_rejection(reply: Any) -> bool:
+    """An overload answer a client can act on: 429/503 with Retry-After and an OpenAI error body."""
+    return reply.status_code in (429, 503) and bool(reply.headers.get("Retry-After")) and clean_error(reply) is None
+
+
 class _ChatUser(HttpUser):
     """One streaming chat request per task; subclasses choose the images."""
 
@@ -105,6 +146,9 @@ class _ChatUser(HttpUser):
 
     def wait_time(self) -> float:
         return self.environment.parsed_options.think_time if self.environment.parsed_options else 0.5
+
+    read_limit: int | None = None   # hang up after this many token events (DisconnectingChatUser)
+    hung_up = False
 
     def on_start(self) -> None:
         self.rng = random.Random()
@@ -134,18 +178,30 @@ class _ChatUser(HttpUser):
         sent = time.perf_counter()
         with self.client.post(CHAT_PATH, json=body, stream=True, catch_response=True, name=f"chat {self.kind}") as reply:
             if reply.status_code != 200:
-                reply.failure(f"HTTP {reply.status_code}")
+                if clean_rejection(reply):  # overload, answered the way clients are told to retry
+                    reply.success()
+                    _outcome(self.environment, "rejected")
+                else:
+                    reply.failure(f"HTTP {reply.status_code}")
+                    _outcome(self.environment, "failed")
                 return
             problem = self._read_stream(reply, sent)
             if problem:
                 reply.failure(problem)
+                _outcome(self.environment, "failed")
+            elif self.read_limit is not None and self.hung_up:
+                reply.close()   # drop the connection with the stream half read
+                reply.success()
+                _outcome(self.environment, "disconnected")
             else:
                 reply.success()
+                _outcome(self.environment, "succeeded")
                 _fire(self.environment, "E2E", self.kind, (time.perf_counter() - sent) * 1000)
 
     def _read_stream(self, reply: Any, sent: float) -> str | None:
         """Fires TTFT and ITL as tokens arrive; returns why the stream failed, or None."""
         last: float | None = None
+        self._events, self.hung_up = 0, False
         for line in reply.iter_lines():
             if not line or not line.startswith(b"data: "):
                 continue
@@ -159,6 +215,10 @@ class _ChatUser(HttpUser):
             count = sum(len(choice.get("token_ids") or ()) for choice in payload.get("choices") or ())
             if not count:
                 continue
+            if self.read_limit is not None and self._events >= self.read_limit:
+                self.hung_up = True
+                return None
+            self._events += 1
             now = time.perf_counter()
             if last is None:
                 _fire(self.environment, "TTFT", self.kind, (now - sent) * 1000)
@@ -204,3 +264,72 @@ class RepeatedImageChatUser(_ChatUser):
 
     def image_urls(self) -> list[str]:
         return [self.rng.choice(self.pool)]
+
+
+class DisconnectingChatUser(_ChatUser):
+    """Streams a chat (half of them with a new image) and hangs up after a random number of tokens.
+
+    The cluster must cancel the request everywhere: nothing may stay reserved,
+    queued or pushed for it.
+    """
+
+    kind = "disconnect"
+    weight = 1   # non-zero so Locust keeps the class; --disconnect-weight (default 0) sets the real weight
+
+    def image_urls(self) -> list[str]:
+        if self.rng.random() < 0.5:
+            return []
+        size = self.environment.parsed_options.image_size if self.environment.parsed_options else 224
+        return [noise_image_url(os.urandom(size * size * 3), size)]
+
+    def _body(self) -> dict[str, Any]:
+        body = super()._body()
+        self.read_limit = self.rng.randrange(body["max_tokens"])   # 0 = before the first token
+        return body
+
+
+BAD_IMAGE_URLS = (
+    "data:image/png;base64,not-base64!",
+    "data:image/jpeg;base64," + base64.b64encode(b"these bytes are not an image").decode(),
+    "data:text/plain;base64,aGVsbG8=",
+    "file:///etc/passwd",
+    "http://127.0.0.1:1/image.png",
+)
+
+
+class InvalidInputUser(HttpUser):
+    """Invalid requests: broken images, bad parameters, malformed JSON. Each must get a clean 4xx."""
+
+    weight = 1   # as DisconnectingChatUser: --invalid-weight (default 0) sets the real weight
+
+    def wait_time(self) -> float:
+        return self.environment.parsed_options.think_time if self.environment.parsed_options else 0.5
+
+    def on_start(self) -> None:
+        self.rng = random.Random()
+
+    def _bad_body(self) -> bytes:
+        choice = self.rng.randrange(5)
+        if choice == 0:
+            return b'{"messages": [{"role": "user", "content": "unterminated'
+        if choice == 1:
+            return json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode()
+        if choice == 2:
+            return json.dumps({"messages": [], "max_tokens": 4}).encode()
+        url = self.rng.choice(BAD_IMAGE_URLS)
+        content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]
+        return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 4}).encode()
+
+    @task
+    def bad_request(self) -> None:
+        headers = {"Content-Type": "application/json"}
+        with self.client.post(CHAT_PATH, data=self._bad_body(), headers=headers, catch_response=True,
+                              name="chat invalid") as reply:
+            problem = None if 400 <= reply.status_code < 500 else f"HTTP {reply.status_code} for a bad input"
+            problem = problem or clean_error(reply)
+            if problem:
+                reply.failure(problem)
+                _outcome(self.environment, "failed")
+            else:
+                reply.success()
+                _outcome(self.environment, "bad-input-rejected")

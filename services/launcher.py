@@ -17,7 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from services.common import cli_args, grpc_utils
+from services.common import cli_args, grpc_utils, security
 
 
 @dataclass
@@ -44,11 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--port", type=int, default=8000, help="proxy HTTP port")
     add(parser, "--encoder-base-port", type=int, default=50051, help="encoder i listens on this port + i")
     add(parser, "--pd-base-port", type=int, default=50061, help="PD j listens on this port + j")
+    add(parser, "--encoder-metrics-base-port", type=int, default=9101,
+        help="encoder i serves Prometheus /metrics on this port + i (-1 = off)")
+    add(parser, "--pd-metrics-base-port", type=int, default=9201,
+        help="PD j serves Prometheus /metrics on this port + j (-1 = off)")
     add(parser, "--device", default="auto", help="torch device for encoders and PDs")
     add(parser, "--dtype", default="auto", help="dtype for encoders and PDs")
     add(parser, "--threads", type=int, default=0, help="torch threads per process (0 = torch default)")
     add(parser, "--startup-timeout", type=float, default=600.0, help="seconds to wait for every service to be ready")
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level of every service")
+    cli_args.add_log_json_flag(parser)
+    security.add_arguments(parser, grpc_server=True)  # passed on to every service
 
 
 def _die_with_parent() -> None:
@@ -73,7 +79,8 @@ def _spawn(name: str, argv: list[str], address: str, health_service: str | None)
 def _start_children(args: argparse.Namespace) -> list[Child]:
     # Children get the model as the user named it: a preset resolves to the
     # checkpoint built above (same cache directory) and keeps its served name.
-    common = ["--model", args.model or "tiny", "--host", args.host, "--log-level", args.log_level]
+    common = ["--model", args.model or "tiny", "--host", args.host, "--log-level", args.log_level,
+              "--log-json" if args.log_json else "--no-log-json"]
     device = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
     children = []
     encoder_addresses, pd_addresses = [], []
@@ -81,13 +88,17 @@ def _start_children(args: argparse.Namespace) -> list[Child]:
         port = args.encoder_base_port + i
         address = f"{args.host}:{port}"
         encoder_addresses.append(address)
-        argv = ["encoder", *common, *device, "--port", str(port), "--metrics-port", str(9101 + i)]
+        metrics_port = _metrics_port(args.encoder_metrics_base_port, i)
+        argv = ["encoder", *common, *device, "--port", str(port), "--metrics-port", metrics_port]
+        argv += security.forward_argv(args, grpc_server=True)
         children.append(_spawn(f"encoder-{i}", argv, address, "epd.v1.Encoder"))
     for j in range(args.pds):
         port = args.pd_base_port + j
         address = f"{args.host}:{port}"
         pd_addresses.append(address)
-        argv = ["pd", *common, *device, "--port", str(port), "--metrics-port", str(9201 + j)]
+        metrics_port = _metrics_port(args.pd_metrics_base_port, j)
+        argv = ["pd", *common, *device, "--port", str(port), "--metrics-port", metrics_port]
+        argv += security.forward_argv(args, grpc_server=True)
         if args.colocated:
             argv += ["--encoder", "local"]
             encoder_addresses.append(address)  # the PD serves epd.v1.Encoder on its own port
@@ -96,9 +107,25 @@ def _start_children(args: argparse.Namespace) -> list[Child]:
         "proxy", *common, "--port", str(args.port),
         "--pd", ",".join(pd_addresses), "--encoder", ",".join(encoder_addresses),
         "--pd-policy", args.pd_policy, "--encoder-policy", args.encoder_policy,
+        *security.forward_argv(args, grpc_server=False),
     ]
     children.append(_spawn("proxy", proxy_argv, f"{args.host}:{args.port}", None))
     return children
+
+
+def _metrics_port(base: int, index: int) -> str:
+    return str(base + index if base >= 0 else -1)
+
+
+def _listening_ports(args: argparse.Namespace) -> list[int]:
+    """Every port the cluster would bind: the proxy's, each gRPC server's, each /metrics endpoint's."""
+    num_encoders = 0 if args.colocated else args.encoders
+    ranges = [(args.encoder_base_port, num_encoders), (args.pd_base_port, args.pds)]
+    if args.encoder_metrics_base_port >= 0:
+        ranges.append((args.encoder_metrics_base_port, num_encoders))
+    if args.pd_metrics_base_port >= 0:
+        ranges.append((args.pd_metrics_base_port, args.pds))
+    return [args.port, *(base + i for base, count in ranges for i in range(count))]
 
 
 def _http_ready(address: str) -> bool:
@@ -109,7 +136,9 @@ def _http_ready(address: str) -> bool:
         return False
 
 
-async def _wait_ready(children: list[Child], timeout: float, stop: dict) -> None:
+async def _wait_ready(
+    children: list[Child], timeout: float, stop: dict, transport: security.InternalSecurity = security.NO_SECURITY
+) -> None:
     deadline = time.monotonic() + timeout
     pending = list(children)
     while pending and not stop["requested"]:
@@ -117,7 +146,7 @@ async def _wait_ready(children: list[Child], timeout: float, stop: dict) -> None
             if child.process.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with code {child.process.returncode} during start-up")
             if child.health_service is not None:
-                ready = await grpc_utils.check_health(child.address, child.health_service)
+                ready = await grpc_utils.check_health(child.address, child.health_service, security=transport)
             else:
                 ready = await asyncio.to_thread(_http_ready, child.address)
             if ready:
@@ -149,6 +178,16 @@ def run(args: argparse.Namespace) -> int:
         # colocated PDs an image could be sent to a PD that holds no reservation.
         print("epd: --colocated runs exactly one PD (use --pds 1)", file=sys.stderr, flush=True)
         return 2
+    ports = _listening_ports(args)
+    if len(set(ports)) != len(ports):
+        print("epd: two services would listen on the same port; move a --*-base-port or turn metrics off (-1)",
+              file=sys.stderr, flush=True)
+        return 2
+    try:
+        transport = security.from_args(args)  # unreadable files fail here, before any child starts
+    except ValueError as error:
+        print(f"epd: {error}", file=sys.stderr, flush=True)
+        return 2
     print("epd: preparing model ...", flush=True)
     model_dir = str(ensure_model(args.model or None, progress=lambda msg: print(f"  {msg}", flush=True)))
     print(f"epd: model {model_dir}", flush=True)
@@ -165,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        asyncio.run(_wait_ready(children, args.startup_timeout, stop))
+        asyncio.run(_wait_ready(children, args.startup_timeout, stop, transport))
         if stop["requested"]:
             return 130
         print(f"epd: cluster ready. OpenAI API at http://{args.host}:{args.port}/v1  (Ctrl-C to stop)", flush=True)

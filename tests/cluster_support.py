@@ -9,7 +9,6 @@ the official ``openai`` client from the main thread.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import socket
 import threading
 import time
@@ -97,13 +96,12 @@ class InProcessCluster:
         return [f"127.0.0.1:{enc.port}" for enc in self.encoders]
 
     async def _start(self) -> None:
+        # /metrics endpoints are off (the configs' default) unless a test asks: pd={"metrics_port": 0}.
         for _ in range(self.num_pds):
-            config = PdConfig(model=self.model_dir, host="127.0.0.1", port=0, metrics_port=-1, **self.pd_overrides)
+            config = PdConfig(model=self.model_dir, host="127.0.0.1", port=0, **self.pd_overrides)
             self.pds.append(await start_pd(config))
         for _ in range(self.num_encoders):
-            fields = {f.name for f in dataclasses.fields(EncoderConfig)}
-            extra = {"metrics_port": -1} if "metrics_port" in fields else {}
-            config = EncoderConfig(model=self.model_dir, host="127.0.0.1", port=0, **extra, **self.encoder_overrides)
+            config = EncoderConfig(model=self.model_dir, host="127.0.0.1", port=0, **self.encoder_overrides)
             self.encoders.append(await start_encoder(config))
         if self.with_proxy:
             await self._start_proxy()

@@ -136,30 +136,36 @@ class Cluster:
                     "--preprocess-threads", str(spec.threads), "--grace", str(CHILD_GRACE_S), *s.proxy_args]
         served = [*common, "--metrics-port", "-1", "--threads", str(spec.threads)]
         if spec.role == "encoder":
-            return ["encoder", *served, "--grace-s", str(CHILD_GRACE_S), *s.encoder_args]
+            return ["encoder", *served, "--grace", str(CHILD_GRACE_S), *s.encoder_args]
         local = ["--encoder", "local" if spec.encoder_local else "remote"]
         return ["pd", *served, *local, "--grace", str(CHILD_GRACE_S), *s.pd_args]
 
     def start(self) -> None:
         """Starts every process (servers first); they load and warm up in parallel."""
-        ordered = sorted(self.children, key=lambda c: c.spec.role == "proxy")
-        for child in ordered:
-            env = {**child_env(child.spec.threads), **self.service.extra_env}
-            with open(child.log_path, "ab") as log:
-                child.process = subprocess.Popen(
-                    [*self.command, *child.argv],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                    start_new_session=True, preexec_fn=_pin_and_tie(child.spec.cores),
-                )
-            try:
-                child.measured_cores = tuple(sorted(os.sched_getaffinity(child.process.pid)))
-            except OSError:  # already gone; wait_ready reports it
-                child.measured_cores = ()
+        for child in sorted(self.children, key=lambda c: c.spec.role == "proxy"):
+            self.start_child(child)
 
-    async def wait_ready(self, timeout_s: float) -> None:
+    def start_child(self, child: Child) -> None:
+        """Starts (or restarts, on the same address) one process; its log is appended to."""
+        env = {**child_env(child.spec.threads), **self.service.extra_env}
+        with open(child.log_path, "ab") as log:
+            child.process = subprocess.Popen(
+                [*self.command, *child.argv],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True, preexec_fn=_pin_and_tie(child.spec.cores),
+            )
+        try:
+            child.measured_cores = tuple(sorted(os.sched_getaffinity(child.process.pid)))
+        except OSError:  # already gone; wait_ready reports it
+            child.measured_cores = ()
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.spec.name == name)
+
+    async def wait_ready(self, timeout_s: float, children: list[Child] | None = None) -> None:
         """Until every server's gRPC health and every proxy's /health say ready; raises on exit or timeout."""
         deadline = time.monotonic() + timeout_s
-        pending = list(self.children)
+        pending = list(self.children if children is None else children)
         while pending:
             for child in list(pending):
                 assert child.process is not None

@@ -69,6 +69,12 @@ def add_common_flags(parser: argparse.ArgumentParser, *, port: int, metrics_port
     add_flag(parser, "--host", default="127.0.0.1", help="address to listen on")
     add_flag(parser, "--port", type=int, default=port, help="gRPC port (0 = pick a free one)")
     if metrics_port is not None:
-        add_flag(parser, "--metrics-port", type=int, default=metrics_port, help="Prometheus HTTP port (-1 = off)")
+        add_flag(parser, "--metrics-port", type=int, default=metrics_port, help="Prometheus /metrics HTTP port (0 = pick a free one, -1 = off)")
     add_flag(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    add_log_json_flag(parser)
     add_flag(parser, "--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
+
+
+def add_log_json_flag(parser: argparse.ArgumentParser) -> None:
+    """``--log-json``: one JSON object per log line (access lines carry their fields as keys)."""
+    add_flag(parser, "--log-json", default=False, help="write logs as one JSON object per line")

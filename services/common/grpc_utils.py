@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.logs import safe_request_id
+from services.common.security import NO_SECURITY, InternalSecurity
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -51,9 +54,17 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    """One long-lived insecure asyncio channel to ``address`` with the shared options."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def aio_channel(address: str, security: InternalSecurity = NO_SECURITY) -> grpc.aio.Channel:
+    """One long-lived asyncio channel to ``address`` with the shared options.
+
+    ``security`` decides TLS (this process's certificate) and the token attached to every call.
+    """
+    options = CHANNEL_OPTIONS + security.channel_options()
+    interceptors = security.client_interceptors() or None
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 def retry_after_ms(error: grpc.aio.AioRpcError) -> int | None:
@@ -73,11 +84,37 @@ def set_retry_after(context: grpc.aio.ServicerContext, retry_after_ms: int) -> N
 
 
 def request_id_of(context: grpc.aio.ServicerContext) -> str:
-    """The propagated request id of an incoming call, or ``"-"``."""
+    """The propagated request id of an incoming call, or ``"-"`` (also for one that is not a plain id)."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY:
-            return str(value)[:128]
+            return safe_request_id(value) or "-"
     return "-"
+
+
+class _HealthServicer(health.aio.HealthServicer):
+    """The stock asyncio health servicer, except that Watch streams end when the server stops.
+
+    A Watch never ends by itself, so without this every ``server.stop(grace)``
+    would wait out its whole grace period for the proxies' health watches.
+    A watcher sees the stream end (or NOT_SERVING first) and stops routing here.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closing = asyncio.Event()
+
+    def close_watches(self) -> None:
+        self._closing.set()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        watch = asyncio.ensure_future(super().Watch(request, context))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait((watch, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            closing.cancel()
+            await asyncio.gather(watch, closing, return_exceptions=True)
 
 
 @dataclass
@@ -89,7 +126,7 @@ class GrpcServer:
     """
 
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: _HealthServicer
     port: int
     service_name: str
 
@@ -98,8 +135,13 @@ class GrpcServer:
         await self.health.set(self.service_name, status)
 
     async def stop(self, grace: float) -> None:
-        """Marks the server not ready, then stops it, letting calls finish for ``grace`` seconds."""
+        """Not ready, health watches ended, then stop: calls in flight get up to ``grace`` seconds.
+
+        New calls are refused (UNAVAILABLE) from here on; it returns as soon as
+        the calls in flight are done.
+        """
         await self.set_ready(False)
+        self.health.close_watches()
         await self.server.stop(grace)
 
 
@@ -109,27 +151,46 @@ async def start_server(
     service_name: str,
     register: Callable[[grpc.aio.Server], None],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    security: InternalSecurity = NO_SECURITY,
 ) -> GrpcServer:
     """Creates, binds and starts a server; ready status starts NOT_SERVING.
 
     ``port=0`` binds an ephemeral port (tests); the bound port is returned.
+    ``security`` adds TLS / mTLS, the token check (outermost, before
+    ``interceptors``) and, when asked for, server reflection.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=[*security.server_interceptors(), *interceptors]
+    )
     register(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if security.reflection:
+        # Imported only when asked for: reflection is off by default.
+        from grpc_reflection.v1alpha import reflection
+
+        names = (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+    credentials = security.server_credentials()
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     await server.start()
+    log.info("gRPC %s on port %d: internal transport %s", service_name, bound, security.describe())
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return GrpcServer(server=server, health=health_servicer, port=bound, service_name=service_name)
 
 
-async def check_health(address: str, service_name: str, timeout: float = 2.0) -> bool:
-    """True when ``address`` reports SERVING for ``service_name`` (one-shot, own channel)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+async def check_health(
+    address: str, service_name: str, timeout: float = 2.0, security: InternalSecurity = NO_SECURITY
+) -> bool:
+    """True when ``address`` reports SERVING for ``service_name`` (one-shot, own channel).
+
+    Health needs no token, but with mTLS the handshake needs ``security``'s certificate.
+    """
+    async with aio_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service_name), timeout=timeout)
@@ -138,11 +199,14 @@ async def check_health(address: str, service_name: str, timeout: float = 2.0) ->
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def wait_healthy(address: str, service_name: str, timeout: float, interval: float = 0.2) -> None:
+async def wait_healthy(
+    address: str, service_name: str, timeout: float, interval: float = 0.2,
+    security: InternalSecurity = NO_SECURITY,
+) -> None:
     """Polls health until SERVING; TimeoutError after ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
-    while not await check_health(address, service_name):
+    while not await check_health(address, service_name, security=security):
         if loop.time() > end:
             raise TimeoutError(f"{address} not healthy after {timeout:.0f}s")
         await asyncio.sleep(interval)

@@ -10,6 +10,10 @@ usage error. It prints one line either way, which ``docker inspect`` and
   serve" (model loaded, warm-up done, not draining).
 - ``--http URL`` asks an HTTP endpoint (the proxy's ``/health``): ready
   when it answers 200.
+
+Health needs no internal token, but with TLS the probe must speak TLS and with
+mTLS present a certificate: it takes the services' ``--tls-*`` flags, so the
+``EPD_TLS_*`` variables a container already has make its probe work as is.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from services.common import cli_args
+from services.common import cli_args, security
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,14 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--service", default="", help="gRPC health service name: '' = alive, epd.v1.PrefillDecode / epd.v1.Encoder = ready")
     add(parser, "--http", default="", help="HTTP(S) URL that answers 200 when ready (the proxy's /health); instead of --address")
     add(parser, "--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    security.add_arguments(parser, grpc_server=False)
 
 
-def check_grpc(address: str, service: str, timeout: float) -> bool:
+def check_grpc(
+    address: str, service: str, timeout: float, transport: security.InternalSecurity = security.NO_SECURITY
+) -> bool:
     """True when ``address`` reports SERVING for ``service``; False otherwise or when unreachable."""
-    # grpc is imported here so that ``--http`` checks stay light.
+    # grpc_utils and the health stubs are loaded only for gRPC checks.
     from services.common.grpc_utils import check_health
 
-    return asyncio.run(check_health(address, service, timeout=timeout))
+    return asyncio.run(check_health(address, service, timeout=timeout, security=transport))
 
 
 def check_http(url: str, timeout: float) -> tuple[bool, str]:
@@ -72,7 +79,12 @@ def run(args: argparse.Namespace) -> int:
         ready, detail = check_http(args.http, args.timeout)
         target = args.http
     else:
-        ready = check_grpc(args.address, args.service, args.timeout)
+        try:
+            transport = security.from_args(args)
+        except ValueError as error:
+            print(f"epd health: {error}", flush=True)
+            return 2
+        ready = check_grpc(args.address, args.service, args.timeout, transport)
         detail = "SERVING" if ready else "not serving or unreachable"
         target = f"{args.address} service {args.service or '(alive)'}"
     print(f"epd health: {'ready' if ready else 'NOT READY'}: {target}: {detail}", flush=True)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.security import NO_SECURITY, InternalSecurity
 from services.common.tensors import CHUNK_BYTES
 from services.encoder.faults import NO_FAULTS, Faults
 
 MIB = 1 << 20
+DEFAULT_METRICS_PORT = 9101
+"""``epd encoder``'s ``--metrics-port`` (``epd up`` gives encoder i 9101 + i)."""
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,11 @@ class EncoderConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     """gRPC port; 0 picks a free one (tests)."""
-    metrics_port: int = 9101
-    """Prometheus HTTP port; -1 = off (metrics are served by a later component)."""
+    metrics_port: int = -1
+    """Prometheus ``/metrics`` HTTP port; 0 picks a free one (tests), -1 = off. Off by default in
+    code so in-process servers never fight over a port; ``epd encoder`` defaults to ``DEFAULT_METRICS_PORT``."""
+    metrics_host: str = ""
+    """Address of the ``/metrics`` endpoint; ``""`` = ``host``."""
 
     max_batch_images: int = 8
     """Most images in one vision forward."""
@@ -54,6 +60,8 @@ class EncoderConfig:
     """On SIGTERM, how long in-flight Encode calls may finish before the server stops."""
     faults: Faults = NO_FAULTS
     """Test-only fault injection in the pusher (``faults.py``); none by default."""
+    security: InternalSecurity = NO_SECURITY
+    """Internal transport: TLS/mTLS and token for the server and the pushes to PDs (``security.py``)."""
 
     def __post_init__(self) -> None:
         positive = {
@@ -78,5 +86,7 @@ class EncoderConfig:
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be -1 (off), 0 (any free port) or a port, got {self.metrics_port}")
         if self.push_chunk_bytes > CHUNK_BYTES:
             raise ValueError(f"push_chunk_bytes must be <= {CHUNK_BYTES} (PD's chunk limit)")

@@ -1,8 +1,8 @@
 """``epd encoder``: command-line flags and the process entry point.
 
 Shutdown: SIGTERM/SIGINT -> health NOT_SERVING -> ``stop(grace)`` -> exit 0.
-Metrics: ``start_encoder`` takes an ``EncoderMetrics``; the Prometheus
-exporter on ``--metrics-port`` plugs in there (not started here yet).
+Metrics: ``start_encoder`` serves ``epd_encoder_*`` on ``--metrics-port``
+(``--metrics-host``, default ``--host``; -1 = off).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import argparse
 import asyncio
 import logging
 
-from services.common import cli_args, grpc_utils
+from services.common import cli_args, grpc_utils, security
 from services.common.logs import setup_logging
-from services.encoder.config import MIB, EncoderConfig
+from services.encoder.config import DEFAULT_METRICS_PORT, MIB, EncoderConfig
 from services.encoder.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -24,8 +24,9 @@ KIB = 1 << 10
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the encoder's flags (each also read from ``EPD_<FLAG>``)."""
     defaults = EncoderConfig()
-    cli_args.add_common_flags(parser, port=defaults.port, metrics_port=defaults.metrics_port)
+    cli_args.add_common_flags(parser, port=defaults.port, metrics_port=DEFAULT_METRICS_PORT)
     add = cli_args.add_flag
+    add(parser, "--metrics-host", default="", help="address of the /metrics endpoint ('' = --host)")
     add(parser, "--max-batch-images", type=int, default=defaults.max_batch_images,
         help="most images in one vision forward")
     add(parser, "--max-wait-ms", type=float, default=defaults.max_wait_ms,
@@ -42,12 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="push deadline when the Encode call has none")
     add(parser, "--warmup", default=defaults.warmup,
         help="run a blank-image forward before reporting ready")
-    add(parser, "--grace-s", type=float, default=defaults.grace_s,
-        help="seconds in-flight calls may finish on shutdown")
+    add(parser, "--grace", type=float, default=defaults.grace_s,
+        help="seconds in-flight Encode calls get to finish on SIGTERM")
+    # The flag's old name, still accepted so existing deploy files keep working.
+    parser.add_argument("--grace-s", dest="grace", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     add(parser, "--fault", default="",
         help="TEST ONLY: inject hand-off faults, comma-separated: never-push (report success, push nothing), "
              "push-late-ms=N (wait N ms before each push), wrong-shape (push one row too few), "
              "wrong-dtype (push uint8), extra-chunk (send more bytes than declared); '' = none")
+    security.add_arguments(parser, grpc_server=True)
 
 
 def config_from_args(args: argparse.Namespace) -> EncoderConfig:
@@ -59,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         max_batch_images=args.max_batch_images,
         max_wait_ms=args.max_wait_ms,
         max_pending=args.max_pending,
@@ -68,8 +73,9 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         push_timeout_s=args.push_timeout_s,
         threads=args.threads,
         warmup=args.warmup,
-        grace_s=args.grace_s,
+        grace_s=args.grace,
         faults=Faults.parse(args.fault),
+        security=security.from_args(args),
     )
 
 
@@ -89,7 +95,7 @@ async def serve(config: EncoderConfig, stop: asyncio.Event) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the encoder until SIGTERM/SIGINT; returns the process exit code."""
-    setup_logging(args.log_level, service="encoder")
+    setup_logging(args.log_level, service="encoder", json_format=args.log_json)
     try:
         config = config_from_args(args)
     except ValueError as err:

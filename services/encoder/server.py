@@ -10,19 +10,21 @@ worker and closes the PD channels.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import NamedTuple
 
 import grpc
 
 from services.common import grpc_utils
+from services.common.metrics_http import MetricsHttpServer
 from services.common.models.loaded_vision import LoadedVision
 from services.common.pb import epd_pb2_grpc
 from services.encoder.batcher import Batcher
 from services.encoder.cache import EmbeddingCache
 from services.encoder.config import EncoderConfig
 from services.encoder.errors import ErrorMappingInterceptor
-from services.encoder.metrics import EncoderMetrics
+from services.encoder.metrics import EncoderMetrics, PrometheusEncoderMetrics
 from services.encoder.pusher import EmbeddingPusher
 from services.encoder.servicer import EncoderServicer
 
@@ -69,6 +71,7 @@ class EncoderServer:
         self._batcher = batcher
         self._pusher = pusher
         self._cache = cache
+        self.metrics_http: MetricsHttpServer | None = None  # ``GET /metrics``, when enabled
 
     @classmethod
     async def create(
@@ -94,6 +97,7 @@ class EncoderServer:
             max_attempts=config.push_attempts,
             connect_timeout_s=config.push_connect_timeout_s,
             faults=config.faults,
+            channel_factory=functools.partial(grpc_utils.aio_channel, security=config.security),
         )
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
@@ -103,7 +107,8 @@ class EncoderServer:
             epd_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
 
         grpc_server = await grpc_utils.start_server(
-            config.host, config.port, SERVICE_NAME, register, interceptors=[ErrorMappingInterceptor()]
+            config.host, config.port, SERVICE_NAME, register, interceptors=[ErrorMappingInterceptor()],
+            security=config.security,
         )
         return cls(config, vision, grpc_server, batcher, pusher, cache)
 
@@ -140,16 +145,26 @@ class EncoderServer:
         await self._grpc.stop(self.config.grace_s if grace is None else grace)
         await asyncio.to_thread(self._batcher.stop)
         await self._pusher.close()
+        if self.metrics_http is not None:  # last: a scrape can still see the drain
+            await self.metrics_http.stop()
 
 
 async def start_encoder(
     config: EncoderConfig, *, vision: LoadedVision | None = None, metrics: EncoderMetrics | None = None
 ) -> EncoderServer:
-    """Loads the vision half (unless ``vision`` is given), serves, warms up and reports ready."""
+    """Loads the vision half (unless ``vision`` is given), serves, warms up and reports ready.
+
+    With ``config.metrics_port >= 0`` and no ``metrics`` sink of the caller's,
+    ``epd_encoder_*`` metrics are served on that port.
+    """
     if vision is None:
         vision = await asyncio.to_thread(load_vision, config)
-    server = await EncoderServer.create(config, vision, metrics)
+    exporter = PrometheusEncoderMetrics() if metrics is None and config.metrics_port >= 0 else None
+    server = await EncoderServer.create(config, vision, metrics or exporter)
     try:
+        if exporter is not None:
+            host = config.metrics_host or config.host
+            server.metrics_http = await exporter.serve(host, config.metrics_port, server.stats)
         await server.become_ready()
     except BaseException:
         await server.stop(0)

@@ -15,6 +15,7 @@ import time
 import grpc
 
 from services.common import grpc_utils
+from services.common.logs import log_request
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.encoder.batcher import Batcher
 from services.encoder.cache import EmbeddingCache
@@ -90,13 +91,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         finally:
             duration = time.perf_counter() - start
             self._metrics.on_request(status, duration)
-            log.info(
-                "encode request_id=%s items=%d hits=%d status=%s ms=%.1f",
-                request_id,
-                len(request.items),
-                sum(outcome.cache_hit for outcome in outcomes),
-                status,
-                duration * 1000.0,
+            log_request(
+                log, "encode", request_id=request_id, status=status, items=len(request.items),
+                cache_hits=sum(outcome.cache_hit for outcome in outcomes), duration_ms=duration * 1000.0,
             )
 
     async def _encode_all(self, work: EncodeWork, deadline: float | None, remaining: float | None) -> list[ItemOutcome]:
@@ -123,7 +120,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             deadline=deadline,
         )
         push_s = time.perf_counter() - push_start
-        self._metrics.on_item(result.cache_hit, result.encode_s, push_s)
+        self._metrics.on_item(result.cache_hit, result.encode_s, push_s, result.embedding.nbytes)
         return ItemOutcome(item.mm_hash, result.cache_hit, result.encode_s, push_s)
 
     async def GetLoad(self, request: epd_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> epd_pb2.EncoderLoad:

@@ -30,6 +30,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, tensors
+from services.common.logs import log_request
 from services.common.models.loaded_vision import LoadedVision
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd.config import PdConfig
@@ -238,9 +239,9 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
             status = error.kind.name
             await abort_with(context, error)
         finally:
-            log.info(
-                "colocated encode request_id=%s items=%d status=%s ms=%.1f",
-                grpc_utils.request_id_of(context), len(request.items), status, (time.perf_counter() - start) * 1000,
+            log_request(
+                log, "encode", request_id=grpc_utils.request_id_of(context), status=status, items=len(request.items),
+                colocated=True, duration_ms=(time.perf_counter() - start) * 1000,
             )
         return epd_pb2.EncodeResponse(
             items=[

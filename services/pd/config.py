@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.security import NO_SECURITY, InternalSecurity
+from services.pd.faults import NO_FAULTS, PdFaults
+
+DEFAULT_METRICS_PORT = 9201
+"""``epd pd``'s ``--metrics-port`` (``epd up`` gives PD j 9201 + j)."""
+
 
 @dataclass(frozen=True)
 class PdConfig:
@@ -14,7 +20,10 @@ class PdConfig:
     dtype: str = "auto"
     host: str = "127.0.0.1"
     port: int = 50061
-    metrics_port: int = 9201
+    # Prometheus /metrics port: 0 = a free one (tests), -1 = off. Off by default in code so
+    # in-process servers never fight over a port; ``epd pd`` defaults to DEFAULT_METRICS_PORT.
+    metrics_port: int = -1
+    metrics_host: str = ""              # "" = host
     threads: int = 0
     linear_backend: str = "auto"        # auto | torch | onednn (see services/pd/cpu_linear.py)
     # KV cache
@@ -41,6 +50,9 @@ class PdConfig:
     # Readiness watchdog: NOT_SERVING while the step loop has made no progress
     # for this long with work pending (0 = off). Must exceed the longest step.
     stall_timeout_s: float = 60.0
+    # internal transport: TLS/mTLS and the token check of this server (services/common/security.py)
+    security: InternalSecurity = NO_SECURITY
+    faults: PdFaults = NO_FAULTS        # test-only fault injection (services/pd/faults.py); off by default
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -51,6 +63,8 @@ class PdConfig:
             raise ValueError("linear_backend must be auto, torch or onednn")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must be >= 0 (0 = no readiness watchdog)")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be -1 (off), 0 (any free port) or a port")
         if self.embedding_cache_tokens <= 0:
             raise ValueError("embedding_cache_tokens must be positive")
         if not 0 < self.default_lease_ms <= self.max_lease_ms:

@@ -25,6 +25,7 @@ from services.pd.handoff import Allocation, EmbeddingHandoff
 from services.pd.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from services.pd.request import MultiModalSpan, Request, RequestStatus
 from services.pd.scheduler import QueueFull, Scheduler
+from services.pd.step_stats import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class _Live:
 
 class Engine:
     """Owns the scheduler, the caches and the model runner; see the module docstring."""
+    num_steps = property(lambda self: self.step_stats.num_steps, doc="Non-empty steps run since start.")
 
     def __init__(
         self,
@@ -91,7 +93,7 @@ class Engine:
         # mm_hash -> embedding tensor on the runner's device; entries are
         # removed by the embedding cache's eviction callback.
         self._embeddings = embedding_store
-        self.handoff = EmbeddingHandoff(embedding_cache, scheduler.kv_cache, embedding_store, prepare_embedding)
+        self.handoff = EmbeddingHandoff(embedding_cache, scheduler.kv_cache, embedding_store, prepare_embedding, scheduler.check_room)
         self._sweep_interval = lease_sweep_interval_s
         # Runs first on the engine thread: per-thread runtime settings (OpenMP's
         # thread count is per thread; oneDNN would otherwise use every core).
@@ -101,9 +103,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="pd-engine", daemon=True)
         self._stopping = False
         self._next_sweep = 0.0
-        self.num_steps = 0
-        # Where step time goes: scheduling, the model runner, accounting + detokenizing.
-        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+        self.step_stats = StepStats()  # steps, their time by phase, tokens; engine thread only
         # Written by the engine thread after every loop iteration, read by the
         # readiness watchdog (``stalled_for``); plain attribute writes are atomic.
         self.last_step_time = time.monotonic()
@@ -262,10 +262,10 @@ class Engine:
             num_embeddings_stored=len(self._embeddings),
             num_kv_blocks_pinned=self.scheduler.kv_cache.num_pinned_blocks,
             num_kv_leases=self.handoff.num_kv_leases,
-            num_steps=self.num_steps,
+            num_steps=self.step_stats.num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
-            **{f"{stage}_ms": int(seconds * 1000) for stage, seconds in self.step_seconds.items()},
+            **{f"{stage}_ms": int(seconds * 1000) for stage, seconds in self.step_stats.seconds.items()},
         )
         return stats
 
@@ -293,6 +293,7 @@ class Engine:
             if not self._drain_inbox(timeout=self._sweep_interval if idle else 0.0):
                 break
             self._maybe_sweep()
+            self._has_work = self.scheduler.has_unfinished_requests()  # a step hung after idling is a stall
             idle = not self._step()
             self._has_work = self.scheduler.has_unfinished_requests()
             self.last_step_time = time.monotonic()
@@ -331,12 +332,12 @@ class Engine:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        self.step_seconds["schedule"] += scheduled - started
+        self.step_stats.seconds["schedule"] += scheduled - started
         runner_output = ModelRunnerOutput()
         if not scheduler_output.is_empty:
             try:
                 runner_output = self.runner.execute(scheduler_output, self._embeddings)
-                self.step_seconds["execute"] += time.perf_counter() - scheduled
+                self.step_stats.seconds["execute"] += time.perf_counter() - scheduled
             except Exception:  # noqa: BLE001 - the engine keeps serving other requests
                 log.exception("model step failed; failing the %d requests in the batch", len(scheduler_output.chunks))
                 error = EngineError(ErrorKind.INTERNAL, "model execution failed")
@@ -348,14 +349,14 @@ class Engine:
         executed = time.perf_counter()
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._emit(scheduler_output, runner_output)
-        self.step_seconds["update"] += time.perf_counter() - executed
+        self.step_stats.seconds["update"] += time.perf_counter() - executed
         for request in finished:
             if request.status == RequestStatus.FINISHED_ERROR and request.request_id in self._live:
                 kind = ErrorKind.UNAVAILABLE if request.error_retryable else ErrorKind.INTERNAL
                 self._fail(request.request_id, EngineError(kind, request.error or "request failed"))
         if scheduler_output.is_empty:
             return False
-        self.num_steps += 1
+        self.step_stats.record(scheduler_output, runner_output, time.perf_counter() - started)
         return True
 
     def _emit(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:

@@ -38,6 +38,7 @@ from services.pd.embedding_cache import (
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.kv_cache import KVCacheManager
 from services.pd.request import MultiModalSpan, Request, SamplingParams
+from services.pd.scheduler import QueueFull
 
 _NO_RESERVATION = "an image of this request has no reservation on this PD (call Preallocate first)"
 
@@ -61,9 +62,13 @@ class EmbeddingHandoff:
         kv_cache: KVCacheManager,
         embeddings: dict[str, Any],
         prepare_embedding: Callable[[Any], Any],
+        admit: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """``admit(num_prompt_tokens)`` raises ``QueueFull`` when Generate would be refused
+        now (``Scheduler.check_room``): Preallocate then reserves nothing."""
         self.embedding_cache = embedding_cache
+        self._admit = admit
         self.kv_cache = kv_cache
         self._embeddings = embeddings            # mm_hash -> tensor, owned by the engine
         self._prepare = prepare_embedding
@@ -71,6 +76,8 @@ class EmbeddingHandoff:
         self._kv_leases: dict[str, float] = {}   # request_id -> deadline of its KV pin
         self._pin_prefix = f"kvpin-{uuid.uuid4().hex[:12]}"
         self._pin_ids = itertools.count()
+        # Leases that ran out unused: one per image reservation, one per prefix-KV pin (metrics).
+        self.num_expired_leases = 0
 
     @property
     def num_kv_leases(self) -> int:
@@ -80,6 +87,11 @@ class EmbeddingHandoff:
     def preallocate(self, request_id: str, prompt_token_ids: Sequence[int], spans: Sequence[MultiModalSpan],
                     lease_s: float) -> list[Allocation]:
         """Claim every item, all or nothing; raises EngineError (nothing changed) on failure."""
+        try:  # admission first: no room held, and no encoder work spent, for a request Generate would refuse
+            if self._admit is not None:
+                self._admit(len(prompt_token_ids))
+        except QueueFull as exc:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many waiting requests", exc.retry_after_s) from None
         now = self._clock()
         block_ids, num_hit = self._cached_prefix(request_id, prompt_token_ids, spans)
         covered = [s for s in spans if s.end <= num_hit]
@@ -185,10 +197,13 @@ class EmbeddingHandoff:
 
     def expire(self, now: float) -> list[str]:
         """Ends leases past their deadline; returns the hashes whose pending push is gone."""
-        for request_id in [r for r, deadline in self._kv_leases.items() if deadline < now]:
+        expired_pins = [r for r, deadline in self._kv_leases.items() if deadline < now]
+        for request_id in expired_pins:
             del self._kv_leases[request_id]
             self.kv_cache.unpin(request_id)
-        dropped = self.embedding_cache.expire(now).dropped_hashes
+        result = self.embedding_cache.expire(now)
+        self.num_expired_leases += len(expired_pins) + len(result.expired)
+        dropped = result.dropped_hashes
         for mm_hash in dropped:
             self._embeddings.pop(mm_hash, None)
         return dropped

@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import logging
 
-from services.common import cli_args, grpc_utils
+from services.common import cli_args, grpc_utils, security
 from services.common.logs import setup_logging
-from services.pd.config import PdConfig
+from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
+from services.pd.faults import PdFaults
 from services.pd.server import start_pd
 
 log = logging.getLogger(__name__)
@@ -16,8 +17,9 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the PD flags (each also read from ``EPD_<FLAG>``)."""
-    cli_args.add_common_flags(parser, port=50061, metrics_port=9201)
+    cli_args.add_common_flags(parser, port=50061, metrics_port=DEFAULT_METRICS_PORT)
     add = cli_args.add_flag
+    add(parser, "--metrics-host", default="", help="address of the /metrics endpoint ('' = --host)")
     add(parser, "--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
         help="who runs the LM's linear layers: auto = oneDNN for float32 on CPU (2x MKL there), else torch")
     add(parser, "--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -40,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
     add(parser, "--stall-timeout-s", type=float, default=60.0,
         help="report not ready while the step loop is stuck this long with work pending (0 = off)")
+    add(parser, "--fault", default="",
+        help="TEST ONLY: inject step-loop faults, comma-separated, each once, steps counted after warm-up: "
+             "forward-raises-after=N (the forward of step N raises), freeze-step-ms=M (a step stalls M ms), "
+             "freeze-after=N (which step stalls; default 0); '' = none")
+    security.add_arguments(parser, grpc_server=True)
 
 
 def config_from_args(args: argparse.Namespace) -> PdConfig:
@@ -50,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         threads=args.threads,
         linear_backend=args.linear_backend,
         block_size=args.block_size,
@@ -67,12 +75,18 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         encoder=args.encoder,
         grace_s=args.grace,
         stall_timeout_s=args.stall_timeout_s,
+        faults=PdFaults.parse(args.fault),
+        security=security.from_args(args),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level, service="pd")
-    config = config_from_args(args)
+    setup_logging(args.log_level, service="pd", json_format=args.log_json)
+    try:
+        config = config_from_args(args)
+    except ValueError as error:  # e.g. an unreadable --tls-cert: a usage error, not a crash
+        log.error("invalid pd configuration: %s", error)
+        return 2
 
     async def main(stop: asyncio.Event) -> None:
         server = await start_pd(config)
@@ -80,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         await stop.wait()
         log.info("stopping: draining for up to %.0fs", config.grace_s)
         await server.stop()
+        log.info("pd stopped")
 
     grpc_utils.run_until_signal(main)
     return 0

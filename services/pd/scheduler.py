@@ -120,14 +120,18 @@ class Scheduler:
         bounds are reached. On either, nothing is taken over.
         """
         self._validate(request)
-        num_waiting_tokens = sum(r.num_tokens for r in self.waiting)
-        if (len(self.waiting) >= self.config.max_waiting_requests
-                or num_waiting_tokens + request.num_tokens > self.config.max_waiting_tokens):
-            raise QueueFull(self.config.retry_after_s)
+        self.check_room(request.num_tokens)
         request.status = RequestStatus.WAITING
         request.span_refs = set(range(len(request.mm_spans)) if span_refs is None else span_refs)
         self._requests[request.request_id] = request
         self.waiting.append(request)
+
+    def check_room(self, num_tokens: int) -> None:
+        """Raises QueueFull unless one more request of ``num_tokens`` fits the waiting bounds now."""
+        num_waiting_tokens = sum(r.num_tokens for r in self.waiting)
+        if (len(self.waiting) >= self.config.max_waiting_requests
+                or num_tokens <= self.config.max_waiting_tokens < num_waiting_tokens + num_tokens):  # longer: invalid
+            raise QueueFull(self.config.retry_after_s)
 
     def _validate(self, request: Request) -> None:
         if request.request_id in self._requests:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -12,14 +13,17 @@ import torch
 
 from services.common import grpc_utils
 from services.common.devices import resolve_device, resolve_dtype
+from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
 from services.common.pb import epd_pb2_grpc
+from services.pd import faults
 from services.pd.colocated import Colocated
 from services.pd.config import PdConfig
 from services.pd.embedding_cache import EmbeddingCache
 from services.pd.engine import Engine, Failed, Finished
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.kv_cache import KVCacheManager
+from services.pd.metrics import PdMetrics
 from services.pd.model_runner import ModelRunner
 from services.pd.request import Request, SamplingParams
 from services.pd.scheduler import Scheduler, SchedulerConfig
@@ -29,6 +33,9 @@ from services.pd.watchdog import watch_readiness
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "epd.v1.PrefillDecode"
+
+_HELD_WHILE_BUSY = ("num_live_requests", "num_reservations", "num_kv_leases", "referenced_tokens")
+"""Engine stats that are all zero once every admitted request and reservation is gone (drain is done)."""
 
 
 @dataclass
@@ -40,6 +47,8 @@ class PdServer:
     config: PdConfig
     colocated: Colocated | None = None  # the in-process encoder of ``--encoder local``
     watchdog: asyncio.Task | None = None  # readiness watchdog (services/pd/watchdog.py)
+    metrics_http: MetricsHttpServer | None = None  # ``GET /metrics`` (services/pd/metrics.py), when enabled
+    servicer: PrefillDecodeServicer | None = None  # refuses new work while draining
 
     @property
     def port(self) -> int:
@@ -50,13 +59,45 @@ class PdServer:
         return f"{self.config.host}:{self.grpc.port}"
 
     async def stop(self, grace: float | None = None) -> None:
-        """Not ready -> stop accepting -> let calls finish for ``grace`` s -> stop the engine."""
+        """Drains, then stops; all within ``grace`` seconds (default ``config.grace_s``).
+
+        NOT_SERVING -> new Preallocate/Generate refused with UNAVAILABLE (the
+        proxy tries another PD) -> requests already admitted run to the end,
+        their embedding pushes still accepted -> the gRPC server stops (calls
+        still open get what is left of ``grace``) -> the engine stops,
+        failing whatever is left with UNAVAILABLE.
+        """
+        grace = self.config.grace_s if grace is None else grace
+        deadline = time.monotonic() + grace
         if self.watchdog is not None:
             self.watchdog.cancel()   # it must not report ready again while stopping
         if self.colocated is not None:
             await self.colocated.set_ready(self.grpc, False)
-        await self.grpc.stop(self.config.grace_s if grace is None else grace)
+        await self.grpc.set_ready(False)
+        if self.servicer is not None:
+            self.servicer.draining = True
+        if grace > 0:
+            await self._wait_idle(deadline)
+        await self.grpc.stop(max(0.0, deadline - time.monotonic()))
         await asyncio.to_thread(self.engine.shutdown)
+        if self.metrics_http is not None:  # last: a scrape can still see the drain
+            await self.metrics_http.stop()
+
+    async def _wait_idle(self, deadline: float, poll_s: float = 0.05) -> None:
+        """Waits until nothing is running, queued, reserved or pinned, or until ``deadline``."""
+        started = time.monotonic()
+        held: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            try:
+                stats = await self.engine.stats()
+            except EngineError:
+                return  # the engine is gone: nothing left to wait for
+            held = {key: stats.get(key, 0) for key in _HELD_WHILE_BUSY if stats.get(key, 0)}
+            if not held:
+                log.info("drained in %.1fs", time.monotonic() - started)
+                return
+            await asyncio.sleep(poll_s)
+        log.warning("grace period over with work left (%s); stopping anyway", held)
 
     async def stats(self) -> dict[str, int]:
         return await self.engine.stats()
@@ -166,16 +207,24 @@ async def start_pd(config: PdConfig) -> PdServer:
         if colocated is not None:
             colocated.register(grpc_server)  # epd.v1.Encoder on this same port
 
-    server = await grpc_utils.start_server(config.host, config.port, SERVICE_NAME, register)
+    server = await grpc_utils.start_server(config.host, config.port, SERVICE_NAME, register, security=config.security)
+    metrics_http = None
     try:
+        if config.metrics_port >= 0:
+            metrics_http = await PdMetrics(engine).serve(config.metrics_host or config.host, config.metrics_port)
         if config.warmup:
             await warm_up(engine, facts["eos_token_id"])
         if colocated is not None:
             await colocated.become_ready(server, warm_up=config.warmup)
-    except (RuntimeError, EngineError, asyncio.TimeoutError):
+    except (RuntimeError, EngineError, asyncio.TimeoutError, OSError):
+        if metrics_http is not None:
+            await metrics_http.stop()
         await server.stop(0)
         engine.shutdown()
         raise
+    if config.faults.enabled:  # after warm-up, so that step 0 is the first client step
+        await engine.call(faults.install, engine, config.faults)
+        log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
     await server.set_ready(True)
     log.info(
         "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d",
@@ -184,7 +233,8 @@ async def start_pd(config: PdConfig) -> PdServer:
     watchdog = None
     if config.stall_timeout_s > 0:
         watchdog = asyncio.create_task(watch_readiness(engine, server.set_ready, config.stall_timeout_s))
-    return PdServer(grpc=server, engine=engine, config=config, colocated=colocated, watchdog=watchdog)
+    return PdServer(grpc=server, engine=engine, config=config, colocated=colocated, watchdog=watchdog,
+                    servicer=servicer, metrics_http=metrics_http)
 
 
 __all__ = ["PdServer", "SERVICE_NAME", "build_engine", "start_pd", "warm_up", "ErrorKind"]

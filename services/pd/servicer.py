@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,6 +10,7 @@ import torch
 
 from services.common import tensors
 from services.common.grpc_utils import request_id_of, set_retry_after
+from services.common.logs import AccessLine
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
 from services.pd.config import PdConfig
@@ -23,15 +23,37 @@ log = logging.getLogger(__name__)
 _PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: EngineError) -> None:
-    """Ends the call with the status of ``error`` (and a retry-after hint for admission)."""
+async def abort_with(context: grpc.aio.ServicerContext, error: EngineError, line: AccessLine | None = None) -> None:
+    """Ends the call with the status of ``error`` (and a retry-after hint for admission).
+
+    ``line``: the call's access line, which gets the status name.
+    """
+    code = convert.STATUS_CODES[error.kind]
+    if line is not None:
+        line.update(status=code.name)
     if error.retry_after_s is not None:
         set_retry_after(context, int(error.retry_after_s * 1000))
-    await context.abort(convert.STATUS_CODES[error.kind], error.message)
+    await context.abort(code, error.message)
+
+
+def _usage_fields(final: epd_pb2.GenerateResponse) -> dict[str, object]:
+    """A finished Generate's counts and finish reason, for its access line."""
+    usage = final.usage
+    return {
+        "completion_tokens": usage.completion_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "image_tokens": usage.image_tokens,
+        "finish_reason": epd_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower(),
+    }
 
 
 class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
-    """Thin adapter between ``epd.v1.PrefillDecode`` and the ``Engine``."""
+    """Thin adapter between ``epd.v1.PrefillDecode`` and the ``Engine``.
+
+    ``draining`` (set by ``PdServer.stop``): new Preallocate and Generate calls
+    are refused with UNAVAILABLE, the proxy's cue to use another PD, while
+    pushes and aborts for work already admitted are still served.
+    """
 
     def __init__(
         self, engine: Engine, config: PdConfig, *, eos_token_id: int | None, vocab_size: int, max_model_len: int
@@ -41,64 +63,83 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.draining = False
+
+    def _check_admitting(self) -> None:
+        if self.draining:
+            raise EngineError(ErrorKind.UNAVAILABLE, "this instance is shutting down; use another")
 
     async def Preallocate(self, request, context):
-        try:
-            convert.check_request_id(request.request_id)
-            spans = convert.spans_from_pb(request.items, len(request.prompt_token_ids))
-            lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
-            remaining = context.time_remaining()
-            if remaining is not None:
-                lease_ms = max(1, min(lease_ms, int(remaining * 1000)))
-            allocations = await self.engine.preallocate(
-                request.request_id, spans, lease_ms / 1000.0, prompt_token_ids=request.prompt_token_ids
-            )
-        except EngineError as error:
-            await abort_with(context, error)
-        return convert.preallocate_to_pb(allocations, lease_ms)
+        with AccessLine(log, "preallocate", level=logging.DEBUG, request_id=request_id_of(context),
+                        items=len(request.items)) as line:
+            try:
+                self._check_admitting()
+                convert.check_request_id(request.request_id)
+                spans = convert.spans_from_pb(request.items, len(request.prompt_token_ids))
+                lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
+                remaining = context.time_remaining()
+                if remaining is not None:
+                    lease_ms = max(1, min(lease_ms, int(remaining * 1000)))
+                allocations = await self.engine.preallocate(
+                    request.request_id, spans, lease_ms / 1000.0, prompt_token_ids=request.prompt_token_ids
+                )
+            except EngineError as error:
+                await abort_with(context, error, line)
+            return convert.preallocate_to_pb(allocations, lease_ms)
 
     async def Generate(self, request, context) -> AsyncIterator[epd_pb2.GenerateResponse]:
-        started = time.monotonic()
-        try:
-            engine_request = convert.request_from_pb(
-                request, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size, max_model_len=self.max_model_len
-            )
-            events = await self.engine.add_request(engine_request)
-        except EngineError as error:
-            await abort_with(context, error)
-            return
-        done = False
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, TokenDelta):
-                    yield convert.delta_to_pb(event)
-                elif isinstance(event, Finished):
-                    done = True
-                    if event.status == RequestStatus.FINISHED_ABORTED:
-                        await context.abort(grpc.StatusCode.CANCELLED, "request was aborted")
-                    yield convert.final_to_pb(event)
-                    self._log_finished(request_id_of(context), event, started)
-                    return
-                elif isinstance(event, Failed):
-                    done = True
-                    await abort_with(context, event.error)
-        finally:
-            # Client gone, deadline hit or server stopping: free everything.
-            if not done:
-                self.engine.abort(engine_request.request_id)
+        # One access line per call, whatever way it ends (status CANCELLED when the client goes away).
+        with AccessLine(log, "generate", request_id=request_id_of(context), status=None,
+                        prompt_tokens=len(request.prompt_token_ids), image_tokens=None, cached_tokens=None,
+                        completion_tokens=0, finish_reason=None, ttft_ms=None) as line:
+            try:
+                self._check_admitting()
+                engine_request = convert.request_from_pb(
+                    request, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
+                    max_model_len=self.max_model_len,
+                )
+                events = await self.engine.add_request(engine_request)
+            except EngineError as error:
+                await abort_with(context, error, line)
+                return
+            done = False
+            try:
+                while True:
+                    event = await events.get()
+                    if isinstance(event, TokenDelta):
+                        line.mark_first_token()
+                        line.add("completion_tokens", len(event.token_ids))
+                        yield convert.delta_to_pb(event)
+                    elif isinstance(event, Finished):
+                        done = True
+                        if event.status == RequestStatus.FINISHED_ABORTED:
+                            line.update(status="CANCELLED")
+                            await context.abort(grpc.StatusCode.CANCELLED, "request was aborted")
+                        final = convert.final_to_pb(event)
+                        line.update(status="OK", **_usage_fields(final))
+                        yield final
+                        return
+                    elif isinstance(event, Failed):
+                        done = True
+                        await abort_with(context, event.error, line)
+            finally:
+                # Client gone, deadline hit or server stopping: free everything.
+                if not done:
+                    self.engine.abort(engine_request.request_id)
 
     async def PushEmbedding(self, request_iterator, context):
-        try:
-            header, payload = await self._receive_push(request_iterator)
-            dtype = tensors.dtype_from_pb(header.dtype)
-            embedding = tensors.tensor_from_bytes(payload, dtype, list(header.shape))
-            await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
-        except EngineError as error:
-            await abort_with(context, error)
-        except ValueError as error:
-            await abort_with(context, EngineError(ErrorKind.INVALID_ARGUMENT, str(error)))
-        return epd_pb2.PushEmbeddingResponse(num_bytes=len(payload))
+        with AccessLine(log, "push", level=logging.DEBUG, request_id=request_id_of(context)) as line:
+            try:
+                header, payload = await self._receive_push(request_iterator)
+                line.update(num_bytes=len(payload))
+                dtype = tensors.dtype_from_pb(header.dtype)
+                embedding = tensors.tensor_from_bytes(payload, dtype, list(header.shape))
+                await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
+            except EngineError as error:
+                await abort_with(context, error, line)
+            except ValueError as error:
+                await abort_with(context, EngineError(ErrorKind.INVALID_ARGUMENT, str(error)), line)
+            return epd_pb2.PushEmbeddingResponse(num_bytes=len(payload))
 
     async def _receive_push(self, request_iterator) -> tuple[epd_pb2.EmbeddingHeader, bytearray]:
         """Reads header then chunks, rejecting early: bad header, unknown lease, too many bytes."""
@@ -153,17 +194,3 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         except EngineError as error:
             await abort_with(context, error)
         return convert.load_to_pb(stats)
-
-    @staticmethod
-    def _log_finished(request_id: str, event: Finished, started: float) -> None:
-        request = event.request
-        log.info(
-            "request=%s status=%s prompt_tokens=%d image_tokens=%d completion_tokens=%d cached_tokens=%d ms=%.1f",
-            request_id,
-            event.status.name,
-            request.num_prompt_tokens,
-            request.num_image_tokens,
-            len(request.output_token_ids),
-            request.num_cached_tokens,
-            (time.monotonic() - started) * 1000.0,
-        )

@@ -18,14 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import grpc
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
-from services.proxy.errors import ApiError, RequestError, model_not_found
+from services.proxy.errors import ApiError, RequestError, from_grpc, model_not_found
 from services.proxy.http_util import (
     ClientDisconnected,
     EventStreamResponse,
@@ -36,8 +38,15 @@ from services.proxy.http_util import (
 )
 from services.proxy.media import MediaFetcher, MediaPolicy, image_sources
 from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from services.proxy.middleware import ApiKeyMiddleware, MetricsMiddleware, install_error_handlers
+from services.proxy.middleware import (
+    AccessLogMiddleware,
+    ApiKeyMiddleware,
+    MetricsMiddleware,
+    access_line,
+    install_error_handlers,
+)
 from services.proxy.jobs import Job, Trace, new_request_id
+from services.proxy.openapi import openapi_document
 from services.proxy.pipeline import Pipeline
 from services.proxy.preprocess import Preprocessor, Prompt, image_urls
 from services.proxy.responses import (
@@ -82,9 +91,19 @@ class ProxyState:
         if name is not None and name != self.served_model_name:
             raise model_not_found()
 
-    async def in_worker(self, fn: Callable[..., T], *args: Any) -> T:
-        """Runs CPU work (image decoding, tokenization) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+    async def in_worker(self, fn: Callable[..., T], *args: Any, deadline: float | None = None) -> T:
+        """Runs CPU work (image decoding, tokenization) off the event loop.
+
+        With ``deadline`` (``time.monotonic()``), a wait past it is a 504 at the
+        deadline; a job already running finishes in its thread, unobserved.
+        """
+        work = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        if deadline is None:
+            return await work
+        try:
+            return await asyncio.wait_for(work, deadline - time.monotonic())
+        except TimeoutError:
+            raise from_grpc(grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
     def decode_token(self, token_id: int) -> str:
         return self.preprocessor.tokenizer.decode([token_id])
@@ -108,7 +127,8 @@ async def chat_completions(request: Request) -> Response:
     urls = image_urls(messages)
     state.preprocessor.check_image_count(len(urls))
     sources = await image_sources(urls, state.fetcher, trace.started + timeout_s - time.monotonic())
-    prompt = await state.in_worker(state.preprocessor.chat_prompt, messages, sources)
+    prompt = await state.in_worker(state.preprocessor.chat_prompt, messages, sources,
+                                   deadline=trace.started + timeout_s)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl")
 
@@ -125,7 +145,8 @@ async def completions(request: Request) -> Response:
         if len(prompt_input) != 1:
             raise RequestError("Only one prompt per request is supported.", "prompt")
         prompt_input = prompt_input[0]
-    prompt = await state.in_worker(state.preprocessor.completion_prompt, prompt_input)
+    prompt = await state.in_worker(state.preprocessor.completion_prompt, prompt_input,
+                                   deadline=trace.started + timeout_s)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl")
 
@@ -147,6 +168,11 @@ async def _generate(
         limit=config.max_tokens_limit, default=config.default_max_tokens,
     )
     request_id = new_request_id(id_prefix)
+    line = access_line(request)
+    if line is not None:
+        line.update(request_id=request_id, model=state.served_model_name, stream=bool(body.stream),
+                    images=len(prompt.images), prompt_tokens=len(prompt.token_ids), completion_tokens=0,
+                    ttft_ms=None, outcome="ok")
     sampling = sampling_params(body, max_tokens)
     jobs = [
         Job(
@@ -165,7 +191,8 @@ async def _generate(
     want_logprobs = requested_logprobs(body) is not None
     # A client that streams sees tokens as they come; one that does not sees
     # nothing until the end, so its jobs may restart on another PD mid-way.
-    choices = [Choice(_observed(state, job, request.url.path, buffered=not body.stream), job.trace) for job in jobs]
+    choices = [Choice(_observed(state, job, request.url.path, buffered=not body.stream, line=line), job.trace)
+               for job in jobs]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
@@ -187,36 +214,54 @@ def default_served_name(model: str, model_id: str) -> str:
 
 
 async def _observed(
-    state: ProxyState, job: Job, endpoint: str, *, buffered: bool
+    state: ProxyState, job: Job, endpoint: str, *, buffered: bool, line: AccessLine | None = None
 ) -> AsyncGenerator[epd_pb2.GenerateResponse, None]:
-    """``Pipeline.generate`` plus the per-request log line and first-token metric."""
-    outcome = "cancelled"
+    """``Pipeline.generate`` plus the first-token metric, a per-choice debug line and the access line's counts."""
+    outcome, error_code = "cancelled", None
     num_tokens = 0
+    gaps = state.metrics.token_gaps(endpoint, enabled=not buffered)  # buffered tokens arrive all at once
     try:
         async with contextlib.aclosing(state.pipeline.generate(job, buffered=buffered)) as messages:
             async for message in messages:
                 if num_tokens == 0 and job.trace.first_token_ms is not None:
                     state.metrics.first_token.labels(endpoint).observe(job.trace.first_token_ms / 1000)
+                gaps.add(len(message.token_ids))
                 num_tokens += len(message.token_ids)
                 if message.finish_reason:
                     outcome = "ok"  # before the yield: the consumer may close us right after
                 yield message
     except ApiError as error:
-        outcome = f"error {error.status_code} {error.code}"
+        outcome, error_code = "error", f"{error.status_code}_{error.code}"
         raise
     except Exception:
         outcome = "error"
         raise
     finally:
         trace = job.trace
-        log.info(
-            "request %s %s: %s prompt=%d images=%d ready=%d encoder_hits=%d completion=%d pd=%s attempts=%d "
+        if line is not None:
+            _note_choice(line, trace, num_tokens, outcome, error_code)
+        log.debug(
+            "request %s %s: %s %s prompt=%d images=%d ready=%d encoder_hits=%d completion=%d pd=%s attempts=%d "
             "first_token_ms=%s total_ms=%.1f",
-            job.request_id, endpoint, outcome, len(job.prompt.token_ids), len(job.prompt.images),
+            job.request_id, endpoint, outcome, error_code or "", len(job.prompt.token_ids), len(job.prompt.images),
             trace.num_images_ready, trace.num_encoder_cache_hits, num_tokens, trace.pd_address,
             trace.num_pd_attempts, None if trace.first_token_ms is None else round(trace.first_token_ms, 1),
             (time.monotonic() - trace.started) * 1000,
         )
+
+
+def _note_choice(line: AccessLine, trace: Trace, num_tokens: int, outcome: str, error_code: str | None) -> None:
+    """Adds one choice's counts to the request's access line (``n`` > 1: summed; the first failure kept).
+
+    ``outcome``: ok, cancelled or error; a stream that failed after its 200 says so only here.
+    """
+    line.add("completion_tokens", num_tokens)
+    line.add("pd_attempts", trace.num_pd_attempts)
+    line.update(pd=trace.pd_address)
+    if line.fields.get("ttft_ms") is None and trace.first_token_ms is not None:
+        line.update(ttft_ms=trace.first_token_ms)
+    if line.fields.get("outcome") == "ok" and outcome != "ok":
+        line.update(outcome=outcome, error_code=error_code)
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -262,7 +307,10 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         preprocessor = Preprocessor(
             adapter, processor,
             max_images=config.max_images_per_request, max_image_pixels=config.max_image_pixels,
+            faults=config.faults,
         )
+        if config.faults.enabled:
+            log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
         owned = backends is None
         pool = backends or Backends.connect(config)
         await pool.start()
@@ -308,15 +356,18 @@ def create_app(
     by default one is built when ``config.allowed_media_domains`` is set.
     """
     metrics_ = ProxyMetrics()
-    app = FastAPI(title="EPD proxy", version="1", openapi_url=None,
+    # /openapi.json describes the API (services/proxy/openapi.py); no HTML docs pages.
+    app = FastAPI(title="EPD proxy", version="1", openapi_url="/openapi.json", docs_url=None, redoc_url=None,
                   lifespan=_lifespan(config, backends, fetcher, metrics_))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.openapi = functools.partial(openapi_document, app, config)
     install_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(AccessLogMiddleware)  # outside the API key check: refused requests get a line too
     app.add_middleware(MetricsMiddleware, metrics=metrics_)  # outermost: counts refused requests too
     return app

@@ -66,7 +66,9 @@ class Backends:
         def pool(kind: str, targets, client_cls) -> Pool:
             return Pool(
                 kind, targets,
-                lambda address: client_cls(address, grpc_utils.aio_channel(address), breaker=breaker()),
+                lambda address: client_cls(
+                    address, grpc_utils.aio_channel(address, config.security), breaker=breaker()
+                ),
                 resolver=resolver, on_added=monitor.watch, on_removed=removed,
             )
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.security import NO_SECURITY, InternalSecurity
 from services.proxy.discovery import parse_target
+from services.proxy.faults import NO_FAULTS, ProxyFaults
 from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
 
 MIB = 1024 * 1024
@@ -54,6 +56,9 @@ class ProxyConfig:
     allowed_media_domains: tuple[str, ...] = ()
     media_timeout_s: float = 10.0                # one remote image fetch (also capped by the request deadline)
     max_media_bytes: int = 16 * MIB              # largest remote image
+    faults: ProxyFaults = NO_FAULTS              # test-only fault injection (services/proxy/faults.py); off by default
+    # internal transport to encoders and PDs: TLS/mTLS and the token (services/common/security.py)
+    security: InternalSecurity = NO_SECURITY
 
     def __post_init__(self) -> None:
         # Normalise lists passed by callers into tuples so the config stays hashable.

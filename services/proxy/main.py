@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import signal
 
-from services.common import cli_args
+from services.common import cli_args, security
 from services.common.logs import setup_logging
 from services.proxy.config import MIB, ProxyConfig
+from services.proxy.faults import ProxyFaults
 from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
 
 
@@ -55,7 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--media-timeout", type=float, default=10.0, help="timeout of one remote image fetch, seconds")
     add(parser, "--max-media-mb", type=float, default=16.0, help="largest remote image, MiB")
     add(parser, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
+    add(parser, "--fault", default="",
+        help="TEST ONLY: inject faults: slow-decode-ms=N (every image decode sleeps N ms first); '' = none")
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    cli_args.add_log_json_flag(parser)
+    security.add_arguments(parser, grpc_server=False)
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -89,6 +94,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         allowed_media_domains=_addresses(args.allowed_media_domains),
         media_timeout_s=args.media_timeout,
         max_media_bytes=int(args.max_media_mb * MIB),
+        faults=ProxyFaults.parse(args.fault),
+        security=security.from_args(args),
     )
 
 
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"epd proxy: {error}")
         return 2
-    setup_logging(args.log_level, service="proxy")
+    setup_logging(args.log_level, service="proxy", json_format=args.log_json)
     # uvicorn re-raises the signal that stopped it once it has drained; with
     # our own (no-op) handlers installed that ends in a clean exit 0 instead
     # of death by SIGTERM.

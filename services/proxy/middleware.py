@@ -1,8 +1,10 @@
-"""Cross-cutting HTTP concerns: API key, request metrics, OpenAI-shaped errors for everything."""
+"""Cross-cutting HTTP concerns: API key, request metrics, access log, OpenAI-shaped errors for everything."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import time
 
 from fastapi import FastAPI
@@ -12,11 +14,77 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common.logs import AccessLine, safe_request_id
 from services.proxy.errors import ApiError, RequestError, error_body, invalid_api_key
 from services.proxy.http_util import as_api_error, describe_validation_error, error_response
+from services.proxy.jobs import new_request_id
 from services.proxy.metrics import ProxyMetrics
 
+log = logging.getLogger(__name__)
+
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_LOGGED_ROUTES = GENERATION_PATHS | {"/v1/models"}
+_UNLOGGED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: no access lines
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+ACCESS_LINE = "epd_access_line"
+"""Key of the request's ``AccessLine`` in ``scope["state"]``; read it with ``access_line(request)``."""
+
+
+def access_line(request: Request) -> AccessLine | None:
+    """The access line of ``request`` (None when the app runs without ``AccessLogMiddleware``)."""
+    return request.scope.get("state", {}).get(ACCESS_LINE)
+
+
+class AccessLogMiddleware:
+    """One access line per HTTP request (``/health`` and ``/metrics`` excepted), and an ``X-Request-Id`` header.
+
+    Handlers add fields through ``access_line(request)``; the generation
+    handlers set ``request_id`` (the OpenAI response id, which also travels
+    to every backend in gRPC metadata). A request refused before that gets
+    a fresh ``req-`` id. A client's own ``X-Request-Id`` is logged as
+    ``client_request_id`` when it is a plain id (``safe_request_id``) and
+    dropped otherwise; it never reaches a backend, so clients cannot make
+    ids collide there. Unknown paths are logged as route ``other``, not echoed.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in _UNLOGGED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        method = scope.get("method", "")
+        client_id = next((value for name, value in scope.get("headers", ()) if name == b"x-request-id"), None)
+        line = AccessLine(
+            log, "http", request_id=None, client_request_id=safe_request_id(client_id),
+            method=method if method in _METHODS else "other", route=path if path in _LOGGED_ROUTES else "other",
+            status=None,
+        )
+        scope.setdefault("state", {})[ACCESS_LINE] = line
+
+        async def send_and_watch(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                request_id = line.fields["request_id"] or new_request_id("req")
+                line.update(status=message["status"], request_id=request_id)
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        except asyncio.CancelledError:
+            if line.fields["status"] is None:
+                line.update(status=499)  # the client went away before any answer
+            raise
+        except Exception:
+            if line.fields["status"] is None:
+                line.update(status=500)  # answered 500 by the outermost error handler
+            raise
+        finally:
+            if line.fields["request_id"] is None:
+                line.update(request_id=new_request_id("req"))
+            line.write()
 
 
 class ApiKeyMiddleware:

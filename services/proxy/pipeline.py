@@ -344,8 +344,10 @@ class Pipeline:
     def _to_api_error(self, error: grpc.aio.AioRpcError, request_id: str, what: str = "pd") -> ApiError:
         code = error.code()
         # Backend details are ours (no client input), but keep them out of the
-        # HTTP body anyway; the log has them for operators.
-        log.warning("request %s: %s failed with %s: %.200s", request_id, what, code.name, error.details() or "")
+        # HTTP body anyway; the log has them for operators. Shedding load is
+        # routine (one line per refusal at WARNING would flood the log under overload).
+        level = logging.INFO if code == S.RESOURCE_EXHAUSTED else logging.WARNING
+        log.log(level, "request %s: %s failed with %s: %.200s", request_id, what, code.name, error.details() or "")
         return from_grpc(code, grpc_utils.retry_after_ms(error) if code == S.RESOURCE_EXHAUSTED else None)
 
     async def _finish(self, attempt: _Attempt) -> None:

@@ -18,6 +18,7 @@ import torch
 from services.common.hashing import mm_hash
 from services.common.pb import epd_pb2
 from services.proxy.errors import PlaceholderMismatchError, RequestError, TooManyImagesError
+from services.proxy.faults import NO_FAULTS, ProxyFaults
 from services.proxy.images import decode_data_url, decode_image_bytes
 
 
@@ -130,8 +131,10 @@ class Preprocessor:
     decoding and pixel processing are not.
     """
 
-    def __init__(self, adapter: Adapter, processor: Any, *, max_images: int, max_image_pixels: int) -> None:
+    def __init__(self, adapter: Adapter, processor: Any, *, max_images: int, max_image_pixels: int,
+                 faults: ProxyFaults = NO_FAULTS) -> None:
         self.adapter = adapter
+        self.faults = faults  # test-only (services/proxy/faults.py)
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.max_images = max_images
@@ -155,11 +158,7 @@ class Preprocessor:
         """
         sources = image_urls(messages) if sources is None else list(sources)
         self.check_image_count(len(sources))
-        images = [
-            decode_image_bytes(source, self.max_image_pixels) if isinstance(source, bytes)
-            else decode_data_url(source, self.max_image_pixels)
-            for source in sources
-        ]
+        images = [self._decode(source) for source in sources]
         rendered = self.render(messages)
         with self._tokenizer_lock:
             token_ids = self._encode(rendered)
@@ -175,6 +174,12 @@ class Preprocessor:
             for image, offset, count in zip(images, offsets, counts)
         )
         return Prompt(token_ids=expanded, images=items)
+
+    def _decode(self, source: str | bytes) -> Any:
+        self.faults.before_decode()
+        if isinstance(source, bytes):
+            return decode_image_bytes(source, self.max_image_pixels)
+        return decode_data_url(source, self.max_image_pixels)
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat template applied to ``messages``: one image token per image, generation prompt added."""

@@ -8,6 +8,7 @@ from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _Sa
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MIN_FLOAT32 = 1.1754943508222875e-38   # smallest normal float32
 
 
 def check_supported(body: _SamplingFields, max_n: int = 1) -> None:
@@ -113,7 +114,8 @@ def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingP
     if body.temperature is not None:
         params.temperature = body.temperature
     if body.top_p is not None:
-        params.top_p = body.top_p
+        # The wire field is float32: a positive top_p below its range would arrive as 0 (invalid).
+        params.top_p = max(body.top_p, MIN_FLOAT32)
     if body.top_k is not None:
         params.top_k = body.top_k
     if body.seed is not None:

@@ -35,13 +35,14 @@ def cluster(tiny_model_dir):
 def test_headless_locust_run_has_no_failures_and_reports_ttft_and_itl(cluster, tmp_path):
     host = cluster.base_url.removesuffix("/v1")
     command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "5s",
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "5", "-r", "5", "-t", "5s",
         "--host", host, "--image-size", "32", "--max-tokens", "6", "--think-time", "0.1",
         "--csv", str(tmp_path / "run"), "--stop-timeout", "10",
     ]
     # One user of each kind; other settings from the environment must not leak in.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "LOCUST_"))}
-    env.update(EPD_LOAD_TEXT_WEIGHT="1", EPD_LOAD_IMAGE_WEIGHT="1", EPD_LOAD_REPEAT_WEIGHT="1")
+    env.update(EPD_LOAD_TEXT_WEIGHT="1", EPD_LOAD_IMAGE_WEIGHT="1", EPD_LOAD_REPEAT_WEIGHT="1",
+               EPD_LOAD_DISCONNECT_WEIGHT="1", EPD_LOAD_INVALID_WEIGHT="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
@@ -55,4 +56,8 @@ def test_headless_locust_run_has_no_failures_and_reports_ttft_and_itl(cluster, t
             assert int(rows[(metric, kind)]["Request Count"]) > 0, (metric, kind)
         assert int(rows[("POST", f"chat {kind}")]["Request Count"]) > 0
     assert float(rows[("TTFT", "text")]["99%"]) > 0
+    # Hang-ups and bad inputs were sent, and each ended the way it should.
+    assert int(rows[("OUTCOME", "disconnected")]["Request Count"]) > 0
+    assert int(rows[("OUTCOME", "bad-input-rejected")]["Request Count"]) > 0
+    assert ("OUTCOME", "failed") not in rows
     assert cluster.leaks() == {}

@@ -16,7 +16,7 @@ K8S_DIR = DEPLOY / "k8s"
 READY_SERVICE = {"pd": "epd.v1.PrefillDecode", "encoder": "epd.v1.Encoder"}
 """gRPC health service name that means "ready", per EPD command."""
 
-GRACE_FLAG = {"pd": "--grace", "encoder": "--grace-s", "proxy": "--grace"}
+GRACE_FLAG = {"pd": "--grace", "encoder": "--grace", "proxy": "--grace"}
 """The flag that sets how long each server drains on SIGTERM."""
 
 DEFAULT_GRACE_S = {"pd": 30.0, "encoder": 10.0, "proxy": 30.0}

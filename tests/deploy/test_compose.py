@@ -30,14 +30,16 @@ SERVERS = ("pd", "encoder", "proxy")
 MONITORING = ("prometheus", "grafana")
 
 PLANNED_METRICS = frozenset({
-    "epd_proxy_requests_total", "epd_proxy_ttft_seconds", "epd_proxy_inter_token_latency_seconds",
-    "epd_proxy_e2e_latency_seconds", "epd_proxy_in_flight",
+    "epd_proxy_requests_total", "epd_proxy_time_to_first_token_seconds", "epd_proxy_inter_token_latency_seconds",
+    "epd_proxy_request_duration_seconds", "epd_proxy_requests_in_flight",
     "epd_encoder_images_total", "epd_encoder_cache_hits_total", "epd_encoder_cache_misses_total",
     "epd_encoder_cache_bytes", "epd_encoder_batch_size", "epd_encoder_queue_depth", "epd_encoder_encode_seconds",
-    "epd_encoder_push_seconds", "epd_encoder_push_bytes_total",
+    "epd_encoder_push_seconds", "epd_encoder_push_bytes_total", "epd_encoder_dropped_images_total",
+    "epd_encoder_rejected_images_total",
     "epd_pd_running_requests", "epd_pd_waiting_requests", "epd_pd_kv_blocks_used", "epd_pd_kv_blocks_total",
     "epd_pd_prefix_cache_hit_tokens_total", "epd_pd_embedding_cache_tokens", "epd_pd_reservations_expired_total",
     "epd_pd_step_seconds", "epd_pd_prompt_tokens_total", "epd_pd_generation_tokens_total",
+    "epd_pd_step_phase_seconds_total", "epd_pd_preemptions_total", "epd_pd_engine_responsive",
 })
 """The metric names the dashboard is drawn for (histograms without _bucket/_sum/_count)."""
 
@@ -146,3 +148,8 @@ def test_grafana_dashboard_draws_the_planned_metrics():
             for name in re.findall(r"\bepd_[a-z0-9_]+", target["expr"]):
                 used.add(re.sub(r"_(bucket|sum|count)$", "", name))
     assert used == PLANNED_METRICS
+    from services.encoder.metrics import METRICS as ENCODER
+    from services.pd.metrics import METRICS as PD
+    from services.proxy.metrics import METRICS as PROXY
+
+    assert used <= {doc.name for doc in (*PROXY, *ENCODER, *PD)}, "the dashboard draws a metric nobody exports"

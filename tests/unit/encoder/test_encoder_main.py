@@ -8,7 +8,7 @@ import os
 import pytest
 
 from services.encoder import main
-from services.encoder.config import MIB, EncoderConfig
+from services.encoder.config import DEFAULT_METRICS_PORT, MIB, EncoderConfig
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -20,7 +20,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_flag_defaults_match_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [key for key in os.environ if key.startswith("EPD_")]:
         monkeypatch.delenv(name)
-    assert main.config_from_args(parse([])) == EncoderConfig()
+    # The one intended difference: /metrics is off in code and on (9101) for `epd encoder`.
+    assert main.config_from_args(parse([])) == EncoderConfig(metrics_port=DEFAULT_METRICS_PORT)
 
 
 def test_flags_and_env_build_the_config(monkeypatch: pytest.MonkeyPatch) -> None:

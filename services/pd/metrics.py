@@ -1,0 +1,162 @@
+"""Prometheus metrics of a PD instance (``epd_pd_*``), read from its engine at scrape time.
+
+The scheduler, caches and step counters belong to the engine thread, so a
+scrape does not read them from the HTTP side: it asks the engine thread for
+a ``PdSnapshot`` between two steps (``Engine.call``) and renders that. When
+the engine does not answer in time (stopped, or stuck in a long step) the
+last snapshot is served and ``epd_pd_engine_responsive`` is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from services.common.metrics_http import MetricDoc, MetricsHttpServer
+from services.pd.engine import Engine
+from services.pd.errors import EngineError
+from services.pd.step_stats import STEP_SECONDS_BUCKETS, StepSnapshot
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 2.0
+"""Longest a scrape waits for the engine thread (a step in progress) before serving the last snapshot."""
+
+METRICS = (
+    MetricDoc("epd_pd_running_requests", "gauge", (), "requests holding KV blocks (prefilling or decoding)"),
+    MetricDoc("epd_pd_waiting_requests", "gauge", (), "requests queued for admission (preempted ones included)"),
+    MetricDoc("epd_pd_kv_blocks_used", "gauge", (), "KV cache blocks in use by requests or pins"),
+    MetricDoc("epd_pd_kv_blocks_total", "gauge", (), "KV cache blocks in the pool"),
+    MetricDoc("epd_pd_prefix_cache_hit_tokens_total", "counter", (),
+              "prompt tokens served from the prefix cache at admission (a re-admission after preemption counts again)"),
+    MetricDoc("epd_pd_embedding_cache_tokens", "gauge", ("state",),
+              "image-embedding cache rows by state: reserved (waiting for a push), ready"),
+    MetricDoc("epd_pd_embedding_cache_capacity_tokens", "gauge", (), "image-embedding cache capacity in rows"),
+    MetricDoc("epd_pd_reservations_expired_total", "counter", (),
+              "Preallocate leases that ran out unused: one per image reservation, one per prefix-KV pin"),
+    MetricDoc("epd_pd_step_seconds", "histogram", (), "duration of one engine step (schedule + model + update)"),
+    MetricDoc("epd_pd_step_phase_seconds_total", "counter", ("phase",),
+              "engine step time by phase: schedule, execute (model runner), update (accounting, detokenizing)"),
+    MetricDoc("epd_pd_prompt_tokens_total", "counter", (),
+              "prompt tokens of requests that got their first token (cached tokens included)"),
+    MetricDoc("epd_pd_generation_tokens_total", "counter", (), "tokens sampled by the model"),
+    MetricDoc("epd_pd_preemptions_total", "counter", (), "running requests preempted for lack of KV blocks"),
+    MetricDoc("epd_pd_engine_responsive", "gauge", (),
+              "1 when this scrape read the engine; 0 when it did not answer in time (values are the last read)"),
+)
+"""Everything ``PdMetrics`` exports (the README table is made from it)."""
+
+
+@dataclass(frozen=True)
+class PdSnapshot:
+    """The engine's counters at one moment between two steps."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_prefix_hit_tokens: int
+    reserved_tokens: int
+    ready_tokens: int
+    capacity_tokens: int
+    num_expired_leases: int
+    num_preemptions: int
+    steps: StepSnapshot
+
+
+def read_snapshot(engine: Engine) -> PdSnapshot:
+    """Reads the engine's counters; call it on the engine thread (``engine.call(read_snapshot, engine)``)."""
+    scheduler, kv_cache = engine.scheduler, engine.scheduler.kv_cache
+    embedding = engine.embedding_cache.stats()
+    return PdSnapshot(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        num_kv_blocks_used=kv_cache.num_blocks - kv_cache.num_free_blocks,
+        num_kv_blocks_total=kv_cache.num_blocks,
+        num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+        reserved_tokens=embedding["reserved_tokens"],
+        ready_tokens=embedding["ready_tokens"],
+        capacity_tokens=embedding["capacity_tokens"],
+        num_expired_leases=engine.handoff.num_expired_leases,
+        num_preemptions=scheduler.num_preemptions,
+        steps=engine.step_stats.snapshot(),
+    )
+
+
+class PdMetrics:
+    """``epd_pd_*`` metrics (see ``METRICS``) of one engine, on a registry owned by this instance."""
+
+    def __init__(self, engine: Engine, snapshot_timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
+        self._engine = engine
+        self._timeout_s = snapshot_timeout_s
+        self._latest: PdSnapshot | None = None
+        self._responsive = False
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    async def refresh(self) -> None:
+        """Reads a fresh snapshot on the engine thread; keeps the last one if the engine does not answer."""
+        try:
+            self._latest = await asyncio.wait_for(self._engine.call(read_snapshot, self._engine), self._timeout_s)
+            self._responsive = True
+        except (EngineError, TimeoutError):
+            self._responsive = False
+            log.warning("engine stopped or busy over %.1fs: this scrape serves the last values", self._timeout_s)
+
+    async def render(self) -> bytes:
+        await self.refresh()
+        return generate_latest(self.registry)
+
+    async def serve(self, host: str, port: int) -> MetricsHttpServer:
+        """Serves ``GET /metrics`` on ``host:port`` (0 = a free port)."""
+        return await MetricsHttpServer.start(host, port, self.render)
+
+    # -- prometheus_client collector -------------------------------------------
+    def describe(self) -> list:
+        return []  # unchecked collector: families are built at collect time
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("epd_pd_engine_responsive", "1 when this scrape read the engine",
+                                value=float(self._responsive))
+        s = self._latest
+        if s is None:
+            return
+        yield GaugeMetricFamily("epd_pd_running_requests", "Requests holding KV blocks", value=s.num_running)
+        yield GaugeMetricFamily("epd_pd_waiting_requests", "Requests queued for admission", value=s.num_waiting)
+        yield GaugeMetricFamily("epd_pd_kv_blocks_used", "KV cache blocks in use", value=s.num_kv_blocks_used)
+        yield GaugeMetricFamily("epd_pd_kv_blocks_total", "KV cache blocks in the pool", value=s.num_kv_blocks_total)
+        yield CounterMetricFamily("epd_pd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=s.num_prefix_hit_tokens)
+        tokens = GaugeMetricFamily("epd_pd_embedding_cache_tokens", "Image-embedding cache rows by state",
+                                   labels=["state"])
+        tokens.add_metric(["reserved"], s.reserved_tokens)
+        tokens.add_metric(["ready"], s.ready_tokens)
+        yield tokens
+        yield GaugeMetricFamily("epd_pd_embedding_cache_capacity_tokens", "Image-embedding cache capacity in rows",
+                                value=s.capacity_tokens)
+        yield CounterMetricFamily("epd_pd_reservations_expired", "Preallocate leases that ran out unused",
+                                  value=s.num_expired_leases)
+        yield from _step_families(s.steps)
+        yield CounterMetricFamily("epd_pd_preemptions", "Requests preempted for lack of KV blocks",
+                                  value=s.num_preemptions)
+
+
+def _step_families(steps: StepSnapshot) -> Iterable[Metric]:
+    bounds = [repr(float(b)) for b in STEP_SECONDS_BUCKETS] + ["+Inf"]
+    yield HistogramMetricFamily(
+        "epd_pd_step_seconds", "Duration of one engine step",
+        buckets=list(zip(bounds, steps.bucket_counts)), sum_value=steps.sum_seconds,
+    )
+    phases = CounterMetricFamily("epd_pd_step_phase_seconds", "Engine step time by phase", labels=["phase"])
+    for phase, seconds in steps.seconds.items():
+        phases.add_metric([phase], seconds)
+    yield phases
+    yield CounterMetricFamily("epd_pd_prompt_tokens", "Prompt tokens of requests that got their first token",
+                              value=steps.num_prompt_tokens)
+    yield CounterMetricFamily("epd_pd_generation_tokens", "Tokens sampled by the model",
+                              value=steps.num_generation_tokens)
