@@ -77,13 +77,12 @@ def build_receiver(hidden_size: int, dtype_name: str, capacity_tokens: int) -> t
 
 
 async def _serve(hidden_size: int, dtype_name: str, capacity_tokens: int, conn: Any) -> None:
-    from services.common import grpc_utils
-    from services.common.pb import epd_pb2_grpc
+    from services.common import grpc_utils, push_wire
 
     engine, servicer = build_receiver(hidden_size, dtype_name, capacity_tokens)
     engine.start()
     server = await grpc_utils.start_server(
-        "127.0.0.1", 0, "epd.v1.PrefillDecode", lambda s: epd_pb2_grpc.add_PrefillDecodeServicer_to_server(servicer, s)
+        "127.0.0.1", 0, "epd.v1.PrefillDecode", lambda s: push_wire.add_prefill_decode_servicer(servicer, s)
     )
     await server.set_ready(True)
     conn.send(server.port)

@@ -24,9 +24,9 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from services.common import grpc_utils
-from services.common.pb import epd_pb2, epd_pb2_grpc
-from services.common.tensors import dtype_to_pb, iter_chunks, tensor_bytes
+from services.common import grpc_utils, push_wire
+from services.common.pb import epd_pb2
+from services.common.tensors import dtype_to_pb, tensor_bytes
 from services.encoder.errors import DeadlineExceeded, PushFailed
 from services.encoder.faults import NO_FAULTS, Faults
 
@@ -146,7 +146,7 @@ class EmbeddingPusher:
         self._max_attempts = max_attempts
         self._connect_timeout_s = connect_timeout_s
         self._channel_factory = channel_factory
-        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, epd_pb2_grpc.PrefillDecodeStub]] = OrderedDict()
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, grpc.aio.StreamUnaryMultiCallable]] = OrderedDict()
         self._closing: set[asyncio.Task] = set()
         self._delivered: OrderedDict[tuple[str, str, str, str], None] = OrderedDict()
         self._faults = faults
@@ -224,20 +224,20 @@ class EmbeddingPusher:
         deadline: float,
         connect_by: float,
     ) -> None:
-        channel, stub = self._channel(pd_address)
+        channel, push_call = self._channel(pd_address)
         await self._wait_ready(channel, connect_by)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded("deadline exceeded before the push started")
-        call = stub.PushEmbedding(timeout=remaining, metadata=((grpc_utils.REQUEST_ID_KEY, header.request_id),))
+        call = push_call(timeout=remaining, metadata=((grpc_utils.REQUEST_ID_KEY, header.request_id),))
         first_status = _record_first_status(call)
         sent = write_failed = False
         try:
             try:
                 await call.write(epd_pb2.PushEmbeddingChunk(header=header))
                 sent = True
-                for chunk in iter_chunks(data, self._chunk_bytes):
-                    await call.write(epd_pb2.PushEmbeddingChunk(data=chunk))
+                for start in range(0, len(data), self._chunk_bytes):
+                    await call.write(push_wire.encode_data_chunk(data[start : start + self._chunk_bytes]))
                 for chunk in self._faults.extra_chunks():
                     await call.write(epd_pb2.PushEmbeddingChunk(data=chunk))
                 await call.done_writing()
@@ -268,13 +268,13 @@ class EmbeddingPusher:
         except TimeoutError:
             raise PushFailed("PD is unreachable", grpc.StatusCode.UNAVAILABLE, sent=False) from None
 
-    def _channel(self, address: str) -> tuple[grpc.aio.Channel, epd_pb2_grpc.PrefillDecodeStub]:
+    def _channel(self, address: str) -> tuple[grpc.aio.Channel, grpc.aio.StreamUnaryMultiCallable]:
         entry = self._channels.get(address)
         if entry is not None:
             self._channels.move_to_end(address)
             return entry
         channel = self._channel_factory(address)
-        entry = (channel, epd_pb2_grpc.PrefillDecodeStub(channel))
+        entry = (channel, push_wire.push_call(channel))
         self._channels[address] = entry
         if len(self._channels) > MAX_CHANNELS:
             _, (old, _) = self._channels.popitem(last=False)

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common import grpc_utils
+from services.common import grpc_utils, push_wire
 from services.common.devices import resolve_device, resolve_dtype
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
-from services.common.pb import epd_pb2_grpc
 from services.pd import faults
 from services.pd.colocated import Colocated
 from services.pd.config import PdConfig
@@ -203,7 +202,7 @@ async def start_pd(config: PdConfig) -> PdServer:
     )
 
     def register(grpc_server) -> None:
-        epd_pb2_grpc.add_PrefillDecodeServicer_to_server(servicer, grpc_server)
+        push_wire.add_prefill_decode_servicer(servicer, grpc_server)
         if colocated is not None:
             colocated.register(grpc_server)  # epd.v1.Encoder on this same port
 

@@ -47,6 +47,13 @@ def _usage_fields(final: epd_pb2.GenerateResponse) -> dict[str, object]:
     }
 
 
+def _data_of(chunk: memoryview | epd_pb2.PushEmbeddingChunk) -> memoryview | bytes | None:
+    """The payload of a data chunk (``push_wire`` hands those over as views), or None for a header."""
+    if isinstance(chunk, memoryview):
+        return chunk
+    return chunk.data if chunk.WhichOneof("kind") == "data" else None
+
+
 class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     """Thin adapter between ``epd.v1.PrefillDecode`` and the ``Engine``.
 
@@ -144,20 +151,20 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     async def _receive_push(self, request_iterator) -> tuple[epd_pb2.EmbeddingHeader, bytearray]:
         """Reads header then chunks, rejecting early: bad header, unknown lease, too many bytes."""
         first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("kind") != "header":
+        if first is None or _data_of(first) is not None or first.WhichOneof("kind") != "header":
             raise EngineError(ErrorKind.INVALID_ARGUMENT, "a push must start with a header")
         header = first.header
         self._check_header(header)
         await self.engine.check_push(header.request_id, header.reservation_id, header.mm_hash, header.shape[0])
         # One buffer of the declared size, filled in place: each chunk's bytes
-        # are read from the message once and copied once.
+        # are a view of the received message (push_wire), copied once.
         payload = bytearray(header.num_bytes)
         view = memoryview(payload)
         received = 0
         async for chunk in request_iterator:
-            if chunk.WhichOneof("kind") != "data":
+            data = _data_of(chunk)
+            if data is None:
                 raise EngineError(ErrorKind.INVALID_ARGUMENT, "only the first message of a push may be a header")
-            data = chunk.data
             if len(data) > tensors.CHUNK_BYTES:
                 raise EngineError(ErrorKind.INVALID_ARGUMENT, "push chunk larger than 1 MiB")
             if received + len(data) > header.num_bytes:
