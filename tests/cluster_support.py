@@ -164,3 +164,39 @@ class InProcessCluster:
             if not report or time.monotonic() > deadline:
                 return report
             time.sleep(0.05)
+
+
+class ProxyThread:
+    """The proxy app alone, served by uvicorn on a loop in a background thread (for tests whose
+    backends are processes)."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.app = create_app(config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.thread.start()
+        self.task = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[sock]), self.loop)
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert not self.task.done(), self.task.result()
+            assert time.monotonic() < deadline, "proxy did not start"
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def num_outstanding(self) -> int:
+        """Calls this proxy has in flight on any backend (0 when idle)."""
+        backends = self.app.state.proxy.backends
+        return sum(instance.num_outstanding for instance in [*backends.pds, *backends.encoders])
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.task.result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

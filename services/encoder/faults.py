@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.fault_spec import parse_fault_spec
+
 EXTRA_CHUNK = b"\x00" * 8
 """The surplus payload ``extra-chunk`` appends after the declared bytes."""
 
@@ -43,22 +45,7 @@ class Faults:
     @classmethod
     def parse(cls, spec: str) -> Faults:
         """``"wrong-shape,push-late-ms=200"`` -> ``Faults``; ValueError names the bad part."""
-        fields: dict[str, object] = {}
-        for part in (p.strip() for p in spec.split(",")):
-            if not part:
-                continue
-            name, sep, value = part.partition("=")
-            if name == "push-late-ms" and sep:
-                try:
-                    fields["push_late_ms"] = int(value)
-                except ValueError:
-                    raise ValueError("push-late-ms needs an integer number of milliseconds") from None
-            elif name in _SWITCHES and not sep:
-                fields[_SWITCHES[name]] = True
-            else:
-                known = ", ".join([*_SWITCHES, "push-late-ms=N"])
-                raise ValueError(f"unknown fault {part!r}; known faults: {known}")
-        return cls(**fields)
+        return cls(**parse_fault_spec(spec, switches=_SWITCHES, integers={"push-late-ms": "push_late_ms"}))
 
     @property
     def enabled(self) -> bool:

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.fault_spec import parse_fault_spec
+
 log = logging.getLogger(__name__)
 
 _INT_FIELDS = {"forward-raises-after": "forward_raises_after", "freeze-step-ms": "freeze_step_ms",
@@ -56,19 +58,7 @@ class PdFaults:
     @classmethod
     def parse(cls, spec: str) -> PdFaults:
         """``"forward-raises-after=3,freeze-step-ms=500"`` -> ``PdFaults``; ValueError names the bad part."""
-        fields: dict[str, int] = {}
-        for part in (p.strip() for p in spec.split(",")):
-            if not part:
-                continue
-            name, sep, value = part.partition("=")
-            if name not in _INT_FIELDS or not sep:
-                known = ", ".join(f"{flag}=N" for flag in _INT_FIELDS)
-                raise ValueError(f"unknown fault {part!r}; known faults: {known}")
-            try:
-                fields[_INT_FIELDS[name]] = int(value)
-            except ValueError:
-                raise ValueError(f"{name} needs an integer") from None
-        return cls(**fields)
+        return cls(**parse_fault_spec(spec, integers=_INT_FIELDS))
 
     @property
     def enabled(self) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from services.common.fault_spec import parse_fault_spec
+
 
 @dataclass(frozen=True)
 class ProxyFaults:
@@ -25,18 +27,7 @@ class ProxyFaults:
     @classmethod
     def parse(cls, spec: str) -> ProxyFaults:
         """``"slow-decode-ms=500"`` -> ``ProxyFaults``; ValueError names the bad part."""
-        fields: dict[str, int] = {}
-        for part in (p.strip() for p in spec.split(",")):
-            if not part:
-                continue
-            name, sep, value = part.partition("=")
-            if name != "slow-decode-ms" or not sep:
-                raise ValueError(f"unknown fault {part!r}; known faults: slow-decode-ms=N")
-            try:
-                fields["slow_decode_ms"] = int(value)
-            except ValueError:
-                raise ValueError("slow-decode-ms needs an integer number of milliseconds") from None
-        return cls(**fields)
+        return cls(**parse_fault_spec(spec, integers={"slow-decode-ms": "slow_decode_ms"}))
 
     @property
     def enabled(self) -> bool:

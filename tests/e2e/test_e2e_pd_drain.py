@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
-import uvicorn
-from cluster_support import InProcessCluster, free_ports
+from cluster_support import InProcessCluster, ProxyThread, free_ports
 from oracle_support import make_image, user_message
 
 from services.common import grpc_utils
@@ -43,7 +42,6 @@ from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.common.tensors import dtype_to_pb, iter_chunks, tensor_bytes
 from services.encoder.faults import Faults
 from services.pd.server import SERVICE_NAME as PD_SERVICE
-from services.proxy.app import create_app
 from services.proxy.config import ProxyConfig
 
 pytestmark = pytest.mark.e2e
@@ -81,40 +79,6 @@ class VictimPd:
         self.process.wait()
         self._stdout.close()
         self._stderr.close()
-
-
-class ProxyThread:
-    """The proxy app served by uvicorn on a loop in a background thread."""
-
-    def __init__(self, config: ProxyConfig) -> None:
-        self.app = create_app(config)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
-        self.port = free_ports(1)[0]
-        self.server.config.port = self.port
-        self.thread.start()
-        self.task = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop)
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert not self.task.done(), self.task.result()
-            assert time.monotonic() < deadline, "proxy did not start"
-            time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def num_outstanding(self) -> int:
-        """Calls this proxy has in flight on any backend (0 when idle)."""
-        backends = self.app.state.proxy.backends
-        return sum(instance.num_outstanding for instance in [*backends.pds, *backends.encoders])
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.task.result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,12 +25,10 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import uvicorn
-from cluster_support import InProcessCluster, free_ports
+from cluster_support import InProcessCluster, ProxyThread, free_ports
 from oracle_support import Oracle, make_image, user_message
 
 from services.common import grpc_utils
-from services.proxy.app import create_app
 from services.proxy.config import ProxyConfig
 
 pytestmark = pytest.mark.e2e
@@ -72,36 +69,6 @@ class Service:
             self.process.kill()
         self.process.wait()
         self.log.close()
-
-
-class ProxyThread:
-    """The proxy app served by uvicorn on a loop in a background thread."""
-
-    def __init__(self, config: ProxyConfig) -> None:
-        self.app = create_app(config)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
-        self.thread.start()
-        self.task = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[sock]), self.loop)
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert not self.task.done(), self.task.result()
-            assert time.monotonic() < deadline, "proxy did not start"
-            time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.task.result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @dataclass
