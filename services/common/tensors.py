@@ -32,6 +32,13 @@ if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("the tensor wire codec requires a little-endian host")
 
 
+PIXEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes accepted for the pixel tensors of an Encode call (encoder service and colocated PD)."""
+
+MAX_ID_CHARS = 256
+"""Longest request id, mm_hash or reservation id accepted in an Encode call (they end up in logs and metadata)."""
+
+
 def dtype_to_pb(dtype: torch.dtype) -> int:
     """Maps a torch dtype to its ``epd.v1.DType`` value (ValueError if unsupported)."""
     try:

@@ -15,12 +15,7 @@ from services.common import tensors
 from services.common.pb import epd_pb2
 from services.encoder.errors import InvalidInput
 
-MAX_ID_CHARS = 256
-"""Longest request id, mm_hash or reservation id accepted (they end up in logs and metadata)."""
-
 MAX_ADDRESS_CHARS = 512
-
-_PIXEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,7 @@ class ItemOutcome:
 def _check_id(value: str, what: str) -> str:
     if not value:
         raise InvalidInput(f"{what} is required")
-    if len(value) > MAX_ID_CHARS or not value.isprintable():
+    if len(value) > tensors.MAX_ID_CHARS or not value.isprintable():
         raise InvalidInput(f"{what} is too long or not printable")
     return value
 
@@ -74,7 +69,7 @@ def _parse_pixels(message: epd_pb2.EncodeItem, index: int) -> torch.Tensor:
         pixels = tensors.from_pb(message.pixel_values)
     except ValueError:
         raise InvalidInput(f"item {index}: pixel_values is not a valid tensor") from None
-    if pixels.dtype not in _PIXEL_DTYPES:
+    if pixels.dtype not in tensors.PIXEL_DTYPES:
         raise InvalidInput(f"item {index}: pixel_values must be float32, float16 or bfloat16")
     if pixels.dim() != 3 or pixels.shape[0] != 3 or pixels.shape[1] == 0 or pixels.shape[2] == 0:
         raise InvalidInput(f"item {index}: pixel_values must have shape [3, H, W]")

@@ -48,8 +48,6 @@ ENCODER_SERVICE = "epd.v1.Encoder"
 MAX_BATCH_IMAGES = 8
 """Most images in one colocated vision forward (the encoder service's default batch)."""
 
-MAX_ID_CHARS = 256
-_PIXEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(eq=False)
@@ -184,8 +182,8 @@ class ColocatedEncoder:
 
 
 def _check_id(value: str, what: str) -> str:
-    if not value or len(value) > MAX_ID_CHARS or not value.isprintable():
-        raise EngineError(ErrorKind.INVALID_ARGUMENT, f"{what} must be 1..{MAX_ID_CHARS} printable characters")
+    if not value or len(value) > tensors.MAX_ID_CHARS or not value.isprintable():
+        raise EngineError(ErrorKind.INVALID_ARGUMENT, f"{what} must be 1..{tensors.MAX_ID_CHARS} printable characters")
     return value
 
 
@@ -197,7 +195,7 @@ def _parse_pixels(item: epd_pb2.EncodeItem, index: int) -> torch.Tensor:
         pixels = tensors.from_pb(item.pixel_values)
     except ValueError:
         raise invalid from None
-    if pixels.dtype not in _PIXEL_DTYPES or pixels.dim() != 3 or pixels.shape[0] != 3 or pixels.numel() == 0:
+    if pixels.dtype not in tensors.PIXEL_DTYPES or pixels.dim() != 3 or pixels.shape[0] != 3 or pixels.numel() == 0:
         raise invalid
     if not bool(torch.isfinite(pixels).all()):
         raise invalid
