@@ -10,7 +10,10 @@ server is pinned there, and the layout says so in ``notes``.
 
 - ``colocated`` (a): one PD that encodes in its own step loop, on all cores.
 - ``replicas`` (b): K colocated PDs, data-parallel, one core group each.
-- ``disagg`` (c): E encoders + P PDs splitting the cores.
+- ``disagg`` (c): E encoders + P PDs splitting the cores (``own`` placement),
+  or P PDs splitting the cores with the E encoders pinned over them
+  (``shared`` placement: the kernel time-slices an encode against the decode
+  steps on that core instead of the encode blocking a step loop).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ CONFIG_NAMES = ("colocated", "replicas", "disagg")
 """In report order; ratios are taken against ``disagg``."""
 
 REPLICA_PROXY_MODES = ("per-replica", "shared")
+
+ENCODER_PLACEMENTS = ("own", "shared")
+"""(c): encoders on cores of their own, or pinned over the PDs' cores."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class LayoutConfig:
     proxy_core: int | None = None  # None = the first core
     proxy_threads: int = 1
     replica_proxy: str = "shared"
+    encoder_placement: str = "own"
+    encoder_threads: int = 0     # 0 = one per core it is pinned to
 
 
 def split_cores(cores: tuple[int, ...], num_groups: int) -> list[tuple[int, ...]]:
@@ -138,14 +146,30 @@ def _replicas(config: LayoutConfig, cores: tuple[int, ...], proxy_core: int) -> 
 
 
 def _disagg(config: LayoutConfig, cores: tuple[int, ...], proxy_core: int) -> Topology:
+    if config.encoder_placement not in ENCODER_PLACEMENTS:
+        raise ValueError(f"encoder placement must be one of {', '.join(ENCODER_PLACEMENTS)}")
+    if config.encoder_threads < 0:
+        raise ValueError("encoder threads must be >= 0")
     num_encoders = config.encoders or default_encoders(len(cores))
-    num_pds = config.pds or max(1, len(cores) - num_encoders)
-    groups = split_cores(cores, num_encoders + num_pds)
-    encoders = [ProcessSpec(f"encoder-{i}", "encoder", g, len(g)) for i, g in enumerate(groups[:num_encoders])]
-    pds = [ProcessSpec(f"pd-{j}", "pd", g, len(g)) for j, g in enumerate(groups[num_encoders:])]
+    if config.encoder_placement == "shared":
+        num_pds = config.pds or len(cores)
+        encoder_groups = split_cores(cores, num_encoders)
+        pd_groups = split_cores(cores, num_pds)
+    else:
+        num_pds = config.pds or max(1, len(cores) - num_encoders)
+        groups = split_cores(cores, num_encoders + num_pds)
+        encoder_groups, pd_groups = groups[:num_encoders], groups[num_encoders:]
+    encoders = [ProcessSpec(f"encoder-{i}", "encoder", g, config.encoder_threads or len(g))
+                for i, g in enumerate(encoder_groups)]
+    pds = [ProcessSpec(f"pd-{j}", "pd", g, len(g)) for j, g in enumerate(pd_groups)]
     proxy = _proxy("proxy-0", proxy_core, config.proxy_threads, pds, encoders)
     label = f"(c) disaggregated: {num_encoders}E + {num_pds}PD on {len(cores)} cores"
-    return _with_notes(Topology("disagg", label, (*encoders, *pds, proxy)))
+    extra: tuple[str, ...] = ()
+    if config.encoder_placement == "shared":
+        label += ", encoders over the PD cores"
+        extra = ("encoders are pinned over the PDs' cores: the kernel time-slices image encoding against decode "
+                 "steps",)
+    return _with_notes(Topology("disagg", label, (*encoders, *pds, proxy)), extra)
 
 
 def _with_notes(topology: Topology, extra: tuple[str, ...] = ()) -> Topology:

@@ -85,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(lay, "--replicas", type=int, default=0, help="(b): colocated PD replicas (0 = one per core)")
     add(lay, "--encoders", type=int, default=0, help="(c): encoder processes (0 = max(1, cores // 4))")
     add(lay, "--pds", type=int, default=0, help="(c): PD processes (0 = the remaining cores, one each)")
+    add(lay, "--encoder-placement", default="own", choices=["own", "shared"],
+        help="(c): encoders on cores of their own (split with the PDs), or pinned over the PDs' cores (PDs then "
+             "default to one per core and the kernel time-slices encoding against decoding)")
+    add(lay, "--encoder-threads", type=int, default=0, help="(c): torch threads per encoder (0 = one per core "
+        "it is pinned to)")
     add(lay, "--proxy-core", type=int, default=-1, help="CPU id the proxy is pinned to (-1 = the first core)")
     add(lay, "--proxy-threads", type=int, default=1, help="proxy preprocessing threads")
     add(lay, "--replica-proxy", default="shared", choices=["shared", "per-replica"],
@@ -155,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     cores = tuple(args.cores) or tuple(sorted(os.sched_getaffinity(0)))
     layout = LayoutConfig(cores=cores, replicas=args.replicas, encoders=args.encoders, pds=args.pds,
                           proxy_core=None if args.proxy_core < 0 else args.proxy_core,
-                          proxy_threads=args.proxy_threads, replica_proxy=args.replica_proxy)
+                          proxy_threads=args.proxy_threads, replica_proxy=args.replica_proxy,
+                          encoder_placement=args.encoder_placement, encoder_threads=args.encoder_threads)
     problem = _usage_problem(args)
     try:
         topologies = build_topologies(layout, tuple(n.strip() for n in args.configs.split(",") if n.strip()))

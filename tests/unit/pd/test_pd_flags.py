@@ -24,8 +24,8 @@ def test_waiting_bound_and_stall_timeout_flags():
 
 
 def test_linear_backend_flag():
-    assert _config([]).linear_backend == "torch"
-    assert _config(["--linear-backend", "auto"]).linear_backend == "auto"
+    assert _config([]).linear_backend == "auto"
+    assert _config(["--linear-backend", "torch"]).linear_backend == "torch"
 
 
 def test_waiting_bound_flag_reads_the_environment(monkeypatch):

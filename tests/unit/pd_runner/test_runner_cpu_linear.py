@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.pd.cpu_linear import OneDnnLinear, onednn_works, resolve_backend, use_onednn_linear
+from services.pd.cpu_linear import OneDnnLinear, onednn_works, padded_rows, resolve_backend, use_onednn_linear
 from services.pd.model_runner import ModelRunner
 from services.pd.outputs import ScheduledChunk, SchedulerOutput
 
@@ -34,6 +34,26 @@ def test_switch_keeps_parameters_and_matches_torch():
     torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
     assert use_onednn_linear(model) == 2 * 7 + 1           # q k v o gate up down per layer, and lm_head
     assert {name: p for name, p in model.named_parameters()} == before   # same tensors, same names
+
+
+def test_rows_are_padded_to_few_buckets_with_little_waste():
+    buckets = {padded_rows(n) for n in range(1, 4097)}
+    assert len(buckets) <= 16 + 8 * 5                      # multiples of 8 to 128, then 8 per doubling
+    for n in range(1, 4097):
+        assert n <= padded_rows(n) <= max(n + 7, n * 1.125)   # at most 7 rows or 12.5% of padding
+        assert padded_rows(padded_rows(n)) == padded_rows(n)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 64), (2, 65, 64), (129, 64)])
+def test_padded_rows_do_not_change_the_real_rows(shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(*shape)
+    expected = linear(x)
+    use_onednn_linear(nn.Sequential(linear))
+    got = linear(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_backend_resolution():
