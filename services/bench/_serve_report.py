@@ -35,7 +35,9 @@ def _setup(results: dict[str, Any]) -> list[str]:
          f"after {load.get('after')}"),
         f"- Model: `{model['path']}` (image size {model['image_size']} px)",
         (f"- Workload: {workload['description']}; {workload['num_requests']} requests per rate and repeat, "
-         f"prompt {workload['prompt_words']} words, {workload['max_tokens']} output tokens (ignore_eos), "
+         f"prompt {workload['prompt_words']} words"
+         f"{' after the images' if workload.get('images_first') else ''}, {workload['max_tokens']} output tokens "
+         f"(ignore_eos), "
          f"seed {workload['seed']}, {workload['repeats']} repeat(s)"),
         f"- Rates (req/s): {', '.join(f'{r:g}' for r in results['rates'])} ({results['rates_source']})",
         (f"- SLO for goodput: p99 TTFT <= {slo['ttft_ms']:.1f} ms and p99 TPOT <= {slo['tpot_ms']:.1f} ms, "

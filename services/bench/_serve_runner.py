@@ -44,6 +44,7 @@ class RunPlan:
     prompt_words: int
     seed: int
     image_size: int
+    images_first: bool = False               # images before the text in each message
     rates: tuple[float, ...] = ()            # empty = automatic sweep
     rate_multipliers: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 3.0)
     repeats: int = 1
@@ -144,13 +145,16 @@ class Runner:
         return make_requests(workload, count, seed=p.seed, run=run, image_size=p.image_size,
                              prompt_words=p.prompt_words, max_tokens=p.max_tokens)
 
+    def _bodies(self, specs) -> list[bytes]:
+        return encode_bodies(specs, images_first=self.plan.images_first)
+
     def _warm_up(self, urls: list[str]) -> None:
         """One text and one image request (untimed): first-call costs stay out of the measurement."""
         p = self.plan
         texts, heavy = lone_requests(p.workload, 1, seed=p.seed, run=WARMUP_RUN, image_size=p.image_size,
                                      prompt_words=p.prompt_words, max_tokens=min(p.max_tokens, 8))
         specs = texts + heavy
-        done = asyncio.run(run_sequential(urls, specs, encode_bodies(specs), request_timeout_s=p.request_timeout_s))
+        done = asyncio.run(run_sequential(urls, specs, self._bodies(specs), request_timeout_s=p.request_timeout_s))
         failed = [f"{r.kind}: {r.error}" for r in done if not r.ok]
         if failed:
             # A configuration that cannot serve one request of each kind is broken, not slow.
@@ -160,7 +164,7 @@ class Runner:
         p = self.plan
         texts, heavy = lone_requests(p.workload, p.calibration_requests, seed=p.seed, run=CALIBRATION_RUN,
                                      image_size=p.image_size, prompt_words=p.prompt_words, max_tokens=p.max_tokens)
-        lone = asyncio.run(run_sequential(urls, texts + heavy, encode_bodies(texts + heavy),
+        lone = asyncio.run(run_sequential(urls, texts + heavy, self._bodies(texts + heavy),
                                           request_timeout_s=p.request_timeout_s))
         lone_text, lone_heavy = lone[: len(texts)], lone[len(texts):]
         if not all(r.ok for r in lone):
@@ -190,7 +194,7 @@ class Runner:
         """All of a burst at once: completed / makespan is the capacity the sweep is centred on."""
         p = self.plan
         specs = self._specs(p.workload, p.burst_requests, CALIBRATION_RUN + 1)
-        burst = asyncio.run(run_schedule(urls, specs, encode_bodies(specs), [0.0] * len(specs),
+        burst = asyncio.run(run_schedule(urls, specs, self._bodies(specs), [0.0] * len(specs),
                                          request_timeout_s=p.request_timeout_s))
         ok = [r for r in burst if r.ok]
         makespan = max((r.start_s + r.e2e for r in ok), default=0.0)
@@ -207,7 +211,7 @@ class Runner:
         p = self.plan
         # The same run number on every configuration: the same requests, the same images.
         specs = self._specs(p.workload, p.num_requests, repeat * 1000 + index)
-        bodies = encode_bodies(specs)
+        bodies = self._bodies(specs)
         arrivals = poisson_arrivals(len(specs), rate, seed=p.seed + repeat)
         bar = self._progress()
         if bar is not None:

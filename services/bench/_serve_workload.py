@@ -157,11 +157,18 @@ def render_image(ref: ImageRef) -> bytes:
     return buffer.getvalue()
 
 
-def chat_body(spec: RequestSpec, image_urls: dict[tuple[int, int, int], str]) -> dict[str, Any]:
-    """The streaming OpenAI chat request for ``spec`` (greedy, fixed length, token ids returned)."""
+def chat_body(spec: RequestSpec, image_urls: dict[tuple[int, int, int], str], *,
+              images_first: bool = False) -> dict[str, Any]:
+    """The streaming OpenAI chat request for ``spec`` (greedy, fixed length, token ids returned).
+
+    The text comes before the images (as in OpenAI's examples) unless
+    ``images_first``: then a repeated image is a shared prompt prefix that
+    PD's prefix cache can serve.
+    """
     if spec.images:
-        content: Any = [{"type": "text", "text": spec.prompt}]
-        content += [{"type": "image_url", "image_url": {"url": image_urls[ref.key]}} for ref in spec.images]
+        text: list[Any] = [{"type": "text", "text": spec.prompt}]
+        images = [{"type": "image_url", "image_url": {"url": image_urls[ref.key]}} for ref in spec.images]
+        content: Any = images + text if images_first else text + images
     else:
         content = spec.prompt
     return {
@@ -175,11 +182,12 @@ def chat_body(spec: RequestSpec, image_urls: dict[tuple[int, int, int], str]) ->
     }
 
 
-def encode_bodies(specs: list[RequestSpec]) -> list[bytes]:
+def encode_bodies(specs: list[RequestSpec], *, images_first: bool = False) -> list[bytes]:
     """JSON bodies of ``specs``, built before the clock starts (each distinct image rendered once)."""
     urls: dict[tuple[int, int, int], str] = {}
     for spec in specs:
         for ref in spec.images:
             if ref.key not in urls:
                 urls[ref.key] = "data:image/jpeg;base64," + base64.b64encode(render_image(ref)).decode()
-    return [json.dumps(chat_body(spec, urls), separators=(",", ":")).encode() for spec in specs]
+    return [json.dumps(chat_body(spec, urls, images_first=images_first), separators=(",", ":")).encode()
+            for spec in specs]

@@ -9,7 +9,8 @@ open-loop Poisson workload against each:
 - (b) ``replicas``: K colocated PDs (default: one per core), each pinned to
   its own cores (the method of vLLM's published EPD comparison);
 - (c) ``disagg``: E encoders + P PDs splitting the cores (default on 2 cores:
-  1 encoder on one core, 1 PD on the other).
+  1 encoder on one core, 1 PD on the other), or with ``--encoder-placement
+  shared`` one PD per core and the encoders pinned over them.
 
 Each process is pinned (CPU affinity) and runs one torch thread per core it
 owns; the proxy is pinned to ``--proxy-core`` and shares it (recorded).
@@ -65,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(work, "--num-requests", type=int, default=100, help="requests per rate (and per repeat)")
     add(work, "--max-tokens", type=int, default=64, help="output tokens of every request (ignore_eos)")
     add(work, "--prompt-words", type=int, default=32, help="words of random text in each prompt")
+    add(work, "--images-first", default=False, help="put the images before the text in each message (the text "
+        "comes first by default, as in OpenAI's examples); then a repeated image is a prompt prefix PD can reuse")
     add(work, "--seed", type=int, default=0, help="seed of prompts, images and arrivals")
     add(work, "--rates", type=_floats, default=(),
         help="comma-separated request rates (req/s); empty = --rate-multipliers x the capacity measured with a "
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args.model)
     plan = RunPlan(
         workload=args.workload, num_requests=args.num_requests, max_tokens=args.max_tokens,
-        prompt_words=args.prompt_words, seed=args.seed, image_size=_image_size(model_dir), rates=tuple(args.rates),
+        prompt_words=args.prompt_words, images_first=args.images_first, seed=args.seed, image_size=_image_size(model_dir), rates=tuple(args.rates),
         rate_multipliers=tuple(args.rate_multipliers), repeats=args.repeats, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms, slo_factor=args.slo_factor, calibration_requests=args.calibration_requests,
         burst_requests=args.burst_requests, startup_timeout_s=args.startup_timeout,

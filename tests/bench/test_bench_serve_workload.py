@@ -100,3 +100,13 @@ def test_lone_requests_carry_the_workloads_most_images():
     assert len({ref.key for h in heavy for ref in h.images}) == 8  # all new
     assert lone_requests("text", 2, seed=0, run=5, image_size=32)[1] == []
     assert set(WORKLOADS) == {"mixed", "multi-image", "repeat", "text"}
+
+
+def test_images_go_before_the_text_only_when_asked():
+    spec = next(s for s in requests("multi-image", count=3) if s.images)
+    urls = {ref.key: f"data:image/jpeg;base64,{i}" for i, ref in enumerate(spec.images)}
+    default = chat_body(spec, urls)["messages"][0]["content"]
+    first = chat_body(spec, urls, images_first=True)["messages"][0]["content"]
+    assert [part["type"] for part in default] == ["text"] + ["image_url"] * len(spec.images)
+    assert [part["type"] for part in first] == ["image_url"] * len(spec.images) + ["text"]
+    assert sorted(map(str, default)) == sorted(map(str, first))
