@@ -21,6 +21,14 @@ def test_defaults_describe_the_issue_run():
     assert args.configs == "colocated,replicas,disagg"
     assert args.rates == () and args.rate_multipliers == (0.5, 1.0, 1.5, 2.0, 3.0)
     assert args.replica_proxy == "shared" and args.plots and args.progress
+    assert args.encoder_placement == "own" and args.encoder_threads == 0 and not args.images_first
+
+
+def test_placement_and_message_order_flags():
+    args = parse("--encoder-placement", "shared", "--encoder-threads", "1", "--images-first")
+    assert args.encoder_placement == "shared" and args.encoder_threads == 1 and args.images_first
+    with pytest.raises(SystemExit):
+        parse("--encoder-placement", "beside")
 
 
 def test_lists_parse_and_bad_lists_are_refused():
@@ -39,6 +47,7 @@ def test_lists_parse_and_bad_lists_are_refused():
         (["--num-requests", "0"], "must be >= 1"),
         (["--slo-tpot-ms", "-1"], "must be >= 0"),
         (["--cores", "0", "--configs", "disagg"], "at least 2 cores"),
+        (["--encoder-threads", "-1", "--configs", "disagg"], "encoder threads"),
     ],
 )
 def test_usage_errors_exit_2_before_starting_anything(flags, message, tmp_path, capsys):

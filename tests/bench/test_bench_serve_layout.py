@@ -51,7 +51,23 @@ def test_larger_machines_follow_vllms_one_encoder_per_three_pds():
     assert len(proxies) == 1 and proxies[0].pd_names == ("pd-0", "pd-1") == proxies[0].encoder_names
 
 
+def test_shared_placement_pins_encoders_over_one_pd_per_core():
+    config = LayoutConfig(cores=(0, 1), encoder_placement="shared", encoder_threads=1)
+    disagg = {p.name: p for p in build_topologies(config, ("disagg",))["disagg"].processes}
+    assert [disagg[n].cores for n in ("pd-0", "pd-1")] == [(0,), (1,)]
+    assert disagg["encoder-0"].cores == (0, 1) and disagg["encoder-0"].threads == 1
+    two = build_topologies(LayoutConfig(cores=(0, 1), encoders=2, encoder_placement="shared"), ("disagg",))["disagg"]
+    assert [(p.name, p.cores, p.threads) for p in two.servers] == [
+        ("encoder-0", (0,), 1), ("encoder-1", (1,), 1), ("pd-0", (0,), 1), ("pd-1", (1,), 1)]
+    assert "encoders over the PD cores" in two.label
+    assert any("time-slices" in note for note in two.notes)
+
+
 def test_layout_errors_are_reported():
+    with pytest.raises(ValueError, match="encoder placement"):
+        build_topologies(LayoutConfig(cores=(0, 1), encoder_placement="beside"), ("disagg",))
+    with pytest.raises(ValueError, match="encoder threads"):
+        build_topologies(LayoutConfig(cores=(0, 1), encoder_threads=-1), ("disagg",))
     with pytest.raises(ValueError, match="unknown configuration"):
         build_topologies(LayoutConfig(cores=(0, 1)), ("monolith",))
     with pytest.raises(ValueError, match="proxy core"):
