@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ from services.pd.request import MultiModalSpan, Request, SamplingParams
 from services.pd.scheduler import QueueFull
 
 _NO_RESERVATION = "an image of this request has no reservation on this PD (call Preallocate first)"
+_LEASE_EXPIRED = "the request's reservation lease expired before Generate took it over"
+EXPIRED_MEMORY = 4096
+"""Request ids whose lease ran out, remembered so a late Generate hears DEADLINE_EXCEEDED (bounded)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class EmbeddingHandoff:
         self._pin_ids = itertools.count()
         # Leases that ran out unused: one per image reservation, one per prefix-KV pin (metrics).
         self.num_expired_leases = 0
+        self._expired_requests: OrderedDict[str, None] = OrderedDict()
 
     @property
     def num_kv_leases(self) -> int:
@@ -150,9 +155,11 @@ class EmbeddingHandoff:
         """Returns the indices of the spans the request now holds a reference for.
 
         Every other span is covered by cached KV, pinned under the request id.
-        Raises EngineError(FAILED_PRECONDITION), holding nothing, when a span
+        Raises EngineError, holding nothing, when a span
         has neither a reservation, a cached embedding nor cached KV.
         """
+        lease_expired = request.request_id in self._expired_requests
+        self._expired_requests.pop(request.request_id, None)
         taken = self.embedding_cache.take_over(request.request_id)
         self._kv_leases.pop(request.request_id, None)   # the request owns its pin now
         block_ids, num_hit = self.kv_cache.get_computed_blocks(request) if request.mm_spans else ([], 0)
@@ -171,6 +178,9 @@ class EmbeddingHandoff:
                 for mm_hash in taken:
                     self.embedding_cache.release(mm_hash)
                 self.cancel(request.request_id)
+                # A lease that ran out is a timeout (the proxy answers 504), not a protocol error.
+                if lease_expired:
+                    raise EngineError(ErrorKind.DEADLINE_EXCEEDED, _LEASE_EXPIRED)
                 raise EngineError(ErrorKind.FAILED_PRECONDITION, _NO_RESERVATION)
         # A reference left over (an item preallocated but absent from the
         # prompt) would pin its entry forever: drop it now.
@@ -203,6 +213,11 @@ class EmbeddingHandoff:
             self.kv_cache.unpin(request_id)
         result = self.embedding_cache.expire(now)
         self.num_expired_leases += len(expired_pins) + len(result.expired)
+        for request_id in [*expired_pins, *(r.request_id for r in result.expired)]:
+            self._expired_requests[request_id] = None
+            self._expired_requests.move_to_end(request_id)
+        while len(self._expired_requests) > EXPIRED_MEMORY:
+            self._expired_requests.popitem(last=False)
         dropped = result.dropped_hashes
         for mm_hash in dropped:
             self._embeddings.pop(mm_hash, None)

@@ -140,6 +140,32 @@ def test_push_after_the_lease_is_rejected(h: Handoff) -> None:
     assert stats["num_reservations"] == 0 and stats["reserved_tokens"] == 0
 
 
+def test_generate_after_the_lease_ran_out_is_a_timeout(h: Handoff) -> None:
+    mm_hash = mm_hash_of("slow-generate")
+    h.cluster.run(h.preallocate("req-slow", mm_hash, lease_ms=100))
+    end = time.monotonic() + 5
+    while h.pd_stats()["num_reservations"]:
+        assert time.monotonic() < end, "the lease never ended the reservation"
+        time.sleep(0.02)
+
+    async def generate() -> None:
+        n = h.vision.num_tokens
+        async with grpc_utils.aio_channel(h.pd_address) as channel:
+            call = epd_pb2_grpc.PrefillDecodeStub(channel).Generate(epd_pb2.GenerateRequest(
+                request_id="req-slow", prompt_token_ids=[1] * n,
+                mm_items=[epd_pb2.MultiModalItem(mm_hash=mm_hash, offset=0, num_tokens=n)],
+                sampling=epd_pb2.SamplingParams(temperature=0.0, max_tokens=2)), timeout=5)
+            async for _ in call:
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        h.cluster.run(generate())
+    # The proxy answers DEADLINE_EXCEEDED with 504, not with a 500 for a protocol error.
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "lease expired" in (info.value.details() or "")
+    assert h.pd_stats()["reserved_tokens"] == 0
+
+
 def test_never_pushed_reservation_ends_with_its_lease(h: Handoff) -> None:
     mm_hash = mm_hash_of("never")
     rid = h.cluster.run(h.preallocate("req-never", mm_hash, lease_ms=150))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.pd import handoff as handoff_module
 from services.pd.embedding_cache import EmbeddingCache
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.handoff import EmbeddingHandoff
@@ -191,8 +192,24 @@ def test_generate_fails_cleanly_when_neither_kv_nor_embedding_is_left(h):
     request = Request("b", list(PROMPT), SamplingParams(), mm_spans=[MultiModalSpan("cat", 4, 8)])
     with pytest.raises(EngineError) as info:
         h.handoff.take_over(request)
-    assert info.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert info.value.kind is ErrorKind.DEADLINE_EXCEEDED                # its lease ran out: a timeout
     assert h.kv.num_pinned_blocks == 0 and h.emb.stats()["num_reservations"] == 0
+    never = Request("c", list(PROMPT), SamplingParams(), mm_spans=[MultiModalSpan("cat", 4, 8)])
+    with pytest.raises(EngineError) as info:
+        h.handoff.take_over(never)
+    assert info.value.kind is ErrorKind.FAILED_PRECONDITION              # never preallocated
+    with pytest.raises(EngineError) as info:
+        h.handoff.take_over(request)
+    assert info.value.kind is ErrorKind.FAILED_PRECONDITION              # the expiry is reported once
+
+
+def test_expired_request_ids_are_remembered_within_a_bound(h, monkeypatch):
+    monkeypatch.setattr(handoff_module, "EXPIRED_MEMORY", 2)
+    for request_id in ("x", "y", "z"):
+        h.preallocate(request_id, [(request_id, 4, 8)])
+        h.clock.now += LEASE_S + 1
+        h.handoff.expire(h.clock.now)
+    assert list(h.handoff._expired_requests) == ["y", "z"]              # the oldest is forgotten first
 
 
 def test_refused_generate_gives_back_references_and_pins():

@@ -199,19 +199,22 @@ class ReservationMachine(RuleBasedStateMachine):
         """Generate for a preallocated request, or (1 in 4) for one that never preallocated."""
         if self.preallocated and fresh < 3:
             request_id = data.draw(st.sampled_from(sorted(self.preallocated)))
-            self._generate(request_id, self.preallocated.pop(request_id))
+            self._generate(request_id, self.preallocated.pop(request_id), preallocated=True)
         else:
             images = data.draw(st.lists(st.sampled_from(sorted(SIZES)), max_size=2))
-            self._generate(f"g{next(self.ids)}", images)
+            self._generate(f"g{next(self.ids)}", images, preallocated=False)
 
-    def _generate(self, request_id: str, images: list[str]) -> None:
+    def _generate(self, request_id: str, images: list[str], preallocated: bool) -> None:
         """``Engine._add_request``: take over, then queue (giving everything back if refused)."""
         prompt, spans = prompt_of(images)
         request = Request(request_id, prompt, SamplingParams(max_tokens=2), mm_spans=spans)
         try:
             held = self.handoff.take_over(request)
         except EngineError as error:
-            assert error.kind is ErrorKind.FAILED_PRECONDITION
+            # A lease that ran out reads as a timeout; a request that never preallocated, as a protocol error.
+            allowed = {ErrorKind.FAILED_PRECONDITION, ErrorKind.DEADLINE_EXCEEDED} if preallocated else {
+                ErrorKind.FAILED_PRECONDITION}
+            assert error.kind in allowed
             self._model_cancel(request_id)
             return
         for r in self.reservations.values():
