@@ -18,7 +18,8 @@ def _num(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table, then a blank line."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return lines + [""]
@@ -35,10 +36,8 @@ def _setup(results: dict[str, Any]) -> list[str]:
          f"after {load.get('after')}"),
         f"- Model: `{model['path']}` (image size {model['image_size']} px)",
         (f"- Workload: {workload['description']}; {workload['num_requests']} requests per rate and repeat, "
-         f"prompt {workload['prompt_words']} words"
-         f"{' after the images' if workload.get('images_first') else ''}, {workload['max_tokens']} output tokens "
-         f"(ignore_eos), "
-         f"seed {workload['seed']}, {workload['repeats']} repeat(s)"),
+         f"prompt {workload['prompt_words']} words{' after the images' if workload.get('images_first') else ''}, "
+         f"{workload['max_tokens']} output tokens (ignore_eos), seed {workload['seed']}, {workload['repeats']} repeat(s)"),
         f"- Rates (req/s): {', '.join(f'{r:g}' for r in results['rates'])} ({results['rates_source']})",
         (f"- SLO for goodput: p99 TTFT <= {slo['ttft_ms']:.1f} ms and p99 TPOT <= {slo['tpot_ms']:.1f} ms, "
          f"no failed request. {slo['derivation']}"),
@@ -53,7 +52,7 @@ def _layout(results: dict[str, Any]) -> list[str]:
         for process in config.get("processes", []):
             rows.append([config["label"], process["name"], ",".join(map(str, process["cores"])),
                          str(process["threads"]), ",".join(map(str, process["measured_affinity"]))])
-    lines += _table(["configuration", "process", "cores", "threads", "affinity seen"], rows)
+    lines += markdown_table(["configuration", "process", "cores", "threads", "affinity seen"], rows)
     for name, config in results["configs"].items():
         for note in config.get("notes", []):
             lines.append(f"- {name}: {note}")
@@ -75,7 +74,7 @@ def _per_rate(results: dict[str, Any]) -> list[str]:
             rows.append([name, key, _num(summary.get("request_throughput"), 2),
                          _num(summary.get("output_token_throughput")), str(summary.get("num_failed")),
                          *[" / ".join(_latency_cells(summary, "all", m)) for m in ("ttft", "tpot", "itl", "e2e")]])
-    return lines + _table(header, rows)
+    return lines + markdown_table(header, rows)
 
 
 def _groups_at_target(results: dict[str, Any]) -> list[str]:
@@ -93,7 +92,7 @@ def _groups_at_target(results: dict[str, Any]) -> list[str]:
         for group, values in summary["groups"].items():
             rows.append([name, group, str(values["num_requests"]),
                          *[" / ".join(_latency_cells(summary, group, m)) for m in ("ttft", "tpot", "itl", "e2e")]])
-    return lines + _table(header, rows)
+    return lines + markdown_table(header, rows)
 
 
 def _ratios(results: dict[str, Any]) -> list[str]:
@@ -106,7 +105,7 @@ def _ratios(results: dict[str, Any]) -> list[str]:
     configs = [c for c in ratios if key in ratios[c]]
     lines = [f"## Ratios to (c) at {key} req/s (baseline / disaggregated; > 1 on a latency = (c) is faster)", ""]
     rows = [[name] + [_num(ratios[c][key][name], 2) for c in configs] for name, *_ in RATIO_METRICS]
-    return lines + _table(["metric", *[f"{c} / disagg" for c in configs]], rows)
+    return lines + markdown_table(["metric", *[f"{c} / disagg" for c in configs]], rows)
 
 
 def _goodput(results: dict[str, Any]) -> list[str]:
@@ -115,7 +114,7 @@ def _goodput(results: dict[str, Any]) -> list[str]:
     for name, good in results["analysis"]["goodput"].items():
         passed = ", ".join(rate for rate, ok in good["passed"].items() if ok) or "none"
         rows.append([name, f"{good['rate']:g}" + (" (lower bound)" if good["lower_bound"] else ""), passed])
-    return lines + _table(["config", "goodput (req/s)", "rates meeting the SLO"], rows)
+    return lines + markdown_table(["config", "goodput (req/s)", "rates meeting the SLO"], rows)
 
 
 def _targets(results: dict[str, Any]) -> list[str]:
@@ -125,7 +124,7 @@ def _targets(results: dict[str, Any]) -> list[str]:
                                    "disaggregation costs or gains."), ""]
     rows = [[t["name"], _num(t["value"], 3), f"{t['comparison']} {t['limit']:g}",
              {True: "met", False: "**missed**", None: "not measured"}[t["met"]], t["note"]] for t in targets]
-    return ["## Targets", ""] + _table(["target", "measured", "needed", "result", "note"], rows)
+    return ["## Targets", ""] + markdown_table(["target", "measured", "needed", "result", "note"], rows)
 
 
 def render_markdown(results: dict[str, Any]) -> str:

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
 import time
 
+from services.bench._serve_report import markdown_table
+from services.bench._soak_report import rss_bytes
 from services.common import cli_args
 
 BACKENDS = ("torch", "onednn-raw", "onednn")
@@ -42,8 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096 / 2**20
+    return (rss_bytes(os.getpid()) or 0) / 2**20
 
 
 def _rows(rng: random.Random, max_rows: int) -> int:
@@ -55,7 +57,7 @@ def _child(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from services.pd.cpu_linear import padded_rows
+    from services.pd.cpu_linear import onednn_linear
 
     torch.set_num_threads(args.threads)
     backend = args.child
@@ -72,11 +74,8 @@ def _child(args: argparse.Namespace) -> int:
                 x = torch.randn(rows, weight.shape[1], generator=generator)
                 if backend == "torch":
                     F.linear(x, weight)
-                    continue
-                padded = padded_rows(rows) if backend == "onednn" else rows
-                if padded != rows:
-                    x = F.pad(x, (0, 0, 0, padded - rows))
-                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")[:rows]
+                else:
+                    onednn_linear(x, weight, None, bucketed=backend == "onednn")
     seconds = time.perf_counter() - start
     print(json.dumps({"backend": backend, "seconds": seconds, "rss_warm_mib": rss_warm, "rss_end_mib": _rss_mib()}))
     return 0
@@ -104,10 +103,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     torch_s = next((r["seconds"] for r in results if r["backend"] == "torch"), None)
-    print("| backend | seconds | vs torch | RSS after warm-up (MiB) | at end (MiB) | growth (MiB) |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        ratio = f"{torch_s / r['seconds']:.2f}x faster" if torch_s else "-"
-        print(f"| {r['backend']} | {r['seconds']:.1f} | {ratio} | {r['rss_warm_mib']:.0f} | {r['rss_end_mib']:.0f} | "
-              f"{r['rss_end_mib'] - r['rss_warm_mib']:+.0f} |")
+    rows = [[r["backend"], f"{r['seconds']:.1f}", f"{torch_s / r['seconds']:.2f}x faster" if torch_s else "-",
+             f"{r['rss_warm_mib']:.0f}", f"{r['rss_end_mib']:.0f}", f"{r['rss_end_mib'] - r['rss_warm_mib']:+.0f}"]
+            for r in results]
+    header = ["backend", "seconds", "vs torch", "RSS after warm-up (MiB)", "at end (MiB)", "growth (MiB)"]
+    print("\n".join(markdown_table(header, rows)).rstrip())
     return 0

@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args.model)
     plan = RunPlan(
         workload=args.workload, num_requests=args.num_requests, max_tokens=args.max_tokens,
-        prompt_words=args.prompt_words, images_first=args.images_first, seed=args.seed, image_size=_image_size(model_dir), rates=tuple(args.rates),
+        prompt_words=args.prompt_words, images_first=args.images_first, seed=args.seed,
+        image_size=_image_size(model_dir), rates=tuple(args.rates),
         rate_multipliers=tuple(args.rate_multipliers), repeats=args.repeats, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms, slo_factor=args.slo_factor, calibration_requests=args.calibration_requests,
         burst_requests=args.burst_requests, startup_timeout_s=args.startup_timeout,

@@ -49,7 +49,6 @@ MAX_BATCH_IMAGES = 8
 """Most images in one colocated vision forward (the encoder service's default batch)."""
 
 
-
 @dataclass(eq=False)
 class ColocatedItem:
     """One image of an Encode call; the engine thread writes its outcome."""

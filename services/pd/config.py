@@ -25,7 +25,7 @@ class PdConfig:
     metrics_port: int = -1
     metrics_host: str = ""              # "" = host
     threads: int = 0
-    linear_backend: str = "auto"        # torch | onednn | auto (see services/pd/cpu_linear.py)
+    linear_backend: str = "auto"        # auto | torch | onednn (see services/pd/cpu_linear.py)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int = 0              # 0 = size from kv_cache_memory_mb
