@@ -143,8 +143,7 @@ class InProcessCluster:
             stats = await pd.stats()
             for key in ("reserved_tokens", "num_reservations", "num_running", "num_waiting",
                         "num_kv_blocks_used", "num_live_requests", "referenced_tokens"):
-                if key in stats:
-                    report[f"pd{i}.{key}"] = int(stats[key])
+                report[f"pd{i}.{key}"] = int(getattr(stats, key))
         for i, encoder in enumerate(self.encoders):
             stats = encoder.stats()
             if asyncio.iscoroutine(stats):

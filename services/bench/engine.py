@@ -139,12 +139,12 @@ class EngineRunner:
     def measure(self) -> tuple[float, list[list[int]], dict[str, Any]]:
         """Runs the workload once: (seconds, outputs, step details)."""
         # Prompts repeat across rounds: forget cached prefixes so every round computes everything.
-        self.loop.run_until_complete(self.engine.call(self.engine.scheduler.kv_cache.reset_prefix_cache))
+        self.loop.run_until_complete(self.engine.call(self.engine.core.reset_prefix_cache))
         before = self.loop.run_until_complete(self.engine.stats())
         seconds, outputs = self.loop.run_until_complete(self._generate_all())
         after = self.loop.run_until_complete(self.engine.stats())
-        keys = ("num_steps", "num_preemptions", "schedule_ms", "execute_ms", "update_ms")
-        return seconds, outputs, {key: after[key] - before[key] for key in keys}
+        return seconds, outputs, {key: getattr(after, key) - getattr(before, key) for key in ("num_steps", "num_preemptions")} | {
+            f"{phase}_ms": int((after.steps.seconds[phase] - spent) * 1000) for phase, spent in before.steps.seconds.items()}
 
     async def _generate_all(self) -> tuple[float, list[list[int]]]:
         from services.pd.request import Request, SamplingParams
@@ -161,7 +161,7 @@ class EngineRunner:
     @staticmethod
     async def _collect(events: asyncio.Queue) -> tuple[list[int], float, Any]:
         """Tokens of one request, when its first token arrived, and the finished request."""
-        from services.pd.engine import Failed, Finished, TokenDelta
+        from services.pd.outputs import Failed, Finished, TokenDelta
 
         tokens: list[int] = []
         first = 0.0

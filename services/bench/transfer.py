@@ -10,7 +10,7 @@ chunks, building the tensor and filling the reservation on the engine
 thread. Not measured: the vision forward and the Preallocate/Abort calls
 around each push (each iteration reserves a fresh image, pushes it, aborts).
 
-The receiver is PD's own ``PrefillDecodeServicer`` and ``Engine`` with the
+The receiver is PD's own ``PrefillDecodeServicer`` and engine core with the
 real embedding cache and scheduler, built without a language model (a PD
 with hidden size 4096 would need a 7B-class checkpoint); only Generate,
 which this benchmark never calls, would need one.
@@ -44,32 +44,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- receiver (child process)
 
 
+class PushOnlyRunner:
+    """The receiver's model runner: this benchmark runs no model, so it only prepares
+    pushed embeddings (as a CPU ``ModelRunner`` of this dtype does) and refuses steps."""
+
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = dtype
+
+    def prepare_embedding(self, embedding: Any) -> Any:
+        return embedding.to(device="cpu", dtype=self.dtype)
+
+    def execute(self, scheduler_output: Any, embeddings: Any) -> Any:
+        raise RuntimeError("the transfer benchmark's receiver runs no model")
+
+
 def build_receiver(hidden_size: int, dtype_name: str, capacity_tokens: int) -> tuple[Any, Any]:
     """PD's engine and servicer without a language model: everything PushEmbedding touches is real."""
     import torch
 
+    from services.pd.bridge import EngineBridge
     from services.pd.config import PdConfig
+    from services.pd.core import EngineCore
     from services.pd.embedding_cache import EmbeddingCache
-    from services.pd.engine import Engine
     from services.pd.kv_cache import KVCacheManager
     from services.pd.scheduler import Scheduler, SchedulerConfig
     from services.pd.servicer import PrefillDecodeServicer
 
-    dtype = getattr(torch, dtype_name)
-    store: dict[str, Any] = {}
-    cache = EmbeddingCache(capacity_tokens, on_evict=lambda mm_hash: store.pop(mm_hash, None))
     scheduler = Scheduler(
-        SchedulerConfig(max_model_len=capacity_tokens + 16, max_num_seqs=1), KVCacheManager(1, 16), cache
+        SchedulerConfig(max_model_len=capacity_tokens + 16, max_num_seqs=1), KVCacheManager(1, 16),
+        EmbeddingCache(capacity_tokens),
     )
-    engine = Engine(
-        scheduler=scheduler,
-        embedding_cache=cache,
-        runner=None,  # no Generate in this benchmark
-        tokenizer=None,
-        hidden_size=hidden_size,
-        embedding_store=store,
-        prepare_embedding=lambda t: t.to(device="cpu", dtype=dtype),  # what a CPU PD of this dtype does
-    )
+    core = EngineCore(scheduler=scheduler, runner=PushOnlyRunner(getattr(torch, dtype_name)), tokenizer=None,
+                      hidden_size=hidden_size)
+    engine = EngineBridge(core)
     servicer = PrefillDecodeServicer(
         engine, PdConfig(model=""), eos_token_id=None, vocab_size=1, max_model_len=capacity_tokens + 16
     )

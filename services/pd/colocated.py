@@ -35,8 +35,7 @@ from services.common.models.loaded_vision import LoadedVision
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd.config import PdConfig
 from services.pd.convert import check_request_id
-from services.pd.embedding_cache import ReservationNotFound, ReservationRejected
-from services.pd.engine import Engine
+from services.pd.bridge import EngineBridge
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.servicer import abort_with
 
@@ -67,7 +66,7 @@ class ColocatedItem:
 class ColocatedEncoder:
     """Queue of images waiting for the engine thread, and the code that encodes them there."""
 
-    def __init__(self, engine: Engine, vision: LoadedVision, max_batch_images: int = MAX_BATCH_IMAGES) -> None:
+    def __init__(self, engine: EngineBridge, vision: LoadedVision, max_batch_images: int = MAX_BATCH_IMAGES) -> None:
         self._engine = engine
         self._vision = vision
         self._max_batch = max_batch_images
@@ -127,9 +126,14 @@ class ColocatedEncoder:
                 continue
             if now >= item.deadline:
                 item.error = EngineError(ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded before encoding")
-            elif self._engine.embedding_cache.is_ready(item.mm_hash):
-                self._fill_ready(item)
-            else:
+                continue
+            try:
+                # Another reservation already brought this image: filled without a forward.
+                item.cache_hit = self._engine.core.fill_cached(item.request_id, item.reservation_id, item.mm_hash)
+            except EngineError as error:
+                item.error = error
+                continue
+            if not item.cache_hit:
                 by_hash.setdefault(item.mm_hash, []).append(item)
         by_shape: dict[tuple[int, ...], list[list[ColocatedItem]]] = {}
         for same_image in by_hash.values():
@@ -164,20 +168,9 @@ class ColocatedEncoder:
                 item.encode_s = elapsed
                 try:
                     # The engine's own push path (validation, cast, store), run in place.
-                    self._engine._fill(item.request_id, item.reservation_id, item.mm_hash, row)
+                    self._engine.core.fill(item.request_id, item.reservation_id, item.mm_hash, row)
                 except EngineError as error:
                     item.error = error
-
-    def _fill_ready(self, item: ColocatedItem) -> None:
-        """Another reservation already brought this image: mark this one filled too (no forward)."""
-        try:
-            self._engine.embedding_cache.fill(item.request_id, item.reservation_id, item.mm_hash, time.monotonic())
-        except ReservationNotFound:
-            item.error = EngineError(ErrorKind.NOT_FOUND, "unknown reservation")
-        except ReservationRejected as exc:
-            item.error = EngineError(ErrorKind.FAILED_PRECONDITION, f"push rejected: {exc}")
-        else:
-            item.cache_hit = True
 
 
 def _check_id(value: str, what: str) -> str:
@@ -260,7 +253,7 @@ class Colocated:
         self._servicer = ColocatedEncoderServicer(encoder)
 
     @classmethod
-    async def load(cls, config: PdConfig, engine: Engine) -> Colocated:
+    async def load(cls, config: PdConfig, engine: EngineBridge) -> Colocated:
         """Loads the vision half off the event loop; serve it with ``register`` + ``become_ready``."""
         vision = await asyncio.to_thread(LoadedVision.load, config.model, config.device, config.dtype)
         return cls(ColocatedEncoder(engine, vision))

@@ -7,14 +7,16 @@ engine only ever sees well-formed requests. Messages never echo input.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 
 import grpc
 
 from services.common.pb import epd_pb2
-from services.pd.engine import Finished, TokenDelta, usage_of
-from services.pd.handoff import Allocation
+
+from services.pd.engine_stats import EngineStats
 from services.pd.errors import EngineError, ErrorKind
+from services.pd.outputs import Allocation, Finished, TokenDelta
 from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
 
 STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
@@ -164,14 +166,32 @@ def final_to_pb(finished: Finished) -> epd_pb2.GenerateResponse:
     )
 
 
-def load_to_pb(stats: dict[str, int]) -> epd_pb2.PdLoad:
+def load_to_pb(stats: EngineStats) -> epd_pb2.PdLoad:
     return epd_pb2.PdLoad(
-        num_running=stats.get("num_running", 0),
-        num_waiting=stats.get("num_waiting", 0),
-        num_kv_blocks_used=stats.get("num_kv_blocks_used", 0),
-        num_kv_blocks_total=stats.get("num_kv_blocks_total", 0),
-        embedding_tokens_reserved=stats.get("reserved_tokens", 0),
-        embedding_tokens_ready=stats.get("ready_tokens", 0),
-        embedding_tokens_capacity=stats.get("capacity_tokens", 0),
-        num_reservations=stats.get("num_reservations", 0),
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_kv_blocks_used=stats.num_kv_blocks_used,
+        num_kv_blocks_total=stats.num_kv_blocks_total,
+        embedding_tokens_reserved=stats.reserved_tokens,
+        embedding_tokens_ready=stats.ready_tokens,
+        embedding_tokens_capacity=stats.capacity_tokens,
+        num_reservations=stats.num_reservations,
     )
+
+
+def usage_of(request: Request) -> Mapping[str, float]:
+    """Token counts and per-stage timings (ms) of a finished request."""
+    t = request.timings
+    first_scheduled = t.first_scheduled or t.arrival
+    first_token = t.first_token or first_scheduled
+    finished = t.finished or time.monotonic()
+    return {
+        "prompt_tokens": request.num_prompt_tokens,
+        "completion_tokens": len(request.output_token_ids),
+        "cached_tokens": request.num_cached_tokens,
+        "image_tokens": request.num_image_tokens,
+        "queue_ms": (first_scheduled - t.arrival) * 1000.0,
+        "embedding_wait_ms": t.embedding_wait_s * 1000.0,
+        "prefill_ms": max(0.0, first_token - first_scheduled) * 1000.0,
+        "decode_ms": max(0.0, finished - first_token) * 1000.0,
+    }

@@ -1,9 +1,10 @@
 """Bookkeeping of the PD's image-embedding cache, with two-step allocation.
 
-Tensors live in the engine, keyed by ``mm_hash``; this class decides what may
-be stored, what must stay and what goes, and calls ``on_evict(mm_hash)`` when
-the engine should drop a READY tensor. Capacity is counted in embedding rows
-(tokens).
+Tensors live in the engine core, keyed by ``mm_hash``; this class decides what
+may be stored, what must stay and what goes. Every call that removes entries
+returns their hashes (``Preallocation.evicted``, ``ExpiryResult.dropped_hashes``,
+``cancel_request``), and the core drops those tensors. Capacity is counted in
+embedding rows (tokens).
 
 Life of an entry: ``preallocate`` creates it RESERVED with a PUSH reservation
 (a lease); the encoder's push ``fill``s it and it becomes READY. Requests hold
@@ -21,13 +22,15 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from services.pd.embedding_records import (  # noqa: F401 - re-exported: the cache's public types
     CacheEntry,
     EmbeddingCacheFull,
+    EmbeddingCacheStats,
     EntryState,
     ExpiryResult,
+    Preallocation,
     Reservation,
     ReservationKind,
     ReservationNotFound,
@@ -41,13 +44,11 @@ _MAX_TOMBSTONES = 4096   # remembered removed reservation ids, to tell "late" fr
 class EmbeddingCache:
     """Token-bounded cache of image embeddings keyed by ``mm_hash`` (bookkeeping only)."""
 
-    def __init__(self, capacity_tokens: int, on_evict: Callable[[str], None] = lambda h: None,
-                 retry_after_s: float = 1.0):
+    def __init__(self, capacity_tokens: int, retry_after_s: float = 1.0):
         if capacity_tokens <= 0:
             raise ValueError("capacity_tokens must be positive")
         self.capacity_tokens = capacity_tokens
         self.retry_after_s = retry_after_s
-        self._on_evict = on_evict
         self._entries: dict[str, CacheEntry] = {}
         self._evictable: OrderedDict[str, None] = OrderedDict()   # READY, unreferenced; LRU first
         self._evictable_tokens = 0
@@ -69,36 +70,38 @@ class EmbeddingCache:
         entry = self._entries.get(mm_hash)
         return None if entry is None else entry.state
 
+    def num_tokens(self, mm_hash: str) -> int:
+        """Rows of the entry (0 when absent)."""
+        entry = self._entries.get(mm_hash)
+        return 0 if entry is None else entry.num_tokens
+
     def ref_count(self, mm_hash: str) -> int:
         """References held on the entry (0 when absent)."""
         entry = self._entries.get(mm_hash)
         return 0 if entry is None else entry.ref_count
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` new rows fit, evicting unreferenced entries if needed."""
-        return num_tokens <= self._num_available_tokens()
-
-    def stats(self) -> dict[str, int]:
-        """Gauges: ``capacity_tokens, used_tokens, reserved_tokens, ready_tokens,
-        evictable_tokens, num_entries, num_reservations``."""
+    def stats(self) -> EmbeddingCacheStats:
+        """Row counts by state, entries and open reservations, at this moment."""
         reserved = sum(e.num_tokens for e in self._entries.values()
                        if e.state is EntryState.RESERVED)
-        return {
-            "capacity_tokens": self.capacity_tokens,
-            "used_tokens": self._used_tokens,
-            "reserved_tokens": reserved,
-            "ready_tokens": self._used_tokens - reserved,
-            "evictable_tokens": self._evictable_tokens,
-            "num_entries": len(self._entries),
-            "num_reservations": len(self._reservations),
-        }
+        return EmbeddingCacheStats(
+            capacity_tokens=self.capacity_tokens,
+            used_tokens=self._used_tokens,
+            reserved_tokens=reserved,
+            ready_tokens=self._used_tokens - reserved,
+            evictable_tokens=self._evictable_tokens,
+            num_entries=len(self._entries),
+            num_reservations=len(self._reservations),
+        )
 
     # ------------------------------------------------------------- admission
     def preallocate(self, request_id: str, items: Sequence[tuple[str, int]],
-                    lease_deadline: float, now: float) -> list[tuple[str, EntryState, str]]:
+                    lease_deadline: float, now: float) -> Preallocation:
         """Claim every item of a request, all or nothing.
 
-        Per item, in order, returns ``(mm_hash, state, reservation_id)``: READY
+        Per item, in order, ``Preallocation.items`` holds ``(mm_hash, state,
+        reservation_id)``; ``Preallocation.evicted`` the READY entries evicted to
+        make room (the caller drops their tensors). READY
         items get a PIN (kept until ``take_over`` or the lease ends); RESERVED
         items get a PUSH reservation, joining a pending entry if another request
         already reserved it (no extra room). A hash repeated in ``items`` maps to
@@ -124,7 +127,7 @@ class EmbeddingCache:
                 kind = (ReservationKind.PIN if entry.state is EntryState.READY
                         else ReservationKind.PUSH)
                 answers[mm_hash] = self._add_reservation(request_id, entry, kind, lease_deadline)
-        self._evict_until(new_tokens)
+        evicted = self._evict_until(new_tokens)
         for mm_hash, num_tokens in sizes.items():
             if mm_hash not in answers:
                 entry = CacheEntry(mm_hash, num_tokens, EntryState.RESERVED)
@@ -132,14 +135,7 @@ class EmbeddingCache:
                 self._used_tokens += num_tokens
                 answers[mm_hash] = self._add_reservation(
                     request_id, entry, ReservationKind.PUSH, lease_deadline)
-        return [answers[mm_hash] for mm_hash, _ in items]
-
-    def reserve(self, request_id: str, mm_hash: str, num_tokens: int,
-                lease_deadline: float, now: float) -> tuple[EntryState, str]:
-        """One-item ``preallocate``: ``(state, reservation_id)``."""
-        _, state, reservation_id = self.preallocate(
-            request_id, [(mm_hash, num_tokens)], lease_deadline, now)[0]
-        return state, reservation_id
+        return Preallocation([answers[mm_hash] for mm_hash, _ in items], evicted)
 
     # ------------------------------------------------------------------ pushes
     def check_push(self, request_id: str, reservation_id: str, mm_hash: str,
@@ -313,13 +309,16 @@ class EmbeddingCache:
     def _num_available_tokens(self) -> int:
         return self.capacity_tokens - self._used_tokens + self._evictable_tokens
 
-    def _evict_until(self, num_tokens: int) -> None:
+    def _evict_until(self, num_tokens: int) -> list[str]:
+        """Evicts least recently used READY entries until ``num_tokens`` rows are free."""
+        evicted = []
         while self.capacity_tokens - self._used_tokens < num_tokens:
             mm_hash, _ = self._evictable.popitem(last=False)
             entry = self._entries.pop(mm_hash)
             self._evictable_tokens -= entry.num_tokens
             self._used_tokens -= entry.num_tokens
-            self._on_evict(mm_hash)
+            evicted.append(mm_hash)
+        return evicted
 
     def _add_reservation(self, request_id: str, entry: CacheEntry, kind: ReservationKind,
                          lease_deadline: float) -> tuple[str, EntryState, str]:

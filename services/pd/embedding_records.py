@@ -62,5 +62,27 @@ class CacheEntry:
 
 
 class ExpiryResult(NamedTuple):
+    """What ``EmbeddingCache.expire`` ended."""
+
     expired: list[Reservation]
     dropped_hashes: list[str]   # RESERVED entries removed: fail requests waiting on them
+
+
+class Preallocation(NamedTuple):
+    """What ``EmbeddingCache.preallocate`` granted."""
+
+    items: list[tuple[str, EntryState, str]]   # per item: (mm_hash, state, reservation_id)
+    evicted: list[str]                          # READY entries evicted for room: drop their tensors
+
+
+@dataclass(frozen=True)
+class EmbeddingCacheStats:
+    """Gauges of the embedding cache, in rows (tokens) unless named ``num_*``."""
+
+    capacity_tokens: int
+    used_tokens: int          # reserved + ready
+    reserved_tokens: int      # waiting for a push
+    ready_tokens: int
+    evictable_tokens: int     # ready, unreferenced and unreserved
+    num_entries: int
+    num_reservations: int

@@ -82,8 +82,8 @@ NO_FAULTS = PdFaults()
 class FaultyRunner:
     """Wraps the engine's model runner and injects ``faults`` into its steps.
 
-    Only ``execute`` is called by the engine, always on the engine thread;
-    ``thaw`` may be called from any thread to end a freeze early (tests).
+    The engine core calls ``execute`` and ``prepare_embedding``, always on the
+    engine thread; ``thaw`` may be called from any thread to end a freeze early (tests).
     """
 
     def __init__(self, runner: Any, faults: PdFaults) -> None:
@@ -106,13 +106,16 @@ class FaultyRunner:
             raise InjectedFault(f"injected fault: forward of step {step} raised")
         return self.inner.execute(scheduler_output, embeddings)
 
+    def prepare_embedding(self, embedding: Any) -> Any:
+        return self.inner.prepare_embedding(embedding)
+
     def thaw(self) -> None:
         """Ends a freeze in progress (and cancels one still to come)."""
         self._thawed.set()
 
 
-def install(engine: Any, faults: PdFaults) -> FaultyRunner:
-    """Wraps ``engine.runner``; call it on the engine thread (``await engine.call(install, engine, faults)``)."""
-    runner = FaultyRunner(engine.runner, faults)
-    engine.runner = runner
+def install(core: Any, faults: PdFaults) -> FaultyRunner:
+    """Wraps ``core.runner``; call it on the engine thread (``await bridge.call(install, bridge.core, faults)``)."""
+    runner = FaultyRunner(core.runner, faults)
+    core.runner = runner
     return runner

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from services.pd.invariants import check
-from services.pd.request import Request
+from services.pd.request import CachedPrefix, Request
 
 
 # Most blank blocks kept ahead of one request: a max_tokens in the thousands
@@ -112,6 +112,31 @@ class KVCacheManager:
         return hit_ids, len(hit_ids) * self.block_size
 
     # --------------------------------------------------------------- mutations
+    def claim_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The request's cached prefix, kept on it (``request.cached_prefix``) until admission.
+
+        The one place a request's cached prefix is computed: the first call
+        looks it up; later calls only re-check it, cutting it at the first
+        block reused since (a block its owner pinned is never reused).
+        Admission hands the blocks to the block table and clears it; a
+        preempted request then looks again.
+        """
+        prefix = request.cached_prefix
+        if prefix is None:
+            block_ids, num_tokens = self.get_computed_blocks(request)
+            prefix = CachedPrefix(tuple(block_ids), num_tokens)
+        else:
+            pinned = set(self._pins.get(request.request_id, ()))
+            num_valid = 0
+            for block_id, key in zip(prefix.block_ids, request.block_hashes):
+                if block_id not in pinned and self._block_keys[block_id] != key:
+                    break
+                num_valid += 1
+            if num_valid < len(prefix.block_ids):
+                prefix = CachedPrefix(prefix.block_ids[:num_valid], num_valid * self.block_size)
+        request.cached_prefix = prefix
+        return prefix
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_block_ids: Sequence[int] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``.

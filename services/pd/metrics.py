@@ -1,10 +1,10 @@
 """Prometheus metrics of a PD instance (``epd_pd_*``), read from its engine at scrape time.
 
 The scheduler, caches and step counters belong to the engine thread, so a
-scrape does not read them from the HTTP side: it asks the engine thread for
-a ``PdSnapshot`` between two steps (``Engine.call``) and renders that. When
-the engine does not answer in time (stopped, or stuck in a long step) the
-last snapshot is served and ``epd_pd_engine_responsive`` is 0.
+scrape does not read them from the HTTP side: it asks the engine core for its
+``EngineStats`` between two steps (``EngineBridge.stats``) and renders that.
+When the engine does not answer in time (stopped, or stuck in a long step)
+the last stats are served and ``epd_pd_engine_responsive`` is 0.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from services.common.metrics_http import MetricDoc, MetricsHttpServer
-from services.pd.engine import Engine
+from services.pd.bridge import EngineBridge
+from services.pd.engine_stats import EngineStats
 from services.pd.errors import EngineError
 from services.pd.step_stats import STEP_SECONDS_BUCKETS, StepSnapshot
 
@@ -52,57 +52,21 @@ METRICS = (
 """Everything ``PdMetrics`` exports (the README table is made from it)."""
 
 
-@dataclass(frozen=True)
-class PdSnapshot:
-    """The engine's counters at one moment between two steps."""
-
-    num_running: int
-    num_waiting: int
-    num_kv_blocks_used: int
-    num_kv_blocks_total: int
-    num_prefix_hit_tokens: int
-    reserved_tokens: int
-    ready_tokens: int
-    capacity_tokens: int
-    num_expired_leases: int
-    num_preemptions: int
-    steps: StepSnapshot
-
-
-def read_snapshot(engine: Engine) -> PdSnapshot:
-    """Reads the engine's counters; call it on the engine thread (``engine.call(read_snapshot, engine)``)."""
-    scheduler, kv_cache = engine.scheduler, engine.scheduler.kv_cache
-    embedding = engine.embedding_cache.stats()
-    return PdSnapshot(
-        num_running=scheduler.num_running,
-        num_waiting=scheduler.num_waiting,
-        num_kv_blocks_used=kv_cache.num_blocks - kv_cache.num_free_blocks,
-        num_kv_blocks_total=kv_cache.num_blocks,
-        num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
-        reserved_tokens=embedding["reserved_tokens"],
-        ready_tokens=embedding["ready_tokens"],
-        capacity_tokens=embedding["capacity_tokens"],
-        num_expired_leases=engine.handoff.num_expired_leases,
-        num_preemptions=scheduler.num_preemptions,
-        steps=engine.step_stats.snapshot(),
-    )
-
-
 class PdMetrics:
     """``epd_pd_*`` metrics (see ``METRICS``) of one engine, on a registry owned by this instance."""
 
-    def __init__(self, engine: Engine, snapshot_timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
+    def __init__(self, engine: EngineBridge, snapshot_timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
         self._engine = engine
         self._timeout_s = snapshot_timeout_s
-        self._latest: PdSnapshot | None = None
+        self._latest: EngineStats | None = None
         self._responsive = False
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
     async def refresh(self) -> None:
-        """Reads a fresh snapshot on the engine thread; keeps the last one if the engine does not answer."""
+        """Reads fresh stats on the engine thread; keeps the last ones if the engine does not answer."""
         try:
-            self._latest = await asyncio.wait_for(self._engine.call(read_snapshot, self._engine), self._timeout_s)
+            self._latest = await asyncio.wait_for(self._engine.stats(), self._timeout_s)
             self._responsive = True
         except (EngineError, TimeoutError):
             self._responsive = False

@@ -105,6 +105,10 @@ class ModelRunner:
         """How many KV blocks fit in ``budget_bytes``."""
         return int(budget_bytes) // ModelRunner.kv_bytes_per_block(config, block_size, dtype)
 
+    def prepare_embedding(self, embedding: torch.Tensor) -> torch.Tensor:
+        """A received ``[num_tokens, hidden]`` embedding on this runner's device, in its dtype."""
+        return embedding.to(device=self.device, dtype=self.dtype)
+
     def execute(
         self,
         scheduler_output: SchedulerOutput,

@@ -1,14 +1,18 @@
-"""Typed hand-offs between the scheduler, the model runner and the engine.
+"""Typed hand-offs between the scheduler, the model runner, the engine core and its callers.
 
 ``SchedulerOutput`` says what to compute in one step; ``ModelRunnerOutput``
-says what was sampled. Both are plain data: no tensors cross the scheduler.
+says what was sampled; ``RequestEvent``s are what the core tells each
+request's stream; ``Allocation`` is Preallocate's answer. All plain data: no
+tensors cross the scheduler.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from services.pd.request import SamplingParams
+from services.pd.errors import EngineError
+from services.pd.request import Request, RequestStatus, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,17 @@ class ScheduledChunk:
 class SchedulerOutput:
     """What to compute in one step, in batch order.
 
-    ``finished_request_ids`` were freed since the last step, so the runner
-    can drop per-request state (RNGs).
+    ``finished_request_ids`` ended since the last step, so the runner can drop
+    per-request state. ``failed_request_ids`` cannot go on (an image they
+    still need is gone from the embedding cache): the engine core ends them
+    before the step runs. ``preempted_request_ids`` lost their KV this step.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    failed_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -83,3 +90,60 @@ class ModelRunnerOutput:
     """Tokens sampled in one step, keyed by request id (chunks with ``sample``)."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Preallocate's answer for one item.
+
+    READY items need no push: their embedding is cached here (pinned until
+    Generate) or, with ``via_prefix_cache``, their K/V is (the id then names a
+    pin of prefix blocks and is never a push target). RESERVED items wait for
+    the encoder's push to ``reservation_id``.
+    """
+
+    mm_hash: str
+    ready: bool
+    reservation_id: str
+    via_prefix_cache: bool = False
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request since its last event."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[SampledToken] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended normally (or was aborted); carries the final request state."""
+
+    status: RequestStatus
+    request: Request
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ended with an error."""
+
+    error: EngineError
+
+
+Event = TokenDelta | Finished | Failed
+
+
+class RequestEvent(NamedTuple):
+    """One event of one request, as the engine core hands it to whoever streams it."""
+
+    request_id: str
+    event: Event
+
+
+class StepResult(NamedTuple):
+    """What one ``EngineCore.step`` produced."""
+
+    events: list[RequestEvent]   # in order; a request's last event is Finished or Failed
+    executed: bool               # a model step ran (False: nothing could be scheduled)

@@ -41,6 +41,19 @@ class MultiModalSpan:
 
 
 @dataclass(frozen=True)
+class CachedPrefix:
+    """The longest prefix of a request found in the prefix cache: ``block_ids`` hold
+    its first ``num_tokens`` tokens (whole blocks)."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+    def covers(self, span: MultiModalSpan) -> bool:
+        """Whether the span's K/V is entirely inside this prefix."""
+        return span.end <= self.num_tokens
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (domain form of ``epd.v1.SamplingParams``)."""
 
@@ -92,15 +105,17 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     error: str | None = None               # set with FINISHED_ERROR
-    error_retryable: bool = False          # FINISHED_ERROR that a retry (elsewhere) may fix
     timings: Timings = field(default_factory=Timings)
     # Chained prefix-cache keys of the full blocks of all_token_ids, filled
     # lazily by KVCacheManager (valid for the request's whole life: tokens only append).
     block_hashes: list[bytes] = field(default_factory=list)
     # Indices into mm_spans whose embedding this request holds an EmbeddingCache
-    # reference on (one per span); the scheduler releases each once the span is
-    # in the KV cache, and re-acquires after a preemption.
+    # reference on (one per span); the engine core releases each once the span
+    # is in the KV cache, and takes it again after a preemption.
     span_refs: set[int] = field(default_factory=set)
+    # The prefix-cache hit, looked up once (``KVCacheManager.claim_cached_prefix``)
+    # and carried to admission; None = not looked up since the last admission.
+    cached_prefix: CachedPrefix | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,16 +9,16 @@ WAITING_FOR_EMBEDDING. When KV blocks run out, the newest running request is
 preempted (its KV is dropped and recomputed later) and nothing new is admitted
 in that step.
 
-Embedding references: ``add_request`` takes over one reference per image span
-that the caller acquired (``EmbeddingCache.take_over`` / ``acquire``). The
-scheduler releases a span's reference once the span is in the KV cache, takes
-it again if a preemption forces a recompute, and releases what is left when
-the request finishes. A span the caller holds no reference for must be
-covered by prefix-cached KV blocks that the caller pinned under the request id
-(``KVCacheManager.pin``); the scheduler drops that pin once the request is
-admitted (its block table then holds the blocks) or finishes. The engine
-thread calls ``schedule`` and ``update_from_output`` alternately; nothing
-here is thread-safe.
+The scheduler decides and keeps its queues; it releases nothing a request
+holds. A request arrives with its embedding references already taken
+(``request.span_refs``, by the engine core), and with the prefix blocks that
+stand in for its other images pinned. At admission the block table takes
+over its cached prefix (``KVCacheManager.claim_cached_prefix``), and every
+image span past that prefix must still hold a reference, else the request is
+reported in ``SchedulerOutput.failed_request_ids``. Requests that
+finish are dequeued and marked here; the engine core then frees what they
+hold. The engine core calls ``schedule`` and ``update_from_output``
+alternately; nothing here is thread-safe.
 """
 
 from __future__ import annotations
@@ -29,17 +29,16 @@ from collections import deque
 from collections.abc import Callable, Iterable, MutableSequence
 from dataclasses import dataclass
 
+from services.pd import spans
 from services.pd.embedding_cache import EmbeddingCache
+from services.pd.invariants import check
 from services.pd.kv_cache import KVCacheManager
 from services.pd.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from services.pd.request import Request, RequestStatus
-from services.pd import spans
-from services.pd.invariants import check
 
 _RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED,
                    RequestStatus.WAITING_FOR_EMBEDDING)
-_EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
 
 
 class QueueFull(Exception):
@@ -71,7 +70,7 @@ class _Admit(enum.Enum):
     ADMITTED = 0
     BLOCKED = 1    # waits for an image; later requests may go ahead
     NO_ROOM = 2    # not enough KV blocks: stop admitting (FCFS)
-    FAILED = 3
+    FAILED = 3     # an image it needs is gone: reported, the engine core ends it
 
 
 class Scheduler:
@@ -79,6 +78,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  embedding_cache: EmbeddingCache, clock: Callable[[], float] = time.monotonic):
+        """``embedding_cache`` is only asked which images are READY."""
         self.config = config
         self.kv_cache = kv_cache
         self.embedding_cache = embedding_cache
@@ -87,7 +87,6 @@ class Scheduler:
         self.running: list[Request] = []         # holds KV blocks; admission order
         self._requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []       # for the runner, via the next SchedulerOutput
-        self._failed_in_schedule: list[Request] = []   # returned by the next update_from_output
         # Lifetime counters (for stats and tests).
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0           # prompt tokens served by the prefix cache, all admissions
@@ -97,8 +96,13 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """True while a step may still do work or report a finished request."""
-        return bool(self._requests or self._failed_in_schedule)
+        """True while a step may still do work."""
+        return bool(self._requests)
+
+    @property
+    def requests(self) -> Iterable[Request]:
+        """Every queued request (running or waiting)."""
+        return self._requests.values()
 
     @property
     def num_running(self) -> int:
@@ -109,20 +113,18 @@ class Scheduler:
         return len(self.waiting)
 
     # --------------------------------------------------------------- admission
-    def add_request(self, request: Request, span_refs: Iterable[int] | None = None) -> None:
-        """Queue a new request; the caller holds one embedding reference per span.
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
 
-        ``span_refs`` (default: all) are the indices of the spans with a
-        reference; every other span must be covered by KV blocks pinned under
-        the request id (see the module docstring). Raises ValueError for a
-        request this server can never run (duplicate id, empty or too long
-        prompt, bad spans, more KV than exists) and QueueFull when the waiting
-        bounds are reached. On either, nothing is taken over.
+        Every image span must hold an embedding reference (``span_refs``) or be
+        inside the request's cached prefix (see the module docstring). Raises
+        ValueError for a request this server can never run (duplicate id, empty
+        or too long prompt, bad spans, more KV than exists) and QueueFull when
+        the waiting bounds are reached; on either, nothing changes.
         """
         self._validate(request)
         self.check_room(request.num_tokens)
         request.status = RequestStatus.WAITING
-        request.span_refs = set(range(len(request.mm_spans)) if span_refs is None else span_refs)
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -169,10 +171,10 @@ class Scheduler:
             request = self.running[i]
             num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, budget)
             if num_new == 0:
-                if spans.embedding_gone(self.embedding_cache, blocking_hash):
-                    self._fail_in_schedule(request)
-                    continue   # removed from running: index i is the next request
-                spans.mark_blocked(request, now)
+                if self._embedding_gone(blocking_hash):
+                    out.failed_request_ids.append(request.request_id)
+                else:
+                    spans.mark_blocked(request, now)
                 i += 1
                 continue
             if not self._allocate_or_preempt(request, num_new, out, now):
@@ -200,32 +202,40 @@ class Scheduler:
             if outcome is _Admit.NO_ROOM:
                 self.waiting.appendleft(request)
                 break
-            if outcome is _Admit.BLOCKED:
+            if outcome in (_Admit.BLOCKED, _Admit.FAILED):
                 blocked.append(request)
             budget -= num_new
         self.waiting.extendleft(reversed(blocked))   # keep their place in line
 
     def _try_admit(self, request: Request, budget: int, out: SchedulerOutput,
                    now: float) -> tuple[_Admit, int]:
-        computed_block_ids, num_hit = self.kv_cache.get_computed_blocks(request)
-        if not spans.acquire_spans_from(self.embedding_cache, request, num_hit):
-            self._fail_in_schedule(request)
+        prefix = self.kv_cache.claim_cached_prefix(request)
+        if not self._has_embeddings_after(request, prefix.num_tokens):
+            out.failed_request_ids.append(request.request_id)
             return _Admit.FAILED, 0
-        num_new, _ = self._chunk_len(request, num_hit, budget)
+        num_new, _ = self._chunk_len(request, prefix.num_tokens, budget)
         if num_new == 0:
             spans.mark_blocked(request, now)
             return _Admit.BLOCKED, 0
-        if not self.kv_cache.allocate_slots(request, num_new, computed_block_ids):
+        if not self.kv_cache.allocate_slots(request, num_new, prefix.block_ids):
             return _Admit.NO_ROOM, 0
-        self.kv_cache.unpin(request.request_id)   # the block table holds them now
-        request.num_computed_tokens = num_hit
+        self.kv_cache.unpin(request.request_id)   # the block table holds the prefix now
+        request.cached_prefix = None
+        request.num_computed_tokens = prefix.num_tokens
         if request.timings.first_scheduled is None:
-            request.num_cached_tokens = num_hit
-        self.num_prefix_hit_tokens += num_hit
+            request.num_cached_tokens = prefix.num_tokens
+        self.num_prefix_hit_tokens += prefix.num_tokens
         self.running.append(request)
-        spans.release_computed_spans(self.embedding_cache, request)
         self._add_chunk(out, request, num_new, now)
         return _Admit.ADMITTED, num_new
+
+    def _has_embeddings_after(self, request: Request, start: int) -> bool:
+        """Whether every span not computed from ``start`` holds a reference on a live entry."""
+        return all(index in request.span_refs and not self._embedding_gone(span.mm_hash)
+                   for index, span in enumerate(request.mm_spans) if span.end > start)
+
+    def _embedding_gone(self, mm_hash: str | None) -> bool:
+        return mm_hash is not None and self.embedding_cache.state(mm_hash) is None
 
     def _chunk_len(self, request: Request, start: int, budget: int) -> tuple[int, str | None]:
         """Tokens computable from ``start``; with the mm_hash that cut the chunk short."""
@@ -260,8 +270,8 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
         """Drop the request's KV and queue it first for a recompute.
 
-        References of spans not yet computed are kept; the others are taken
-        again at re-admission (unless the prefix cache still covers them).
+        The engine core takes the references of computed spans again (see
+        ``preempted_request_ids``) unless the prefix cache covers them at re-admission.
         """
         _remove(self.running, request)
         self.kv_cache.free(request)
@@ -278,11 +288,10 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[Request]:
         """Account for a computed step; returns the requests that finished.
 
-        Also returns requests failed inside the preceding ``schedule()`` (e.g.
-        an evicted embedding at resume), so call it after every ``schedule()``,
-        even one with no chunks. Chunks of requests finished meanwhile are ignored.
+        Finished requests are dequeued and marked; what they hold is the engine
+        core's to free. Chunks of requests finished meanwhile are ignored.
         """
-        finished, self._failed_in_schedule = self._failed_in_schedule, []
+        finished: list[Request] = []
         now = self._clock()
         for chunk in scheduler_output.chunks:
             request = self._requests.get(chunk.request_id)
@@ -291,7 +300,6 @@ class Scheduler:
                 continue
             request.num_computed_tokens += chunk.num_tokens
             self.kv_cache.cache_full_blocks(request)
-            spans.release_computed_spans(self.embedding_cache, request)
             if not chunk.sample:
                 continue
             sampled = runner_output.sampled.get(chunk.request_id)
@@ -322,7 +330,7 @@ class Scheduler:
     # ----------------------------------------------------------------- finish
     def finish_request(self, request_id: str, status: RequestStatus,
                        error: str | None = None) -> Request | None:
-        """End a request: frees its KV blocks, embedding references and reservations.
+        """Dequeue a request and mark it finished (the engine core frees what it holds).
 
         Idempotent: returns None when the request is unknown or already finished.
         """
@@ -334,15 +342,10 @@ class Scheduler:
         self._finish(request, status, error)
         return request
 
-    def fail_requests_waiting_on(self, mm_hash: str, error: str) -> list[Request]:
-        """Fail (retryably) every request that still needs the embedding ``mm_hash``."""
-        failed = [r for r in self._requests.values()
-                  if any(s.mm_hash == mm_hash and s.end > r.num_computed_tokens
-                         for s in r.mm_spans)]
-        for request in failed:
-            request.error_retryable = True
-            self._finish(request, RequestStatus.FINISHED_ERROR, error)
-        return failed
+    def requests_waiting_on(self, mm_hash: str) -> list[Request]:
+        """The requests that still need the embedding ``mm_hash``."""
+        return [r for r in self._requests.values()
+                if any(s.mm_hash == mm_hash and s.end > r.num_computed_tokens for s in r.mm_spans)]
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         now = self._clock()
@@ -353,18 +356,7 @@ class Scheduler:
         request.error = error
         spans.end_embedding_wait(request, now)
         request.timings.finished = now
-        self.kv_cache.free(request)
-        self.kv_cache.unpin(request.request_id)
-        for index in sorted(request.span_refs):
-            self.embedding_cache.release(request.mm_spans[index].mm_hash)
-        request.span_refs.clear()
-        self.embedding_cache.cancel_request(request.request_id)
         self._finished_ids.append(request.request_id)
-
-    def _fail_in_schedule(self, request: Request) -> None:
-        request.error_retryable = True
-        self._finish(request, RequestStatus.FINISHED_ERROR, _EMBEDDING_GONE)
-        self._failed_in_schedule.append(request)
 
     # -------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
@@ -386,8 +378,8 @@ class Scheduler:
         for request in self._requests.values():
             check(all(0 <= i < len(request.mm_spans) for i in request.span_refs),
                    "span reference out of range")
-        self.kv_cache.check_integrity(self._requests.values())
-        self.embedding_cache.check_integrity()
+            check(request.cached_prefix is None or not request.block_ids,
+                   "a cached prefix outlived admission")
 
 
 def _remove(queue: MutableSequence[Request], request: Request) -> bool:

@@ -16,14 +16,17 @@ from services.common.devices import resolve_device, resolve_dtype
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
 from services.pd import faults
+from services.pd.bridge import EngineBridge
 from services.pd.colocated import Colocated
 from services.pd.config import PdConfig
+from services.pd.core import EngineCore
 from services.pd.embedding_cache import EmbeddingCache
-from services.pd.engine import Engine, Failed, Finished
+from services.pd.engine_stats import EngineStats
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.kv_cache import KVCacheManager
 from services.pd.metrics import PdMetrics
 from services.pd.model_runner import ModelRunner
+from services.pd.outputs import Failed, Finished
 from services.pd.request import Request, SamplingParams
 from services.pd.scheduler import Scheduler, SchedulerConfig
 from services.pd.servicer import PrefillDecodeServicer
@@ -33,16 +36,12 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "epd.v1.PrefillDecode"
 
-_HELD_WHILE_BUSY = ("num_live_requests", "num_reservations", "num_kv_leases", "referenced_tokens")
-"""Engine stats that are all zero once every admitted request and reservation is gone (drain is done)."""
-
-
 @dataclass
 class PdServer:
     """A running PD instance: its gRPC server and its engine."""
 
     grpc: grpc_utils.GrpcServer
-    engine: Engine
+    engine: EngineBridge
     config: PdConfig
     colocated: Colocated | None = None  # the in-process encoder of ``--encoder local``
     watchdog: asyncio.Task | None = None  # readiness watchdog (services/pd/watchdog.py)
@@ -85,21 +84,28 @@ class PdServer:
     async def _wait_idle(self, deadline: float, poll_s: float = 0.05) -> None:
         """Waits until nothing is running, queued, reserved or pinned, or until ``deadline``."""
         started = time.monotonic()
-        held: dict[str, int] = {}
+        stats = None
         while time.monotonic() < deadline:
             try:
                 stats = await self.engine.stats()
             except EngineError:
                 return  # the engine is gone: nothing left to wait for
-            held = {key: stats.get(key, 0) for key in _HELD_WHILE_BUSY if stats.get(key, 0)}
-            if not held:
+            if stats.is_idle:
                 log.info("drained in %.1fs", time.monotonic() - started)
                 return
             await asyncio.sleep(poll_s)
-        log.warning("grace period over with work left (%s); stopping anyway", held)
+        log.warning("grace period over with work left (%s); stopping anyway", _held(stats))
 
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> EngineStats:
         return await self.engine.stats()
+
+
+def _held(stats: EngineStats | None) -> str:
+    """What keeps a drain from ending, for its log line."""
+    if stats is None:
+        return "unknown"
+    return (f"live={stats.num_live_requests} reservations={stats.num_reservations} "
+            f"kv_leases={stats.num_kv_leases} referenced_tokens={stats.referenced_tokens}")
 
 
 def _num_kv_blocks(config: PdConfig, lm_config, dtype: torch.dtype, max_model_len: int) -> int:
@@ -115,8 +121,8 @@ def _num_kv_blocks(config: PdConfig, lm_config, dtype: torch.dtype, max_model_le
     return int(max(1, min(by_memory, by_need)))
 
 
-def build_engine(config: PdConfig) -> tuple[Engine, dict]:
-    """Loads the LM half of the checkpoint and wires the engine; returns it with model facts."""
+def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
+    """Loads the LM half of the checkpoint and wires the engine core and its thread; returns them with model facts."""
     adapter = load_adapter(str(ensure_model(config.model)))
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -130,8 +136,7 @@ def build_engine(config: PdConfig) -> tuple[Engine, dict]:
         model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype,
         linear_backend=config.linear_backend,
     )
-    embeddings: dict[str, torch.Tensor] = {}
-    embedding_cache = EmbeddingCache(config.embedding_cache_tokens, on_evict=lambda h: embeddings.pop(h, None))
+    embedding_cache = EmbeddingCache(config.embedding_cache_tokens)
     kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(
         SchedulerConfig(
@@ -145,18 +150,15 @@ def build_engine(config: PdConfig) -> tuple[Engine, dict]:
         kv_cache,
         embedding_cache,
     )
-    engine = Engine(
+    core = EngineCore(
         scheduler=scheduler,
-        embedding_cache=embedding_cache,
         runner=runner,
         tokenizer=tokenizer,
         hidden_size=adapter.hidden_size,
-        embedding_store=embeddings,
-        prepare_embedding=lambda t: t.to(device=device, dtype=dtype),
         lease_sweep_interval_s=config.lease_sweep_interval_s,
-        # The engine thread runs the model with the thread count chosen here.
-        thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()),
     )
+    # The engine thread runs the model with the thread count chosen here.
+    engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))
     facts = {
         "eos_token_id": adapter.eos_token_id,
         "vocab_size": int(model.config.vocab_size),
@@ -170,7 +172,7 @@ def build_engine(config: PdConfig) -> tuple[Engine, dict]:
     return engine, facts
 
 
-async def warm_up(engine: Engine, eos_token_id: int | None) -> None:
+async def warm_up(engine: EngineBridge, eos_token_id: int | None) -> None:
     """Generates one token end to end; raises if the engine cannot."""
     request = Request(
         request_id=f"warmup-{uuid.uuid4().hex}",
@@ -222,7 +224,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         engine.shutdown()
         raise
     if config.faults.enabled:  # after warm-up, so that step 0 is the first client step
-        await engine.call(faults.install, engine, config.faults)
+        await engine.call(faults.install, engine.core, config.faults)
         log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
     await server.set_ready(True)
     log.info(

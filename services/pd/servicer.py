@@ -14,8 +14,9 @@ from services.common.logs import AccessLine
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
 from services.pd.config import PdConfig
-from services.pd.engine import Engine, Failed, Finished, TokenDelta
+from services.pd.bridge import EngineBridge
 from services.pd.errors import EngineError, ErrorKind
+from services.pd.outputs import Failed, Finished, TokenDelta
 from services.pd.request import RequestStatus
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def _data_of(chunk: memoryview | epd_pb2.PushEmbeddingChunk) -> memoryview | byt
 
 
 class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
-    """Thin adapter between ``epd.v1.PrefillDecode`` and the ``Engine``.
+    """Thin adapter between ``epd.v1.PrefillDecode`` and the engine (``EngineBridge``).
 
     ``draining`` (set by ``PdServer.stop``): new Preallocate and Generate calls
     are refused with UNAVAILABLE, the proxy's cue to use another PD, while
@@ -63,7 +64,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     """
 
     def __init__(
-        self, engine: Engine, config: PdConfig, *, eos_token_id: int | None, vocab_size: int, max_model_len: int
+        self, engine: EngineBridge, config: PdConfig, *, eos_token_id: int | None, vocab_size: int, max_model_len: int
     ):
         self.engine = engine
         self.config = config

@@ -1,13 +1,12 @@
-"""How a request's tokens and image spans map onto chunks and embedding references.
+"""How a request's tokens and image spans map onto chunks.
 
 Pure Python helpers of the scheduler: which token ids and image rows a chunk
-covers, which image embeddings a request holds a reference on, and how long
-it waited for them. Nothing here decides what to schedule.
+covers, and how long a request waited for its images. Nothing here decides
+what to schedule.
 """
 
 from __future__ import annotations
 
-from services.pd.embedding_cache import EmbeddingCache
 from services.pd.outputs import ImageSlice
 from services.pd.request import MultiModalSpan, Request, RequestStatus
 
@@ -40,34 +39,6 @@ def image_slices(spans: list[MultiModalSpan], start: int, end: int) -> list[Imag
             slices.append(ImageSlice(span.mm_hash, src_start=lo - span.offset,
                                      dst_start=lo - start, length=hi - lo))
     return slices
-
-
-def embedding_gone(cache: EmbeddingCache, mm_hash: str | None) -> bool:
-    return mm_hash is not None and cache.state(mm_hash) is None
-
-
-def acquire_spans_from(cache: EmbeddingCache, request: Request, start: int) -> bool:
-    """Hold a reference for every span not computed from ``start``; False if one is gone."""
-    for index, span in enumerate(request.mm_spans):
-        if span.end <= start:
-            continue
-        if index in request.span_refs:
-            if embedding_gone(cache, span.mm_hash):
-                return False
-        elif cache.acquire(span.mm_hash):
-            request.span_refs.add(index)
-        else:
-            return False
-    return True
-
-
-def release_computed_spans(cache: EmbeddingCache, request: Request) -> None:
-    """Drop the references of spans now fully in the KV cache (the entries stay cached)."""
-    for index in sorted(request.span_refs):
-        span = request.mm_spans[index]
-        if span.end <= request.num_computed_tokens:
-            cache.release(span.mm_hash)
-            request.span_refs.discard(index)
 
 
 def mark_blocked(request: Request, now: float) -> None:

@@ -2,7 +2,7 @@
 
 A wedged engine thread (a hung device call, a deadlock) leaves the gRPC server
 up and answering health checks as if all were well, while every request
-waits forever. The watchdog reads ``Engine.stalled_for()`` (seconds without
+waits forever. The watchdog reads ``EngineBridge.stalled_for()`` (seconds without
 progress while work is pending) and flips the ready status of
 ``epd.v1.PrefillDecode``: off once it passes ``timeout_s``, on again as soon as
 the loop moves. A dead engine thread is never ready. The proxy's health
@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from services.pd.engine import Engine
+from services.pd.bridge import EngineBridge
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def check_interval(timeout_s: float) -> float:
 
 
 async def watch_readiness(
-    engine: Engine,
+    engine: EngineBridge,
     set_ready: Callable[[bool], Awaitable[None]],
     timeout_s: float,
     interval_s: float | None = None,

@@ -18,6 +18,8 @@ import pytest
 from cluster_support import InProcessCluster
 from oracle_support import Oracle, make_image, user_message
 
+from services.pd.engine_stats import EngineStats
+
 MAX_TOKENS = 16
 LONG_TEXT = " ".join(f"Fact {i}: the quick brown fox number {i} jumps over lazy dog {i * 7}." for i in range(12))
 
@@ -49,7 +51,7 @@ def _chat(cluster: InProcessCluster, messages: list[dict]):
     return reply.choices[0].model_extra["token_ids"], reply.usage
 
 
-def _pd_stats(cluster: InProcessCluster) -> dict[str, int]:
+def _pd_stats(cluster: InProcessCluster) -> EngineStats:
     return cluster.run(cluster.pds[0].stats())
 
 
@@ -81,7 +83,7 @@ def test_chunked_prefill_with_a_16_token_step_budget(start_cluster, oracle):
     requests = _mixed_requests(6)
     _check_concurrently(cluster, oracle, requests)
     # Every prompt (>= 16 image rows plus the template) needed several steps.
-    assert _pd_stats(cluster)["num_steps"] >= sum(1 for _ in requests) * 2
+    assert _pd_stats(cluster).num_steps >= sum(1 for _ in requests) * 2
 
 
 def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, oracle):
@@ -91,7 +93,7 @@ def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, o
     num_blocks = -(-(longest + MAX_TOKENS) // block_size) + 1
     cluster = start_cluster(num_kv_blocks=num_blocks, block_size=block_size)
     _check_concurrently(cluster, oracle, requests)
-    assert _pd_stats(cluster)["num_preemptions"] > 0, "the pool was meant to force preemption"
+    assert _pd_stats(cluster).num_preemptions > 0, "the pool was meant to force preemption"
 
 
 def _num_prompt_tokens(oracle: Oracle, messages: list[dict], images: list) -> int:
@@ -121,4 +123,4 @@ def test_repeated_long_prompt_hits_the_prefix_cache(start_cluster, oracle, with_
     assert cached % 16 == 0 and repeat_usage.prompt_tokens - 16 <= cached < repeat_usage.prompt_tokens
     if with_image:
         assert repeat_usage.model_extra["epd"]["num_images_ready"] == 1   # from cached KV: nothing encoded
-    assert _pd_stats(cluster)["num_prefix_hit_tokens"] == cached
+    assert _pd_stats(cluster).num_prefix_hit_tokens == cached

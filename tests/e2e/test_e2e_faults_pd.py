@@ -54,7 +54,7 @@ def _health(address: str) -> int:
 
 
 def _num_steps(cluster: InProcessCluster, pd) -> int:
-    return cluster.run(pd.stats())["num_steps"]
+    return cluster.run(pd.stats()).num_steps
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def setup(tiny_model_dir):
         yield cluster, raising, frozen, proxies
     finally:
         for pd in cluster.pds[1:]:
-            pd.engine.runner.thaw()
+            pd.engine.core.runner.thaw()
         for proxy in proxies.values():
             proxy.stop()
         cluster.stop()
@@ -107,7 +107,7 @@ def test_a_raising_forward_fails_its_batch_cleanly_and_pd_keeps_serving(setup, o
         chat(client, messages)           # the only request: it is in the batch whose forward raises
     assert failure.value.status_code == 500
     assert failure.value.body["code"] == "internal_error"
-    assert raising.engine.runner.num_injected == 1
+    assert raising.engine.core.runner.num_injected == 1
     assert cluster.leaks() == {}         # its KV blocks, embedding reference and reservation are gone
 
     # The same image again (its embedding or KV prefix may be reused) and others, concurrently.
@@ -146,10 +146,10 @@ def test_a_frozen_step_loop_turns_pd_not_ready_and_traffic_moves_to_the_other_pd
             assert outputs == expected
             assert _num_steps(cluster, healthy) > steps_before
             # Still frozen, still holding only its first request: nothing was routed to it.
-            assert frozen.engine.runner.num_steps == 1 and reader.is_alive()
-            assert frozen.engine.scheduler.num_running + frozen.engine.scheduler.num_waiting == 1
+            assert frozen.engine.core.runner.num_steps == 1 and reader.is_alive()
+            assert frozen.engine.core.scheduler.num_running + frozen.engine.core.scheduler.num_waiting == 1
         finally:
-            frozen.engine.runner.thaw()
+            frozen.engine.core.runner.thaw()
             reader.join(WAIT_S)
     assert len([t for m in stuck for t in m.token_ids]) == 4 and stuck[-1].finish_reason  # it completed
     _wait_for(lambda: _health(frozen.address) == serving, "SERVING after the stall")
@@ -157,9 +157,9 @@ def test_a_frozen_step_loop_turns_pd_not_ready_and_traffic_moves_to_the_other_pd
     # Traffic comes back to it (bounded: the proxy may pick the other PD for a while).
     client = client_for(proxies["freeze"], timeout=WAIT_S)
     for attempt in range(40):
-        steps_before = frozen.engine.runner.num_steps
+        steps_before = frozen.engine.core.runner.num_steps
         chat(client, [user_message(f"After the stall {attempt}.", [])], max_tokens=2)
-        if frozen.engine.runner.num_steps > steps_before:
+        if frozen.engine.core.runner.num_steps > steps_before:
             break
     else:
         pytest.fail("the proxy never routed to the recovered PD")

@@ -71,7 +71,7 @@ def _kill_the_holder(cluster: InProcessCluster, processes: dict[str, subprocess.
     """Waits until PD reserved the image and a live encoder holds its push, then SIGKILLs that encoder."""
     end = time.monotonic() + 20
     while time.monotonic() < end:
-        reserved = cluster.run(cluster.pds[0].stats())["num_reservations"]
+        reserved = cluster.run(cluster.pds[0].stats()).num_reservations
         for address, process in processes.items():
             if reserved and process.poll() is None and cluster.run(_outbound_bytes(address)):
                 os.kill(process.pid, signal.SIGKILL)
@@ -84,7 +84,7 @@ def _kill_the_holder(cluster: InProcessCluster, processes: dict[str, subprocess.
 def _pd_reservations_drain(cluster: InProcessCluster) -> None:
     """Waits (at most one lease) until PD holds no reservation."""
     end = time.monotonic() + cluster.pds[0].config.default_lease_ms / 1000
-    while cluster.run(cluster.pds[0].stats())["num_reservations"]:
+    while cluster.run(cluster.pds[0].stats()).num_reservations:
         assert time.monotonic() < end, "PD still holds a reservation"
         time.sleep(0.02)
 

@@ -106,7 +106,7 @@ def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
     full = oracle.model
     vision_half = count_parameters(full.model.vision_tower) + count_parameters(full.model.multi_modal_projector)
     lm_half = count_parameters(full) - vision_half
-    pd_model = cluster.pds[0].engine.runner.model
+    pd_model = cluster.pds[0].engine.core.runner.model
     encoder_module = cluster.encoders[0].vision.module
     assert count_parameters(pd_model) == lm_half
     assert count_parameters(encoder_module) == vision_half

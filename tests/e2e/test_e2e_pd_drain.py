@@ -280,7 +280,7 @@ def test_a_draining_pd_refuses_new_work_and_still_takes_pushes_for_admitted_work
         preallocate, generate = _image_request(adapter, "admitted", "a" * 64, max_tokens=24)
         reservation = stub.Preallocate(preallocate, timeout=30).items[0].reservation_id
         call = stub.Generate(generate, timeout=60)
-        _wait_until(lambda: cluster.run(pd.stats())["num_live_requests"] == 1, "Generate not admitted")
+        _wait_until(lambda: cluster.run(pd.stats()).num_live_requests == 1, "Generate not admitted")
 
         stopping = asyncio.run_coroutine_threadsafe(pd.stop(grace=60), cluster.loop)
         _wait_until(lambda: not cluster.run(grpc_utils.check_health(address, PD_SERVICE)), "still SERVING")
@@ -306,7 +306,7 @@ def test_a_drain_that_outlasts_its_grace_stops_the_pd_anyway(two_pds, caplog):
         preallocate, generate = _image_request(adapter, "stuck", "c" * 64, max_tokens=4)
         stub.Preallocate(preallocate, timeout=30)
         call = stub.Generate(generate, timeout=60)   # waits for a push that never comes
-        _wait_until(lambda: cluster.run(pd.stats())["num_live_requests"] == 1, "Generate not admitted")
+        _wait_until(lambda: cluster.run(pd.stats()).num_live_requests == 1, "Generate not admitted")
         cluster.run(pd.stop(grace=0.5))
         assert _code(lambda: list(call)) in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     assert any("grace period over" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from cluster_support import InProcessCluster
 
+from services.pd.engine_stats import EngineStats
 from services.common import grpc_utils, tensors
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd.colocated import ColocatedEncoder, ColocatedItem
@@ -78,7 +79,7 @@ async def abort(pd, *request_ids: str) -> None:
     await pd.engine.stats()  # the aborts ran: the inbox is FIFO
 
 
-def stats(cluster, pd) -> dict[str, int]:
+def stats(cluster, pd) -> EngineStats:
     return cluster.run(pd.stats())
 
 
@@ -87,7 +88,7 @@ def test_encode_fills_the_reservation_and_reports_load(cluster, pd) -> None:
     rid = cluster.run(preallocate(pd, "req-fill", mm_hash))
     reply = cluster.run(encode(pd, "req-fill", [(mm_hash, rid, pixels(pd, 1))]))
     assert not reply.items[0].cache_hit and reply.items[0].encode_ms > 0
-    assert stats(cluster, pd)["reserved_tokens"] == 0
+    assert stats(cluster, pd).reserved_tokens == 0
 
     async def load():
         async with grpc_utils.aio_channel(pd.address) as channel:
@@ -180,7 +181,7 @@ def test_cancelled_call_is_skipped_and_queued_images_share_one_forward(cluster, 
     assert all(not reply.items[0].cache_hit for reply in replies)
     assert replies[0].items[0].encode_ms == replies[1].items[0].encode_ms  # the same forward's time
     assert encoder.num_images_encoded == start + 2  # one forward for the two live images, none for the third
-    assert stats(cluster, pd)["reserved_tokens"] == pd.colocated.encoder.vision.num_tokens  # the cancelled one
+    assert stats(cluster, pd).reserved_tokens == pd.colocated.encoder.vision.num_tokens  # the cancelled one
     cluster.run(abort(pd, *[f"req-shared-{i}" for i in range(3)]))
 
 
@@ -193,7 +194,7 @@ def test_image_ready_on_pd_is_not_computed_again(cluster, pd) -> None:
     cluster.run(encode(pd, "req-twice-1", [(mm_hash, first, pixels(pd, 20))]))
     reply = cluster.run(encode(pd, "req-twice-2", [(mm_hash, second, pixels(pd, 20))]))
     assert reply.items[0].cache_hit and encoder.num_images_encoded == start + 1
-    assert stats(cluster, pd)["num_reservations"] == 2  # both filled, held until their requests end
+    assert stats(cluster, pd).num_reservations == 2  # both filled, held until their requests end
     cluster.run(abort(pd, "req-twice-1", "req-twice-2"))
 
 

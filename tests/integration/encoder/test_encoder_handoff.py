@@ -17,6 +17,7 @@ import pytest
 import torch
 from cluster_support import InProcessCluster
 
+from services.pd.engine_stats import EngineStats
 from services.common import grpc_utils, tensors
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.encoder.config import EncoderConfig
@@ -78,7 +79,7 @@ class Handoff:
         async with grpc_utils.aio_channel(self.pd_address) as channel:
             await epd_pb2_grpc.PrefillDecodeStub(channel).Abort(epd_pb2.AbortRequest(request_id=request_id), timeout=5)
 
-    def pd_stats(self) -> dict[str, int]:
+    def pd_stats(self) -> EngineStats:
         return self.cluster.run(self.cluster.pds[0].stats())
 
 
@@ -105,7 +106,7 @@ def test_good_push_fills_the_reservation(h: Handoff) -> None:
     reply = h.cluster.run(h.encode("good", "req-good", mm_hash, rid, seed=1))
     assert not reply.items[0].cache_hit
     stats = h.pd_stats()
-    assert stats["reserved_tokens"] == 0 and stats["ready_tokens"] >= h.vision.num_tokens
+    assert stats.reserved_tokens == 0 and stats.ready_tokens >= h.vision.num_tokens
     h.cluster.run(h.abort("req-good"))
 
 
@@ -123,10 +124,10 @@ def test_bad_push_is_rejected_and_the_reservation_stays_fillable(h: Handoff, fau
     with pytest.raises(grpc.aio.AioRpcError) as info:
         h.cluster.run(h.encode(fault, request_id, mm_hash, rid, seed=2))
     assert info.value.code() == code
-    assert h.pd_stats()["reserved_tokens"] == h.vision.num_tokens  # nothing half-filled
+    assert h.pd_stats().reserved_tokens == h.vision.num_tokens  # nothing half-filled
     # Retrying the same reservation on a healthy encoder works: PD's state is intact.
     h.cluster.run(h.encode("good", request_id, mm_hash, rid, seed=2))
-    assert h.pd_stats()["reserved_tokens"] == 0
+    assert h.pd_stats().reserved_tokens == 0
     h.cluster.run(h.abort(request_id))
 
 
@@ -137,14 +138,14 @@ def test_push_after_the_lease_is_rejected(h: Handoff) -> None:
         h.cluster.run(h.encode("late", "req-late", mm_hash, rid, seed=3))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     stats = h.pd_stats()
-    assert stats["num_reservations"] == 0 and stats["reserved_tokens"] == 0
+    assert stats.num_reservations == 0 and stats.reserved_tokens == 0
 
 
 def test_generate_after_the_lease_ran_out_is_a_timeout(h: Handoff) -> None:
     mm_hash = mm_hash_of("slow-generate")
     h.cluster.run(h.preallocate("req-slow", mm_hash, lease_ms=100))
     end = time.monotonic() + 5
-    while h.pd_stats()["num_reservations"]:
+    while h.pd_stats().num_reservations:
         assert time.monotonic() < end, "the lease never ended the reservation"
         time.sleep(0.02)
 
@@ -163,19 +164,19 @@ def test_generate_after_the_lease_ran_out_is_a_timeout(h: Handoff) -> None:
     # The proxy answers DEADLINE_EXCEEDED with 504, not with a 500 for a protocol error.
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "lease expired" in (info.value.details() or "")
-    assert h.pd_stats()["reserved_tokens"] == 0
+    assert h.pd_stats().reserved_tokens == 0
 
 
 def test_never_pushed_reservation_ends_with_its_lease(h: Handoff) -> None:
     mm_hash = mm_hash_of("never")
     rid = h.cluster.run(h.preallocate("req-never", mm_hash, lease_ms=150))
     h.cluster.run(h.encode("never-push", "req-never", mm_hash, rid, seed=4))  # claims success
-    assert h.pd_stats()["num_reservations"] == 1
+    assert h.pd_stats().num_reservations == 1
     end = time.monotonic() + 5
-    while h.pd_stats()["num_reservations"]:
+    while h.pd_stats().num_reservations:
         assert time.monotonic() < end, "the lease never ended the reservation"
         time.sleep(0.02)
-    assert h.pd_stats()["reserved_tokens"] == 0
+    assert h.pd_stats().reserved_tokens == 0
 
 
 def test_encode_is_idempotent_per_reservation(h: Handoff) -> None:
@@ -209,5 +210,5 @@ def test_cancelled_encode_stops_its_push(h: Handoff) -> None:
         assert time.monotonic() < end
         time.sleep(0.01)
     time.sleep(0.7)  # past the fault's delay: a push that was not stopped would land now
-    assert h.pd_stats()["reserved_tokens"] == h.vision.num_tokens  # still unfilled
+    assert h.pd_stats().reserved_tokens == h.vision.num_tokens  # still unfilled
     h.cluster.run(h.abort("req-cancel"))

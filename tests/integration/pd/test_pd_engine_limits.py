@@ -46,7 +46,7 @@ def stub(cluster):
     with grpc.insecure_channel(cluster.pd_addresses[0]) as channel:
         yield epd_pb2_grpc.PrefillDecodeStub(channel)
     assert cluster.leaks() == {}, "PD left something reserved, pending, pinned or referenced"
-    assert cluster.run(cluster.pds[0].stats())["num_kv_blocks_pinned"] == 0
+    assert cluster.run(cluster.pds[0].stats()).num_kv_blocks_pinned == 0
 
 
 def _request(request_id, prompt, items=(), max_tokens=8, **sampling) -> epd_pb2.GenerateRequest:
@@ -111,7 +111,7 @@ def test_a_kv_pin_is_released_by_abort_before_generate(stub, adapter, cluster):
     repeat = new_request_id()
     [ready] = _preallocate(stub, repeat, prompt, items).items
     assert ready.state == epd_pb2.ItemAllocation.READY
-    assert cluster.run(cluster.pds[0].stats())["num_kv_blocks_pinned"] == 2
+    assert cluster.run(cluster.pds[0].stats()).num_kv_blocks_pinned == 2
     stub.Abort(epd_pb2.AbortRequest(request_id=repeat))   # the stub fixture checks the pin is gone
 
 
@@ -121,7 +121,7 @@ def test_waiting_token_bound_answers_resource_exhausted_with_retry_after(stub, c
     running = stub.Generate(_request(new_request_id(), [1, 2, 3], max_tokens=1000, ignore_eos=True), timeout=60)
     next(running)                                   # holds the only running slot
     queued = stub.Generate(_request(new_request_id(), list(range(1, 31)), ignore_eos=True), timeout=60)   # 30 wait
-    _wait_for(lambda: cluster.run(cluster.pds[0].stats())["num_waiting"] == 1, what="a queued request")
+    _wait_for(lambda: cluster.run(cluster.pds[0].stats()).num_waiting == 1, what="a queued request")
     with pytest.raises(grpc.RpcError) as info:     # 30 + 20 > 48 waiting tokens
         list(stub.Generate(_request(new_request_id(), list(range(1, 21))), timeout=10))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -3,8 +3,8 @@
 ``PushClient`` builds a push the way the encoder's pusher does (a header,
 then raw chunks), optionally damaged, and runs the servicer on it inline:
 the servicer assembles and validates the payload, then calls the two
-``Engine`` methods it uses, which ``EngineDouble`` runs directly on an
-``EmbeddingHandoff``. The result is the status the call ended with.
+engine methods it uses, which ``InlineBridge`` runs directly on the real
+``EngineCore`` (no engine thread). The result is the status the call ended with.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from services.common import tensors
 from services.common.pb import epd_pb2
 from services.pd.config import PdConfig
-from services.pd.handoff import EmbeddingHandoff
+from services.pd.core import EngineCore
 from services.pd.servicer import PrefillDecodeServicer
 
 PUSH_MODES = ("complete", "truncated", "extra_bytes", "wrong_rows", "wrong_request", "no_header", "unknown_id")
@@ -42,26 +42,26 @@ class ContextDouble:
         raise self.Aborted(code)
 
 
-class EngineDouble:
-    """The two ``Engine`` calls the push servicer makes, run inline on a hand-off."""
+class InlineBridge:
+    """Stands in for ``EngineBridge``: the two calls the push servicer makes, run inline on the core."""
 
-    def __init__(self, handoff: EmbeddingHandoff, hidden_size: int) -> None:
-        self.handoff = handoff
-        self.hidden_size = hidden_size
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.hidden_size = core.hidden_size
 
     async def check_push(self, request_id, reservation_id, mm_hash, num_tokens):
-        self.handoff.check_push(request_id, reservation_id, mm_hash, num_tokens)
+        self.core.check_push(request_id, reservation_id, mm_hash, num_tokens)
 
     async def push(self, request_id, reservation_id, mm_hash, embedding):
-        self.handoff.fill(request_id, reservation_id, mm_hash, embedding)
+        self.core.fill(request_id, reservation_id, mm_hash, embedding)
 
 
 class PushClient:
     """Sends pushes of ``[rows, hidden_size]`` float32 rows, every row element = ``tag``."""
 
-    def __init__(self, handoff: EmbeddingHandoff, hidden_size: int) -> None:
-        self.hidden_size = hidden_size
-        self.servicer = PrefillDecodeServicer(EngineDouble(handoff, hidden_size), PdConfig(model="unused"),
+    def __init__(self, core: EngineCore) -> None:
+        self.hidden_size = core.hidden_size
+        self.servicer = PrefillDecodeServicer(InlineBridge(core), PdConfig(model="unused"),
                                               eos_token_id=None, vocab_size=16, max_model_len=64)
         self.loop = asyncio.new_event_loop()
 

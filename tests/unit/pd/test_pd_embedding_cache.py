@@ -21,9 +21,23 @@ def evicted():
     return []
 
 
+class RecordingCache(EmbeddingCache):
+    """The real cache, whose ``preallocate`` answers its items and records what it
+    evicted in ``evicted`` (the list the engine core frees tensors from)."""
+
+    def __init__(self, evicted: list[str], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.evicted = evicted
+
+    def preallocate(self, *args, **kwargs):
+        result = super().preallocate(*args, **kwargs)
+        self.evicted += result.evicted
+        return result.items
+
+
 @pytest.fixture
 def cache(evicted):
-    c = EmbeddingCache(capacity_tokens=100, on_evict=evicted.append, retry_after_s=0.5)
+    c = RecordingCache(evicted, capacity_tokens=100, retry_after_s=0.5)
     yield c
     c.check_integrity()
 
@@ -45,22 +59,22 @@ def make_ready(cache, request_id, mm_hash, num_tokens=10):
 def test_reserve_fill_take_over_release(cache):
     state, rid = reserve(cache, "r1", "h1")
     assert state is RESERVED and not cache.is_ready("h1")
-    assert cache.stats()["reserved_tokens"] == 10
+    assert cache.stats().reserved_tokens == 10
     cache.check_push("r1", rid, "h1", 10, now=1.0)
     assert cache.fill("r1", rid, "h1", now=1.0) is True
-    assert cache.is_ready("h1") and cache.stats()["ready_tokens"] == 10
-    assert cache.stats()["evictable_tokens"] == 0      # the filled reservation pins it
+    assert cache.is_ready("h1") and cache.stats().ready_tokens == 10
+    assert cache.stats().evictable_tokens == 0      # the filled reservation pins it
     assert cache.take_over("r1") == ["h1"]
-    assert cache.ref_count("h1") == 1 and cache.stats()["num_reservations"] == 0
+    assert cache.ref_count("h1") == 1 and cache.stats().num_reservations == 0
     cache.release("h1")
     cache.release("h1")                                 # extra release is a no-op
-    assert cache.ref_count("h1") == 0 and cache.stats()["evictable_tokens"] == 10
+    assert cache.ref_count("h1") == 0 and cache.stats().evictable_tokens == 10
 
 
 def test_ready_entry_is_pinned_then_taken_over(cache, evicted):
     make_ready(cache, "r0", "h1")
     [(h, state, rid)] = cache.preallocate("r1", [("h1", 10)], LEASE, 0.0)
-    assert state is READY and cache.stats()["evictable_tokens"] == 0
+    assert state is READY and cache.stats().evictable_tokens == 0
     with pytest.raises(ReservationRejected, match="pin"):
         cache.check_push("r1", rid, "h1", 10, now=1.0)
     with pytest.raises(EmbeddingCacheFull):             # the pinned entry is not evictable
@@ -77,7 +91,7 @@ def test_join_pending_entry_and_duplicate_push(cache):
     _, rid1 = reserve(cache, "r1", "h1")
     state, rid2 = reserve(cache, "r2", "h1")
     assert state is RESERVED and rid2 != rid1
-    assert cache.stats()["used_tokens"] == 10           # joined: no extra room
+    assert cache.stats().used_tokens == 10           # joined: no extra room
     assert cache.fill("r2", rid2, "h1", now=1.0) is True
     assert cache.fill("r1", rid1, "h1", now=1.0) is False   # accepted and dropped
     with pytest.raises(ReservationRejected, match="already filled"):
@@ -99,7 +113,7 @@ def test_preallocate_is_all_or_nothing(cache):
     answers = cache.preallocate("r2", [("a", 20), ("a", 20), ("old", 30)], LEASE, 0.0)
     assert [(h, s) for h, s, _ in answers] == [("a", RESERVED), ("a", RESERVED), ("old", READY)]
     assert answers[0][2] == answers[1][2]               # one reservation per distinct image
-    assert cache.stats()["used_tokens"] == 90
+    assert cache.stats().used_tokens == 90
 
 
 def test_invalid_preallocations(cache):
@@ -112,14 +126,17 @@ def test_invalid_preallocations(cache):
         cache.preallocate("r2", [("h2", 101)], LEASE, 0.0)      # can never fit
     with pytest.raises(ValueError):
         cache.preallocate("r2", [("h2", 5)], 0.0, 0.0)          # lease already over
-    assert cache.stats()["num_reservations"] == 1
+    assert cache.stats().num_reservations == 1
 
 
-def test_can_reserve_counts_evictable(cache):
+def test_evictable_rows_count_as_room(cache, evicted):
     make_ready(cache, "r0", "h1", 60)
-    assert cache.can_reserve(100) and not cache.can_reserve(101)
-    reserve(cache, "r1", "h2", 30)
-    assert cache.can_reserve(70) and not cache.can_reserve(71)
+    reserve(cache, "r1", "h2", 30)                      # 10 free + 60 evictable
+    with pytest.raises(EmbeddingCacheFull):
+        cache.preallocate("r2", [("h3", 71)], LEASE, 0.0)
+    assert evicted == []
+    reserve(cache, "r2", "h3", 70)
+    assert evicted == ["h1"]
 
 
 def test_push_validation(cache):
@@ -142,7 +159,7 @@ def test_push_validation(cache):
 def test_cancel_frees_room_and_late_push_is_rejected(cache):
     _, rid = reserve(cache, "r1", "h1", 10)
     assert cache.cancel_request("r1") == ["h1"]
-    assert cache.state("h1") is None and cache.stats()["used_tokens"] == 0
+    assert cache.state("h1") is None and cache.stats().used_tokens == 0
     with pytest.raises(ReservationRejected, match="cancelled"):
         cache.check_push("r1", rid, "h1", 10, now=1.0)
     assert cache.cancel_request("r1") == []
@@ -154,7 +171,7 @@ def test_cancel_keeps_the_last_push_others_wait_on(cache):
     assert cache.cancel_request("r1") == []
     assert cache.state("h1") is RESERVED
     assert cache.fill("r1", rid, "h1", now=1.0) is True  # the push still lands
-    assert cache.stats()["num_reservations"] == 0     # and the orphaned reservation ends
+    assert cache.stats().num_reservations == 0     # and the orphaned reservation ends
     cache.release("h1")
 
 
@@ -165,10 +182,10 @@ def test_expire_drops_pending_entries_and_unpins_ready_ones(cache):
     result = cache.expire(now=12.0)
     assert [r.reservation_id for r in result.expired] == [rid_pending]
     assert result.dropped_hashes == ["pending"] and cache.state("pending") is None
-    assert cache.stats()["evictable_tokens"] == 0
+    assert cache.stats().evictable_tokens == 0
     result = cache.expire(now=16.0)
     assert result.dropped_hashes == [] and cache.is_ready("ready")
-    assert cache.stats()["evictable_tokens"] == 10
+    assert cache.stats().evictable_tokens == 10
     with pytest.raises(ReservationRejected, match="expired"):
         cache.check_push("r1", rid_pending, "pending", 10, now=16.0)
 
@@ -176,9 +193,9 @@ def test_expire_drops_pending_entries_and_unpins_ready_ones(cache):
 def test_filled_push_without_generate_is_unpinned_by_its_lease(cache):
     _, rid = reserve(cache, "r1", "h1")
     cache.fill("r1", rid, "h1", now=1.0)
-    assert cache.stats()["evictable_tokens"] == 0
+    assert cache.stats().evictable_tokens == 0
     assert cache.expire(now=LEASE + 1).dropped_hashes == []
-    assert cache.is_ready("h1") and cache.stats()["evictable_tokens"] == 10
+    assert cache.is_ready("h1") and cache.stats().evictable_tokens == 10
 
 
 def test_taken_over_push_stays_live_until_filled(cache):
@@ -187,7 +204,7 @@ def test_taken_over_push_stays_live_until_filled(cache):
     assert cache.take_over("r1") == []                  # no second reference
     assert cache.ref_count("h1") == 1 and cache.state("h1") is RESERVED
     assert cache.fill("r1", rid, "h1", now=1.0)
-    assert cache.stats()["num_reservations"] == 0 and cache.ref_count("h1") == 1
+    assert cache.stats().num_reservations == 0 and cache.ref_count("h1") == 1
     cache.release("h1")
 
 
@@ -197,7 +214,7 @@ def test_taken_over_push_that_expires_drops_the_entry_even_if_referenced(cache):
     result = cache.expire(now=LEASE + 1)
     assert result.dropped_hashes == ["h1"] and cache.state("h1") is None
     cache.release("h1")                                 # dangling release: no-op
-    assert cache.stats()["used_tokens"] == 0
+    assert cache.stats().used_tokens == 0
 
 
 def test_lru_eviction_order_and_callback(cache, evicted):

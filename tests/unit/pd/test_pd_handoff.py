@@ -1,4 +1,4 @@
-"""EmbeddingHandoff: Preallocate answers, KV pins, take-over, leases (no model, no torch).
+"""The image hand-off in the engine core: Preallocate answers, KV pins, take-over, leases (no model, no torch).
 
 Preallocate may answer READY for an image because its KV is in the prefix
 cache, even when the embedding itself is long gone; those KV blocks are pinned
@@ -8,75 +8,66 @@ until the request is admitted or its lease ends.
 from __future__ import annotations
 
 import pytest
+from core_support import EmbeddingDouble, FakeClock, RunnerDouble, make_core
 
-from services.pd import handoff as handoff_module
-from services.pd.embedding_cache import EmbeddingCache
+from services.pd import preallocated as preallocated_module
 from services.pd.errors import EngineError, ErrorKind
-from services.pd.handoff import EmbeddingHandoff
-from services.pd.kv_cache import KVCacheManager
-from services.pd.outputs import ModelRunnerOutput, SampledToken
+from services.pd.outputs import Failed, Finished, SchedulerOutput
+from services.pd.preallocated import PreallocatedRequests
 from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
-from services.pd.scheduler import QueueFull, Scheduler, SchedulerConfig
 
 IMG = 0
 LEASE_S = 10.0
 PROMPT = [1, 2, 3, 4] + [IMG] * 8 + [5, 6, 7, 8, 9]   # image at 4..11, 17 tokens
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeEmbedding:
-    """Stands in for a [rows, hidden] tensor: the hand-off only reads its row count."""
-
-    def __init__(self, rows: int) -> None:
-        self.shape = (rows, 8)
-
-
 class Harness:
+    """The real engine core over real caches; a runner double samples token 7."""
+
     def __init__(self, *, num_blocks=16, embedding_tokens=16, prefix_caching=True, max_waiting_requests=8):
-        self.clock = FakeClock()
-        self.store: dict[str, object] = {}
-        self.kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=prefix_caching)
-        self.emb = EmbeddingCache(embedding_tokens, on_evict=lambda h: self.store.pop(h, None))
-        self.handoff = EmbeddingHandoff(self.emb, self.kv, self.store, lambda t: t, clock=self.clock)
-        config = SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, max_waiting_requests=max_waiting_requests)
-        self.sched = Scheduler(config, self.kv, self.emb, clock=self.clock)
+        self.clock = FakeClock(100.0)
+        self.core = make_core(clock=self.clock, num_blocks=num_blocks, block_size=4, embedding_tokens=embedding_tokens,
+                              prefix_caching=prefix_caching, max_model_len=64, max_num_batched_tokens=64,
+                              max_waiting_requests=max_waiting_requests, runner=RunnerDouble())
+        self.sched, self.kv, self.emb = self.core.scheduler, self.core.kv_cache, self.core.embedding_cache
+
+    @property
+    def store(self) -> dict:
+        """White-box: the core's embedding tensors by mm_hash."""
+        return self.core._embeddings
+
+    @property
+    def num_kv_leases(self) -> int:
+        return self.core.stats().num_kv_leases
 
     def preallocate(self, request_id, spans, prompt=PROMPT):
-        return self.handoff.preallocate(request_id, prompt, [MultiModalSpan(*s) for s in spans], LEASE_S)
+        return self.core.preallocate(request_id, [MultiModalSpan(*s) for s in spans], LEASE_S, prompt)
 
     def push(self, request_id, allocation, rows=8):
-        self.handoff.fill(request_id, allocation.reservation_id, allocation.mm_hash, FakeEmbedding(rows))
+        self.core.fill(request_id, allocation.reservation_id, allocation.mm_hash, EmbeddingDouble(rows))
 
     def generate(self, request_id, spans, prompt=PROMPT, max_tokens=2) -> Request:
         request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens),
                           mm_spans=[MultiModalSpan(*s) for s in spans])
-        held = self.handoff.take_over(request)
-        self.sched.add_request(request, span_refs=held)
+        self.core.add_request(request)
         return request
 
-    def step(self):
-        out = self.sched.schedule()
-        sampled = {c.request_id: SampledToken(7) for c in out.chunks if c.sample}
-        finished = self.sched.update_from_output(out, ModelRunnerOutput(sampled))
+    def step(self) -> tuple[SchedulerOutput, list[str]]:
+        self.sched.last_output = SchedulerOutput()
+        result = self.core.step()
         self.check()
-        return out, finished
+        ended = [r for r, e in result.events if isinstance(e, (Finished, Failed))]
+        return self.sched.last_output, ended
 
     def run(self):
         for _ in range(50):
-            if not self.sched.has_unfinished_requests():
+            if not self.core.has_work():
                 return
             self.step()
         raise AssertionError("did not finish")
 
     def check(self):
-        self.sched.check_integrity()
+        self.core.check_integrity()
 
     def serve(self, request_id, mm_hash, prompt=PROMPT) -> Request:
         """Preallocate, push, generate and finish one request with one image at 4..11."""
@@ -91,7 +82,7 @@ class Harness:
         """Fill the embedding cache with another image so every READY entry goes."""
         [filler] = self.preallocate("filler", [("filler", 0, self.emb.capacity_tokens)],
                                     prompt=[IMG] * self.emb.capacity_tokens + [1])
-        self.handoff.cancel("filler")
+        self.core.abort("filler")
         assert filler.ready is False and not self.store
 
 
@@ -100,7 +91,7 @@ def h():
     harness = Harness()
     yield harness
     harness.check()
-    assert harness.kv.num_pinned_blocks == 0 and harness.handoff.num_kv_leases == 0
+    assert harness.kv.num_pinned_blocks == 0 and harness.num_kv_leases == 0
 
 
 def test_reserved_pushed_taken_over_and_released(h):
@@ -139,7 +130,7 @@ def test_another_image_at_the_same_position_is_not_ready(h):
     h.serve("a", "cat")
     [allocation] = h.preallocate("b", [("dog", 4, 8)])
     assert not allocation.ready and h.kv.num_pinned_blocks == 0
-    h.handoff.cancel("b")
+    h.core.abort("b")
 
 
 def test_partial_coverage_pins_the_first_image_and_reserves_the_second(h):
@@ -164,8 +155,8 @@ def test_a_push_to_a_kv_pin_is_rejected(h):
         h.push("b", allocation)
     assert info.value.kind is ErrorKind.FAILED_PRECONDITION
     assert "cat" not in h.store
-    h.handoff.cancel("b")
-    h.handoff.cancel("b")                                               # idempotent
+    h.core.abort("b")
+    h.core.abort("b")                                                   # idempotent
 
 
 def test_kv_pin_lease_expires_then_generate_still_finds_cached_kv(h):
@@ -173,8 +164,8 @@ def test_kv_pin_lease_expires_then_generate_still_finds_cached_kv(h):
     h.evict_embeddings()
     h.preallocate("b", [("cat", 4, 8)])
     h.clock.now += LEASE_S + 1
-    assert h.handoff.expire(h.clock.now) == []
-    assert h.kv.num_pinned_blocks == 0 and h.handoff.num_kv_leases == 0
+    h.core.sweep()
+    assert h.kv.num_pinned_blocks == 0 and h.num_kv_leases == 0
     request = h.generate("b", [("cat", 4, 8)])                          # the KV is still cached
     assert request.span_refs == set() and h.kv.num_pinned_blocks == 3
     h.run()
@@ -185,31 +176,28 @@ def test_generate_fails_cleanly_when_neither_kv_nor_embedding_is_left(h):
     h.evict_embeddings()
     h.preallocate("b", [("cat", 4, 8)])
     h.clock.now += LEASE_S + 1
-    h.handoff.expire(h.clock.now)
+    h.core.sweep()
     hog = h.generate("hog", [], prompt=list(range(100, 100 + 4 * h.kv.num_blocks - 1)), max_tokens=1)
     h.step()                                                            # every block reused: prefix gone
-    h.sched.finish_request(hog.request_id, RequestStatus.FINISHED_ABORTED)
-    request = Request("b", list(PROMPT), SamplingParams(), mm_spans=[MultiModalSpan("cat", 4, 8)])
+    h.core.abort(hog.request_id)
     with pytest.raises(EngineError) as info:
-        h.handoff.take_over(request)
+        h.generate("b", [("cat", 4, 8)])
     assert info.value.kind is ErrorKind.DEADLINE_EXCEEDED                # its lease ran out: a timeout
-    assert h.kv.num_pinned_blocks == 0 and h.emb.stats()["num_reservations"] == 0
-    never = Request("c", list(PROMPT), SamplingParams(), mm_spans=[MultiModalSpan("cat", 4, 8)])
+    assert h.kv.num_pinned_blocks == 0 and h.emb.stats().num_reservations == 0
     with pytest.raises(EngineError) as info:
-        h.handoff.take_over(never)
+        h.generate("c", [("cat", 4, 8)])
     assert info.value.kind is ErrorKind.FAILED_PRECONDITION              # never preallocated
     with pytest.raises(EngineError) as info:
-        h.handoff.take_over(request)
+        h.generate("b", [("cat", 4, 8)])
     assert info.value.kind is ErrorKind.FAILED_PRECONDITION              # the expiry is reported once
 
 
-def test_expired_request_ids_are_remembered_within_a_bound(h, monkeypatch):
-    monkeypatch.setattr(handoff_module, "EXPIRED_MEMORY", 2)
+def test_expired_request_ids_are_remembered_within_a_bound(monkeypatch):
+    monkeypatch.setattr(preallocated_module, "EXPIRED_MEMORY", 2)
+    book = PreallocatedRequests()
     for request_id in ("x", "y", "z"):
-        h.preallocate(request_id, [(request_id, 4, 8)])
-        h.clock.now += LEASE_S + 1
-        h.handoff.expire(h.clock.now)
-    assert list(h.handoff._expired_requests) == ["y", "z"]              # the oldest is forgotten first
+        book.remember_expired([request_id])
+    assert [book.pop_expired(r) for r in ("x", "y", "z")] == [False, True, True]   # the oldest is forgotten first
 
 
 def test_refused_generate_gives_back_references_and_pins():
@@ -218,11 +206,10 @@ def test_refused_generate_gives_back_references_and_pins():
     [ready] = h.preallocate("b", [("cat", 4, 8)])                       # embedding READY and KV cached
     assert ready.via_prefix_cache
     h.generate("blocker", [], prompt=[1, 2, 3])                         # fills the waiting queue
-    request = Request("b", list(PROMPT), SamplingParams(), mm_spans=[MultiModalSpan("cat", 4, 8)])
-    held = h.handoff.take_over(request)
-    with pytest.raises(QueueFull):
-        h.sched.add_request(request, span_refs=held)
-    h.handoff.release(request, held)
+    assert h.kv.num_pinned_blocks == 3
+    with pytest.raises(EngineError) as info:
+        h.generate("b", [("cat", 4, 8)])
+    assert info.value.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert h.kv.num_pinned_blocks == 0 and h.emb.ref_count("cat") == 0
     h.run()
     h.check()
@@ -235,12 +222,12 @@ def test_failed_preallocate_pins_nothing(h):
     with pytest.raises(EngineError) as info:
         h.preallocate("b", [("cat", 4, 8), ("huge", 17, 16)], prompt=prompt)
     assert info.value.kind is ErrorKind.RESOURCE_EXHAUSTED and info.value.retry_after_s
-    assert h.kv.num_pinned_blocks == 0 and h.handoff.num_kv_leases == 0
+    assert h.kv.num_pinned_blocks == 0 and h.num_kv_leases == 0
     with pytest.raises(EngineError) as info:
         h.preallocate("b", [("cat", 4, 8), ("huge", 17, 17)], prompt=prompt + [IMG])   # can never fit
     assert info.value.kind is ErrorKind.INVALID_ARGUMENT
     assert h.kv.num_pinned_blocks == 0
-    h.handoff.cancel("holder")
+    h.core.abort("holder")
 
 
 def test_without_prefix_caching_the_embedding_cache_answers():

@@ -1,94 +1,97 @@
-"""Scheduler driven by hand-made ModelRunnerOutputs (no model, no torch)."""
+"""Scheduler policy, driven through the real engine core with hand-made model outputs (no model, no torch).
+
+The harness builds the production ``EngineCore`` (real scheduler, KV and
+embedding caches); a runner double samples the tokens each test dictates and
+checks, before every step, that each chunk would attend over exactly the K/V
+its request computed itself.
+"""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from core_support import EmbeddingDouble, FakeClock, RunnerDouble, make_core
 
-from services.pd.embedding_cache import EmbeddingCache, EntryState, ReservationRejected
-from services.pd.kv_cache import KVCacheManager
-from services.pd.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
+from services.pd.embedding_cache import EntryState
+from services.pd.errors import EngineError, ErrorKind
+from services.pd.outputs import Failed, Finished, ModelRunnerOutput, SampledToken, SchedulerOutput
 from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
-from services.pd.scheduler import QueueFull, Scheduler, SchedulerConfig
+from services.pd.scheduler import QueueFull, SchedulerConfig
 
 EOS = 2
-TOKEN = 7          # what FakeRunner samples unless told otherwise
+TOKEN = 7          # what the runner double samples unless told otherwise
 IMG = 0            # image placeholder token
 LEASE = 100.0
 IMAGES = "abcdefgh"   # 8 images x 6 rows fit the 64-row embedding cache of the random test
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Harness:
-    """A scheduler with real caches, a fake clock and a fake runner."""
+    """The engine core with real caches and scheduler, a fake clock and a runner double."""
 
     def __init__(self, *, num_blocks=64, block_size=4, budget=16, max_num_seqs=8,
                  max_model_len=256, embedding_tokens=256, prefix_caching=True, **limits):
         self.clock = FakeClock()
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-        self.evicted: list[str] = []
-        self.emb = EmbeddingCache(embedding_tokens, on_evict=self.evicted.append)
-        config = SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=budget,
-                                 max_num_seqs=max_num_seqs, **limits)
-        self.sched = Scheduler(config, self.kv, self.emb, clock=self.clock)
+        self.runner = RunnerDouble()
+        self.runner.on_step = lambda out, embeddings: [self._check_chunk(c) for c in out.chunks]
+        self.core = make_core(clock=self.clock, runner=self.runner, num_blocks=num_blocks, block_size=block_size,
+                              embedding_tokens=embedding_tokens, prefix_caching=prefix_caching,
+                              max_model_len=max_model_len, max_num_batched_tokens=budget,
+                              max_num_seqs=max_num_seqs, **limits)
+        self.sched = self.core.scheduler
+        self.kv, self.emb = self.core.kv_cache, self.core.embedding_cache
+        self.evicted: list[str] = []                  # READY entries a Preallocate evicted, in order
         self.reservations: dict[tuple[str, str], str] = {}
+        self.requests: dict[str, Request] = {}
         # Stand-in for the KV tensors: (block, slot) -> what the runner wrote
         # there, a chained digest of the whole prefix up to that position.
         self.fake_kv: dict[tuple[int, int], int] = {}
         self.prefix_digests: dict[str, list[int]] = {}
 
     def add(self, request_id, prompt, spans=(), max_tokens=4, ready=(), **sampling) -> Request:
-        """Engine-like admission: Preallocate the images, then take one reference per span."""
+        """Preallocate the images, push those in ``ready``, then Generate."""
         spans = [MultiModalSpan(*s) for s in spans]
-        items = [(s.mm_hash, s.num_tokens) for s in spans]
-        if items:
-            for h, _, rid in self.emb.preallocate(request_id, items, self.clock.now + LEASE,
-                                                  self.clock.now):
-                self.reservations[(request_id, h)] = rid
+        if spans:
+            before = {h for h in self._known_hashes() if self.emb.is_ready(h)}
+            for allocation in self.core.preallocate(request_id, spans, LEASE, list(prompt)):
+                self.reservations[(request_id, allocation.mm_hash)] = allocation.reservation_id
+            self.evicted += sorted(h for h in before if self.emb.state(h) is None)
         for h in ready:
             self.push(request_id, h)
         request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, **sampling),
                           mm_spans=spans, eos_token_id=EOS)
-        taken = self.emb.take_over(request_id)
-        for span in spans:
-            if span.mm_hash in taken:
-                taken.remove(span.mm_hash)
-            else:
-                assert self.emb.acquire(span.mm_hash)
-        self.sched.add_request(request)
+        self.core.add_request(request)
+        self.requests[request_id] = request
         return request
 
     def push(self, request_id, mm_hash) -> bool:
         """The encoder's PushEmbedding for this request's reservation; False if rejected."""
         rid = self.reservations[(request_id, mm_hash)]
         try:
-            self.emb.fill(request_id, rid, mm_hash, self.clock.now)
-        except ReservationRejected:   # e.g. a READY pin, or the request already ended
+            self.core.fill(request_id, rid, mm_hash, EmbeddingDouble(self.emb.num_tokens(mm_hash)))
+        except EngineError:   # e.g. a READY pin, or the request already ended
             return False
         return True
 
     def step(self, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[Request]]:
-        """One engine step; checks the budget and every invariant."""
-        out = self.sched.schedule()
+        """One engine step; checks the budget and every invariant. Returns the requests that ended."""
+        self.runner.tokens = dict(tokens or {})
+        self.sched.last_output = SchedulerOutput()
+        result = self.core.step()
+        out = self.sched.last_output
         assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
-        for chunk in out.chunks:
-            self._check_chunk(chunk)
-        sampled = {c.request_id: SampledToken((tokens or {}).get(c.request_id, TOKEN))
-                   for c in out.chunks if c.sample}
-        finished = self.sched.update_from_output(out, ModelRunnerOutput(sampled))
         self.check()
         self.clock.now += 0.01
-        return out, finished
+        return out, self.ended(result.events)
+
+    def ended(self, events) -> list[Request]:
+        """The requests whose last event is among ``events``."""
+        return [self.requests[request_id] for request_id, event in events if isinstance(event, (Finished, Failed))]
+
+    def error_of(self, events, request_id) -> EngineError | None:
+        return next((e.error for r, e in events if r == request_id and isinstance(e, Failed)), None)
 
     def _check_chunk(self, chunk) -> None:
         """Oracle of the runner's view: the KV it attends over is exactly what this
@@ -122,13 +125,13 @@ class Harness:
     def run(self, max_steps=200) -> list[Request]:
         finished = []
         for _ in range(max_steps):
-            if not self.sched.has_unfinished_requests():
+            if not self.core.has_work():
                 return finished
             finished += self.step()[1]
         raise AssertionError("did not finish")
 
     def check(self) -> None:
-        self.sched.check_integrity()
+        self.core.check_integrity()
         # Every reference in the cache is one held by a request for an uncomputed span.
         held: dict[str, int] = {}
         for request in list(self.sched.running) + list(self.sched.waiting):
@@ -326,7 +329,7 @@ def test_resume_reuses_prefix_cache_even_if_image_was_evicted(make):
     out, _ = h.step()
     chunk = chunk_of(out, "a")
     assert chunk.start_pos == 12 and chunk.image_slices == []   # image covered by cached KV
-    h.sched.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    h.core.abort("b")
     h.run()
 
 
@@ -337,11 +340,14 @@ def test_resume_fails_retryably_when_image_evicted_and_not_in_kv(make):
     h.step()
     _force_preempt(h, request)
     h.add("b", [IMG] * 8 + [9], spans=[("dog", 0, 8)], max_tokens=1)
-    out, finished = h.step()
+    h.runner.on_step = None
+    result = h.core.step()
+    out = h.sched.last_output
     assert "a" not in [c.request_id for c in out.chunks]
-    assert finished == [request] and request.status is RequestStatus.FINISHED_ERROR
-    assert request.error_retryable and "no longer cached" in request.error
-    h.sched.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert h.ended(result.events) == [request] and request.status is RequestStatus.FINISHED_ERROR
+    error = h.error_of(result.events, "a")
+    assert error.kind is ErrorKind.UNAVAILABLE and "no longer cached" in request.error   # retryable elsewhere
+    h.core.abort("b")
 
 
 def _force_preempt(h: Harness, request: Request) -> None:
@@ -396,40 +402,43 @@ def test_max_model_len_stops_generation(make):
     assert request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens == 6
 
 
+def refusal(h: Harness, request_id, prompt, **kwargs) -> EngineError:
+    """The error Generate gets for a request the scheduler refuses (nothing is held after it)."""
+    with pytest.raises(EngineError) as info:
+        h.add(request_id, prompt, **kwargs)
+    return info.value
+
+
 def test_queue_bounds_and_invalid_requests(make):
     h = make(max_waiting_requests=2, max_waiting_tokens=10, max_model_len=12, num_blocks=4)
     h.add("a", range(3))
-    with pytest.raises(ValueError):
-        h.add("a", range(3))                              # duplicate id
+    assert refusal(h, "a", range(3)).kind is ErrorKind.ALREADY_EXISTS        # duplicate id
     h.add("b", range(4))
-    with pytest.raises(QueueFull) as info:
-        h.add("c", range(1))
-    assert info.value.retry_after_s == 1.0
+    full = refusal(h, "c", range(1))
+    assert full.kind is ErrorKind.RESOURCE_EXHAUSTED and full.retry_after_s == 1.0
     h.step()                                              # both admitted: waiting is empty
     h.add("d", range(7))
-    with pytest.raises(QueueFull):
-        h.add("x", range(4))                              # 7 + 4 waiting tokens > 10
-    with pytest.raises(ValueError, match="waiting-queue"):
-        h.add("y", range(11))                             # could never wait here, even alone
-    with pytest.raises(ValueError):
-        h.add("e", range(13))                             # longer than max_model_len
-    with pytest.raises(ValueError):
-        h.add("f", [])
+    assert refusal(h, "x", range(4)).kind is ErrorKind.RESOURCE_EXHAUSTED   # 7 + 4 waiting tokens > 10
+    never = refusal(h, "y", range(11))                    # could never wait here, even alone
+    assert never.kind is ErrorKind.INVALID_ARGUMENT and "waiting-queue" in never.message
+    assert refusal(h, "e", range(13)).kind is ErrorKind.INVALID_ARGUMENT     # longer than max_model_len
+    assert refusal(h, "f", []).kind is ErrorKind.INVALID_ARGUMENT
     bad = Request("h", [1, 2, 3], SamplingParams(), mm_spans=[MultiModalSpan("x", 2, 2)])
     with pytest.raises(ValueError):
         h.sched.add_request(bad)                          # span past the prompt
+    with pytest.raises(QueueFull):
+        h.sched.check_room(4)
     h.check()
     small = make(num_blocks=2, block_size=4)
-    with pytest.raises(ValueError):
-        small.add("g", range(10), max_tokens=2)           # needs 3 blocks, there are 2
+    assert refusal(small, "g", range(10), max_tokens=2).kind is ErrorKind.INVALID_ARGUMENT   # 3 blocks of 2
 
 
 def test_finish_is_idempotent_and_releases_everything(h):
     request = h.add("a", [1, 2] + [IMG] * 4 + [3], spans=[("cat", 2, 4)])
     h.step()                                              # prefills [1, 2], waits for cat
     assert request.block_ids and h.emb.ref_count("cat") == 1
-    assert h.sched.finish_request("a", RequestStatus.FINISHED_ABORTED) is request
-    assert h.sched.finish_request("a", RequestStatus.FINISHED_ABORTED) is None
+    assert h.core.abort("a") is request
+    assert h.core.abort("a") is None
     assert request.status is RequestStatus.FINISHED_ABORTED and not request.block_ids
     assert h.emb.state("cat") is None                     # its unfilled reservation is gone too
     assert h.kv.num_free_blocks == h.kv.num_blocks
@@ -443,7 +452,7 @@ def test_abort_of_a_waiting_request(make):
     h.add("a", [1, 2, 3], max_tokens=5)
     b = h.add("b", [4, 5, 6])
     h.step()
-    assert h.sched.finish_request("b", RequestStatus.FINISHED_ABORTED) is b
+    assert h.core.abort("b") is b
     assert h.sched.num_waiting == 0
     h.run()
 
@@ -453,12 +462,13 @@ def test_failing_requests_waiting_on_an_expired_image(h):
     b = h.add("b", [IMG] * 4 + [3], spans=[("cat", 0, 4)])
     c = h.add("c", [IMG] * 4 + [3], spans=[("dog", 0, 4)])
     h.step()
-    result = h.emb.expire(now=LEASE + 1)
-    assert sorted(result.dropped_hashes) == ["cat", "dog"]
-    failed = h.sched.fail_requests_waiting_on("cat", "lease expired")
-    assert failed == [a, b]
-    assert all(r.status is RequestStatus.FINISHED_ERROR and r.error_retryable for r in failed)
-    assert h.sched.fail_requests_waiting_on("dog", "lease expired") == [c]
+    assert h.sched.requests_waiting_on("cat") == [a, b] and h.sched.requests_waiting_on("dog") == [c]
+    h.clock.now = LEASE + 1
+    h.core.sweep()                                        # both pushes are lost: their entries go
+    assert h.emb.state("cat") is None and h.emb.state("dog") is None
+    _, failed = h.step()
+    assert failed == [a, b, c]
+    assert all(r.status is RequestStatus.FINISHED_ERROR for r in failed)
     assert not h.sched.has_unfinished_requests()
 
 
@@ -473,7 +483,7 @@ def test_missing_embedding_detected_without_engine_help(h):
 def test_update_ignores_chunks_of_requests_finished_meanwhile(h):
     request = h.add("a", [1, 2, 3])
     out = h.sched.schedule()
-    h.sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    h.core.abort("a")                                     # between the schedule and the update
     sampled = {"a": SampledToken(TOKEN)}
     assert h.sched.update_from_output(out, ModelRunnerOutput(sampled)) == []
     assert request.output_token_ids == []
@@ -481,9 +491,10 @@ def test_update_ignores_chunks_of_requests_finished_meanwhile(h):
 
 def test_missing_sampled_token_fails_the_request(h):
     request = h.add("a", [1, 2, 3])
-    out = h.sched.schedule()
-    assert h.sched.update_from_output(out, ModelRunnerOutput()) == [request]
-    assert request.status is RequestStatus.FINISHED_ERROR and not request.error_retryable
+    h.runner.omit.add("a")
+    _, finished = h.step()
+    assert finished == [request]
+    assert request.status is RequestStatus.FINISHED_ERROR and request.error == "the model step sampled no token"
 
 
 def test_config_validation():
@@ -514,20 +525,19 @@ def test_random_workload_keeps_invariants(seed, make):
                 h.push(*item)                              # else lost: the encoder failed
         if h.sched.num_running and rng.random() < 0.03:
             victim = rng.choice(h.sched.running)
-            ended.append(h.sched.finish_request(victim.request_id, RequestStatus.FINISHED_ABORTED))
+            h.core.abort(victim.request_id)               # its end arrives with the next step's events
         tokens = {r.request_id: rng.choice([TOKEN, TOKEN, TOKEN, EOS]) for r in h.sched.running}
         ended += h.step(tokens)[1]
     for item in pending:
         h.push(*item)
     # Lost pushes: the lease sweep drops their entries and fails whoever waits on them.
     h.clock.now += LEASE + 1
-    for mm_hash in h.emb.expire(h.clock.now).dropped_hashes:
-        ended += h.sched.fail_requests_waiting_on(mm_hash, "lease expired")
+    h.core.sweep()
     ended += h.run(max_steps=2000)
     assert len(ended) == num_added
     assert h.kv.num_free_blocks == h.kv.num_blocks
     assert all(h.emb.ref_count(x) == 0 for x in IMAGES)
-    assert h.emb.stats()["num_reservations"] == 0
+    assert h.emb.stats().num_reservations == 0
 
 
 def _add_random(h: Harness, rng: random.Random, request_id: str, pending: list) -> None:
@@ -540,10 +550,6 @@ def _add_random(h: Harness, rng: random.Random, request_id: str, pending: list) 
         spans.append((mm_hash, len(prompt), 6))        # every image of a hash has 6 rows
         prompt += [IMG] * 6
     prompt += [rng.randint(3, 6) for _ in range(rng.randint(1, 6))]
-    try:
-        h.add(request_id, prompt, spans=spans, max_tokens=rng.randint(1, 12))
-    except Exception:
-        h.emb.cancel_request(request_id)
-        raise
+    h.add(request_id, prompt, spans=spans, max_tokens=rng.randint(1, 12))
     pending += [(request_id, s[0]) for s in spans
                 if h.emb.state(s[0]) is EntryState.RESERVED]

@@ -1,13 +1,12 @@
-"""The reservation protocol as a state machine (hypothesis), on PD's engine-thread objects.
+"""The reservation protocol as a state machine (hypothesis), on PD's real engine core.
 
-A harness mirrors what ``Engine`` does on its thread (Preallocate, the push
-servicer, Generate's take-over, abort, the lease sweep, steps) around the real
-``EmbeddingHandoff``, ``EmbeddingCache``, ``KVCacheManager`` and ``Scheduler``
-with an injected clock. Pushes go through the real ``PushEmbedding`` servicer
-(header + chunks), so partial, oversized and header-less payloads are
-assembled (and refused) where they are in production. Every push carries
-distinct contents (its rows hold a unique tag), so the fake model runner can
-tell exactly which push each computed image came from.
+The rules call the real ``EngineCore`` (Preallocate, Generate, abort, the
+lease sweep, steps) over its real caches and scheduler, with an injected
+clock and no engine thread. Pushes go through the real ``PushEmbedding``
+servicer (header + chunks), so partial, oversized and header-less payloads
+are assembled (and refused) where they are in production. Every push carries
+distinct contents (its rows hold a unique tag), so the runner double can tell
+exactly which push each computed image came from.
 
 A small model of the protocol predicts each push's fate and the reserved
 rows; after every step the invariants below must hold.
@@ -23,26 +22,15 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from core_support import FakeClock, RunnerDouble, ended_ids, make_core
 from reservation_push_support import PUSH_MODES, PushClient
-from services.pd.embedding_cache import EmbeddingCache, EntryState
+from services.pd.embedding_cache import EntryState
 from services.pd.errors import EngineError, ErrorKind
-from services.pd.handoff import EmbeddingHandoff
-from services.pd.kv_cache import KVCacheManager
-from services.pd.outputs import ModelRunnerOutput, SampledToken
-from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
-from services.pd.scheduler import QueueFull, Scheduler, SchedulerConfig
+from services.pd.request import MultiModalSpan, Request, SamplingParams
 
 IMG, HIDDEN, LEASE_S, CAPACITY = 0, 4, 10.0, 24
 SIZES = {"img-a": 4, "img-b": 6, "img-c": 8, "img-d": 12}   # 30 rows > CAPACITY: eviction and refusals
 S = grpc.StatusCode
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
@@ -70,15 +58,15 @@ def prompt_of(images: list[str]) -> tuple[list[int], list[MultiModalSpan]]:
 class ReservationMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.clock = FakeClock()
-        self.store: dict[str, torch.Tensor] = {}
-        self.kv = KVCacheManager(24, 4, enable_prefix_caching=True)
-        self.emb = EmbeddingCache(CAPACITY, on_evict=self._on_evict)
-        self.sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=10, max_num_seqs=3,
-                                               max_waiting_requests=4), self.kv, self.emb, clock=self.clock)
-        self.handoff = EmbeddingHandoff(self.emb, self.kv, self.store, lambda t: t, self.sched.check_room,
-                                        clock=self.clock)
-        self.pusher = PushClient(self.handoff, HIDDEN)
+        self.clock = FakeClock(100.0)
+        runner = RunnerDouble()
+        runner.on_step = self._check_step
+        self.core = make_core(clock=self.clock, num_blocks=24, block_size=4, embedding_tokens=CAPACITY,
+                              runner=runner, hidden_size=HIDDEN, max_model_len=64, max_num_batched_tokens=10,
+                              max_num_seqs=3, max_waiting_requests=4)
+        self.kv, self.emb = self.core.kv_cache, self.core.embedding_cache
+        self.store: dict[str, torch.Tensor] = self.core._embeddings   # white-box: the core's tensors
+        self.pusher = PushClient(self.core)
         self.ids = itertools.count()
         self.tags = itertools.count(1)
         self.reservations: dict[str, ModelReservation] = {}
@@ -87,10 +75,10 @@ class ReservationMachine(RuleBasedStateMachine):
         self.accepted: dict[str, float] = {}              # mm_hash -> tag of the push that made it READY
         self.num_computed_images = 0
 
-    def _on_evict(self, mm_hash: str) -> None:
+    def _evicted(self, mm_hash: str) -> None:
+        """A Preallocate evicted this READY entry (its tensor is gone from the store)."""
         open_ = [r for r in self.reservations.values() if r.mm_hash == mm_hash and r.kind != "kvpin" and not r.ended]
         assert not open_, "evicted an entry that a reservation still holds"
-        self.store.pop(mm_hash, None)
         self.accepted.pop(mm_hash)
 
     # --------------------------------------------------------------- model
@@ -109,7 +97,7 @@ class ReservationMachine(RuleBasedStateMachine):
                         r.ended = True
 
     def _model_cancel(self, request_id: str) -> None:
-        """``EmbeddingHandoff.cancel``: the last pending push of an entry others hold stays."""
+        """The core's release of a request that ended: the last pending push of an entry others hold stays."""
         for r in self.reservations.values():
             if r.request_id != request_id or r.ended:
                 continue
@@ -127,16 +115,19 @@ class ReservationMachine(RuleBasedStateMachine):
     def preallocate(self, images):
         request_id = f"r{next(self.ids)}"
         prompt, spans = prompt_of(images)
-        before = (self.emb.stats(), self.kv.num_pinned_blocks, self.handoff.num_kv_leases)
+        before = (self.emb.stats(), self.kv.num_pinned_blocks, self.core.stats().num_kv_leases)
+        stored = set(self.store)
         try:
-            allocations = self.handoff.preallocate(request_id, prompt, spans, LEASE_S)
+            allocations = self.core.preallocate(request_id, spans, LEASE_S, prompt)
         except EngineError as error:
             assert error.kind in (ErrorKind.RESOURCE_EXHAUSTED, ErrorKind.INVALID_ARGUMENT)
             if error.kind is ErrorKind.RESOURCE_EXHAUSTED:
                 assert error.retry_after_s
-            after = (self.emb.stats(), self.kv.num_pinned_blocks, self.handoff.num_kv_leases)
+            after = (self.emb.stats(), self.kv.num_pinned_blocks, self.core.stats().num_kv_leases)
             assert after == before, "a refused Preallocate changed something"
             return
+        for mm_hash in sorted(stored - set(self.store)):
+            self._evicted(mm_hash)
         self.preallocated[request_id] = images
         for allocation, span in zip(allocations, spans):
             assert allocation.mm_hash == span.mm_hash
@@ -205,43 +196,42 @@ class ReservationMachine(RuleBasedStateMachine):
             self._generate(f"g{next(self.ids)}", images, preallocated=False)
 
     def _generate(self, request_id: str, images: list[str], preallocated: bool) -> None:
-        """``Engine._add_request``: take over, then queue (giving everything back if refused)."""
+        """``EngineCore.add_request``: take over, then queue (giving everything back if refused)."""
         prompt, spans = prompt_of(images)
         request = Request(request_id, prompt, SamplingParams(max_tokens=2), mm_spans=spans)
         try:
-            held = self.handoff.take_over(request)
+            self.core.add_request(request)
         except EngineError as error:
-            # A lease that ran out reads as a timeout; a request that never preallocated, as a protocol error.
+            # A lease that ran out reads as a timeout; a request that never preallocated, as a protocol error;
+            # a full waiting queue as a retry hint.
             allowed = {ErrorKind.FAILED_PRECONDITION, ErrorKind.DEADLINE_EXCEEDED} if preallocated else {
                 ErrorKind.FAILED_PRECONDITION}
-            assert error.kind in allowed
+            assert error.kind in allowed | {ErrorKind.RESOURCE_EXHAUSTED}
+            if error.kind is ErrorKind.RESOURCE_EXHAUSTED:
+                self._model_take_over(request_id)
             self._model_cancel(request_id)
             return
+        self._model_take_over(request_id)
+        self.generating[request_id] = request
+
+    def _model_take_over(self, request_id: str) -> None:
+        """Generate took the request's reservations over: pushes still due end when filled."""
         for r in self.reservations.values():
             if r.request_id == request_id and not r.ended:
                 if r.kind == "push" and not r.filled:
                     r.end_on_fill = True
                 else:
                     r.ended = True
-        try:
-            self.sched.add_request(request, span_refs=held)
-        except (QueueFull, ValueError):
-            self.handoff.release(request, held)
-            self._model_cancel(request_id)   # the proxy's Abort follows a refused Generate
-            self.handoff.cancel(request_id)
-            return
-        self.generating[request_id] = request
 
     @precondition(lambda self: self.preallocated or self.generating)
     @rule(data=st.data())
     def abort(self, data):
-        """``Engine._abort`` (client gone, deadline, proxy Abort)."""
+        """``EngineCore.abort`` (client gone, deadline, proxy Abort)."""
         request_id = data.draw(st.sampled_from(sorted([*self.preallocated, *self.generating])))
         self.preallocated.pop(request_id, None)
         self.generating.pop(request_id, None)
-        self.sched.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.core.abort(request_id)
         self._model_cancel(request_id)
-        self.handoff.cancel(request_id)
 
     @rule(seconds=st.sampled_from([1.0, 4.0, 11.0]))
     def advance_clock(self, seconds):
@@ -249,18 +239,20 @@ class ReservationMachine(RuleBasedStateMachine):
 
     @rule()
     def sweep(self):
-        """``Engine._maybe_sweep``: end leases, fail the requests that waited on a dropped entry."""
+        """``EngineCore.sweep``: end leases, fail the requests that waited on a dropped entry."""
         now = self.clock.now
         for r in self.reservations.values():
             if not r.ended and r.deadline < now:
                 r.ended = True
         self._sync_dropped_entries()
-        for mm_hash in self.handoff.expire(now):
-            assert mm_hash not in self.accepted, "a READY entry was dropped by a lease"
-            for request in self.sched.fail_requests_waiting_on(mm_hash, "lease expired"):
-                self.generating.pop(request.request_id, None)
-                self._model_cancel(request.request_id)
-                self.handoff.cancel(request.request_id)
+        reserved = {h for h in SIZES if self.emb.state(h) is EntryState.RESERVED}
+        self.core.sweep()
+        for mm_hash in reserved:
+            if self.emb.state(mm_hash) is None:
+                assert mm_hash not in self.accepted, "a READY entry was dropped by a lease"
+        for request_id in [r for r in self.generating if self.core.scheduler.get_request(r) is None]:
+            del self.generating[request_id]                # failed: an image it waited on is gone
+            self._model_cancel(request_id)
 
     @precondition(lambda self: self.generating)
     @rule(num_steps=st.integers(1, 3))
@@ -269,22 +261,19 @@ class ReservationMachine(RuleBasedStateMachine):
             self._step()
 
     def _step(self) -> None:
-        out = self.sched.schedule()
-        sampled = {}
+        self.sweep()   # a step sweeps leases first when a sweep is due; the clock moves in whole seconds
+        for request_id in ended_ids(self.core.step()):
+            self.generating.pop(request_id, None)
+            self._model_cancel(request_id)                 # the core's release cancels what is left
+
+    def _check_step(self, out, embeddings) -> None:
         for chunk in out.chunks:
             for piece in chunk.image_slices:
-                self._check_computed_image(piece.mm_hash, piece.src_start, piece.length)
-            if chunk.sample:
-                sampled[chunk.request_id] = SampledToken(5)
-        for request in self.sched.update_from_output(out, ModelRunnerOutput(sampled)):
-            self.generating.pop(request.request_id, None)
-            self._model_cancel(request.request_id)         # the scheduler's finish cancels what is left
-            if request.status is RequestStatus.FINISHED_ERROR:
-                self.handoff.cancel(request.request_id)
+                self._check_computed_image(embeddings, piece.mm_hash, piece.src_start, piece.length)
 
-    def _check_computed_image(self, mm_hash: str, start: int, length: int) -> None:
-        """The fake runner: the rows it splices come from the one complete push accepted for the entry."""
-        tensor = self.store.get(mm_hash)
+    def _check_computed_image(self, embeddings, mm_hash: str, start: int, length: int) -> None:
+        """The runner double: the rows it splices come from the one complete push accepted for the entry."""
+        tensor = embeddings.get(mm_hash)
         assert tensor is not None, "scheduled an image whose embedding is not stored"
         assert mm_hash in self.accepted
         rows = tensor[start:start + length]
@@ -294,9 +283,9 @@ class ReservationMachine(RuleBasedStateMachine):
     # ----------------------------------------------------------- invariants
     @invariant()
     def bookkeeping_is_consistent(self):
-        self.sched.check_integrity()
+        self.core.check_integrity()
         stats = self.emb.stats()
-        assert stats["used_tokens"] <= CAPACITY
+        assert stats.used_tokens <= CAPACITY
         ready = {h for h in SIZES if self.emb.state(h) is EntryState.READY}
         assert set(self.store) == ready == set(self.accepted)
         for mm_hash, tensor in self.store.items():
@@ -305,24 +294,24 @@ class ReservationMachine(RuleBasedStateMachine):
                    if r.kind == "push" and not r.ended and not r.filled}
         reserved = {h for h in SIZES if self.emb.state(h) is EntryState.RESERVED}
         assert reserved == pending - ready
-        assert stats["reserved_tokens"] == sum(SIZES[h] for h in reserved)
+        assert stats.reserved_tokens == sum(SIZES[h] for h in reserved)
         open_ids = {rid for rid, r in self.reservations.items() if r.kind != "kvpin" and not r.ended}
-        assert stats["num_reservations"] == len(open_ids)
+        assert stats.num_reservations == len(open_ids)
         kv_leases = {r.request_id for r in self.reservations.values() if r.kind == "kvpin" and not r.ended}
-        assert self.handoff.num_kv_leases == len(kv_leases)
+        assert self.core.stats().num_kv_leases == len(kv_leases)
 
     def teardown(self):
         try:
             for request_id in [*self.preallocated, *self.generating]:
-                self.sched.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-                self.handoff.cancel(request_id)
+                self.core.abort(request_id)
             self.clock.now += LEASE_S + 1
-            self.handoff.expire(self.clock.now)
-            self.sched.check_integrity()
+            self.core.sweep()
+            self.core.step()
+            self.core.check_integrity()
             stats = self.emb.stats()
-            assert stats["reserved_tokens"] == stats["num_reservations"] == 0
-            assert stats["ready_tokens"] == stats["evictable_tokens"], "a reference outlived its request"
-            assert self.kv.num_pinned_blocks == 0 and self.handoff.num_kv_leases == 0
+            assert stats.reserved_tokens == stats.num_reservations == 0
+            assert stats.ready_tokens == stats.evictable_tokens, "a reference outlived its request"
+            assert self.kv.num_pinned_blocks == 0 and self.core.stats().num_kv_leases == 0
             assert self.kv.num_free_blocks == self.kv.num_blocks
         finally:
             self.pusher.close()
@@ -370,15 +359,15 @@ def test_preallocate_is_refused_while_the_waiting_queue_is_full():
         before = machine.emb.stats()
         prompt, spans = prompt_of(["img-a"])
         try:
-            machine.handoff.preallocate("late", prompt, spans, LEASE_S)
+            machine.core.preallocate("late", spans, LEASE_S, prompt)
         except EngineError as error:
             assert error.kind is ErrorKind.RESOURCE_EXHAUSTED and error.retry_after_s
         else:
             raise AssertionError("Preallocate reserved room behind a full waiting queue")
         assert machine.emb.stats() == before
         machine.step(1)                                      # admitted ones leave the queue: room again
-        [allocation] = machine.handoff.preallocate("later", prompt, spans, LEASE_S)
+        [allocation] = machine.core.preallocate("later", spans, LEASE_S, prompt)
         assert not allocation.ready
-        machine.handoff.cancel("later")
+        machine.core.abort("later")
     finally:
         machine.teardown()

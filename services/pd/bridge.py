@@ -1,0 +1,180 @@
+"""The engine thread: runs an ``EngineCore`` and lets asyncio servers talk to it.
+
+A dedicated thread loops: run the commands queued by the asyncio side, then
+``core.step()``, then hand each ``RequestEvent`` to the queue of the stream
+that listens for it (``loop.call_soon_threadsafe``). The core is touched only
+on this thread, and CPU/GPU work never runs on the event loop. No policy
+lives here: what to compute, when leases end and what a request holds are
+the core's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from services.pd.core import EngineCore
+from services.pd.engine_stats import EngineStats
+from services.pd.errors import EngineError, ErrorKind
+from services.pd.outputs import Allocation, Event, Failed, Finished, RequestEvent
+from services.pd.request import MultiModalSpan, Request
+
+T = TypeVar("T")
+
+
+class EngineBridge:
+    """Runs ``core`` on its own thread; the asyncio-facing methods mirror the core's."""
+
+    def __init__(self, core: EngineCore, thread_init: Callable[[], None] | None = None) -> None:
+        """``thread_init`` runs first on the engine thread (per-thread runtime settings:
+        OpenMP's thread count is per thread, and oneDNN would otherwise use every core)."""
+        self.core = core
+        self._thread_init = thread_init
+        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._listeners: dict[str, Callable[[Event], None]] = {}   # engine thread only
+        self._thread = threading.Thread(target=self._run, name="pd-engine", daemon=True)
+        self._stopping = False
+        # Written by the engine thread after every loop iteration, read by the
+        # readiness watchdog (``stalled_for``); plain attribute writes are atomic.
+        self.last_step_time = time.monotonic()
+        self._has_work = False
+
+    @property
+    def hidden_size(self) -> int:
+        return self.core.hidden_size
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Fails what is still running with UNAVAILABLE and stops the thread."""
+        if not self._thread.is_alive():
+            return
+        self._inbox.put(self._fail_all_for_shutdown)
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds the loop has made no progress while work is pending (0 = healthy or idle).
+
+        Any thread may call it. The loop comes round at least every lease
+        sweep interval even when idle or waiting for images, so only a stuck
+        (or very long) step or command makes this grow.
+        """
+        if not self._has_work and self._inbox.empty():
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - self.last_step_time)
+
+    # ------------------------------------------------------------ asyncio side
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs ``fn(*args)`` on the engine thread between steps and returns its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def resolve(ok: bool, value: Any) -> None:
+            if future.done():
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+        def command() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(resolve, False, exc)
+            else:
+                loop.call_soon_threadsafe(resolve, True, result)
+
+        if not self._thread.is_alive() or self._stopping:
+            raise EngineError(ErrorKind.UNAVAILABLE, "engine is not running")
+        self._inbox.put(command)
+        return await future
+
+    async def preallocate(self, request_id: str, spans: Sequence[MultiModalSpan], lease_s: float,
+                          prompt_token_ids: Sequence[int] = ()) -> list[Allocation]:
+        """``EngineCore.preallocate`` on the engine thread."""
+        return await self.call(self.core.preallocate, request_id, list(spans), lease_s, list(prompt_token_ids))
+
+    async def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> None:
+        """``EngineCore.check_push``: rejects a push early, before its bytes arrive."""
+        await self.call(self.core.check_push, request_id, reservation_id, mm_hash, num_tokens)
+
+    async def push(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
+        """``EngineCore.fill`` with a received ``[num_tokens, hidden]`` embedding."""
+        await self.call(self.core.fill, request_id, reservation_id, mm_hash, embedding)
+
+    async def add_request(self, request: Request) -> asyncio.Queue[Event]:
+        """``EngineCore.add_request``; the request's events arrive on the returned queue."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def post(event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        def admit() -> None:
+            self.core.add_request(request)
+            self._listeners[request.request_id] = post
+
+        await self.call(admit)
+        return events
+
+    def abort(self, request_id: str) -> None:
+        """``EngineCore.abort`` from any thread; idempotent, unknown ids are ignored."""
+        if self._thread.is_alive():
+            self._inbox.put(lambda: self.core.abort(request_id))
+
+    async def stats(self) -> EngineStats:
+        return await self.call(self.core.stats)
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
+        idle = True
+        while True:
+            if not self._drain_inbox(timeout=self.core.sweep_interval_s if idle else 0.0):
+                break
+            self._has_work = self.core.has_work()   # a step hung after idling is a stall
+            result = self.core.step()
+            self._dispatch(result.events)
+            idle = not result.executed
+            self._has_work = self.core.has_work()
+            self.last_step_time = time.monotonic()
+
+    def _drain_inbox(self, timeout: float) -> bool:
+        """Runs queued commands; blocks up to ``timeout`` for the first. False = stop."""
+        try:
+            command = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is None:
+                return False
+            command()
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _dispatch(self, events: list[RequestEvent]) -> None:
+        for request_id, event in events:
+            terminal = isinstance(event, (Finished, Failed))
+            post = self._listeners.pop(request_id, None) if terminal else self._listeners.get(request_id)
+            if post is not None:
+                post(event)
+
+    def _fail_all_for_shutdown(self) -> None:
+        self._stopping = True
+        self.core.fail_all(EngineError(ErrorKind.UNAVAILABLE, "server is shutting down"))
+        self._dispatch(self.core.step().events)
