@@ -11,6 +11,7 @@ the core's.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,8 @@ from services.pd.outputs import Allocation, Event, Failed, Finished, RequestEven
 from services.pd.request import MultiModalSpan, Request
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class EngineBridge:
@@ -106,9 +109,9 @@ class EngineBridge:
         """``EngineCore.preallocate`` on the engine thread."""
         return await self.call(self.core.preallocate, request_id, list(spans), lease_s, list(prompt_token_ids))
 
-    async def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> None:
-        """``EngineCore.check_push``: rejects a push early, before its bytes arrive."""
-        await self.call(self.core.check_push, request_id, reservation_id, mm_hash, num_tokens)
+    async def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> bool:
+        """``EngineCore.check_push``: rejects a push early, before its bytes arrive; False for a repeat."""
+        return await self.call(self.core.check_push, request_id, reservation_id, mm_hash, num_tokens)
 
     async def push(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
         """``EngineCore.fill`` with a received ``[num_tokens, hidden]`` embedding."""
@@ -132,13 +135,21 @@ class EngineBridge:
     def abort(self, request_id: str) -> None:
         """``EngineCore.abort`` from any thread; idempotent, unknown ids are ignored."""
         if self._thread.is_alive():
-            self._inbox.put(lambda: self.core.abort(request_id))
+            self._inbox.put(lambda: self._abort(request_id))
 
     async def stats(self) -> EngineStats:
         return await self.call(self.core.stats)
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            # The liveness check sees a dead thread (services/pd/watchdog.py); say why first.
+            log.exception("the engine thread died")
+            raise
+
+    def _loop(self) -> None:
         if self._thread_init is not None:
             self._thread_init()
         idle = True
@@ -166,6 +177,13 @@ class EngineBridge:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _abort(self, request_id: str) -> None:
+        # Nobody awaits an abort: a failure in it is logged here, never allowed to end the loop.
+        try:
+            self.core.abort(request_id)
+        except Exception:  # noqa: BLE001 - the engine keeps serving
+            log.exception("abort of a request failed")
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for request_id, event in events:

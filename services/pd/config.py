@@ -40,6 +40,8 @@ class PdConfig:
     waiting_retry_after_ms: int = 1000  # retry hint sent when the waiting queue is full
     # embedding hand-off
     embedding_cache_tokens: int = 65536
+    max_items_per_request: int = 64     # images (mm items) one Preallocate or Generate may carry
+    push_idle_timeout_s: float = 10.0   # a PushEmbedding stream that sends nothing this long is ended
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
     lease_sweep_interval_s: float = 0.25
@@ -50,6 +52,8 @@ class PdConfig:
     # Readiness watchdog: NOT_SERVING while the step loop has made no progress
     # for this long with work pending (0 = off). Must exceed the longest step.
     stall_timeout_s: float = 60.0
+    # Liveness (health service ""): NOT_SERVING once stuck this long (0 = only a dead engine thread counts).
+    liveness_timeout_s: float = 300.0
     # internal transport: TLS/mTLS and the token check of this server (services/common/security.py)
     security: InternalSecurity = NO_SECURITY
     faults: PdFaults = NO_FAULTS        # test-only fault injection (services/pd/faults.py); off by default
@@ -61,12 +65,14 @@ class PdConfig:
             raise ValueError("max_waiting_requests, max_waiting_tokens and waiting_retry_after_ms must be positive")
         if self.linear_backend not in ("auto", "torch", "onednn"):
             raise ValueError("linear_backend must be auto, torch or onednn")
-        if self.stall_timeout_s < 0:
-            raise ValueError("stall_timeout_s must be >= 0 (0 = no readiness watchdog)")
+        if self.stall_timeout_s < 0 or self.liveness_timeout_s < 0:
+            raise ValueError("stall_timeout_s and liveness_timeout_s must be >= 0 (0 = a dead engine thread only)")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be -1 (off), 0 (any free port) or a port")
         if self.embedding_cache_tokens <= 0:
             raise ValueError("embedding_cache_tokens must be positive")
+        if self.max_items_per_request <= 0 or self.push_idle_timeout_s <= 0:
+            raise ValueError("max_items_per_request and push_idle_timeout_s must be positive")
         if not 0 < self.default_lease_ms <= self.max_lease_ms:
             raise ValueError("default_lease_ms must be in (0, max_lease_ms]")
         if self.encoder not in ("remote", "local"):

@@ -36,6 +36,7 @@ FINISH_REASONS: dict[RequestStatus, int] = {
 }
 
 MAX_REQUEST_ID_LEN = 128
+MAX_ITEMS = 64
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -52,8 +53,21 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-def spans_from_pb(items: Sequence[epd_pb2.MultiModalItem], prompt_len: int) -> list[MultiModalSpan]:
-    """Validates image items: well-formed hashes, inside the prompt, sorted, non-overlapping."""
+def check_prompt(prompt_token_ids: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
+    """A prompt this model can run: non-empty, shorter than the context, ids inside the vocabulary."""
+    if not prompt_token_ids:
+        raise _invalid("prompt_token_ids must not be empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise _invalid(f"prompt has {len(prompt_token_ids)} tokens; this model's context is {max_model_len}")
+    if max(prompt_token_ids) >= vocab_size:
+        raise _invalid("prompt_token_ids contains an id outside the vocabulary")
+
+
+def spans_from_pb(items: Sequence[epd_pb2.MultiModalItem], prompt_len: int,
+                  max_items: int = MAX_ITEMS) -> list[MultiModalSpan]:
+    """Validates image items: not too many, well-formed hashes, inside the prompt, sorted, non-overlapping."""
+    if len(items) > max_items:
+        raise _invalid(f"at most {max_items} images per request")
     spans = []
     end = 0
     for index, item in enumerate(items):
@@ -97,23 +111,19 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
 
 
 def request_from_pb(
-    message: epd_pb2.GenerateRequest, *, eos_token_id: int | None, vocab_size: int, max_model_len: int
+    message: epd_pb2.GenerateRequest, *, eos_token_id: int | None, vocab_size: int, max_model_len: int,
+    max_items: int = MAX_ITEMS,
 ) -> Request:
     """Builds an engine ``Request`` from a validated ``GenerateRequest``."""
     check_request_id(message.request_id)
     prompt = list(message.prompt_token_ids)
-    if not prompt:
-        raise _invalid("prompt_token_ids must not be empty")
-    if len(prompt) >= max_model_len:
-        raise _invalid(f"prompt has {len(prompt)} tokens; this model's context is {max_model_len}")
-    if max(prompt) >= vocab_size:
-        raise _invalid("prompt_token_ids contains an id outside the vocabulary")
+    check_prompt(prompt, vocab_size=vocab_size, max_model_len=max_model_len)
     sampling = sampling_from_pb(message.sampling, max_tokens_cap=max_model_len - len(prompt))
     return Request(
         request_id=message.request_id,
         prompt_token_ids=prompt,
         sampling=sampling,
-        mm_spans=spans_from_pb(message.mm_items, len(prompt)),
+        mm_spans=spans_from_pb(message.mm_items, len(prompt), max_items),
         eos_token_id=eos_token_id,
     )
 

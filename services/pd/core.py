@@ -13,8 +13,9 @@ Read a request's life here, top to bottom, plus ``scheduler.py``:
    (the same cached prefix, one embedding reference per image span) and
    queues in the scheduler.
 4. ``step``: the scheduler picks chunks, the runner computes them, sampled
-   tokens are detokenized and become ``RequestEvent``s. Image references are
-   dropped as spans enter the KV cache and taken again after a preemption.
+   tokens are detokenized and become ``RequestEvent``s. A request keeps its
+   image references, and the pinned K/V that stands in for images it has no
+   embedding for, until it ends: a preempted request can always recompute.
 5. Exit: finish, stop string, abort, error, lease expiry or shutdown all end
    in ``_finish``, and ``_release`` is the one place that frees what a
    request holds (KV blocks, pinned prefix, embedding references,
@@ -34,8 +35,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.pd.embedding_cache import (
+    AlreadyFilled,
     EmbeddingCacheFull,
     EntryState,
+    LeaseExpired,
     Preallocation,
     ReservationNotFound,
     ReservationRejected,
@@ -56,6 +59,14 @@ _NO_RESERVATION = "an image of this request has no reservation on this PD (call 
 _LEASE_EXPIRED = "the request's reservation lease expired before Generate took it over"
 _EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
 _NOT_DELIVERED = "an image embedding was not delivered before its lease expired"
+_SIZE_DIFFERS = "an image span's length differs from the embedding cached for that image"
+
+
+def _missing_image(lease_expired: bool) -> EngineError:
+    # A lease that ran out is a timeout (the proxy answers 504), not a protocol error.
+    if lease_expired:
+        return EngineError(ErrorKind.DEADLINE_EXCEEDED, _LEASE_EXPIRED)
+    return EngineError(ErrorKind.FAILED_PRECONDITION, _NO_RESERVATION)
 
 
 def _allocation(mm_hash: str, state: EntryState, reservation_id: str) -> Allocation:
@@ -121,8 +132,8 @@ class EngineCore:
                 if prefix.covers(span) else _allocation(*next(answers)) for span in spans]
 
     def _pin_prefix(self, request: Request, num_tokens: int) -> None:
-        """Pins only the cached blocks of the first ``num_tokens`` tokens: the K/V standing in,
-        until admission, for images the request holds no embedding for."""
+        """Pins only the cached blocks of the first ``num_tokens`` tokens: the K/V standing in
+        for images the request holds no embedding for, until it ends."""
         blocks = request.cached_prefix.block_ids[:self.kv_cache.num_blocks_for(num_tokens)] if num_tokens else ()
         self.kv_cache.pin(request.request_id, blocks)
 
@@ -137,21 +148,31 @@ class EngineCore:
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(exc)) from None
 
     # ------------------------------------------------------------------ pushes
-    def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> None:
-        """Rejects a push whose reservation is not live or whose size differs (NOT_FOUND / FAILED_PRECONDITION)."""
+    def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> bool:
+        """Whether a push is wanted: False for a repeat of one that landed (a retried Encode).
+
+        Raises NOT_FOUND, DEADLINE_EXCEEDED (lease over) or FAILED_PRECONDITION
+        for a push whose reservation is not live or whose size differs.
+        """
         if self._preallocated.is_pin_id(reservation_id):
             raise EngineError(ErrorKind.FAILED_PRECONDITION,
                               "push rejected: reservation is a pin of cached KV, not a push target")
         try:
             self.embedding_cache.check_push(request_id, reservation_id, mm_hash, num_tokens, self._clock())
+        except AlreadyFilled:
+            return False
         except ReservationNotFound:
             raise EngineError(ErrorKind.NOT_FOUND, "unknown reservation") from None
+        except LeaseExpired:
+            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "push rejected: reservation lease expired") from None
         except ReservationRejected as exc:
             raise EngineError(ErrorKind.FAILED_PRECONDITION, f"push rejected: {exc}") from None
+        return True
 
     def fill(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
-        """Stores a pushed ``[num_tokens, hidden]`` embedding in its reservation; a duplicate is dropped."""
-        self.check_push(request_id, reservation_id, mm_hash, int(embedding.shape[0]))
+        """Stores a pushed ``[num_tokens, hidden]`` embedding in its reservation; a repeat changes nothing."""
+        if not self.check_push(request_id, reservation_id, mm_hash, int(embedding.shape[0])):
+            return
         try:
             tensor = self.runner.prepare_embedding(embedding)
         except ValueError as exc:
@@ -163,8 +184,8 @@ class EngineCore:
         """Fills a reservation from the embedding already READY here; False when it is not."""
         if not self.embedding_cache.is_ready(mm_hash):
             return False
-        self.check_push(request_id, reservation_id, mm_hash, self.embedding_cache.num_tokens(mm_hash))
-        self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock())   # checked: cannot raise
+        if self.check_push(request_id, reservation_id, mm_hash, self.embedding_cache.num_tokens(mm_hash)):
+            self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock())
         return True
 
     # ---------------------------------------------------------------- Generate
@@ -197,29 +218,30 @@ class EngineCore:
             request.block_hashes = preallocated.probe.block_hashes
         taken = self.embedding_cache.take_over(request_id)
         prefix = self.kv_cache.claim_cached_prefix(request) if request.mm_spans else CachedPrefix()
-        missing, covered_end = False, 0
+        error, covered_end = None, 0
         for index, span in enumerate(request.mm_spans):
             if span.mm_hash in taken:
                 taken.remove(span.mm_hash)
                 request.span_refs.add(index)
             elif prefix.covers(span):
                 covered_end = span.end
+                continue
             elif self.embedding_cache.acquire(span.mm_hash):
                 request.span_refs.add(index)
             else:
-                missing = True
+                error = _missing_image(lease_expired)
+                break
+            if self.embedding_cache.num_tokens(span.mm_hash) != span.num_tokens:
+                error = EngineError(ErrorKind.INVALID_ARGUMENT, _SIZE_DIFFERS)
                 break
         # A reference left over (an item preallocated but absent from the
         # prompt) would pin its entry forever: drop it now.
         for mm_hash in taken:
             self.embedding_cache.release(mm_hash)
-        self._pin_prefix(request, 0 if missing else covered_end)
-        if missing:
+        self._pin_prefix(request, 0 if error else covered_end)
+        if error is not None:
             self._release(request_id, request)
-            # A lease that ran out is a timeout (the proxy answers 504), not a protocol error.
-            if lease_expired:
-                raise EngineError(ErrorKind.DEADLINE_EXCEEDED, _LEASE_EXPIRED)
-            raise EngineError(ErrorKind.FAILED_PRECONDITION, _NO_RESERVATION)
+            raise error
 
     # ------------------------------------------------------------------- exits
     def abort(self, request_id: str) -> Request | None:
@@ -311,7 +333,6 @@ class EngineCore:
         executed = time.perf_counter()
         self.step_stats.seconds["execute"] += executed - scheduled
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._release_computed_spans(scheduler_output)
         self._emit(scheduler_output, runner_output, finished)
         now = time.perf_counter()
         self.step_stats.seconds["update"] += now - executed
@@ -319,30 +340,9 @@ class EngineCore:
         return True
 
     def _after_schedule(self, scheduler_output: SchedulerOutput) -> None:
-        """Ends requests whose image is gone; preempted ones take their image references again."""
+        """Ends the requests whose image is gone before the step runs."""
         for request_id in scheduler_output.failed_request_ids:
             self._end(request_id, RequestStatus.FINISHED_ERROR, EngineError(ErrorKind.UNAVAILABLE, _EMBEDDING_GONE))
-        for request_id in scheduler_output.preempted_request_ids:
-            request = self.scheduler.get_request(request_id)
-            if request is None:   # it also failed, just above
-                continue
-            for index, span in enumerate(request.mm_spans):
-                # A span the prefix cache covers at re-admission needs no embedding;
-                # one it does not, and whose entry is gone, fails the request then.
-                if index not in request.span_refs and self.embedding_cache.acquire(span.mm_hash):
-                    request.span_refs.add(index)
-
-    def _release_computed_spans(self, scheduler_output: SchedulerOutput) -> None:
-        """Drops the references of spans now in the KV cache (their entries stay cached for reuse)."""
-        for chunk in scheduler_output.chunks:
-            request = self.scheduler.get_request(chunk.request_id)
-            if request is None:
-                continue
-            for index in sorted(request.span_refs):
-                span = request.mm_spans[index]
-                if span.end <= request.num_computed_tokens:
-                    self.embedding_cache.release(span.mm_hash)
-                    request.span_refs.discard(index)
 
     def _emit(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
               finished: list[Request]) -> None:

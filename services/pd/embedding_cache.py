@@ -27,14 +27,17 @@ from collections.abc import Sequence
 from services.pd.embedding_records import (  # noqa: F401 - re-exported: the cache's public types
     CacheEntry,
     EmbeddingCacheFull,
+    AlreadyFilled,
     EmbeddingCacheStats,
     EntryState,
     ExpiryResult,
+    LeaseExpired,
     Preallocation,
     Reservation,
     ReservationKind,
     ReservationNotFound,
     ReservationRejected,
+    Tombstone,
 )
 from services.pd.invariants import check
 
@@ -55,7 +58,7 @@ class EmbeddingCache:
         self._used_tokens = 0
         self._reservations: dict[str, Reservation] = {}
         self._by_request: dict[str, dict[str, None]] = {}          # request -> ids, in order
-        self._tombstones: OrderedDict[str, str] = OrderedDict()   # removed id -> why
+        self._tombstones: OrderedDict[str, Tombstone] = OrderedDict()   # removed reservations
         # A per-instance prefix: ids from before a restart never match new ones.
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
@@ -142,12 +145,18 @@ class EmbeddingCache:
                    num_tokens: int, now: float) -> Reservation:
         """Validate a push header against its reservation (before reading bytes).
 
-        Raises ReservationNotFound for an id never issued here, and
-        ReservationRejected for an expired, cancelled, already filled, pinned
-        or mismatched one.
+        Raises ReservationNotFound for an id never issued here, LeaseExpired
+        for an expired one, AlreadyFilled for a repeat of a push that landed
+        (same request, image and size), and ReservationRejected for a
+        cancelled, pinned or mismatched one.
         """
-        reservation = self._live_push(request_id, reservation_id, mm_hash, now)
-        if num_tokens != self._entries[mm_hash].num_tokens:
+        try:
+            reservation = self._live_push(request_id, reservation_id, mm_hash, now)
+        except AlreadyFilled as repeat:
+            if num_tokens != repeat.num_tokens:
+                raise ReservationRejected("embedding size does not match the reservation") from None
+            raise
+        if num_tokens != reservation.num_tokens:
             raise ReservationRejected("embedding size does not match the reservation")
         return reservation
 
@@ -292,18 +301,22 @@ class EmbeddingCache:
                    now: float) -> Reservation:
         reservation = self._reservations.get(reservation_id)
         if reservation is None:
-            why = self._tombstones.get(reservation_id)
-            if why is None:
+            tombstone = self._tombstones.get(reservation_id)
+            if tombstone is None:
                 raise ReservationNotFound("unknown reservation")
-            raise ReservationRejected(f"reservation {why}")
+            if tombstone.filled and (tombstone.request_id, tombstone.mm_hash) == (request_id, mm_hash):
+                raise AlreadyFilled(tombstone.num_tokens)
+            if tombstone.why == "lease expired":
+                raise LeaseExpired("reservation lease expired")
+            raise ReservationRejected(f"reservation {tombstone.why}")
         if reservation.request_id != request_id or reservation.mm_hash != mm_hash:
             raise ReservationRejected("request id or mm_hash does not match the reservation")
         if reservation.kind is not ReservationKind.PUSH:
             raise ReservationRejected("reservation is a pin, not a push target")
         if reservation.filled:
-            raise ReservationRejected("reservation already filled")
+            raise AlreadyFilled(reservation.num_tokens)
         if now > reservation.lease_deadline:
-            raise ReservationRejected("reservation lease expired")
+            raise LeaseExpired("reservation lease expired")
         return reservation
 
     def _num_available_tokens(self) -> int:
@@ -324,7 +337,7 @@ class EmbeddingCache:
                          lease_deadline: float) -> tuple[str, EntryState, str]:
         reservation_id = f"{self._id_prefix}-{next(self._ids)}"
         self._reservations[reservation_id] = Reservation(
-            reservation_id, request_id, entry.mm_hash, lease_deadline, kind)
+            reservation_id, request_id, entry.mm_hash, lease_deadline, kind, entry.num_tokens)
         entry.reservation_ids.add(reservation_id)
         self._by_request.setdefault(request_id, {})[reservation_id] = None
         self._touch(entry)
@@ -341,7 +354,8 @@ class EmbeddingCache:
         if entry is not None:
             entry.reservation_ids.discard(rid)
             self._touch(entry)
-        self._tombstones[rid] = why
+        self._tombstones[rid] = Tombstone(why, reservation.request_id, reservation.mm_hash,
+                                          reservation.num_tokens, reservation.filled)
         if len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
 

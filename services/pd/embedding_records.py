@@ -35,6 +35,21 @@ class ReservationRejected(Exception):
     """The push does not match a live reservation (gRPC FAILED_PRECONDITION)."""
 
 
+class LeaseExpired(ReservationRejected):
+    """The reservation's lease ran out before the push (gRPC DEADLINE_EXCEEDED: a timeout)."""
+
+
+class AlreadyFilled(ReservationRejected):
+    """This reservation was filled already: a repeated push (a retried Encode) carries nothing new.
+
+    ``num_tokens`` is the reservation's size, so that the repeat is checked like the original.
+    """
+
+    def __init__(self, num_tokens: int):
+        super().__init__("reservation already filled")
+        self.num_tokens = num_tokens
+
+
 @dataclass
 class Reservation:
     """A request's claim on one entry, valid until ``lease_deadline`` (monotonic s)."""
@@ -44,6 +59,7 @@ class Reservation:
     mm_hash: str
     lease_deadline: float
     kind: ReservationKind
+    num_tokens: int               # rows of the entry it reserves
     filled: bool = False
     # A reference already stands for it (taken over) or its request is gone:
     # the reservation ends as soon as it is filled.
@@ -59,6 +75,16 @@ class CacheEntry:
     state: EntryState
     ref_count: int = 0
     reservation_ids: set[str] = field(default_factory=set)
+
+
+class Tombstone(NamedTuple):
+    """What is remembered of a removed reservation, to answer a late push precisely."""
+
+    why: str                  # "lease expired", "cancelled", "taken over", "already filled"
+    request_id: str
+    mm_hash: str
+    num_tokens: int
+    filled: bool
 
 
 class ExpiryResult(NamedTuple):

@@ -30,6 +30,7 @@ Not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from collections.abc import Iterable, Sequence
 
 from services.pd.invariants import check
 from services.pd.request import CachedPrefix, Request
+from services.pd.spans import token_slice
 
 
 # Most blank blocks kept ahead of one request: a max_tokens in the thousands
@@ -303,21 +305,25 @@ class KVCacheManager:
         return block_id
 
     def _block_keys_of(self, request: Request, num_blocks: int) -> list[bytes]:
-        """Keys of the first ``num_blocks`` full blocks, memoised on the request."""
+        """Keys of the first ``num_blocks`` full blocks, memoised on the request.
+
+        One pass over the blocks and the (sorted, disjoint) image spans
+        together: linear in blocks + images, however many images a prompt has.
+        """
         keys = request.block_hashes
         if len(keys) >= num_blocks:
             return keys
-        size = self.block_size
-        prompt, output = request.prompt_token_ids, request.output_token_ids
-        num_prompt = len(prompt)
+        size, spans = self.block_size, request.mm_spans
+        first = bisect.bisect_right([s.end for s in spans], len(keys) * size)   # first span ending after
         for i in range(len(keys), num_blocks):
             start, end = i * size, (i + 1) * size
-            if end <= num_prompt:
-                token_ids = prompt[start:end]
-            else:
-                token_ids = (prompt + output)[start:end]
-            prev = keys[-1] if keys else b""
-            keys.append(block_key(prev, token_ids, _image_extras(request, start, end)))
+            while first < len(spans) and spans[first].end <= start:
+                first += 1
+            extras, j = [], first
+            while j < len(spans) and spans[j].offset < end:   # ``mm_hash@offset``, offset relative to the block
+                extras.append(f"{spans[j].mm_hash}@{spans[j].offset - start}")
+                j += 1
+            keys.append(block_key(keys[-1] if keys else b"", token_slice(request, start, end), extras))
         return keys
 
 
@@ -333,14 +339,3 @@ def block_key(prev_key: bytes, token_ids: Sequence[int], extras: Sequence[str] =
         digest.update(extra.encode())
         digest.update(b"\x00")
     return digest.digest()
-
-
-def _image_extras(request: Request, start: int, end: int) -> list[str]:
-    """``mm_hash@offset`` of each image overlapping ``[start, end)``.
-
-    The offset is the image's start relative to the block (may be negative),
-    which fixes which embedding rows land on which block positions.
-    """
-    return [f"{span.mm_hash}@{span.offset - start}" for span in request.mm_spans
-            if span.offset < end and span.end > start]
-

@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens of all queued requests before Generate is refused")
     add(parser, "--embedding-cache-tokens", type=int, default=65536, help="image embedding cache capacity, in tokens")
     add(parser, "--default-lease-ms", type=int, default=30_000, help="how long a reservation waits for its push")
+    add(parser, "--max-items-per-request", type=int, default=64,
+        help="most images one Preallocate or Generate may carry (more: INVALID_ARGUMENT)")
+    add(parser, "--push-idle-timeout-s", type=float, default=10.0,
+        help="a PushEmbedding stream that sends nothing for this long is ended (DEADLINE_EXCEEDED)")
     add(parser, "--warmup", default=True, help="generate one token before reporting ready")
     add(parser, "--encoder", default="remote", choices=["remote", "local"],
         help="where image embeddings come from: remote = encoder services push them; local = colocated "
@@ -44,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
     add(parser, "--stall-timeout-s", type=float, default=60.0,
         help="report not ready while the step loop is stuck this long with work pending (0 = off)")
+    add(parser, "--liveness-timeout-s", type=float, default=300.0,
+        help="report not alive (health service '') once the step loop is stuck this long; a dead engine "
+             "thread is never alive and makes the process exit (0 = only a dead thread counts)"),
     add(parser, "--fault", default="",
         help="TEST ONLY: inject step-loop faults, comma-separated, each once, steps counted after warm-up: "
              "forward-raises-after=N (the forward of step N raises), freeze-step-ms=M (a step stalls M ms), "
@@ -72,11 +79,14 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,
         embedding_cache_tokens=args.embedding_cache_tokens,
+        max_items_per_request=args.max_items_per_request,
+        push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,
         encoder=args.encoder,
         grace_s=args.grace,
         stall_timeout_s=args.stall_timeout_s,
+        liveness_timeout_s=args.liveness_timeout_s,
         faults=PdFaults.parse(args.fault),
         security=security.from_args(args),
     )
@@ -90,13 +100,22 @@ def run(args: argparse.Namespace) -> int:
         log.error("invalid pd configuration: %s", error)
         return 2
 
+    failed = False
+
     async def main(stop: asyncio.Event) -> None:
+        nonlocal failed
         server = await start_pd(config)
         print(f"pd listening on {config.host}:{server.port}", flush=True)
-        await stop.wait()
+        dead = asyncio.ensure_future(server.engine_dead.wait())
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
+        if dead.done():
+            failed = True
+            log.error("the engine thread died: exiting so that a supervisor can restart this PD")
+            await server.stop(grace=0)
+            return
         log.info("stopping: draining for up to %.0fs", config.grace_s)
         await server.stop()
         log.info("pd stopped")
 
     grpc_utils.run_until_signal(main)
-    return 0
+    return 1 if failed else 0

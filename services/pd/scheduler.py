@@ -12,10 +12,11 @@ in that step.
 The scheduler decides and keeps its queues; it releases nothing a request
 holds. A request arrives with its embedding references already taken
 (``request.span_refs``, by the engine core), and with the prefix blocks that
-stand in for its other images pinned. At admission the block table takes
-over its cached prefix (``KVCacheManager.claim_cached_prefix``), and every
-image span past that prefix must still hold a reference, else the request is
-reported in ``SchedulerOutput.failed_request_ids``. Requests that
+stand in for its other images pinned; it keeps both until it ends. At
+admission the block table takes over its cached prefix
+(``KVCacheManager.claim_cached_prefix``), and every image span past that
+prefix must hold a reference, else the request is reported in
+``SchedulerOutput.failed_request_ids``. Requests that
 finish are dequeued and marked here; the engine core then frees what they
 hold. The engine core calls ``schedule`` and ``update_from_output``
 alternately; nothing here is thread-safe.
@@ -219,7 +220,6 @@ class Scheduler:
             return _Admit.BLOCKED, 0
         if not self.kv_cache.allocate_slots(request, num_new, prefix.block_ids):
             return _Admit.NO_ROOM, 0
-        self.kv_cache.unpin(request.request_id)   # the block table holds the prefix now
         request.cached_prefix = None
         request.num_computed_tokens = prefix.num_tokens
         if request.timings.first_scheduled is None:

@@ -7,9 +7,10 @@ import functools
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, push_wire
 from services.common.devices import resolve_device, resolve_dtype
@@ -30,7 +31,7 @@ from services.pd.outputs import Failed, Finished
 from services.pd.request import Request, SamplingParams
 from services.pd.scheduler import Scheduler, SchedulerConfig
 from services.pd.servicer import PrefillDecodeServicer
-from services.pd.watchdog import watch_readiness
+from services.pd.watchdog import Probe, watch_engine
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class PdServer:
     engine: EngineBridge
     config: PdConfig
     colocated: Colocated | None = None  # the in-process encoder of ``--encoder local``
-    watchdog: asyncio.Task | None = None  # readiness watchdog (services/pd/watchdog.py)
+    watchdog: asyncio.Task | None = None  # readiness and liveness (services/pd/watchdog.py)
+    engine_dead: asyncio.Event = field(default_factory=asyncio.Event)  # set once if the engine thread dies
     metrics_http: MetricsHttpServer | None = None  # ``GET /metrics`` (services/pd/metrics.py), when enabled
     servicer: PrefillDecodeServicer | None = None  # refuses new work while draining
 
@@ -231,11 +233,20 @@ async def start_pd(config: PdConfig) -> PdServer:
         "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d",
         config.host, server.port, facts["model_id"], facts["device"], facts["dtype"], facts["num_kv_blocks"],
     )
-    watchdog = None
-    if config.stall_timeout_s > 0:
-        watchdog = asyncio.create_task(watch_readiness(engine, server.set_ready, config.stall_timeout_s))
-    return PdServer(grpc=server, engine=engine, config=config, colocated=colocated, watchdog=watchdog,
-                    servicer=servicer, metrics_http=metrics_http)
+    pd = PdServer(grpc=server, engine=engine, config=config, colocated=colocated,
+                  servicer=servicer, metrics_http=metrics_http)
+    pd.watchdog = asyncio.create_task(watch_engine(
+        engine,
+        [Probe("ready", server.set_ready, config.stall_timeout_s),
+         Probe("alive", functools.partial(_set_alive, server), config.liveness_timeout_s)],
+        on_dead=pd.engine_dead.set,
+    ))
+    return pd
+
+
+async def _set_alive(server: grpc_utils.GrpcServer, alive: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
+    await server.health.set("", status)
 
 
 __all__ = ["PdServer", "SERVICE_NAME", "build_engine", "start_pd", "warm_up", "ErrorKind"]

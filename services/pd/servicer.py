@@ -6,22 +6,19 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-import torch
 
-from services.common import tensors
 from services.common.grpc_utils import request_id_of, set_retry_after
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
-from services.pd.config import PdConfig
 from services.pd.bridge import EngineBridge
+from services.pd.config import PdConfig
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.outputs import Failed, Finished, TokenDelta
+from services.pd.push_intake import PushIntake
 from services.pd.request import RequestStatus
 
 log = logging.getLogger(__name__)
-
-_PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: EngineError, line: AccessLine | None = None) -> None:
@@ -48,13 +45,6 @@ def _usage_fields(final: epd_pb2.GenerateResponse) -> dict[str, object]:
     }
 
 
-def _data_of(chunk: memoryview | epd_pb2.PushEmbeddingChunk) -> memoryview | bytes | None:
-    """The payload of a data chunk (``push_wire`` hands those over as views), or None for a header."""
-    if isinstance(chunk, memoryview):
-        return chunk
-    return chunk.data if chunk.WhichOneof("kind") == "data" else None
-
-
 class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     """Thin adapter between ``epd.v1.PrefillDecode`` and the engine (``EngineBridge``).
 
@@ -72,6 +62,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.draining = False
+        self._pushes = PushIntake(engine.hidden_size, config.push_idle_timeout_s, self._check_push)
 
     def _check_admitting(self) -> None:
         if self.draining:
@@ -83,7 +74,11 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             try:
                 self._check_admitting()
                 convert.check_request_id(request.request_id)
-                spans = convert.spans_from_pb(request.items, len(request.prompt_token_ids))
+                # Cheap checks first: the engine thread hashes the prompt's blocks.
+                convert.check_prompt(request.prompt_token_ids, vocab_size=self.vocab_size,
+                                     max_model_len=self.max_model_len)
+                spans = convert.spans_from_pb(request.items, len(request.prompt_token_ids),
+                                              self.config.max_items_per_request)
                 lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
                 remaining = context.time_remaining()
                 if remaining is not None:
@@ -104,7 +99,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 self._check_admitting()
                 engine_request = convert.request_from_pb(
                     request, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
-                    max_model_len=self.max_model_len,
+                    max_model_len=self.max_model_len, max_items=self.config.max_items_per_request,
                 )
                 events = await self.engine.add_request(engine_request)
             except EngineError as error:
@@ -138,59 +133,18 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     async def PushEmbedding(self, request_iterator, context):
         with AccessLine(log, "push", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
-                header, payload = await self._receive_push(request_iterator)
-                line.update(num_bytes=len(payload))
-                dtype = tensors.dtype_from_pb(header.dtype)
-                embedding = tensors.tensor_from_bytes(payload, dtype, list(header.shape))
-                await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
+                header, embedding = await self._pushes.receive(request_iterator)
+                line.update(num_bytes=header.num_bytes, repeat=embedding is None)
+                if embedding is not None:
+                    await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
             except EngineError as error:
                 await abort_with(context, error, line)
             except ValueError as error:
                 await abort_with(context, EngineError(ErrorKind.INVALID_ARGUMENT, str(error)), line)
-            return epd_pb2.PushEmbeddingResponse(num_bytes=len(payload))
+            return epd_pb2.PushEmbeddingResponse(num_bytes=header.num_bytes)
 
-    async def _receive_push(self, request_iterator) -> tuple[epd_pb2.EmbeddingHeader, bytearray]:
-        """Reads header then chunks, rejecting early: bad header, unknown lease, too many bytes."""
-        first = await anext(aiter(request_iterator), None)
-        if first is None or _data_of(first) is not None or first.WhichOneof("kind") != "header":
-            raise EngineError(ErrorKind.INVALID_ARGUMENT, "a push must start with a header")
-        header = first.header
-        self._check_header(header)
-        await self.engine.check_push(header.request_id, header.reservation_id, header.mm_hash, header.shape[0])
-        # One buffer of the declared size, filled in place: each chunk's bytes
-        # are a view of the received message (push_wire), copied once.
-        payload = bytearray(header.num_bytes)
-        view = memoryview(payload)
-        received = 0
-        async for chunk in request_iterator:
-            data = _data_of(chunk)
-            if data is None:
-                raise EngineError(ErrorKind.INVALID_ARGUMENT, "only the first message of a push may be a header")
-            if len(data) > tensors.CHUNK_BYTES:
-                raise EngineError(ErrorKind.INVALID_ARGUMENT, "push chunk larger than 1 MiB")
-            if received + len(data) > header.num_bytes:
-                raise EngineError(ErrorKind.FAILED_PRECONDITION, "push carries more bytes than its header declared")
-            view[received : received + len(data)] = data
-            received += len(data)
-        view.release()
-        if received != header.num_bytes:
-            raise EngineError(ErrorKind.INVALID_ARGUMENT, "push ended before all declared bytes arrived")
-        return header, payload
-
-    def _check_header(self, header: epd_pb2.EmbeddingHeader) -> None:
-        convert.check_request_id(header.request_id)
-        try:
-            dtype = tensors.dtype_from_pb(header.dtype)
-        except ValueError:
-            raise EngineError(ErrorKind.INVALID_ARGUMENT, "unsupported embedding dtype") from None
-        if dtype not in _PUSH_DTYPES:
-            raise EngineError(ErrorKind.INVALID_ARGUMENT, "embedding dtype must be float32, float16 or bfloat16")
-        if len(header.shape) != 2 or header.shape[1] != self.engine.hidden_size or header.shape[0] == 0:
-            raise EngineError(
-                ErrorKind.INVALID_ARGUMENT, f"embedding shape must be [num_tokens, {self.engine.hidden_size}]"
-            )
-        if header.num_bytes != tensors.expected_num_bytes(dtype, list(header.shape)):
-            raise EngineError(ErrorKind.INVALID_ARGUMENT, "num_bytes does not match dtype and shape")
+    async def _check_push(self, header: epd_pb2.EmbeddingHeader) -> bool:
+        return await self.engine.check_push(header.request_id, header.reservation_id, header.mm_hash, header.shape[0])
 
     async def Abort(self, request, context):
         self.engine.abort(request.request_id)

@@ -50,7 +50,7 @@ class InlineBridge:
         self.hidden_size = core.hidden_size
 
     async def check_push(self, request_id, reservation_id, mm_hash, num_tokens):
-        self.core.check_push(request_id, reservation_id, mm_hash, num_tokens)
+        return self.core.check_push(request_id, reservation_id, mm_hash, num_tokens)
 
     async def push(self, request_id, reservation_id, mm_hash, embedding):
         self.core.fill(request_id, reservation_id, mm_hash, embedding)

@@ -121,9 +121,10 @@ def test_ready_from_prefix_cache_after_the_embedding_was_evicted(h):
     [chunk] = out.chunks
     # The pinned blocks (through the image) survived the hog; block 3 did not.
     assert chunk.start_pos == 12 and chunk.image_slices == []
-    assert request.num_cached_tokens == 12 and h.kv.num_pinned_blocks == 0   # admitted: pin handed over
+    # The pin stays until the request ends: a preemption could not recompute the image without it.
+    assert request.num_cached_tokens == 12 and h.kv.num_pinned_blocks == 3
     h.run()
-    assert request.output_token_ids == first.output_token_ids
+    assert request.output_token_ids == first.output_token_ids and h.kv.num_pinned_blocks == 0
 
 
 def test_another_image_at_the_same_position_is_not_ready(h):
@@ -143,8 +144,9 @@ def test_partial_coverage_pins_the_first_image_and_reserves_the_second(h):
     request = h.generate("b", [("cat", 4, 8), ("dog", 17, 4)], prompt=prompt)
     assert request.span_refs == {1}
     h.step()
-    assert request.num_cached_tokens == 16 and h.emb.ref_count("dog") == 0   # second image computed
+    assert request.num_cached_tokens == 16 and h.emb.ref_count("dog") == 1   # held until the request ends
     h.run()
+    assert h.emb.ref_count("dog") == 0
 
 
 def test_a_push_to_a_kv_pin_is_rejected(h):

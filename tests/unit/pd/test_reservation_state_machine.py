@@ -172,13 +172,14 @@ class ReservationMachine(RuleBasedStateMachine):
         tag = float(next(self.tags))
         code = self.pusher.push(reservation.request_id, reservation_id, reservation.mm_hash,
                                 SIZES[reservation.mm_hash], mode, tag)
+        repeat = reservation.kind == "push" and reservation.filled   # a retried Encode pushing again
         if mode == "unknown_id":
             assert code is S.NOT_FOUND
-        elif mode == "complete" and self._live_push(reservation):
-            assert code is None, f"a complete push to a live reservation was refused: {code}"
+        elif mode == "complete" and (self._live_push(reservation) or repeat):
+            assert code is None, f"a complete push to a live (or filled) reservation was refused: {code}"
         else:
             assert code is not None, f"a push the protocol refuses was accepted ({mode}, {reservation})"
-        if code is None:
+        if code is None and not repeat:                  # a repeat changes nothing
             reservation.filled = True
             if reservation.mm_hash not in self.accepted:
                 self.accepted[reservation.mm_hash] = tag

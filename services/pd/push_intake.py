@@ -1,0 +1,114 @@
+"""Receiving one PushEmbedding stream: header first, then raw chunks, refused as early as possible.
+
+What is refused before any payload buffer exists: a stream that does not
+start with a well-formed header, a reservation that is not live (the engine
+core is asked), and a second push to a reservation that already has one in
+flight (each would otherwise hold a buffer of the full size). While bytes
+arrive: chunks over 1 MiB, more bytes than declared, and a stream that sends
+nothing for ``idle_timeout_s``. Afterwards: a short payload and non-finite
+values (NaN or infinity must never reach the KV cache). A repeat of a push
+that already landed (a retried Encode) is read off and acknowledged without
+a buffer. Runs on the event loop; nothing here touches the engine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import torch
+
+from services.common import tensors
+from services.common.pb import epd_pb2
+from services.pd import convert
+from services.pd.errors import EngineError, ErrorKind
+
+PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _invalid(message: str) -> EngineError:
+    return EngineError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+def data_of(chunk: memoryview | epd_pb2.PushEmbeddingChunk) -> memoryview | bytes | None:
+    """The payload of a data chunk (``push_wire`` hands those over as views), or None for a header."""
+    if isinstance(chunk, memoryview):
+        return chunk
+    return chunk.data if chunk.WhichOneof("kind") == "data" else None
+
+
+class PushIntake:
+    """Reads pushes for one PD; ``check_push(header) -> wanted`` asks the engine core."""
+
+    def __init__(self, hidden_size: int, idle_timeout_s: float,
+                 check_push: Callable[[epd_pb2.EmbeddingHeader], Awaitable[bool]]) -> None:
+        self._hidden_size = hidden_size
+        self._idle_timeout_s = idle_timeout_s
+        self._check_push = check_push
+        self._in_flight: set[str] = set()   # reservation ids with a push being received
+
+    async def receive(self, request_iterator: AsyncIterator[Any]) -> tuple[epd_pb2.EmbeddingHeader, Any | None]:
+        """The header and the embedding tensor, or None for a repeat of a push that landed."""
+        stream = aiter(request_iterator)
+        first = await self._next(stream)
+        if first is None or data_of(first) is not None or first.WhichOneof("kind") != "header":
+            raise _invalid("a push must start with a header")
+        header = first.header
+        self.check_header(header)
+        if header.reservation_id in self._in_flight:
+            raise EngineError(ErrorKind.FAILED_PRECONDITION, "a push to this reservation is already in progress")
+        self._in_flight.add(header.reservation_id)
+        try:
+            wanted = await self._check_push(header)
+            payload = bytearray(header.num_bytes) if wanted else None
+            await self._read_chunks(stream, header.num_bytes, payload)
+        finally:
+            self._in_flight.discard(header.reservation_id)
+        if payload is None:
+            return header, None
+        embedding = tensors.tensor_from_bytes(payload, tensors.dtype_from_pb(header.dtype), list(header.shape))
+        if not bool(torch.isfinite(embedding).all()):
+            raise _invalid("embedding has non-finite values")
+        return header, embedding
+
+    def check_header(self, header: epd_pb2.EmbeddingHeader) -> None:
+        convert.check_request_id(header.request_id)
+        try:
+            dtype = tensors.dtype_from_pb(header.dtype)
+        except ValueError:
+            raise _invalid("unsupported embedding dtype") from None
+        if dtype not in PUSH_DTYPES:
+            raise _invalid("embedding dtype must be float32, float16 or bfloat16")
+        if len(header.shape) != 2 or header.shape[1] != self._hidden_size or header.shape[0] == 0:
+            raise _invalid(f"embedding shape must be [num_tokens, {self._hidden_size}]")
+        if header.num_bytes != tensors.expected_num_bytes(dtype, list(header.shape)):
+            raise _invalid("num_bytes does not match dtype and shape")
+
+    async def _read_chunks(self, stream: AsyncIterator[Any], num_bytes: int, payload: bytearray | None) -> None:
+        """Reads the data chunks into ``payload`` (each chunk's bytes copied once), or counts them off."""
+        view = memoryview(payload) if payload is not None else None
+        received = 0
+        try:
+            while (chunk := await self._next(stream)) is not None:
+                data = data_of(chunk)
+                if data is None:
+                    raise _invalid("only the first message of a push may be a header")
+                if len(data) > tensors.CHUNK_BYTES:
+                    raise _invalid("push chunk larger than 1 MiB")
+                if received + len(data) > num_bytes:
+                    raise EngineError(ErrorKind.FAILED_PRECONDITION, "push carries more bytes than its header declared")
+                if view is not None:
+                    view[received : received + len(data)] = data
+                received += len(data)
+        finally:
+            if view is not None:
+                view.release()
+        if received != num_bytes:
+            raise _invalid("push ended before all declared bytes arrived")
+
+    async def _next(self, stream: AsyncIterator[Any]) -> Any | None:
+        try:
+            return await asyncio.wait_for(anext(stream, None), self._idle_timeout_s)
+        except TimeoutError:
+            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "push stalled: no data within the idle timeout") from None
