@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.pd.positions import MRopePlan
 from services.pd.request import SamplingParams
 
 
@@ -34,6 +35,8 @@ class ScheduledChunk:
     their K/V are written to ``block_ids`` (the request's whole block table,
     covering at least ``start_pos + len`` tokens). When ``sample`` is true the
     runner samples the next token from the chunk's last position.
+    ``rope`` gives the tokens' multimodal rotary positions (None: the absolute
+    positions); the runner uses it when its model takes 3-D positions.
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class ScheduledChunk:
     sample: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0   # tokens generated so far (seeds per-step RNG)
+    rope: MRopePlan | None = None  # the request's plan (shared, immutable), not just this chunk's
 
     @property
     def num_tokens(self) -> int:

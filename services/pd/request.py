@@ -8,6 +8,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.pd.positions import MRopePlan
 
 
 class RequestStatus(enum.IntEnum):
@@ -29,11 +33,17 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(frozen=True)
 class MultiModalSpan:
-    """An image in the prompt: ``num_tokens`` positions from ``offset`` take its embedding rows."""
+    """An image in the prompt: ``num_tokens`` positions from ``offset`` take its embedding rows.
+
+    ``grid`` is the image's ``(t, h, w)`` layout in LM tokens (``t * h * w ==
+    num_tokens``) for models with multimodal RoPE (Qwen2-VL family), which
+    gives its tokens 3-D rotary positions (``positions.py``); None otherwise.
+    """
 
     mm_hash: str
     offset: int
     num_tokens: int
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -101,6 +111,9 @@ class Request:
     # reference on (one per span); the scheduler releases each once the span is
     # in the KV cache, and re-acquires after a preemption.
     span_refs: set[int] = field(default_factory=set)
+    # Multimodal RoPE positions (positions.rope_plan fills it on first use when a
+    # span has a grid); None = positions are the token indices.
+    rope_plan: MRopePlan | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
