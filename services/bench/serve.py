@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(work, "--workload", default="mixed", choices=list(WORKLOAD_NAMES),
         help="mixed: 10%% of requests carry 1-4 images; multi-image: 4 images each; repeat: 1 image each, 50%% "
              "repeat an earlier one; text: no images")
-    add(work, "--model", default="bench", help="checkpoint directory, preset (tiny, bench; built on first use) or hub id")
+    add(work, "--model", default="bench", help="checkpoint directory, preset (tiny, bench, qwen2.5-vl-bench, ...; built on first use) or hub id")
     add(work, "--num-requests", type=int, default=100, help="requests per rate (and per repeat)")
     add(work, "--max-tokens", type=int, default=64, help="output tokens of every request (ignore_eos)")
     add(work, "--prompt-words", type=int, default=32, help="words of random text in each prompt")

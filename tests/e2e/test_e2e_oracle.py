@@ -154,3 +154,13 @@ def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
     # Everything that is held is materialised (nothing left on the meta device).
     assert all(p.device.type != "meta" for p in pd_model.parameters())
     assert all(p.device.type != "meta" for p in encoder_module.parameters())
+
+
+@pytest.mark.parametrize("cluster", ["qwen2.5"], indirect=True)
+def test_an_image_the_processor_refuses_is_a_400_and_serving_goes_on(client, oracle):
+    thin = make_image(9, (1, 250))     # aspect ratio above Qwen's 200:1
+    with pytest.raises(openai.BadRequestError) as refused:
+        _chat(client, [user_message("What is this?", [thin])], stream=False)
+    assert refused.value.body["code"] == "invalid_image" and "aspect ratio" in refused.value.body["message"]
+    messages = [user_message("And this?", [make_image(10)])]
+    assert _chat(client, messages, stream=False)[0] == oracle.generate(messages, [make_image(10)], MAX_TOKENS)
