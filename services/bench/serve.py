@@ -131,7 +131,11 @@ def _machine(cores: tuple[int, ...]) -> dict[str, Any]:
 
 
 def _image_size(model_dir: str) -> int:
-    """The vision tower's input size (noise images are drawn around it)."""
+    """The vision tower's input size (noise images are drawn around it).
+
+    Dynamic-resolution checkpoints (Qwen2-VL family) have none: their images
+    are drawn around 336 pixels too and each keeps its own size and token count.
+    """
     try:
         with open(Path(model_dir) / "config.json") as file:
             return int(json.load(file)["vision_config"]["image_size"])
