@@ -101,17 +101,13 @@ def build_plan(spans: Sequence[MultiModalSpan], num_prompt_tokens: int) -> MRope
         placed.append(_PlacedImage(span.offset, span.end, (t, h, w), start, shift))
     if not placed:
         return None
+    # Text before an image sits below the image's start, so the largest position
+    # is an image's or that of the text after the last image.
     last = placed[-1]
     text_after = num_prompt_tokens - 1 + last.shift_after if num_prompt_tokens > last.end else -1
     image_max = max(image.start + max(image.grid) - 1 for image in placed)
-    max_position = max(text_after, image_max, _text_max_before_images(placed))
-    offsets = tuple(image.offset for image in placed)
-    return MRopePlan(tuple(placed), num_prompt_tokens, max_position + 1 - num_prompt_tokens, offsets)
-
-
-def _text_max_before_images(placed: Sequence[_PlacedImage]) -> int:
-    """The largest position of the text between images (never above the next image's start)."""
-    return max((image.start - 1 for image in placed), default=-1)
+    delta = max(text_after, image_max) + 1 - num_prompt_tokens
+    return MRopePlan(tuple(placed), num_prompt_tokens, delta, tuple(image.offset for image in placed))
 
 
 def rope_plan(request: Request) -> MRopePlan | None:
