@@ -16,7 +16,7 @@ COMMANDS = {
     "encoder": ("services.encoder.main", "run one encoder (vision tower) service"),
     "pd": ("services.pd.main", "run one PD (language model) service"),
     "proxy": ("services.proxy.main", "run the OpenAI-compatible HTTP proxy"),
-    "make-model": ("services.common.models.cli", "build a random-weight LLaVA checkpoint offline"),
+    "make-model": ("services.common.models.cli", "build a random-weight checkpoint (LLaVA or Qwen-VL) offline"),
     "bench": ("services.bench.main", "side-by-side benchmarks (engine, transfer, serve)"),
     "health": ("services.common.healthcheck", "check a service's readiness (gRPC health or HTTP); exit 0 when ready"),
 }

@@ -32,7 +32,7 @@ class Child:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = cli_args.add_flag
-    add(parser, "--model", default="", help="checkpoint directory, preset name (tiny, bench) or hub id; default: the tiny model, built on first use")
+    add(parser, "--model", default="", help="checkpoint directory, preset name (tiny, bench, qwen2.5-vl-tiny, ...; see epd make-model) or hub id of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint; default: the tiny model, built on first use")
     add(parser, "--encoders", type=int, default=1, help="number of encoder processes")
     add(parser, "--pds", type=int, default=1, help="number of PD processes")
     add(parser, "--pd-policy", default="least-loaded", choices=["least-loaded", "round-robin"],
@@ -172,6 +172,7 @@ def stop_children(children: list[Child], grace: float = 30.0) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from services.common.models import ensure_model
+    from services.common.models.startup import refuse_unservable_model
 
     if args.colocated and args.pds != 1:
         # The proxy picks an encoder by image hash, not by PD: with several
@@ -190,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print("epd: preparing model ...", flush=True)
     model_dir = str(ensure_model(args.model or None, progress=lambda msg: print(f"  {msg}", flush=True)))
+    if refuse_unservable_model(model_dir, "epd") is not None:
+        return 2   # before any child starts: one line, no traceback
     print(f"epd: model {model_dir}", flush=True)
     if args.colocated:
         print("epd: starting 1 colocated PD (vision tower inside) and the proxy ...", flush=True)

@@ -39,7 +39,11 @@ def free_ports(count: int) -> list[int]:
 
 
 class InProcessCluster:
-    """N encoders + M PDs + the proxy, on loopback, for one test session or module."""
+    """N encoders + M PDs + the proxy, on loopback, for one test session or module.
+
+    ``colocated=True``: one PD that runs the vision tower itself (``epd pd
+    --encoder local``) and no encoder; the proxy's encoder is that PD.
+    """
 
     def __init__(
         self,
@@ -51,11 +55,13 @@ class InProcessCluster:
         encoder: dict[str, Any] | None = None,
         proxy: dict[str, Any] | None = None,
         with_proxy: bool = True,
+        colocated: bool = False,
     ):
         self.model_dir = model_dir
-        self.num_encoders = num_encoders
-        self.num_pds = num_pds
-        self.pd_overrides = pd or {}
+        self.colocated = colocated
+        self.num_encoders = 0 if colocated else num_encoders
+        self.num_pds = 1 if colocated else num_pds
+        self.pd_overrides = {**(pd or {}), **({"encoder": "local"} if colocated else {})}
         self.encoder_overrides = encoder or {}
         self.proxy_overrides = proxy or {}
         self.with_proxy = with_proxy
@@ -93,6 +99,8 @@ class InProcessCluster:
 
     @property
     def encoder_addresses(self) -> list[str]:
+        if self.colocated:
+            return self.pd_addresses
         return [f"127.0.0.1:{enc.port}" for enc in self.encoders]
 
     async def _start(self) -> None:

@@ -22,8 +22,38 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def oracle(tiny_model_dir):
+def oracle(oracle_for):
     """``transformers`` ``generate()`` on the full tiny checkpoint (the correctness oracle)."""
+    return oracle_for("tiny")
+
+
+@pytest.fixture(scope="session")
+def build_model(tmp_path_factory, request):
+    """``build_model(preset)``: that preset's checkpoint (seed 0), built once per session ("tiny" is ``tiny_model_dir``)."""
+    from services.common.models import build_checkpoint
+
+    built: dict[str, Path] = {}
+
+    def build(preset: str) -> Path:
+        if preset == "tiny":
+            return request.getfixturevalue("tiny_model_dir")
+        if preset not in built:
+            built[preset] = build_checkpoint(preset, tmp_path_factory.mktemp("models") / preset, seed=0)
+        return built[preset]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def oracle_for(build_model):
+    """``oracle_for(preset)``: ``generate()`` on that preset's full checkpoint, loaded once per session."""
     from oracle_support import Oracle
 
-    return Oracle(str(tiny_model_dir))
+    oracles: dict[str, Oracle] = {}
+
+    def get(preset: str) -> Oracle:
+        if preset not in oracles:
+            oracles[preset] = Oracle(str(build_model(preset)))
+        return oracles[preset]
+
+    return get

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(work, "--workload", default="mixed", choices=list(WORKLOAD_NAMES),
         help="mixed: 10%% of requests carry 1-4 images; multi-image: 4 images each; repeat: 1 image each, 50%% "
              "repeat an earlier one; text: no images")
-    add(work, "--model", default="bench", help="checkpoint directory, preset (tiny, bench; built on first use) or hub id")
+    add(work, "--model", default="bench", help="checkpoint directory, preset (tiny, bench, qwen2.5-vl-bench, ...; built on first use) or hub id")
     add(work, "--num-requests", type=int, default=100, help="requests per rate (and per repeat)")
     add(work, "--max-tokens", type=int, default=64, help="output tokens of every request (ignore_eos)")
     add(work, "--prompt-words", type=int, default=32, help="words of random text in each prompt")
@@ -131,7 +131,11 @@ def _machine(cores: tuple[int, ...]) -> dict[str, Any]:
 
 
 def _image_size(model_dir: str) -> int:
-    """The vision tower's input size (noise images are drawn around it)."""
+    """The vision tower's input size (noise images are drawn around it).
+
+    Dynamic-resolution checkpoints (Qwen2-VL family) have none: their images
+    are drawn around 336 pixels too and each keeps its own size and token count.
+    """
     try:
         with open(Path(model_dir) / "config.json") as file:
             return int(json.load(file)["vision_config"]["image_size"])

@@ -63,7 +63,7 @@ def add_flag(
 
 def add_common_flags(parser: argparse.ArgumentParser, *, port: int, metrics_port: int | None) -> None:
     """Flags every gRPC service takes: model, device, dtype, address, logging."""
-    add_flag(parser, "--model", default="", help="checkpoint directory or hub id (default: the built-in tiny model, built on first use)")
+    add_flag(parser, "--model", default="", help="checkpoint directory, preset name (built on first use) or hub id of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint (default: the built-in tiny model)")
     add_flag(parser, "--device", default="auto", help="torch device: auto (cuda when present, else cpu), cpu, cuda, cuda:N")
     add_flag(parser, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weight and activation dtype: auto = float32 on cpu, bfloat16 on cuda")
     add_flag(parser, "--host", default="127.0.0.1", help="address to listen on")

@@ -2,9 +2,11 @@
 
 The event loop enqueues jobs and awaits their futures; one worker thread
 dequeues up to ``max_batch_images`` jobs (waiting at most ``max_wait_ms``
-after the first), groups them by pixel shape, runs the vision module under
-``torch.inference_mode`` and resolves the futures back on the loop with
-``loop.call_soon_threadsafe``. Tensor work never runs on the event loop.
+after the first), groups the ones that can share a forward (``vision_io.batch_key``:
+equal pixel shapes for fixed-size towers; any grids for dynamic-resolution ones,
+packed into one forward), runs the vision module under ``torch.inference_mode``
+and resolves the futures back on the loop with ``loop.call_soon_threadsafe``.
+Tensor work never runs on the event loop.
 
 Locking: one ``threading.Condition`` guards the queue, the in-flight map,
 the pending count and every job's ``state``/``num_waiters``/``deadline``.
@@ -26,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from services.common.models.vision_io import Grid, batch_key, encode_images
 from services.encoder.cache import EmbeddingCache
 from services.encoder.errors import DeadlineExceeded, EncodeFailed, EncoderError, Overloaded, ShuttingDown
 from services.encoder.metrics import EncoderMetrics
@@ -52,9 +55,10 @@ class _Job:
     """One image computation, shared by every waiter asking for the same ``mm_hash``."""
 
     mm_hash: str
-    pixel_values: torch.Tensor  # [3, H, W]
+    pixel_values: torch.Tensor  # [3, H, W], or patches [t*h*w, D] with a grid
     future: asyncio.Future[EncodeResult]
     deadline: float  # time.monotonic() seconds; the latest deadline of its waiters (inf = none)
+    grid: Grid | None = None  # patch grid of a dynamic-resolution image
     num_waiters: int = 1
     state: _State = _State.QUEUED
 
@@ -125,15 +129,18 @@ class Batcher:
         with self._cond:
             return self._num_images_encoded
 
-    async def encode(self, mm_hash: str, pixel_values: torch.Tensor, deadline: float | None) -> EncodeResult:
+    async def encode(
+        self, mm_hash: str, pixel_values: torch.Tensor, deadline: float | None, grid: Grid | None = None
+    ) -> EncodeResult:
         """The embedding of one image: from the cache, a shared in-flight job, or a new job.
 
-        ``deadline`` is in ``time.monotonic()`` seconds (None = none). Cancelling
-        the caller withdraws it from the job; a queued job nobody waits for is
-        removed at once and never computed.
+        ``deadline`` is in ``time.monotonic()`` seconds (None = none); ``grid``
+        is the patch grid of a dynamic-resolution image. Cancelling the caller
+        withdraws it from the job; a queued job nobody waits for is removed at
+        once and never computed.
         """
         loop = asyncio.get_running_loop()
-        job = self._join_or_enqueue(mm_hash, pixel_values, math.inf if deadline is None else deadline, loop)
+        job = self._join_or_enqueue(mm_hash, pixel_values, math.inf if deadline is None else deadline, loop, grid)
         if isinstance(job, EncodeResult):
             return job
         try:
@@ -143,7 +150,8 @@ class Batcher:
             self._leave(job)
 
     def _join_or_enqueue(
-        self, mm_hash: str, pixel_values: torch.Tensor, deadline: float, loop: asyncio.AbstractEventLoop
+        self, mm_hash: str, pixel_values: torch.Tensor, deadline: float, loop: asyncio.AbstractEventLoop,
+        grid: Grid | None = None,
     ) -> _Job | EncodeResult:
         with self._cond:
             if self._stopping:
@@ -160,7 +168,7 @@ class Batcher:
                 retry_ms = self._retry_after_ms()
                 self._metrics.on_rejected()
                 raise Overloaded("encoder queue is full", retry_after_ms=retry_ms)
-            job = _Job(mm_hash, pixel_values, loop.create_future(), deadline)
+            job = _Job(mm_hash, pixel_values, loop.create_future(), deadline, grid)
             job.future.add_done_callback(_consume_exception)
             self._inflight[mm_hash] = job
             self._queue.append(job)
@@ -215,7 +223,7 @@ class Batcher:
                 return
             groups: dict[tuple, list[_Job]] = {}
             for job in batch:  # empty when only expired jobs were dequeued
-                key = (tuple(job.pixel_values.shape), job.pixel_values.dtype)
+                key = batch_key(self._vision, job.pixel_values, job.grid)
                 groups.setdefault(key, []).append(job)
             for group in groups.values():
                 try:
@@ -267,14 +275,10 @@ class Batcher:
     def _forward(self, group: list[_Job]) -> None:
         start = time.perf_counter()
         try:
-            pixels = torch.stack([job.pixel_values for job in group])  # [N, 3, H, W]
-            pixels = pixels.to(device=self._device, dtype=self._dtype)
-            with torch.inference_mode():
-                out = self._vision(pixels)  # [N, num_tokens, hidden]
-            if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != len(group):
-                raise RuntimeError("vision module returned an unexpected output shape")
+            out = encode_images(self._vision, [(job.pixel_values, job.grid) for job in group],
+                                self._device, self._dtype)     # [num_tokens, hidden] per image
             # One CPU copy per row: a cached row must not pin the whole batch.
-            rows = [row.to("cpu", copy=True).contiguous() for row in out.unbind(0)]
+            rows = [row.to("cpu", copy=True).contiguous() for row in out]
         except Exception:
             log.exception("vision forward failed for a batch of %d images", len(group))
             self._fail(group)

@@ -95,6 +95,10 @@ async def serve(config: EncoderConfig, stop: asyncio.Event) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the encoder until SIGTERM/SIGINT; returns the process exit code."""
+    from services.common.models.startup import refuse_unservable_model
+
+    if (code := refuse_unservable_model(args.model, "epd encoder")) is not None:
+        return code
     setup_logging(args.log_level, service="encoder", json_format=args.log_json)
     try:
         config = config_from_args(args)

@@ -16,6 +16,7 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.logs import log_request
+from services.common.models.vision_io import PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.encoder.batcher import Batcher
 from services.encoder.cache import EmbeddingCache
@@ -59,7 +60,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         pusher: EmbeddingPusher,
         cache: EmbeddingCache,
         metrics: EncoderMetrics | None = None,
+        layout: PixelLayout = PixelLayout(),
     ) -> None:
+        self._layout = layout  # what the vision module takes: checked before anything is queued
         self._batcher = batcher
         self._pusher = pusher
         self._cache = cache
@@ -74,7 +77,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         request_id = grpc_utils.request_id_of(context)  # until the request body is validated
         outcomes: list[ItemOutcome] = []
         try:
-            work = parse_encode_request(request)
+            work = parse_encode_request(request, self._layout)
             request_id = work.request_id
             outcomes = await self._encode_all(work, deadline, remaining)
             status = "OK"
@@ -109,7 +112,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         return [task.result() for task in tasks]
 
     async def _encode_item(self, work: EncodeWork, item: EncodeItemWork, deadline: float | None) -> ItemOutcome:
-        result = await self._batcher.encode(item.mm_hash, item.pixel_values, deadline)
+        result = await self._batcher.encode(item.mm_hash, item.pixel_values, deadline, item.grid)
         push_start = time.perf_counter()
         await self._pusher.push(
             work.pd_address,

@@ -11,8 +11,9 @@ everything queued. That command runs between two engine steps, so the vision
 forward blocks the batch exactly as it does in a monolithic engine, and its
 results fill the reservations through the engine's own fill path (no gRPC
 push, no copy). Images queued by concurrent calls share one forward (up to
-``MAX_BATCH_IMAGES``); an image already READY on PD, or queued twice, is
-computed once.
+``MAX_BATCH_IMAGES``; those with equal ``LoadedVision.batch_key``: any grids
+for dynamic-resolution towers); an image already READY on PD, or queued
+twice, is computed once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, tensors
 from services.common.logs import log_request
+from services.common.grids import grid_from_pb
 from services.common.models.loaded_vision import LoadedVision
+from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd.config import PdConfig
 from services.pd.convert import check_request_id
@@ -55,8 +58,9 @@ class ColocatedItem:
     request_id: str
     reservation_id: str
     mm_hash: str
-    pixel_values: torch.Tensor  # [3, H, W]
+    pixel_values: torch.Tensor  # [3, H, W], or patches [t*h*w, D] with a grid
     deadline: float  # time.monotonic() seconds (inf = none)
+    grid: Grid | None = None  # patch grid of a dynamic-resolution image
     cancelled: bool = False  # the call is gone: skip at dequeue
     error: EngineError | None = None
     cache_hit: bool = False  # already READY on PD: filled without a forward
@@ -135,9 +139,10 @@ class ColocatedEncoder:
                 continue
             if not item.cache_hit:
                 by_hash.setdefault(item.mm_hash, []).append(item)
-        by_shape: dict[tuple[int, ...], list[list[ColocatedItem]]] = {}
+        by_shape: dict[tuple, list[list[ColocatedItem]]] = {}
         for same_image in by_hash.values():
-            by_shape.setdefault(tuple(same_image[0].pixel_values.shape), []).append(same_image)
+            key = self._vision.batch_key(same_image[0].pixel_values, same_image[0].grid)
+            by_shape.setdefault(key, []).append(same_image)
         for groups in by_shape.values():
             for start in range(0, len(groups), self._max_batch):
                 self._forward_and_fill(groups[start : start + self._max_batch])
@@ -147,11 +152,7 @@ class ColocatedEncoder:
         vision = self._vision
         start = time.perf_counter()
         try:
-            pixels = torch.stack([group[0].pixel_values for group in groups])  # [N, 3, H, W]
-            with torch.inference_mode():
-                out = vision.module(pixels.to(device=vision.device, dtype=vision.dtype))
-            if out.dim() != 3 or out.shape[0] != len(groups):
-                raise RuntimeError("vision module returned an unexpected output shape")
+            out = vision.encode([(group[0].pixel_values, group[0].grid) for group in groups])  # per image
         except Exception:
             log.exception("colocated vision forward failed for %d images", len(groups))
             for group in groups:
@@ -161,7 +162,7 @@ class ColocatedEncoder:
         elapsed = time.perf_counter() - start
         with self._lock:
             self._num_images_encoded += len(groups)
-        for group, row in zip(groups, out.unbind(0)):
+        for group, row in zip(groups, out):
             # A stored row must not pin the whole batch's output.
             row = row.clone() if len(groups) > 1 else row
             for item in group:
@@ -179,36 +180,40 @@ def _check_id(value: str, what: str) -> str:
     return value
 
 
-def _parse_pixels(item: epd_pb2.EncodeItem, index: int) -> torch.Tensor:
-    invalid = EngineError(ErrorKind.INVALID_ARGUMENT, f"item {index}: pixel_values must be a finite float [3, H, W]")
+def _parse_pixels(item: epd_pb2.EncodeItem, index: int, layout: PixelLayout) -> tuple[torch.Tensor, Grid | None]:
+    shape = "[t*h*w, D] patches with a grid" if layout.uses_grids else "[3, H, W]"
+    invalid = EngineError(ErrorKind.INVALID_ARGUMENT, f"item {index}: pixel_values must be a finite float {shape}")
     if not item.HasField("pixel_values"):
         raise invalid
     try:
         pixels = tensors.from_pb(item.pixel_values)
+        grid = grid_from_pb(item)
+        layout.check(pixels, grid)
     except ValueError:
         raise invalid from None
-    if pixels.dtype not in tensors.PIXEL_DTYPES or pixels.dim() != 3 or pixels.shape[0] != 3 or pixels.numel() == 0:
+    if pixels.dtype not in tensors.PIXEL_DTYPES or pixels.numel() == 0:
+        raise invalid
+    if not layout.uses_grids and (pixels.dim() != 3 or pixels.shape[0] != 3):
         raise invalid
     if not bool(torch.isfinite(pixels).all()):
         raise invalid
-    return pixels
+    return pixels, grid
 
 
-def parse_encode_request(request: epd_pb2.EncodeRequest, deadline: float) -> list[ColocatedItem]:
+def parse_encode_request(
+    request: epd_pb2.EncodeRequest, deadline: float, layout: PixelLayout = PixelLayout()
+) -> list[ColocatedItem]:
     """Validates an EncodeRequest into items; ``pd_address`` is not used (the reservations are ours)."""
     request_id = check_request_id(request.request_id)
     if not request.items:
         raise EngineError(ErrorKind.INVALID_ARGUMENT, "items must not be empty")
-    return [
-        ColocatedItem(
-            request_id=request_id,
-            reservation_id=_check_id(item.reservation_id, f"item {index}: reservation_id"),
-            mm_hash=_check_id(item.mm_hash, f"item {index}: mm_hash"),
-            pixel_values=_parse_pixels(item, index),
-            deadline=deadline,
-        )
-        for index, item in enumerate(request.items)
-    ]
+    items = []
+    for index, item in enumerate(request.items):
+        reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
+        mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
+        pixels, grid = _parse_pixels(item, index, layout)
+        items.append(ColocatedItem(request_id, reservation_id, mm_hash, pixels, deadline, grid))
+    return items
 
 
 class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
@@ -223,7 +228,7 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
         deadline = float("inf") if remaining is None else time.monotonic() + remaining
         status = "CANCELLED"
         try:
-            done = await self._encoder.encode(parse_encode_request(request, deadline))
+            done = await self._encoder.encode(parse_encode_request(request, deadline, self._encoder.vision.layout))
             status = "OK"
         except EngineError as error:
             status = error.kind.name

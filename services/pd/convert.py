@@ -12,11 +12,13 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 
+from services.common.grids import grid_from_pb
 from services.common.pb import epd_pb2
 
 from services.pd.engine_stats import EngineStats
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.outputs import Allocation, Finished, TokenDelta
+from services.pd.positions import rope_plan
 from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
 
 STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
@@ -63,9 +65,16 @@ def check_prompt(prompt_token_ids: Sequence[int], *, vocab_size: int, max_model_
         raise _invalid("prompt_token_ids contains an id outside the vocabulary")
 
 
-def spans_from_pb(items: Sequence[epd_pb2.MultiModalItem], prompt_len: int,
-                  max_items: int = MAX_ITEMS) -> list[MultiModalSpan]:
-    """Validates image items: not too many, well-formed hashes, inside the prompt, sorted, non-overlapping."""
+def spans_from_pb(
+    items: Sequence[epd_pb2.MultiModalItem], prompt_len: int, *, max_items: int = MAX_ITEMS,
+    uses_grids: bool | None = None,
+) -> list[MultiModalSpan]:
+    """Validates image items: not too many, well-formed hashes, inside the prompt, sorted, non-overlapping.
+
+    A grid, when set, must multiply to ``num_tokens``. ``uses_grids`` (the
+    model's multimodal RoPE) requires every item to carry one (True) or none
+    (False); None accepts either.
+    """
     if len(items) > max_items:
         raise _invalid(f"at most {max_items} images per request")
     spans = []
@@ -79,9 +88,21 @@ def spans_from_pb(items: Sequence[epd_pb2.MultiModalItem], prompt_len: int,
             raise _invalid(f"item {index}: image spans must be sorted and must not overlap")
         if item.offset + item.num_tokens > prompt_len:
             raise _invalid(f"item {index}: image span extends past the prompt")
-        spans.append(MultiModalSpan(item.mm_hash, item.offset, item.num_tokens))
+        spans.append(MultiModalSpan(item.mm_hash, item.offset, item.num_tokens, _grid(item, index, uses_grids)))
         end = item.offset + item.num_tokens
     return spans
+
+
+def _grid(item: epd_pb2.MultiModalItem, index: int, uses_grids: bool | None) -> tuple[int, int, int] | None:
+    try:
+        grid = grid_from_pb(item)
+    except ValueError:
+        raise _invalid(f"item {index}: grid dimensions must be positive") from None
+    if grid is not None and grid[0] * grid[1] * grid[2] != item.num_tokens:
+        raise _invalid(f"item {index}: grid t*h*w must equal num_tokens")
+    if uses_grids is not None and (grid is not None) != uses_grids:
+        raise _invalid(f"item {index}: this model {'needs' if uses_grids else 'takes no'} image grids")
+    return grid
 
 
 def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> SamplingParams:
@@ -112,20 +133,26 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
 
 def request_from_pb(
     message: epd_pb2.GenerateRequest, *, eos_token_id: int | None, vocab_size: int, max_model_len: int,
-    max_items: int = MAX_ITEMS,
+    max_items: int = MAX_ITEMS, uses_grids: bool | None = None,
 ) -> Request:
-    """Builds an engine ``Request`` from a validated ``GenerateRequest``."""
+    """Builds an engine ``Request`` from a validated ``GenerateRequest``.
+
+    ``uses_grids``: see ``spans_from_pb``. A request whose items carry grids
+    gets its multimodal-RoPE positions planned here, once.
+    """
     check_request_id(message.request_id)
     prompt = list(message.prompt_token_ids)
     check_prompt(prompt, vocab_size=vocab_size, max_model_len=max_model_len)
     sampling = sampling_from_pb(message.sampling, max_tokens_cap=max_model_len - len(prompt))
-    return Request(
+    request = Request(
         request_id=message.request_id,
         prompt_token_ids=prompt,
         sampling=sampling,
-        mm_spans=spans_from_pb(message.mm_items, len(prompt), max_items),
+        mm_spans=spans_from_pb(message.mm_items, len(prompt), max_items=max_items, uses_grids=uses_grids),
         eos_token_id=eos_token_id,
     )
+    rope_plan(request)
+    return request
 
 
 def preallocate_to_pb(allocations: Sequence[Allocation], lease_ms: int) -> epd_pb2.PreallocateResponse:

@@ -93,6 +93,10 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.common.models.startup import refuse_unservable_model
+
+    if (code := refuse_unservable_model(args.model, "epd pd")) is not None:
+        return code
     setup_logging(args.log_level, service="pd", json_format=args.log_json)
     try:
         config = config_from_args(args)

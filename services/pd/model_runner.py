@@ -4,7 +4,9 @@ The runner owns the tensors: the KV cache and the model. Each step it packs
 all scheduled tokens of all requests into one ``[1, T, hidden]`` batch (token
 embeddings with image rows spliced in), runs ``model.model`` with the
 ``epd_paged`` attention (see ``attention.py``), and computes logits only at
-the last position of each chunk that samples.
+the last position of each chunk that samples. Models with multimodal RoPE
+(``uses_mrope``: the Qwen2-VL family) get ``[3, 1, T]`` rotary positions from
+each chunk's plan (``positions.py``); KV slots stay the absolute indices.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class ModelRunner:
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError("model does not support a custom attention implementation")
         self.model = model.eval()
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.device = torch.device(device)
         self.dtype = dtype
         # See attention.py: ragged decode attention wins on CPU, one padded
@@ -144,7 +147,7 @@ class ModelRunner:
             inputs_embeds = self._embed(chunks, embeddings)
             hidden = self.model.model(
                 inputs_embeds=inputs_embeds,
-                position_ids=meta.positions[None],
+                position_ids=self._position_ids(chunks, meta),
                 use_cache=False,
                 **{METADATA_KWARG: meta},
             ).last_hidden_state                                    # [1, T, hidden]
@@ -169,6 +172,22 @@ class ModelRunner:
             device=self.device,
             decode_path=self.decode_path,
         )
+
+    def _position_ids(self, chunks: list[ScheduledChunk], meta: PagedAttentionMetadata) -> torch.Tensor:
+        """Rotary positions of the packed batch: ``[1, T]``, or ``[3, 1, T]`` for multimodal RoPE."""
+        if not self.uses_mrope:
+            return meta.positions[None]
+        axes: tuple[list[int], list[int], list[int]] = ([], [], [])
+        for chunk in chunks:
+            start, end = chunk.start_pos, chunk.start_pos + chunk.num_tokens
+            if chunk.rope is None:   # text only: every axis is the token index
+                for axis in axes:
+                    axis.extend(range(start, end))
+                continue
+            for axis, ids in zip(axes, chunk.rope.positions(start, end)):
+                axis.extend(ids)
+        positions = torch.tensor(axes, dtype=torch.long)                   # [3, T]
+        return positions.to(self.device, non_blocking=True)[:, None, :]
 
     def _embed(self, chunks: list[ScheduledChunk], embeddings: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Token embeddings of the packed batch with image rows spliced in: ``[1, T, hidden]``."""

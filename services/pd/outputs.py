@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from services.pd.errors import EngineError
+from services.pd.positions import MRopePlan
 from services.pd.request import Request, RequestStatus, SamplingParams
 
 
@@ -38,6 +39,8 @@ class ScheduledChunk:
     their K/V are written to ``block_ids`` (the request's whole block table,
     covering at least ``start_pos + len`` tokens). When ``sample`` is true the
     runner samples the next token from the chunk's last position.
+    ``rope`` gives the tokens' multimodal rotary positions (None: the absolute
+    positions); the runner uses it when its model takes 3-D positions.
     """
 
     request_id: str
@@ -48,6 +51,7 @@ class ScheduledChunk:
     sample: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0   # tokens generated so far (seeds per-step RNG)
+    rope: MRopePlan | None = None  # the request's plan (shared, immutable), not just this chunk's
 
     @property
     def num_tokens(self) -> int:

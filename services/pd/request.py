@@ -8,6 +8,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.pd.positions import MRopePlan
 
 
 class RequestStatus(enum.IntEnum):
@@ -29,11 +33,17 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(frozen=True)
 class MultiModalSpan:
-    """An image in the prompt: ``num_tokens`` positions from ``offset`` take its embedding rows."""
+    """An image in the prompt: ``num_tokens`` positions from ``offset`` take its embedding rows.
+
+    ``grid`` is the image's ``(t, h, w)`` layout in LM tokens (``t * h * w ==
+    num_tokens``) for models with multimodal RoPE (Qwen2-VL family), which
+    gives its tokens 3-D rotary positions (``positions.py``); None otherwise.
+    """
 
     mm_hash: str
     offset: int
     num_tokens: int
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -110,12 +120,15 @@ class Request:
     # lazily by KVCacheManager (valid for the request's whole life: tokens only append).
     block_hashes: list[bytes] = field(default_factory=list)
     # Indices into mm_spans whose embedding this request holds an EmbeddingCache
-    # reference on (one per span); the engine core releases each once the span
-    # is in the KV cache, and takes it again after a preemption.
+    # reference on (one per span), held until the request ends so that a
+    # preempted request can always recompute its images.
     span_refs: set[int] = field(default_factory=set)
     # The prefix-cache hit, looked up once (``KVCacheManager.claim_cached_prefix``)
     # and carried to admission; None = not looked up since the last admission.
     cached_prefix: CachedPrefix | None = None
+    # Multimodal RoPE positions (positions.rope_plan fills it on first use when a
+    # span has a grid); None = positions are the token indices.
+    rope_plan: MRopePlan | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

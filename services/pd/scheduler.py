@@ -35,6 +35,7 @@ from services.pd.embedding_cache import EmbeddingCache
 from services.pd.invariants import check
 from services.pd.kv_cache import KVCacheManager
 from services.pd.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from services.pd.positions import rope_plan
 from services.pd.request import Request, RequestStatus
 
 _RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
@@ -265,6 +266,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             sampling=request.sampling,
             num_output_tokens=len(request.output_token_ids),
+            rope=rope_plan(request),
         ))
 
     def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:

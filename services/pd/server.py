@@ -165,6 +165,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         "eos_token_id": adapter.eos_token_id,
         "vocab_size": int(model.config.vocab_size),
         "max_model_len": max_model_len,
+        "uses_mrope": adapter.uses_mrope,
         "model_id": adapter.model_id,
         "num_kv_blocks": num_blocks,
         "linear_backend": runner.linear_backend,
@@ -203,6 +204,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         eos_token_id=facts["eos_token_id"],
         vocab_size=facts["vocab_size"],
         max_model_len=facts["max_model_len"],
+        uses_grids=facts["uses_mrope"],
     )
 
     def register(grpc_server) -> None:

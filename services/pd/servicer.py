@@ -54,9 +54,13 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     """
 
     def __init__(
-        self, engine: EngineBridge, config: PdConfig, *, eos_token_id: int | None, vocab_size: int, max_model_len: int
+        self, engine: EngineBridge, config: PdConfig, *, eos_token_id: int | None, vocab_size: int,
+        max_model_len: int, uses_grids: bool | None = None,
     ):
+        """``uses_grids``: the model's multimodal RoPE needs every image item's grid (True), takes
+        none (False); None accepts either (servers without a model, such as the transfer bench)."""
         self.engine = engine
+        self.uses_grids = uses_grids
         self.config = config
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
@@ -78,7 +82,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 convert.check_prompt(request.prompt_token_ids, vocab_size=self.vocab_size,
                                      max_model_len=self.max_model_len)
                 spans = convert.spans_from_pb(request.items, len(request.prompt_token_ids),
-                                              self.config.max_items_per_request)
+                                              max_items=self.config.max_items_per_request, uses_grids=self.uses_grids)
                 lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
                 remaining = context.time_remaining()
                 if remaining is not None:
@@ -100,6 +104,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 engine_request = convert.request_from_pb(
                     request, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
                     max_model_len=self.max_model_len, max_items=self.config.max_items_per_request,
+                    uses_grids=self.uses_grids,
                 )
                 events = await self.engine.add_request(engine_request)
             except EngineError as error:

@@ -20,7 +20,7 @@ def _addresses(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the proxy flags (each also read from ``EPD_<FLAG>``)."""
     add = cli_args.add_flag
-    add(parser, "--model", default="", help="checkpoint directory or hub id; only its processor is loaded (default: the built-in tiny model)")
+    add(parser, "--model", default="", help="checkpoint directory, preset name or hub id (LLaVA, Qwen2-VL, Qwen2.5-VL); only its processor is loaded (default: the built-in tiny model)")
     add(parser, "--host", default="127.0.0.1", help="HTTP address to listen on")
     add(parser, "--port", type=int, default=8000, help="HTTP port (0 = pick a free one)")
     add(parser, "--pd", default="127.0.0.1:50061",
@@ -104,7 +104,11 @@ def run(args: argparse.Namespace) -> int:
     for ``--grace`` seconds and runs the lifespan shutdown (channels closed)."""
     import uvicorn
 
+    from services.common.models.startup import refuse_unservable_model
     from services.proxy.app import create_app
+
+    if (code := refuse_unservable_model(args.model, "epd proxy")) is not None:
+        return code
 
     try:
         config = config_from_args(args)

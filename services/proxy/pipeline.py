@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from services.common import grpc_utils, tensors
+from services.common.grids import grid_to_pb
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.errors import ApiError, from_grpc, internal_error, no_backend
@@ -298,7 +299,8 @@ class Pipeline:
             request_id=attempt.request_id,
             pd_address=attempt.pd.address,
             items=[epd_pb2.EncodeItem(
-                mm_hash=image.mm_hash, reservation_id=reservation_id, pixel_values=tensors.to_pb(image.pixel_values)
+                mm_hash=image.mm_hash, reservation_id=reservation_id, pixel_values=tensors.to_pb(image.pixel_values),
+                grid=grid_to_pb(image.patch_grid),
             )],
         )
         tried: list[str] = []

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 import torch
 
+from services.common.grids import grid_to_pb
 from services.common.hashing import mm_hash
 from services.common.pb import epd_pb2
-from services.proxy.errors import PlaceholderMismatchError, RequestError, TooManyImagesError
+from services.proxy.errors import ImageError, PlaceholderMismatchError, RequestError, TooManyImagesError
 from services.proxy.faults import NO_FAULTS, ProxyFaults
 from services.proxy.images import decode_data_url, decode_image_bytes
 
@@ -30,6 +31,7 @@ class Adapter(Protocol):
     max_model_len: int
 
     def num_image_tokens(self, height: int, width: int) -> int: ...
+    def process_image(self, image_processor: Any, image: Any) -> Any: ...  # -> models.ProcessedImage
     def processor_settings(self) -> dict: ...
 
 
@@ -40,7 +42,11 @@ class ImageItem:
     mm_hash: str
     offset: int                  # first placeholder position in Prompt.token_ids
     num_tokens: int              # placeholder count == embedding rows
-    pixel_values: torch.Tensor   # [3, H, W] float32, from the checkpoint's image processor
+    pixel_values: torch.Tensor   # float32 from the checkpoint's image processor: [3, H, W], or patches (see grids)
+    # Dynamic-resolution models only (else None): the patch grid goes to the
+    # encoder, the same grid in LM tokens (t*h*w == num_tokens) to PD.
+    patch_grid: tuple[int, int, int] | None = None
+    token_grid: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,10 @@ class Prompt:
 
     def mm_items_pb(self) -> list[epd_pb2.MultiModalItem]:
         return [
-            epd_pb2.MultiModalItem(mm_hash=i.mm_hash, offset=i.offset, num_tokens=i.num_tokens) for i in self.images
+            epd_pb2.MultiModalItem(
+                mm_hash=i.mm_hash, offset=i.offset, num_tokens=i.num_tokens, grid=grid_to_pb(i.token_grid)
+            )
+            for i in self.images
         ]
 
 
@@ -159,21 +168,38 @@ class Preprocessor:
         sources = image_urls(messages) if sources is None else list(sources)
         self.check_image_count(len(sources))
         images = [self._decode(source) for source in sources]
+        processed = [self._process(image) for image in images]
         rendered = self.render(messages)
         with self._tokenizer_lock:
             token_ids = self._encode(rendered)
-        counts = [self.adapter.num_image_tokens(image.height, image.width) for image in images]
+        counts = [item.num_tokens for item in processed]
         expanded, offsets = expand_placeholders(token_ids, self.adapter.image_token_id, counts)
         items = tuple(
             ImageItem(
-                mm_hash=mm_hash(image, self._settings, self.adapter.model_id),
+                mm_hash=mm_hash(image, self._hash_settings(item.patch_grid), self.adapter.model_id),
                 offset=offset,
-                num_tokens=count,
-                pixel_values=self.pixel_values(image),
+                num_tokens=item.num_tokens,
+                pixel_values=item.pixel_values,
+                patch_grid=item.patch_grid,
+                token_grid=item.token_grid,
             )
-            for image, offset, count in zip(images, offsets, counts)
+            for image, item, offset in zip(images, processed, offsets)
         )
         return Prompt(token_ids=expanded, images=items)
+
+    def _process(self, image: Any) -> Any:
+        """The checkpoint's image processor on one image (``models.ProcessedImage``); 400 if it refuses."""
+        from services.common.models.adapter import UnsupportedImageError
+
+        try:
+            return self.adapter.process_image(self.processor.image_processor, image)
+        except UnsupportedImageError as error:
+            raise ImageError(str(error), "image_url") from None
+
+    def _hash_settings(self, grid: tuple[int, int, int] | None) -> dict:
+        # The grid follows from pixels + settings; hashing it too keeps the
+        # hash honest should the resize rule ever change.
+        return self._settings if grid is None else {**self._settings, "grid": list(grid)}
 
     def _decode(self, source: str | bytes) -> Any:
         self.faults.before_decode()
@@ -202,11 +228,6 @@ class Preprocessor:
         if self.adapter.image_token_id in token_ids:
             raise PlaceholderMismatchError("Text-only prompts must not contain the image token.", "prompt")
         return Prompt(token_ids=token_ids)
-
-    def pixel_values(self, image: Any) -> torch.Tensor:
-        """The checkpoint's image processor applied to one RGB image: ``[3, H, W]`` float32."""
-        values = self.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
-        return values.to(torch.float32).contiguous()
 
     def _encode(self, rendered: str) -> list[int]:
         # A template that writes the BOS token itself must not get a second

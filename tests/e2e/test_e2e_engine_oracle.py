@@ -5,8 +5,9 @@ that force one engine mechanism: 32 concurrent mixed requests, chunked
 prefill with a 16-token step budget (prompts and image spans split across
 steps), a KV pool barely larger than one request (recompute preemption), and
 prefix-cache hits on a repeated long prompt, with and without an image. The
-oracle is ``LlavaForConditionalGeneration.generate`` (greedy) on the full
-checkpoint; requests go through the official ``openai`` client.
+oracle is the full checkpoint's ``generate()`` (greedy); requests go through
+the official ``openai`` client. The pressure cases also run on Qwen2.5-VL,
+whose image tokens carry 3-D rotary positions that every mechanism must keep.
 """
 
 from __future__ import annotations
@@ -24,13 +25,30 @@ MAX_TOKENS = 16
 LONG_TEXT = " ".join(f"Fact {i}: the quick brown fox number {i} jumps over lazy dog {i * 7}." for i in range(12))
 
 
+QWEN = "qwen2.5-vl-tiny"
+# Image side scale per model: Qwen's images get as many tokens as their pixels
+# give, so they are drawn larger to make spans that a 16-token step must split.
+SCALE = {"tiny": 1, QWEN: 2}
+
+
 @pytest.fixture
-def start_cluster(tiny_model_dir):
+def model():
+    """The preset under test (parametrized indirectly; LLaVA's tiny by default)."""
+    return "tiny"
+
+
+@pytest.fixture
+def oracle(model, oracle_for):
+    return oracle_for(model)
+
+
+@pytest.fixture
+def start_cluster(build_model, model):
     """Starts a cluster with PD overrides; stops it (after a leak check) when the test ends."""
     started: list[InProcessCluster] = []
 
     def start(**pd_overrides) -> InProcessCluster:
-        started.append(InProcessCluster(str(tiny_model_dir), pd=pd_overrides).start())
+        started.append(InProcessCluster(str(build_model(model)), pd=pd_overrides).start())
         return started[-1]
 
     yield start
@@ -55,11 +73,11 @@ def _pd_stats(cluster: InProcessCluster) -> EngineStats:
     return cluster.run(cluster.pds[0].stats())
 
 
-def _mixed_requests(count: int) -> list[tuple[list[dict], list]]:
+def _mixed_requests(count: int, scale: int = 1) -> list[tuple[list[dict], list]]:
     """Requests with 0, 1 or 2 images drawn from a small pool (so some images repeat)."""
     requests = []
     for i in range(count):
-        images = [make_image(500 + (i * 3 + k) % 7, (32 + 8 * k, 40)) for k in range(i % 3)]
+        images = [make_image(500 + (i * 3 + k) % 7, ((32 + 8 * k) * scale, 40 * scale)) for k in range(i % 3)]
         text = f"Request {i}: describe what you see in detail." + (" Be brief." if i % 2 else "")
         requests.append(([user_message(text, images)], images))
     return requests
@@ -78,16 +96,18 @@ def test_32_concurrent_mixed_requests(start_cluster, oracle):
     _check_concurrently(cluster, oracle, _mixed_requests(32))
 
 
-def test_chunked_prefill_with_a_16_token_step_budget(start_cluster, oracle):
+@pytest.mark.parametrize("model", ["tiny", QWEN], indirect=True)
+def test_chunked_prefill_with_a_16_token_step_budget(start_cluster, oracle, model):
     cluster = start_cluster(max_num_batched_tokens=16)
-    requests = _mixed_requests(6)
+    requests = _mixed_requests(6, SCALE[model])
     _check_concurrently(cluster, oracle, requests)
     # Every prompt (>= 16 image rows plus the template) needed several steps.
     assert _pd_stats(cluster).num_steps >= sum(1 for _ in requests) * 2
 
 
-def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, oracle):
-    requests = _mixed_requests(6)
+@pytest.mark.parametrize("model", ["tiny", QWEN], indirect=True)
+def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, oracle, model):
+    requests = _mixed_requests(6, SCALE[model])
     longest = max(_num_prompt_tokens(oracle, messages, images) for messages, images in requests)
     block_size = 16
     num_blocks = -(-(longest + MAX_TOKENS) // block_size) + 1
@@ -97,19 +117,17 @@ def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, o
 
 
 def _num_prompt_tokens(oracle: Oracle, messages: list[dict], images: list) -> int:
-    hf_messages = [{"role": m["role"], "content": [
-        {"type": "image"} if part["type"] == "image_url" else {"type": "text", "text": part["text"]}
-        for part in m["content"]] if isinstance(m["content"], list) else m["content"]} for m in messages]
-    text = oracle.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
-    return int(oracle.processor(text=text, images=images or None, return_tensors="pt")["input_ids"].shape[1])
+    return len(oracle.prompt_ids(messages, images))
 
 
-@pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])
-def test_repeated_long_prompt_hits_the_prefix_cache(start_cluster, oracle, with_image):
+@pytest.mark.parametrize(("model", "with_image"), [("tiny", False), ("tiny", True), (QWEN, True)],
+                         ids=["text", "image", "qwen-image"], indirect=["model"])
+def test_repeated_long_prompt_hits_the_prefix_cache(start_cluster, oracle, model, with_image):
     # Room for one image only: the image's embedding is evicted before the
     # repeat, which then must be served from the KV prefix cache alone.
     cluster = start_cluster(embedding_cache_tokens=16)
-    images = [make_image(77, (48, 48))] if with_image else []
+    size = (48, 48) if model == "tiny" else (64, 64)    # Qwen: 64x64 is 16 tokens, the whole cache
+    images = [make_image(77, size)] if with_image else []
     question = "Summarise the facts above in three short sentences, and mention every number you saw there."
     messages = [{"role": "system", "content": LONG_TEXT}, user_message(question, images)]
     expected = oracle.generate(messages, images, MAX_TOKENS)

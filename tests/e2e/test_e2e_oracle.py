@@ -1,7 +1,9 @@
 """Greedy output of the whole cluster equals transformers generate(), token for token.
 
-The cluster (proxy -> encoder -> PD) runs on loopback; requests go through
-the official ``openai`` client, streaming and not.
+The cluster (proxy -> encoder -> PD, or proxy -> colocated PD) runs on
+loopback, once per model and mode; requests go through the official
+``openai`` client, streaming and not. Models: LLaVA (CLIP and SigLIP towers),
+Qwen2.5-VL and Qwen2-VL (dynamic resolution, multimodal RoPE).
 """
 
 from __future__ import annotations
@@ -16,12 +18,29 @@ from oracle_support import make_image, user_message
 MAX_TOKENS = 24
 
 
+# setup -> (preset, colocated)
+SETUPS = {
+    "llava": ("tiny", False),
+    "llava-siglip": ("llava-siglip-tiny", False),
+    "qwen2.5": ("qwen2.5-vl-tiny", False),
+    "qwen2.5-colocated": ("qwen2.5-vl-tiny", True),
+    "qwen2": ("qwen2-vl-tiny", False),
+}
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    cluster = InProcessCluster(str(tiny_model_dir)).start()
+def cluster(request, build_model):
+    preset, colocated = SETUPS[request.param]
+    cluster = InProcessCluster(str(build_model(preset)), colocated=colocated).start()
+    cluster.preset = preset
     yield cluster
     cluster.stop()
 
+
+@pytest.fixture
+def oracle(cluster, oracle_for):
+    """The reference of the model the cluster serves."""
+    return oracle_for(cluster.preset)
 
 
 @pytest.fixture
@@ -57,11 +76,22 @@ CASES = {
     "text_only": ("Tell me a story about a cat.", []),
     "one_image": ("What is in this picture?", [make_image(1)]),
     "three_images": ("Compare these pictures.", [make_image(2), make_image(3, (64, 30)), make_image(4, (20, 50))]),
+    # Dynamic resolution: each keeps its aspect ratio and gets its own grid and token count.
+    "wide_tall_square": ("Compare these pictures.",
+                         [make_image(5, (96, 32)), make_image(6, (32, 80)), make_image(7, (64, 64))]),
+}
+RUNS = {
+    "llava": ["text_only", "one_image", "three_images"],
+    "llava-siglip": ["one_image", "three_images"],
+    "qwen2.5": ["text_only", "one_image", "wide_tall_square"],
+    "qwen2.5-colocated": ["text_only", "one_image", "wide_tall_square"],
+    "qwen2": ["one_image", "wide_tall_square"],
 }
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("cluster", "case"), [(setup, case) for setup, cases in RUNS.items() for case in cases],
+                         indirect=["cluster"])
 def test_greedy_tokens_equal_generate(client, oracle, case, stream):
     text, images = CASES[case]
     messages = [user_message(text, images)]
@@ -74,23 +104,26 @@ def test_greedy_tokens_equal_generate(client, oracle, case, stream):
     assert usage.prompt_tokens > 0
 
 
-def test_eight_concurrent_mixed_requests(client, oracle):
+@pytest.mark.parametrize(("cluster", "count"), [("llava", 8), ("qwen2.5", 16), ("qwen2.5-colocated", 16)],
+                         indirect=["cluster"])
+def test_concurrent_mixed_requests(client, oracle, count):
     requests = []
-    for i in range(8):
-        images = [make_image(100 + i * 10 + k, (32 + 8 * k, 32)) for k in range(i % 3)]
+    for i in range(count):
+        images = [make_image(100 + i * 10 + k, (32 + 8 * k, 32 + 16 * (i % 2))) for k in range(i % 3)]
         messages = [
             {"role": "system", "content": "You are terse."},
             user_message(f"Request number {i}: describe.", images),
         ]
         requests.append((messages, images, i % 2 == 1))
     expected = [oracle.generate(m, imgs, MAX_TOKENS) for m, imgs, _ in requests]
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(count) as pool:
         results = list(pool.map(lambda r: _chat(client, r[0], r[2]), requests))
     for want, (token_ids, content, _, _) in zip(expected, results):
         assert token_ids == want
         assert content == oracle.decode(want)
 
 
+@pytest.mark.parametrize("cluster", ["llava", "qwen2.5"], indirect=True)
 def test_repeated_image_is_served_again_identically(client, oracle):
     image = make_image(7)
     messages = [user_message("Once more.", [image])]
@@ -100,11 +133,15 @@ def test_repeated_image_is_served_again_identically(client, oracle):
     assert first == second == expected
 
 
+@pytest.mark.parametrize("cluster", ["llava", "qwen2.5"], indirect=True)
 def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
     from services.common.models import count_parameters
 
     full = oracle.model
-    vision_half = count_parameters(full.model.vision_tower) + count_parameters(full.model.multi_modal_projector)
+    if hasattr(full.model, "visual"):   # Qwen: tower + merger
+        vision_half = count_parameters(full.model.visual)
+    else:
+        vision_half = count_parameters(full.model.vision_tower) + count_parameters(full.model.multi_modal_projector)
     lm_half = count_parameters(full) - vision_half
     pd_model = cluster.pds[0].engine.core.runner.model
     encoder_module = cluster.encoders[0].vision.module
@@ -112,8 +149,18 @@ def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
     assert count_parameters(encoder_module) == vision_half
     pd_names = [name for name, _ in pd_model.named_parameters()]
     encoder_names = [name for name, _ in encoder_module.named_parameters()]
-    assert not any("vision" in n or "projector" in n for n in pd_names)
+    assert not any("vision" in n or "projector" in n or "visual" in n or "merger" in n for n in pd_names)
     assert not any("embed_tokens" in n or "lm_head" in n or "language_model" in n for n in encoder_names)
     # Everything that is held is materialised (nothing left on the meta device).
     assert all(p.device.type != "meta" for p in pd_model.parameters())
     assert all(p.device.type != "meta" for p in encoder_module.parameters())
+
+
+@pytest.mark.parametrize("cluster", ["qwen2.5"], indirect=True)
+def test_an_image_the_processor_refuses_is_a_400_and_serving_goes_on(client, oracle):
+    thin = make_image(9, (1, 250))     # aspect ratio above Qwen's 200:1
+    with pytest.raises(openai.BadRequestError) as refused:
+        _chat(client, [user_message("What is this?", [thin])], stream=False)
+    assert refused.value.body["code"] == "invalid_image" and "aspect ratio" in refused.value.body["message"]
+    messages = [user_message("And this?", [make_image(10)])]
+    assert _chat(client, messages, stream=False)[0] == oracle.generate(messages, [make_image(10)], MAX_TOKENS)

@@ -1,10 +1,11 @@
-"""Builds real, random-weight LLaVA checkpoints offline (``epd make-model``).
+"""Builds real, random-weight checkpoints offline (``epd make-model``).
 
 The output is an ordinary Hugging Face directory: ``config.json``,
 ``model.safetensors``, tokenizer, image processor, processor config with the
 chat template, and ``generation_config.json``. ``AutoProcessor`` and
-``LlavaForConditionalGeneration.from_pretrained`` load it like any llava-hf
-checkpoint. The same preset and seed always give byte-identical weights.
+``AutoModelForImageTextToText.from_pretrained`` load it like any hub
+checkpoint of its family (LLaVA here; Qwen2-VL / Qwen2.5-VL in
+``builder_qwen.py``). The same preset and seed always give byte-identical weights.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from transformers import (
     LlavaForConditionalGeneration,
     LlavaProcessor,
     PreTrainedTokenizerFast,
+    SiglipImageProcessorPil,
+    SiglipVisionConfig,
 )
 
+from .builder_qwen import write_qwen_checkpoint
 from .chat_template import LLAVA_CHAT_TEMPLATE
-from .init_weights import initialise_llava
+from .init_weights import initialise_vlm
 from .presets import PRESETS, Preset, get_preset
 from .tokenizer import IMAGE, build_hf_tokenizer
 
@@ -42,18 +46,29 @@ _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
-    """A llava-1.5-style config (CLS dropped, second-to-last vision layer) for ``preset``."""
-    vision, text = preset.vision, preset.text
-    vision_config = CLIPVisionConfig(
+def _vision_config(preset: Preset) -> CLIPVisionConfig | SiglipVisionConfig:
+    vision = preset.vision
+    shape = dict(
         hidden_size=vision.hidden_size,
         num_hidden_layers=vision.num_layers,
         num_attention_heads=vision.num_heads,
         intermediate_size=vision.intermediate_size,
         image_size=vision.image_size,
         patch_size=vision.patch_size,
-        projection_dim=vision.hidden_size,
     )
+    if vision.kind == "siglip":
+        return SiglipVisionConfig(**shape)
+    return CLIPVisionConfig(**shape, projection_dim=vision.hidden_size)
+
+
+def _siglip(preset: Preset) -> bool:
+    return preset.vision.kind == "siglip"
+
+
+def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
+    """A llava-1.5-style config (second-to-last vision layer; CLIP's CLS dropped) for ``preset``."""
+    text = preset.text
+    vision_config = _vision_config(preset)
     text_config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=text.hidden_size,
@@ -73,43 +88,58 @@ def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaCon
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
         image_seq_length=preset.num_image_tokens,
         vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
+        # SigLIP has no CLS token: every patch is an image token.
+        vision_feature_select_strategy="full" if _siglip(preset) else "default",
         projector_hidden_act="gelu",
         tie_word_embeddings=False,
     )
 
 
 def llava_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
-    """Tokenizer + CLIP image processor (shortest-edge resize, centre crop) + chat template."""
+    """Tokenizer + image processor + chat template.
+
+    CLIP: shortest-edge resize and centre crop, CLIP's normalisation; SigLIP:
+    a plain resize to the square input size, normalised to [-1, 1].
+    """
     size = preset.vision.image_size
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": size},
-        crop_size={"height": size, "width": size},
-        image_mean=_CLIP_MEAN,
-        image_std=_CLIP_STD,
-    )
+    if _siglip(preset):
+        image_processor = SiglipImageProcessorPil(size={"height": size, "width": size})
+    else:
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": size},
+            crop_size={"height": size, "width": size},
+            image_mean=_CLIP_MEAN,
+            image_std=_CLIP_STD,
+        )
     return LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=preset.vision.patch_size,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy="full" if _siglip(preset) else "default",
         chat_template=LLAVA_CHAT_TEMPLATE,
         image_token=IMAGE,
-        num_additional_image_tokens=1,  # the CLS token, which "default" then drops
+        num_additional_image_tokens=0 if _siglip(preset) else 1,  # CLIP's CLS token, which "default" drops
     )
 
 
 def _write_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Callable[[str], None]) -> None:
+    if preset.family == "llava":
+        _write_llava_checkpoint(preset, out_dir, seed, progress)
+    else:
+        write_qwen_checkpoint(preset, out_dir, seed, progress)
+
+
+def _write_llava_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Callable[[str], None]) -> None:
     progress(f"training tokenizer ({preset.tokenizer_vocab_size} tokens)")
     tokenizer = build_hf_tokenizer(preset.tokenizer_vocab_size, preset.corpus_lines, seed)
     config = llava_config(preset, tokenizer)
     progress("initialising weights")
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(config)
-    # Built only to be saved: initialise_llava writes every parameter, and the
+    # Built only to be saved: initialise_vlm writes every parameter, and the
     # non-persistent buffers that to_empty leaves unset are never saved.
     model = model.to_empty(device="cpu")
-    initialise_llava(model, tokenizer.all_special_ids, seed, preset.context_strength)
+    initialise_vlm(model, tokenizer.all_special_ids, seed, preset.context_strength)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -1,4 +1,4 @@
-"""The llava-1.5 chat format as a Jinja template for the built checkpoints.
+"""Chat formats as Jinja templates for the built checkpoints: llava-1.5's and Qwen2-VL's.
 
 Renders ``SYSTEM USER: <image>\\nquestion ASSISTANT: answer</s>USER: ... ASSISTANT:``.
 Content may be a plain string or an OpenAI-style list of parts; image parts
@@ -25,4 +25,28 @@ LLAVA_CHAT_TEMPLATE = (
     "{%- if message['role'] == 'assistant' -%}{{ '</s>' }}{%- else %} {% endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}"
+)
+
+# Qwen2-VL's ChatML: ``<|im_start|>role\ncontent<|im_end|>\n`` per message, a default
+# system turn when the conversation has none, and each image as
+# ``<|vision_start|><|image_pad|><|vision_end|>`` where it stands (the processor
+# then repeats ``<|image_pad|>`` once per image token). Text parts are joined as is.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ['image', 'image_url', 'input_image'] -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )

@@ -1,4 +1,4 @@
-"""``epd make-model``: build a random-weight LLaVA checkpoint offline."""
+"""``epd make-model``: build a random-weight checkpoint (LLaVA, Qwen2-VL, Qwen2.5-VL) offline."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from services.common import cli_args
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.models import PRESETS
 
-    cli_args.add_flag(parser, "--preset", default="tiny", choices=sorted(PRESETS), help="model shapes: tiny (tests, seconds) or bench (ViT-B/16 + ~125M LM)")
+    cli_args.add_flag(parser, "--preset", default="tiny", choices=sorted(PRESETS), help="model shapes: tiny (tests, seconds) or bench (ViT-B/16 + ~125M LM) LLaVA; llava-siglip-tiny (SigLIP tower); qwen2.5-vl-tiny, qwen2-vl-tiny (tests) or qwen2.5-vl-bench (bench-sized Qwen2.5-VL)")
     cli_args.add_flag(parser, "--out", default="", help="output directory (default: the model cache, $EPD_CACHE_DIR/models/<preset>-v1)")
     cli_args.add_flag(parser, "--seed", type=int, default=0, help="random seed; the same seed gives byte-identical weights")
     cli_args.add_flag(parser, "--force", default=False, help="replace an existing checkpoint in --out")

@@ -1,4 +1,4 @@
-"""Deterministic, greedy-robust initialisation of a built LLaVA model.
+"""Deterministic, greedy-robust initialisation of a built vision-language model (LLaVA, Qwen2-VL).
 
 Why not the stock initialisation: the correctness oracle compares our engine's
 greedy tokens (batched, chunked float32 math) with ``generate()``. Float noise
@@ -48,7 +48,7 @@ def successor_cycle(vocab_size: int, special_ids: Collection[int], seed: int) ->
 def _init_tensor(name: str, tensor: torch.Tensor, generator: torch.Generator, lm_gain: float) -> None:
     if name.endswith("bias"):
         tensor.zero_()
-    elif "norm" in name or "layrnorm" in name:  # LayerNorm / RMSNorm scales (CLIP spells it "pre_layrnorm")
+    elif "norm" in name or "layrnorm" in name or ".ln_" in name:  # CLIP's "pre_layrnorm", Qwen's merger "ln_q"
         tensor.fill_(1.0)
     elif "embed_tokens" in name:
         tensor.normal_(0.0, 1.0, generator=generator)
@@ -61,8 +61,12 @@ def _init_tensor(name: str, tensor: torch.Tensor, generator: torch.Generator, lm
 
 
 @torch.no_grad()
-def initialise_llava(model: nn.Module, special_ids: Collection[int], seed: int, context_strength: float) -> None:
-    """Overwrite every parameter of a ``LlavaForConditionalGeneration`` (see module docstring)."""
+def initialise_vlm(model: nn.Module, special_ids: Collection[int], seed: int, context_strength: float) -> None:
+    """Overwrite every parameter of a ``*ForConditionalGeneration`` VLM (see module docstring).
+
+    LM weights are recognised by ``language_model`` in their names, as both
+    LLaVA's and Qwen2-VL's checkpoints name them.
+    """
     generator = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
     for name in sorted(params):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.common.devices import resolve_device, resolve_dtype
+from services.common.models.vision_io import Grid, PixelLayout, batch_key, encode_images
 
 WARMUP_IMAGE_SIZE = 64
 """Side of the blank image used for the warm-up forward (any size: the processor resizes)."""
@@ -14,14 +16,20 @@ WARMUP_IMAGE_SIZE = 64
 
 @dataclass(frozen=True)
 class LoadedVision:
-    """Vision tower + projector on its device, with what a warm-up needs."""
+    """Vision tower + projector on its device, with what a warm-up and input checks need.
 
-    module: torch.nn.Module  # VisionEncoder: [N, 3, H, W] -> [N, num_tokens, hidden_size]
+    ``encode`` is the one batched forward both the encoder's batcher and the
+    colocated PD call: images (pixels + grid) in, one embedding per image out.
+    """
+
+    module: torch.nn.Module  # see vision_io: fixed-size ([N, 3, H, W]) or packed patches with grids
     device: torch.device
     dtype: torch.dtype
-    sample_pixels: torch.Tensor  # [3, H, W]: a blank image processed as the proxy would (warm-up input)
+    sample_pixels: torch.Tensor  # a blank image processed as the proxy would (warm-up input)
     num_tokens: int  # embedding rows the LM expects for sample_pixels
     hidden_size: int  # LM hidden size == embedding row width
+    sample_grid: Grid | None = None  # sample_pixels' patch grid (dynamic-resolution towers)
+    layout: PixelLayout = PixelLayout()  # what pixel tensors the module takes
 
     @classmethod
     def load(cls, model: str, device: str, dtype: str) -> LoadedVision:
@@ -37,21 +45,29 @@ class LoadedVision:
         torch_dtype = resolve_dtype(dtype, torch_device)
         adapter = load_adapter(str(ensure_model(model)))
         blank = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE))
-        pixels = adapter.load_processor().image_processor(images=[blank], return_tensors="pt")["pixel_values"][0]
+        sample = adapter.process_image(adapter.load_processor().image_processor, blank)
         return cls(
             module=adapter.load_vision(torch_device, torch_dtype).eval(),
             device=torch_device,
             dtype=torch_dtype,
-            sample_pixels=pixels,
-            num_tokens=adapter.num_image_tokens(WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE),
+            sample_pixels=sample.pixel_values,
+            num_tokens=sample.num_tokens,
             hidden_size=adapter.hidden_size,
+            sample_grid=sample.patch_grid,
+            layout=adapter.pixel_layout(),
         )
+
+    def encode(self, images: Sequence[tuple[torch.Tensor, Grid | None]]) -> list[torch.Tensor]:
+        """One forward over (pixels, grid) pairs that share a ``batch_key``: ``[num_tokens, hidden]`` each."""
+        return encode_images(self.module, images, self.device, self.dtype)
+
+    def batch_key(self, pixels: torch.Tensor, grid: Grid | None) -> tuple:
+        """Images with equal keys may share one ``encode`` call."""
+        return batch_key(self.module, pixels, grid)
 
     def warm_up(self) -> None:
         """One forward of the blank image; RuntimeError unless it has the LM's embedding shape."""
-        pixels = self.sample_pixels.unsqueeze(0).to(device=self.device, dtype=self.dtype)
-        with torch.inference_mode():
-            out = self.module(pixels)
-        want = (1, self.num_tokens, self.hidden_size)
+        out = self.encode([(self.sample_pixels, self.sample_grid)])[0]
+        want = (self.num_tokens, self.hidden_size)
         if tuple(out.shape) != want:
             raise RuntimeError(f"vision module produced shape {list(out.shape)} for a blank image, expected {list(want)}")

@@ -1,4 +1,4 @@
-"""Partial loading of Hugging Face LLaVA checkpoints from safetensors.
+"""Partial loading of Hugging Face checkpoints from safetensors.
 
 Each service loads only the tensors it runs: the encoder reads the vision
 tower and projector, the PD reads the language model. Tensors are read with
@@ -14,6 +14,16 @@ vision tower           ``model.vision_tower.<v>``            ``vision_tower[.vis
 projector              ``model.multi_modal_projector.*``     ``multi_modal_projector.*``
 LM decoder             ``model.language_model.*``            ``language_model.model.*``
 LM head                ``lm_head.*``                         ``language_model.lm_head.*``
+=====================  ====================================  ===========================
+
+Qwen2-VL / Qwen2.5-VL checkpoints (``split_qwen_key``):
+
+=====================  ====================================  ===========================
+part                   transformers 5                        hub (legacy)
+=====================  ====================================  ===========================
+vision tower + merger  ``model.visual.<v>``                  ``visual.<v>``
+LM decoder             ``model.language_model.*``            ``model.*``
+LM head                ``lm_head.*``                         ``lm_head.*``
 =====================  ====================================  ===========================
 """
 
@@ -37,7 +47,7 @@ _MAX_NAMES_IN_ERROR = 20
 
 
 class Part(Enum):
-    """The separately loadable parts of a LLaVA checkpoint."""
+    """The separately loadable parts of a checkpoint (Qwen's merger is part of its vision tower)."""
 
     VISION_TOWER = "vision_tower"
     PROJECTOR = "multi_modal_projector"
@@ -74,6 +84,21 @@ def split_checkpoint_key(key: str) -> tuple[Part, str] | None:
     return None
 
 
+def split_qwen_key(key: str) -> tuple[Part, str] | None:
+    """``split_checkpoint_key`` for Qwen2-VL-family checkpoints (see the module docstring)."""
+    for prefix in ("model.visual.", "visual."):
+        if key.startswith(prefix):
+            return Part.VISION_TOWER, key[len(prefix) :]
+    if key.startswith("model.language_model."):
+        return Part.LANGUAGE_MODEL, "model." + key[len("model.language_model.") :]
+    if key.startswith(("lm_head.", "model.")):
+        return Part.LANGUAGE_MODEL, key
+    return None
+
+
+KeySplitter = Callable[[str], "tuple[Part, str] | None"]
+
+
 class SafetensorsCheckpoint:
     """The safetensors files of one checkpoint directory and which file holds each key."""
 
@@ -96,11 +121,11 @@ class SafetensorsCheckpoint:
                 key_to_file.update(dict.fromkeys(handle.keys(), file))
         return key_to_file
 
-    def part_keys(self, part: Part) -> dict[str, str]:
+    def part_keys(self, part: Part, splitter: KeySplitter = split_checkpoint_key) -> dict[str, str]:
         """``{name inside the part: checkpoint key}`` for every tensor of ``part``."""
         names = {}
         for key in self.key_to_file:
-            split = split_checkpoint_key(key)
+            split = splitter(key)
             if split is not None and split[0] is part:
                 names[split[1]] = key
         return names
@@ -138,12 +163,14 @@ def load_part(
     device: torch.device,
     dtype: torch.dtype,
     derive: Callable[[set[str]], dict[str, str]] | None = None,
+    splitter: KeySplitter = split_checkpoint_key,
 ) -> None:
     """Fill ``module`` (built on meta) from the checkpoint, strictly.
 
     ``parts`` maps a submodule prefix (``""`` for the whole module) to the
     checkpoint part that holds its tensors. ``derive`` may name, for missing
     module names, another module name to share (tied embeddings).
+    ``splitter`` maps the family's checkpoint keys to parts.
     Raises ``MissingWeightsError`` listing every tensor that could not be found.
     """
     state_names = set(module.state_dict().keys())
@@ -151,7 +178,7 @@ def load_part(
     for prefix, part in parts.items():
         dot = f"{prefix}." if prefix else ""
         expected = {n[len(dot) :] for n in state_names if n.startswith(dot)}
-        matched = _match_names(expected, checkpoint.part_keys(part))
+        matched = _match_names(expected, checkpoint.part_keys(part, splitter))
         sources.update({dot + name: key for name, key in matched.items()})
     missing = state_names - sources.keys()
     aliases = derive(missing) if derive and missing else {}

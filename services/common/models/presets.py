@@ -2,17 +2,20 @@
 
 ``tiny`` exists for tests: it builds and loads in about a second. ``bench`` has
 ViT-B/16 and ~125M-parameter-LM shapes so that timings mean something.
+``llava-siglip-tiny`` is ``tiny`` with a SigLIP vision tower. The ``qwen2.5-vl-*``
+and ``qwen2-vl-tiny`` presets are Qwen2.5-VL / Qwen2-VL checkpoints (dynamic
+resolution, multimodal RoPE) of the same two sizes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 
 @dataclass(frozen=True)
 class VisionShape:
-    """A CLIP vision tower; ``(image_size // patch_size) ** 2`` patches plus one CLS token."""
+    """A CLIP (or SigLIP) vision tower; ``(image_size // patch_size) ** 2`` patches (CLIP adds a CLS token)."""
 
     hidden_size: int
     num_layers: int
@@ -20,6 +23,30 @@ class VisionShape:
     intermediate_size: int
     image_size: int
     patch_size: int
+    kind: str = "clip"  # "clip" (CLS token, dropped) or "siglip" (no CLS token)
+
+
+@dataclass(frozen=True)
+class QwenVisionShape:
+    """A Qwen2-VL / Qwen2.5-VL vision tower with dynamic resolution.
+
+    An image is resized (aspect ratio kept) to a multiple of ``patch_size *
+    merge_size`` with between ``min_pixels`` and ``max_pixels`` pixels; each
+    ``merge_size``x``merge_size`` block of patches becomes one LM token.
+    ``window_size`` and ``full_attention_layers`` are Qwen2.5-VL's window attention.
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    min_pixels: int
+    max_pixels: int
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 0
+    full_attention_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -32,6 +59,8 @@ class TextShape:
     num_kv_heads: int
     intermediate_size: int
     max_position_embeddings: int
+    rope_theta: float = 10000.0
+    mrope_section: tuple[int, ...] = ()  # Qwen's multimodal RoPE: rotary pairs per axis (t, h, w)
 
 
 @dataclass(frozen=True)
@@ -39,17 +68,18 @@ class Preset:
     """Everything that decides a built checkpoint, besides the seed."""
 
     name: str
-    vision: VisionShape
+    vision: VisionShape | QwenVisionShape
     text: TextShape
     tokenizer_vocab_size: int  # BPE training target, bytes and special tokens included
     corpus_lines: int  # lines of synthetic text the tokenizer is trained on
     # Gain of the LM's attention/MLP weights: how strongly context can overrule the
     # bigram backbone (see init_weights.py). Measured, per shape, by the greedy test.
     context_strength: float
+    family: str = "llava"  # config model_type: "llava", "qwen2_vl" or "qwen2_5_vl"
 
     @property
     def num_image_tokens(self) -> int:
-        """Embedding rows per image (CLS dropped, as in llava-1.5)."""
+        """Embedding rows per image of a fixed-size (LLaVA) preset (CLS dropped, as in llava-1.5)."""
         return (self.vision.image_size // self.vision.patch_size) ** 2
 
 
@@ -89,8 +119,55 @@ BENCH = Preset(
     context_strength=1.2,
 )
 
+LLAVA_SIGLIP_TINY = replace(
+    TINY, name="llava-siglip-tiny", vision=replace(TINY.vision, kind="siglip")
+)
+
+# Qwen's tiny LM rotates fast (small rope_theta) so that every position axis
+# visibly changes the output: a wrong height/width position fails the oracle.
+_QWEN_TINY_TEXT = replace(TINY.text, rope_theta=100.0, mrope_section=(2, 3, 3))
+_QWEN_TINY_VISION = QwenVisionShape(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, patch_size=8,
+    min_pixels=16 * 16 * 4, max_pixels=16 * 16 * 64, window_size=32, full_attention_layers=(1,),
+)
+
+QWEN2_5_VL_TINY = Preset(
+    name="qwen2.5-vl-tiny",
+    vision=_QWEN_TINY_VISION,
+    text=_QWEN_TINY_TEXT,
+    tokenizer_vocab_size=1000,
+    corpus_lines=3000,
+    # Strong enough that images and their positions change the greedy text
+    # (at 1.1 this shape's output ignored M-RoPE positions), with top-2 gaps
+    # still far above float noise (tests/unit/models/test_models_greedy.py).
+    context_strength=1.25,
+    family="qwen2_5_vl",
+)
+
+QWEN2_VL_TINY = replace(
+    QWEN2_5_VL_TINY, name="qwen2-vl-tiny", family="qwen2_vl",
+    vision=replace(_QWEN_TINY_VISION, window_size=0, full_attention_layers=()),
+)
+
+QWEN2_5_VL_BENCH = Preset(
+    name="qwen2.5-vl-bench",
+    # ViT-B-sized tower with Qwen2.5-VL's 14-pixel patches and 112-pixel windows;
+    # a 336x336 image becomes 144 tokens (bench's LLaVA: 196), at most 256.
+    vision=QwenVisionShape(
+        hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072, patch_size=14,
+        min_pixels=56 * 56, max_pixels=28 * 28 * 256, window_size=112, full_attention_layers=(3, 7, 11),
+    ),
+    text=replace(BENCH.text, rope_theta=1000000.0, mrope_section=(8, 12, 12)),
+    tokenizer_vocab_size=8192,
+    corpus_lines=20000,
+    context_strength=1.2,
+    family="qwen2_5_vl",
+)
+
 # Read-only view: presets are looked up, never registered at runtime.
-PRESETS: MappingProxyType[str, Preset] = MappingProxyType({p.name: p for p in (TINY, BENCH)})
+PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
+    {p.name: p for p in (TINY, BENCH, LLAVA_SIGLIP_TINY, QWEN2_5_VL_TINY, QWEN2_VL_TINY, QWEN2_5_VL_BENCH)}
+)
 
 
 def get_preset(name: str) -> Preset:

@@ -18,6 +18,11 @@ BOS, EOS, UNK, PAD, IMAGE = "<s>", "</s>", "<unk>", "<pad>", "<image>"
 # Trained first, so these get ids 0..4 in this order.
 SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, IMAGE)
 
+# Qwen2-VL's ChatML and vision markers (no BOS: Qwen tokenizers add nothing).
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+QWEN_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+
 _COMMON_WORDS = (
     "the of and to a in is it you that he was for on are with as I his they be at one have this from "
     "or had by hot word but what some we can out other were all there when up use your how said an "
@@ -67,8 +72,10 @@ def synthetic_corpus(num_lines: int, seed: int = 0) -> Iterator[str]:
         yield line
 
 
-def train_tokenizer(vocab_size: int, num_lines: int, seed: int = 0) -> Tokenizer:
-    """Byte-level BPE with ``<s>`` prepended to every sequence (as Llama tokenizers do)."""
+def train_tokenizer(
+    vocab_size: int, num_lines: int, seed: int = 0, special_tokens: tuple[str, ...] = SPECIAL_TOKENS
+) -> Tokenizer:
+    """Byte-level BPE; with Llama's specials, ``<s>`` is prepended to every sequence (as Llama tokenizers do)."""
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -76,10 +83,12 @@ def train_tokenizer(vocab_size: int, num_lines: int, seed: int = 0) -> Tokenizer
         vocab_size=vocab_size,
         min_frequency=2,
         show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(synthetic_corpus(num_lines, seed), trainer=trainer)
+    if BOS not in special_tokens:
+        return tokenizer
     bos_id = tokenizer.token_to_id(BOS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
@@ -96,6 +105,18 @@ def build_hf_tokenizer(vocab_size: int, num_lines: int, seed: int = 0) -> PreTra
         unk_token=UNK,
         pad_token=PAD,
         extra_special_tokens={"image_token": IMAGE},
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+
+
+def build_qwen_tokenizer(vocab_size: int, num_lines: int, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A Qwen2-VL-style tokenizer: ChatML and vision markers, ``<|im_end|>`` ends a turn, no BOS."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size, num_lines, seed, QWEN_SPECIAL_TOKENS),
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        extra_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD},
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,
     )

@@ -39,15 +39,27 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class ImageGrid(_message.Message):
+    __slots__ = ("t", "h", "w")
+    T_FIELD_NUMBER: _ClassVar[int]
+    H_FIELD_NUMBER: _ClassVar[int]
+    W_FIELD_NUMBER: _ClassVar[int]
+    t: int
+    h: int
+    w: int
+    def __init__(self, t: _Optional[int] = ..., h: _Optional[int] = ..., w: _Optional[int] = ...) -> None: ...
+
 class MultiModalItem(_message.Message):
-    __slots__ = ("mm_hash", "offset", "num_tokens")
+    __slots__ = ("mm_hash", "offset", "num_tokens", "grid")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     offset: int
     num_tokens: int
-    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    grid: ImageGrid
+    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ...) -> None: ...
 
 class PreallocateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "items", "lease_ms")
@@ -238,14 +250,16 @@ class PdLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., embedding_tokens_reserved: _Optional[int] = ..., embedding_tokens_ready: _Optional[int] = ..., embedding_tokens_capacity: _Optional[int] = ..., num_reservations: _Optional[int] = ...) -> None: ...
 
 class EncodeItem(_message.Message):
-    __slots__ = ("mm_hash", "reservation_id", "pixel_values")
+    __slots__ = ("mm_hash", "reservation_id", "pixel_values", "grid")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     reservation_id: str
     pixel_values: Tensor
-    def __init__(self, mm_hash: _Optional[str] = ..., reservation_id: _Optional[str] = ..., pixel_values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    grid: ImageGrid
+    def __init__(self, mm_hash: _Optional[str] = ..., reservation_id: _Optional[str] = ..., pixel_values: _Optional[_Union[Tensor, _Mapping]] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "pd_address", "items")
