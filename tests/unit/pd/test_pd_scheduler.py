@@ -1,149 +1,15 @@
-"""Scheduler policy, driven through the real engine core with hand-made model outputs (no model, no torch).
+"""Scheduler policy (budget, chunking, images, preemption, prefix hits), driven through the real engine core.
 
-The harness builds the production ``EngineCore`` (real scheduler, KV and
-embedding caches); a runner double samples the tokens each test dictates and
-checks, before every step, that each chunk would attend over exactly the K/V
-its request computed itself.
+See ``scheduler_harness.py``: hand-made model outputs, no model, no torch.
 """
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from core_support import EmbeddingDouble, FakeClock, RunnerDouble, make_core
+from scheduler_harness import EOS, IMG, TOKEN, Harness, chunk_of, force_preempt, refusal
 
-from services.pd.embedding_cache import EntryState
-from services.pd.errors import EngineError, ErrorKind
-from services.pd.outputs import Failed, Finished, ModelRunnerOutput, SampledToken, SchedulerOutput
-from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
-from services.pd.scheduler import QueueFull, SchedulerConfig
-
-EOS = 2
-TOKEN = 7          # what the runner double samples unless told otherwise
-IMG = 0            # image placeholder token
-LEASE = 100.0
-IMAGES = "abcdefgh"   # 8 images x 6 rows fit the 64-row embedding cache of the random test
-
-
-class Harness:
-    """The engine core with real caches and scheduler, a fake clock and a runner double."""
-
-    def __init__(self, *, num_blocks=64, block_size=4, budget=16, max_num_seqs=8,
-                 max_model_len=256, embedding_tokens=256, prefix_caching=True, **limits):
-        self.clock = FakeClock()
-        self.runner = RunnerDouble()
-        self.runner.on_step = lambda out, embeddings: [self._check_chunk(c) for c in out.chunks]
-        self.core = make_core(clock=self.clock, runner=self.runner, num_blocks=num_blocks, block_size=block_size,
-                              embedding_tokens=embedding_tokens, prefix_caching=prefix_caching,
-                              max_model_len=max_model_len, max_num_batched_tokens=budget,
-                              max_num_seqs=max_num_seqs, **limits)
-        self.sched = self.core.scheduler
-        self.kv, self.emb = self.core.kv_cache, self.core.embedding_cache
-        self.evicted: list[str] = []                  # READY entries a Preallocate evicted, in order
-        self.reservations: dict[tuple[str, str], str] = {}
-        self.requests: dict[str, Request] = {}
-        # Stand-in for the KV tensors: (block, slot) -> what the runner wrote
-        # there, a chained digest of the whole prefix up to that position.
-        self.fake_kv: dict[tuple[int, int], int] = {}
-        self.prefix_digests: dict[str, list[int]] = {}
-
-    def add(self, request_id, prompt, spans=(), max_tokens=4, ready=(), **sampling) -> Request:
-        """Preallocate the images, push those in ``ready``, then Generate."""
-        spans = [MultiModalSpan(*s) for s in spans]
-        if spans:
-            before = {h for h in self._known_hashes() if self.emb.is_ready(h)}
-            for allocation in self.core.preallocate(request_id, spans, LEASE, list(prompt)):
-                self.reservations[(request_id, allocation.mm_hash)] = allocation.reservation_id
-            self.evicted += sorted(h for h in before if self.emb.state(h) is None)
-        for h in ready:
-            self.push(request_id, h)
-        request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, **sampling),
-                          mm_spans=spans, eos_token_id=EOS)
-        self.core.add_request(request)
-        self.requests[request_id] = request
-        return request
-
-    def push(self, request_id, mm_hash) -> bool:
-        """The encoder's PushEmbedding for this request's reservation; False if rejected."""
-        rid = self.reservations[(request_id, mm_hash)]
-        try:
-            self.core.fill(request_id, rid, mm_hash, EmbeddingDouble(self.emb.num_tokens(mm_hash)))
-        except EngineError:   # e.g. a READY pin, or the request already ended
-            return False
-        return True
-
-    def step(self, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[Request]]:
-        """One engine step; checks the budget and every invariant. Returns the requests that ended."""
-        self.runner.tokens = dict(tokens or {})
-        self.sched.last_output = SchedulerOutput()
-        result = self.core.step()
-        out = self.sched.last_output
-        assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
-        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
-        assert len({c.request_id for c in out.chunks}) == len(out.chunks)
-        self.check()
-        self.clock.now += 0.01
-        return out, self.ended(result.events)
-
-    def ended(self, events) -> list[Request]:
-        """The requests whose last event is among ``events``."""
-        return [self.requests[request_id] for request_id, event in events if isinstance(event, (Finished, Failed))]
-
-    def error_of(self, events, request_id) -> EngineError | None:
-        return next((e.error for r, e in events if r == request_id and isinstance(e, Failed)), None)
-
-    def _check_chunk(self, chunk) -> None:
-        """Oracle of the runner's view: the KV it attends over is exactly what this
-        request would have computed itself (prefix hits, block tables, preemption)."""
-        request = self.sched.get_request(chunk.request_id)
-        end = chunk.start_pos + chunk.num_tokens
-        assert chunk.token_ids == request.all_token_ids[chunk.start_pos:end]
-        assert len(chunk.block_ids) * self.kv.block_size >= end
-        assert chunk.sample == (end == request.num_tokens)
-        for image in chunk.image_slices:   # only READY rows are ever spliced in
-            assert self.emb.is_ready(image.mm_hash)
-        digests = self._prefix_digests(request, end)
-        size = self.kv.block_size
-        for pos in range(end):
-            slot = (chunk.block_ids[pos // size], pos % size)
-            if pos < chunk.start_pos:
-                assert self.fake_kv.get(slot) == digests[pos], f"stale KV at position {pos}"
-            else:
-                self.fake_kv[slot] = digests[pos]
-
-    def _prefix_digests(self, request: Request, end: int) -> list[int]:
-        digests = self.prefix_digests.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
-        while len(digests) < end:
-            pos = len(digests)
-            row = next((f"{s.mm_hash}:{pos - s.offset}" for s in request.mm_spans
-                        if s.offset <= pos < s.end), "")
-            digests.append(hash((digests[-1] if digests else 0, tokens[pos], row)))
-        return digests
-
-    def run(self, max_steps=200) -> list[Request]:
-        finished = []
-        for _ in range(max_steps):
-            if not self.core.has_work():
-                return finished
-            finished += self.step()[1]
-        raise AssertionError("did not finish")
-
-    def check(self) -> None:
-        self.core.check_integrity()
-        # Every reference in the cache is one held by a request for an uncomputed span.
-        held: dict[str, int] = {}
-        for request in list(self.sched.running) + list(self.sched.waiting):
-            for index in request.span_refs:
-                h = request.mm_spans[index].mm_hash
-                held[h] = held.get(h, 0) + 1
-        for h in set(held) | {h for h in self._known_hashes()}:
-            assert self.emb.ref_count(h) == held.get(h, 0), h
-
-    def _known_hashes(self):
-        return {h for _, h in self.reservations}
-
+from services.pd.errors import ErrorKind
+from services.pd.request import RequestStatus
 
 @pytest.fixture
 def make():
@@ -164,9 +30,7 @@ def h(make):
     return make()
 
 
-def chunk_of(out, request_id):
-    [chunk] = [c for c in out.chunks if c.request_id == request_id]
-    return chunk
+
 
 
 def test_chunked_prefill_then_decode(make):
@@ -324,7 +188,7 @@ def test_resume_reuses_prefix_cache_after_preemption(make):
     prompt = [1, 2, 3, 4] + [IMG] * 8 + [5]
     request = h.add("a", prompt, spans=[("cat", 4, 8)], ready=["cat"], max_tokens=8)
     h.step()
-    _force_preempt(h, request)
+    force_preempt(h, request)
     assert refusal(h, "b", [IMG] * 8 + [9], spans=[("dog", 0, 8)]).kind is ErrorKind.RESOURCE_EXHAUSTED
     assert h.evicted == [] and h.emb.ref_count("cat") == 1   # "a" holds its image until it ends
     out, _ = h.step()
@@ -339,7 +203,7 @@ def test_a_preempted_image_request_recomputes_its_image(make):
     prompt = [1, 2, 3, 4] + [IMG] * 8 + [5]
     request = h.add("a", prompt, spans=[("cat", 4, 8)], ready=["cat"], max_tokens=8)
     h.step()
-    _force_preempt(h, request)
+    force_preempt(h, request)
     assert refusal(h, "b", [IMG] * 8 + [9], spans=[("dog", 0, 8)]).kind is ErrorKind.RESOURCE_EXHAUSTED
     out, _ = h.step()
     chunk = chunk_of(out, "a")
@@ -347,11 +211,6 @@ def test_a_preempted_image_request_recomputes_its_image(make):
     h.run()
     assert request.status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 8
 
-
-def _force_preempt(h: Harness, request: Request) -> None:
-    out = SchedulerOutput()
-    h.sched._preempt(request, out, h.clock.now)
-    h.check()
 
 
 def test_prefix_hit_sets_cached_tokens_and_skips_compute(h):
@@ -398,156 +257,3 @@ def test_max_model_len_stops_generation(make):
     request = h.add("a", [1, 2, 3, 4], max_tokens=100)
     h.run()
     assert request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens == 6
-
-
-def refusal(h: Harness, request_id, prompt, **kwargs) -> EngineError:
-    """The error Generate gets for a request the scheduler refuses (nothing is held after it)."""
-    with pytest.raises(EngineError) as info:
-        h.add(request_id, prompt, **kwargs)
-    return info.value
-
-
-def test_queue_bounds_and_invalid_requests(make):
-    h = make(max_waiting_requests=2, max_waiting_tokens=10, max_model_len=12, num_blocks=4)
-    h.add("a", range(3))
-    assert refusal(h, "a", range(3)).kind is ErrorKind.ALREADY_EXISTS        # duplicate id
-    h.add("b", range(4))
-    full = refusal(h, "c", range(1))
-    assert full.kind is ErrorKind.RESOURCE_EXHAUSTED and full.retry_after_s == 1.0
-    h.step()                                              # both admitted: waiting is empty
-    h.add("d", range(7))
-    assert refusal(h, "x", range(4)).kind is ErrorKind.RESOURCE_EXHAUSTED   # 7 + 4 waiting tokens > 10
-    never = refusal(h, "y", range(11))                    # could never wait here, even alone
-    assert never.kind is ErrorKind.INVALID_ARGUMENT and "waiting-queue" in never.message
-    assert refusal(h, "e", range(13)).kind is ErrorKind.INVALID_ARGUMENT     # longer than max_model_len
-    assert refusal(h, "f", []).kind is ErrorKind.INVALID_ARGUMENT
-    bad = Request("h", [1, 2, 3], SamplingParams(), mm_spans=[MultiModalSpan("x", 2, 2)])
-    with pytest.raises(ValueError):
-        h.sched.add_request(bad)                          # span past the prompt
-    with pytest.raises(QueueFull):
-        h.sched.check_room(4)
-    h.check()
-    small = make(num_blocks=2, block_size=4)
-    assert refusal(small, "g", range(10), max_tokens=2).kind is ErrorKind.INVALID_ARGUMENT   # 3 blocks of 2
-
-
-def test_finish_is_idempotent_and_releases_everything(h):
-    request = h.add("a", [1, 2] + [IMG] * 4 + [3], spans=[("cat", 2, 4)])
-    h.step()                                              # prefills [1, 2], waits for cat
-    assert request.block_ids and h.emb.ref_count("cat") == 1
-    assert h.core.abort("a") is request
-    assert h.core.abort("a") is None
-    assert request.status is RequestStatus.FINISHED_ABORTED and not request.block_ids
-    assert h.emb.state("cat") is None                     # its unfilled reservation is gone too
-    assert h.kv.num_free_blocks == h.kv.num_blocks
-    assert h.sched.schedule().finished_request_ids == ["a"]
-    with pytest.raises(ValueError):
-        h.sched.finish_request("a", RequestStatus.RUNNING)
-
-
-def test_abort_of_a_waiting_request(make):
-    h = make(max_num_seqs=1)
-    h.add("a", [1, 2, 3], max_tokens=5)
-    b = h.add("b", [4, 5, 6])
-    h.step()
-    assert h.core.abort("b") is b
-    assert h.sched.num_waiting == 0
-    h.run()
-
-
-def test_failing_requests_waiting_on_an_expired_image(h):
-    a = h.add("a", [1] + [IMG] * 4 + [2], spans=[("cat", 1, 4)])
-    b = h.add("b", [IMG] * 4 + [3], spans=[("cat", 0, 4)])
-    c = h.add("c", [IMG] * 4 + [3], spans=[("dog", 0, 4)])
-    h.step()
-    assert h.sched.requests_waiting_on("cat") == [a, b] and h.sched.requests_waiting_on("dog") == [c]
-    h.clock.now = LEASE + 1
-    h.core.sweep()                                        # both pushes are lost: their entries go
-    assert h.emb.state("cat") is None and h.emb.state("dog") is None
-    _, failed = h.step()
-    assert failed == [a, b, c]
-    assert all(r.status is RequestStatus.FINISHED_ERROR for r in failed)
-    assert not h.sched.has_unfinished_requests()
-
-
-def test_missing_embedding_detected_without_engine_help(h):
-    request = h.add("a", [1] + [IMG] * 4 + [2], spans=[("cat", 1, 4)])
-    h.step()
-    h.emb.expire(now=LEASE + 1)                           # dropped; nobody told the scheduler
-    out, finished = h.step()
-    assert finished == [request] and request.status is RequestStatus.FINISHED_ERROR
-
-
-def test_update_ignores_chunks_of_requests_finished_meanwhile(h):
-    request = h.add("a", [1, 2, 3])
-    out = h.sched.schedule()
-    h.core.abort("a")                                     # between the schedule and the update
-    sampled = {"a": SampledToken(TOKEN)}
-    assert h.sched.update_from_output(out, ModelRunnerOutput(sampled)) == []
-    assert request.output_token_ids == []
-
-
-def test_missing_sampled_token_fails_the_request(h):
-    request = h.add("a", [1, 2, 3])
-    h.runner.omit.add("a")
-    _, finished = h.step()
-    assert finished == [request]
-    assert request.status is RequestStatus.FINISHED_ERROR and request.error == "the model step sampled no token"
-
-
-def test_config_validation():
-    with pytest.raises(ValueError):
-        SchedulerConfig(max_model_len=0)
-    with pytest.raises(Exception):
-        SchedulerConfig(max_model_len=8).max_num_seqs = 2   # frozen
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_random_workload_keeps_invariants(seed, make):
-    """Random arrivals, images, pushes, lost pushes, aborts and tight KV: every step
-    keeps the budget and all invariants, and every request ends with nothing leaked."""
-    rng = random.Random(seed)
-    block_size = rng.choice([2, 4, 8])
-    h = make(num_blocks=rng.randint(40, 56) // block_size, block_size=block_size,
-                budget=rng.choice([3, 8, 32]), max_num_seqs=rng.randint(1, 6),
-                embedding_tokens=64, prefix_caching=rng.random() < 0.8)
-    pending: list[tuple[str, str]] = []
-    num_added, ended = 0, []
-    for _ in range(300):
-        if num_added < 25 and rng.random() < 0.4:
-            _add_random(h, rng, f"r{num_added}", pending)
-            num_added += 1
-        if pending and rng.random() < 0.4:
-            item = pending.pop(rng.randrange(len(pending)))
-            if rng.random() < 0.9:
-                h.push(*item)                              # else lost: the encoder failed
-        if h.sched.num_running and rng.random() < 0.03:
-            victim = rng.choice(h.sched.running)
-            h.core.abort(victim.request_id)               # its end arrives with the next step's events
-        tokens = {r.request_id: rng.choice([TOKEN, TOKEN, TOKEN, EOS]) for r in h.sched.running}
-        ended += h.step(tokens)[1]
-    for item in pending:
-        h.push(*item)
-    # Lost pushes: the lease sweep drops their entries and fails whoever waits on them.
-    h.clock.now += LEASE + 1
-    h.core.sweep()
-    ended += h.run(max_steps=2000)
-    assert len(ended) == num_added
-    assert h.kv.num_free_blocks == h.kv.num_blocks
-    assert all(h.emb.ref_count(x) == 0 for x in IMAGES)
-    assert h.emb.stats().num_reservations == 0
-
-
-def _add_random(h: Harness, rng: random.Random, request_id: str, pending: list) -> None:
-    prompt, spans = [], []
-    for _ in range(rng.randint(0, 2)):
-        prompt += [rng.randint(3, 6) for _ in range(rng.randint(0, 5))]
-        mm_hash = rng.choice(IMAGES)
-        if mm_hash in {s[0] for s in spans}:
-            continue
-        spans.append((mm_hash, len(prompt), 6))        # every image of a hash has 6 rows
-        prompt += [IMG] * 6
-    prompt += [rng.randint(3, 6) for _ in range(rng.randint(1, 6))]
-    h.add(request_id, prompt, spans=spans, max_tokens=rng.randint(1, 12))
-    pending += [(request_id, s[0]) for s in spans
-                if h.emb.state(s[0]) is EntryState.RESERVED]
