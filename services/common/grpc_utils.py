@@ -29,6 +29,11 @@ REQUEST_ID_KEY = "x-request-id"
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing metadata key of a RESOURCE_EXHAUSTED answer: how long to back off."""
 
+FAILED_HOP_KEY = "epd-failed-hop"
+"""Trailing metadata key naming the hop that failed when it was not the server's own work."""
+PUSH_HOP = "pd-push"
+"""``FAILED_HOP_KEY`` value: an encoder's push to PD failed (PD's side or the path to it, not the encoder)."""
+
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -81,6 +86,14 @@ def retry_after_ms(error: grpc.aio.AioRpcError) -> int | None:
 def set_retry_after(context: grpc.aio.ServicerContext, retry_after_ms: int) -> None:
     """Attaches the ``retry-after-ms`` hint to a call about to end RESOURCE_EXHAUSTED."""
     context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(0, int(retry_after_ms)))),))
+
+
+def failed_hop(error: grpc.aio.AioRpcError) -> str | None:
+    """The ``epd-failed-hop`` trailer of an error (e.g. ``PUSH_HOP``), or None when the server itself failed."""
+    for key, value in error.trailing_metadata() or ():
+        if key == FAILED_HOP_KEY:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return None
 
 
 def request_id_of(context: grpc.aio.ServicerContext) -> str:
