@@ -27,7 +27,7 @@ from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
-from services.proxy.errors import ApiError, RequestError, from_grpc, model_not_found
+from services.proxy.errors import ApiError, RequestError, from_grpc, invalid_api_key, model_not_found
 from services.proxy.http_util import (
     ClientDisconnected,
     EventStreamResponse,
@@ -41,6 +41,7 @@ from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from services.proxy.middleware import (
     AccessLogMiddleware,
     ApiKeyMiddleware,
+    InternalsGuard,
     MetricsMiddleware,
     access_line,
     install_error_handlers,
@@ -86,6 +87,7 @@ class ProxyState:
     served_model_name: str
     max_model_len: int
     created: int
+    guard: InternalsGuard
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
@@ -280,18 +282,25 @@ async def list_models(request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder too.
 
-    Read from the health monitor's state (no calls are made here).
+    Read from the health monitor's state (no calls are made here). The
+    per-instance report names backend addresses, so behind ``--api-key`` it
+    is shown only to an authenticated caller; the status is for everyone.
     """
-    backends = _state(request).backends
-    report = backends.health_report()
+    state = _state(request)
+    report = state.backends.health_report()
     pd_ok = any(report["pd"].values())
-    encoder_ok = not backends.has_encoders or any(report["encoder"].values())
+    encoder_ok = not state.backends.has_encoders or any(report["encoder"].values())
     ok = pd_ok and encoder_ok
-    return JSONResponse({"status": "ok" if ok else "unavailable", **report}, status_code=200 if ok else 503)
+    body = {"status": "ok" if ok else "unavailable", **(report if state.guard.allows(request) else {})}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    """``GET /metrics``; behind ``--api-key`` or ``--metrics-require-token`` it needs a Bearer secret."""
+    state = _state(request)
+    if not state.guard.allows(request):
+        raise invalid_api_key()
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 # --------------------------------------------------------------------------- wiring
@@ -328,6 +337,7 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             served_model_name=config.served_model_name or default_served_name(config.model, adapter.model_id),
             max_model_len=min(config.max_model_len or adapter.max_model_len, adapter.max_model_len),
             created=int(time.time()),
+            guard=InternalsGuard(config.api_key, config.security.token, require_token=config.security.metrics_auth),
         )
         log.info("proxy serving %s: PDs %s, encoders %s (policies %s / %s)", app.state.proxy.served_model_name,
                  [p.address for p in pool.pds], [e.address for e in pool.encoders],

@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--breaker-open-s", type=float, default=2.0, help="seconds an open breaker keeps traffic away before a probe")
     add(parser, "--load-poll-s", type=float, default=0.5, help="GetLoad polling period (0 = off)")
     add(parser, "--dns-refresh-s", type=float, default=5.0, help="re-resolution period of named backends")
-    add(parser, "--api-key", default="", help="require 'Authorization: Bearer <key>' on /v1/* ('' = open; prefer the env variable)")
+    add(parser, "--api-key", default="",
+        help="require 'Authorization: Bearer <key>' on /v1/* and /metrics; /health then names no backend to "
+             "callers without it ('' = open; prefer the env variable)")
     add(parser, "--allowed-media-domains", default="",
         help="comma-separated hosts whose https image URLs may be fetched ('*.example.com' = subdomains; '' = data URLs only)")
     add(parser, "--media-timeout", type=float, default=10.0, help="timeout of one remote image fetch, seconds")
@@ -61,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     cli_args.add_log_json_flag(parser)
     security.add_arguments(parser, grpc_server=False)
+    security.add_metrics_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
