@@ -17,9 +17,10 @@ import torch
 
 from services.common.hashing import mm_hash
 from services.common.pb import epd_pb2
-from services.proxy.errors import PlaceholderMismatchError, RequestError, TooManyImagesError
+from services.proxy.errors import PlaceholderMismatchError, RequestError, TooManyImagesError, TooManyPixelsError
 from services.proxy.faults import NO_FAULTS, ProxyFaults
-from services.proxy.images import decode_data_url, decode_image_bytes
+from services.proxy.images import data_url_payload, decode_image_bytes, image_size
+from services.proxy.text_limits import TextLimit
 
 
 class Adapter(Protocol):
@@ -123,15 +124,33 @@ def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return converted
 
 
-class Preprocessor:
-    """Turns chat messages or completion prompts into ``Prompt`` objects.
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image after the image stage: its decoded pixels are gone, only what PD and the encoder need is kept."""
 
-    Thread-safe: the methods run in a worker pool; tokenizer calls are
-    serialised (HF fast tokenizers must not be used concurrently), image
-    decoding and pixel processing are not.
+    mm_hash: str
+    num_tokens: int              # placeholder count for its size
+    pixel_values: torch.Tensor   # [3, H, W] float32, from the checkpoint's image processor
+
+
+class Preprocessor:
+    """Turns chat messages or completion prompts into ``Prompt`` objects, in two stages.
+
+    The text stage (``chat_tokens``, ``completion_prompt``) renders and
+    tokenizes, after refusing text too long for the context by its length
+    alone (``text_limits``). The image stage (``chat_images``) reads every
+    image's size from its header and checks the per-image and per-request
+    pixel caps before decoding any, then decodes, hashes and processes one
+    image at a time, dropping each decoded image before the next. The app
+    runs the stages on separate pools (``workers``), so images never delay
+    text; ``assemble`` joins them.
+
+    Thread-safe: tokenizer calls are serialised (HF fast tokenizers must not
+    be used concurrently), image work is not.
     """
 
     def __init__(self, adapter: Adapter, processor: Any, *, max_images: int, max_image_pixels: int,
+                 max_request_pixels: int | None = None, max_model_len: int | None = None,
                  faults: ProxyFaults = NO_FAULTS) -> None:
         self.adapter = adapter
         self.faults = faults  # test-only (services/proxy/faults.py)
@@ -139,6 +158,8 @@ class Preprocessor:
         self.tokenizer = processor.tokenizer
         self.max_images = max_images
         self.max_image_pixels = max_image_pixels
+        self.max_request_pixels = max_request_pixels or max(1, max_images) * max_image_pixels
+        self.text_limit = TextLimit(self.tokenizer, max_model_len or adapter.max_model_len)
         self._settings = adapter.processor_settings()
         self._tokenizer_lock = threading.Lock()
 
@@ -150,7 +171,7 @@ class Preprocessor:
             )
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], sources: Sequence[str | bytes] | None = None) -> Prompt:
-        """Validated OpenAI chat messages -> ``Prompt`` (see the module docstring).
+        """Validated OpenAI chat messages -> ``Prompt``: both stages in this thread.
 
         ``sources``: one per image in prompt order, a data URL or fetched
         bytes (``media.image_sources``); by default the messages' own URLs,
@@ -158,28 +179,50 @@ class Preprocessor:
         """
         sources = image_urls(messages) if sources is None else list(sources)
         self.check_image_count(len(sources))
-        images = [self._decode(source) for source in sources]
+        return self.assemble(self.chat_tokens(messages), self.chat_images(sources))
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Text stage of a chat request: the rendered template's token ids, one image token per image."""
         rendered = self.render(messages)
+        self.text_limit.check(len(rendered), "messages")
         with self._tokenizer_lock:
-            token_ids = self._encode(rendered)
-        counts = [self.adapter.num_image_tokens(image.height, image.width) for image in images]
-        expanded, offsets = expand_placeholders(token_ids, self.adapter.image_token_id, counts)
-        items = tuple(
-            ImageItem(
+            return self._encode(rendered)
+
+    def chat_images(self, sources: Sequence[str | bytes]) -> tuple[ProcessedImage, ...]:
+        """Image stage: sizes and caps first, then one decoded image alive at a time."""
+        self.check_image_count(len(sources))
+        payloads = [source if isinstance(source, bytes) else data_url_payload(source) for source in sources]
+        sizes = [image_size(payload, self.max_image_pixels) for payload in payloads]
+        total = sum(width * height for width, height in sizes)
+        if total > self.max_request_pixels:
+            raise TooManyPixelsError(
+                f"The request's images have {total} pixels together; the limit is {self.max_request_pixels}.",
+                "messages",
+            )
+        return tuple(self._process(payload) for payload in payloads)
+
+    def _process(self, payload: bytes) -> ProcessedImage:
+        self.faults.before_decode()
+        image = decode_image_bytes(payload, self.max_image_pixels)
+        try:
+            return ProcessedImage(
                 mm_hash=mm_hash(image, self._settings, self.adapter.model_id),
-                offset=offset,
-                num_tokens=count,
+                num_tokens=self.adapter.num_image_tokens(image.height, image.width),
                 pixel_values=self.pixel_values(image),
             )
-            for image, offset, count in zip(images, offsets, counts)
+        finally:
+            image.close()  # the decoded pixels go now, not when the request ends
+
+    def assemble(self, token_ids: Sequence[int], images: Sequence[ProcessedImage]) -> Prompt:
+        """Expands each image token of ``token_ids`` into its image's span."""
+        expanded, offsets = expand_placeholders(token_ids, self.adapter.image_token_id,
+                                                [image.num_tokens for image in images])
+        items = tuple(
+            ImageItem(mm_hash=image.mm_hash, offset=offset, num_tokens=image.num_tokens,
+                      pixel_values=image.pixel_values)
+            for image, offset in zip(images, offsets)
         )
         return Prompt(token_ids=expanded, images=items)
-
-    def _decode(self, source: str | bytes) -> Any:
-        self.faults.before_decode()
-        if isinstance(source, bytes):
-            return decode_image_bytes(source, self.max_image_pixels)
-        return decode_data_url(source, self.max_image_pixels)
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat template applied to ``messages``: one image token per image, generation prompt added."""
@@ -190,6 +233,7 @@ class Preprocessor:
     def completion_prompt(self, prompt: str | Sequence[int]) -> Prompt:
         """A text prompt or a list of token ids -> text-only ``Prompt``."""
         if isinstance(prompt, str):
+            self.text_limit.check(len(prompt), "prompt")
             with self._tokenizer_lock:
                 token_ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         else:
