@@ -134,21 +134,26 @@ class OutputTail:
             return list(self._lines)
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if the launcher dies (Linux)."""
+def _death_signal() -> Callable[[], None] | None:
+    """What runs in the child before exec: SIGTERM it if the launcher dies (Linux ``PR_SET_PDEATHSIG``).
+
+    Resolved here, in the launcher: after ``fork`` in a process with threads
+    (the output pumps) the child must not import or load anything.
+    """
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGTERM)
 
 
 def spawn_process(spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
     """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", *spec.argv], env={**os.environ, **spec.env},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_death_signal(),
     )
     assert process.stdout is not None
     return process, OutputTail(process.stdout, sys.stderr.buffer)
