@@ -42,7 +42,7 @@ class ProxyConfig:
     preprocess_threads: int = 2                  # text work (chat template, tokenization), off the event loop
     text_queue: int = 64                         # text jobs waiting for a thread beyond which requests get 503
     image_threads: int = 2                       # image work (decode, hash, image processor), its own pool
-    image_queue: int = 8                         # requests' image jobs waiting beyond which requests get 503
+    image_queue: int = 64                        # requests' image jobs waiting beyond which requests get 503
     max_n: int = 8                               # most choices (n) in one request
     # routing and failure handling
     pd_policy: str = "least-loaded"              # see routing.PD_POLICIES

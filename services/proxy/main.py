@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--text-queue", type=int, default=64,
         help="text jobs that may wait for a thread; beyond it requests get 503 + Retry-After")
     add(parser, "--image-threads", type=int, default=2, help="threads for image decoding, hashing and processing")
-    add(parser, "--image-queue", type=int, default=8,
+    add(parser, "--image-queue", type=int, default=64,
         help="requests whose images may wait for an image thread; beyond it they get 503 + Retry-After")
     add(parser, "--max-n", type=int, default=8, help="most choices (n) in one request")
     add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")

@@ -298,7 +298,8 @@ class Pipeline:
                 await self._finish(attempt)
                 # Encoders that cannot reach a PD (gone away, or cut off from the
                 # encoders): the PD is the cause, so the job moves on like after a PD outage.
-                if failure.code != S.UNAVAILABLE or not (failure.pd_push or not pd.routable()):
+                pd_is_the_cause = failure.pd_push or not pd.routable()
+                if failure.code != S.UNAVAILABLE or not pd_is_the_cause:
                     raise self._to_api_error(failure.error, attempt.request_id, what=failure.instance.kind) from None
                 self._note_retry(pd, failure.code, attempt.request_id)
                 last = failure
