@@ -1,33 +1,38 @@
-"""``epd up``: the whole cluster as local processes.
+"""``epd up``: the whole cluster as local processes, supervised.
 
 Starts N encoders and M PDs, then the proxy in front of them, waits until
-every one reports ready, prints the URL, and on Ctrl-C / SIGTERM stops them
-in order (proxy first, so no new work arrives; then encoders; then PDs).
+every one reports ready and prints the URL. From then on a child that exits
+is restarted on its port with backoff while the others keep serving
+(``services/supervisor.py``); ``epd up`` itself stops only on Ctrl-C /
+SIGTERM, or when one service crash-loops, and then says which one and why.
+Stopping goes in order: proxy first (no new work arrives), then encoders,
+then PDs.
+
+Internal security is on by default: unless a token is given
+(``--internal-token-file`` / ``$EPD_INTERNAL_TOKEN``) or
+``--no-auto-internal-token`` is set, a random token is generated for this
+run and handed to the children in their environment (never on a command
+line, where ``ps`` would show it). Every ``/metrics`` endpoint listens on
+``--metrics-host`` (loopback by default), whatever ``--host`` is.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import secrets
 import signal
-import subprocess
 import sys
-import time
 import urllib.request
-from dataclasses import dataclass
 
 from services.common import cli_args, grpc_utils, security
+from services.common.metrics_http import MetricsHttpServer
+from services.supervisor import LauncherMetrics, RestartPolicy, ServiceSpec, StartupFailed, Supervisor
 
-
-@dataclass
-class Child:
-    """One service process started by the launcher."""
-
-    name: str
-    process: subprocess.Popen
-    address: str
-    health_service: str | None  # gRPC service name; None = HTTP /health
+DEFAULT_LAUNCHER_METRICS_PORT = 9300
+"""``epd up``'s own ``/metrics`` (restarts per service); encoders use 91xx and PDs 92xx."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,69 +53,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="encoder i serves Prometheus /metrics on this port + i (-1 = off)")
     add(parser, "--pd-metrics-base-port", type=int, default=9201,
         help="PD j serves Prometheus /metrics on this port + j (-1 = off)")
+    add(parser, "--launcher-metrics-port", type=int, default=DEFAULT_LAUNCHER_METRICS_PORT,
+        help="epd up's own /metrics: epd_launcher_restarts_total and epd_launcher_service_up per service (-1 = off)")
+    add(parser, "--metrics-host", default="127.0.0.1",
+        help="address of every encoder, PD and launcher /metrics endpoint (loopback keeps them off the network "
+             "whatever --host is)")
     add(parser, "--device", default="auto", help="torch device for encoders and PDs")
     add(parser, "--dtype", default="auto", help="dtype for encoders and PDs")
     add(parser, "--threads", type=int, default=0, help="torch threads per process (0 = torch default)")
     add(parser, "--startup-timeout", type=float, default=600.0, help="seconds to wait for every service to be ready")
+    defaults = RestartPolicy()
+    add(parser, "--max-restarts", type=int, default=defaults.max_restarts,
+        help="restarts of one service allowed within --restart-window-s; one more exit is a crash loop and stops "
+             "epd up (0 = never restart: any exit stops the cluster)")
+    add(parser, "--restart-window-s", type=float, default=defaults.window_s,
+        help="sliding window, seconds, over which a service's restarts are counted")
+    add(parser, "--restart-backoff-s", type=float, default=defaults.backoff_s,
+        help="delay before the first restart in a window; it doubles with each further restart (at most 30 s)")
+    add(parser, "--auto-internal-token", default=True,
+        help="generate a random internal token for the children when none is given (--internal-token-file or "
+             "$EPD_INTERNAL_TOKEN); --no-auto-internal-token runs them without one")
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level of every service")
     cli_args.add_log_json_flag(parser)
     security.add_arguments(parser, grpc_server=True)  # passed on to every service
+    security.add_metrics_arguments(parser)
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if the launcher dies (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    """The restart flags as a policy (ValueError when invalid)."""
+    return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s,
+                         backoff_s=args.restart_backoff_s, max_backoff_s=max(30.0, args.restart_backoff_s))
 
 
-def _spawn(name: str, argv: list[str], address: str, health_service: str | None) -> Child:
-    command = [sys.executable, "-m", "services.cli", *argv]
-    # A new session: Ctrl-C in the terminal reaches only the launcher, which
-    # then stops the children in order. If the launcher is killed outright,
-    # the children are told to stop too.
-    process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
-    return Child(name=name, process=process, address=address, health_service=health_service)
+def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -> list[ServiceSpec]:
+    """Every child of ``epd up`` in start order: encoders, PDs, then the proxy.
 
-
-def _start_children(args: argparse.Namespace) -> list[Child]:
-    # Children get the model as the user named it: a preset resolves to the
-    # checkpoint built above (same cache directory) and keeps its served name.
+    ``env`` is added to each child's environment (the generated token, the
+    metrics switch). Children get the model as the user named it: a preset
+    resolves to the checkpoint built by the launcher (same cache directory)
+    and keeps its served name.
+    """
+    env = dict(env or {})
     common = ["--model", args.model or "tiny", "--host", args.host, "--log-level", args.log_level,
               "--log-json" if args.log_json else "--no-log-json"]
     device = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
-    children = []
+    specs: list[ServiceSpec] = []
     encoder_addresses, pd_addresses = [], []
     for i in range(0 if args.colocated else args.encoders):
-        port = args.encoder_base_port + i
-        address = f"{args.host}:{port}"
+        address = f"{args.host}:{args.encoder_base_port + i}"
         encoder_addresses.append(address)
-        metrics_port = _metrics_port(args.encoder_metrics_base_port, i)
-        argv = ["encoder", *common, *device, "--port", str(port), "--metrics-port", metrics_port]
-        argv += security.forward_argv(args, grpc_server=True)
-        children.append(_spawn(f"encoder-{i}", argv, address, "epd.v1.Encoder"))
+        argv = ["encoder", *common, *device, "--port", str(args.encoder_base_port + i),
+                "--metrics-port", _metrics_port(args.encoder_metrics_base_port, i), "--metrics-host", args.metrics_host,
+                *security.forward_argv(args, grpc_server=True)]
+        specs.append(ServiceSpec(f"encoder-{i}", tuple(argv), address, "epd.v1.Encoder", env))
     for j in range(args.pds):
-        port = args.pd_base_port + j
-        address = f"{args.host}:{port}"
+        address = f"{args.host}:{args.pd_base_port + j}"
         pd_addresses.append(address)
-        metrics_port = _metrics_port(args.pd_metrics_base_port, j)
-        argv = ["pd", *common, *device, "--port", str(port), "--metrics-port", metrics_port]
-        argv += security.forward_argv(args, grpc_server=True)
+        argv = ["pd", *common, *device, "--port", str(args.pd_base_port + j),
+                "--metrics-port", _metrics_port(args.pd_metrics_base_port, j), "--metrics-host", args.metrics_host,
+                *security.forward_argv(args, grpc_server=True)]
         if args.colocated:
             argv += ["--encoder", "local"]
             encoder_addresses.append(address)  # the PD serves epd.v1.Encoder on its own port
-        children.append(_spawn(f"pd-{j}", argv, address, "epd.v1.PrefillDecode"))
+        specs.append(ServiceSpec(f"pd-{j}", tuple(argv), address, "epd.v1.PrefillDecode", env))
     proxy_argv = [
         "proxy", *common, "--port", str(args.port),
         "--pd", ",".join(pd_addresses), "--encoder", ",".join(encoder_addresses),
         "--pd-policy", args.pd_policy, "--encoder-policy", args.encoder_policy,
         *security.forward_argv(args, grpc_server=False),
     ]
-    children.append(_spawn("proxy", proxy_argv, f"{args.host}:{args.port}", None))
-    return children
+    specs.append(ServiceSpec("proxy", tuple(proxy_argv), f"{args.host}:{args.port}", None, env))
+    return specs
 
 
 def _metrics_port(base: int, index: int) -> str:
@@ -125,7 +138,28 @@ def _listening_ports(args: argparse.Namespace) -> list[int]:
         ranges.append((args.encoder_metrics_base_port, num_encoders))
     if args.pd_metrics_base_port >= 0:
         ranges.append((args.pd_metrics_base_port, args.pds))
+    if args.launcher_metrics_port >= 0:
+        ranges.append((args.launcher_metrics_port, 1))
     return [args.port, *(base + i for base, count in ranges for i in range(count))]
+
+
+def launcher_security(
+    args: argparse.Namespace, environ: dict[str, str] | None = None
+) -> tuple[security.InternalSecurity, dict[str, str]]:
+    """The transport ``epd up`` uses, and what it adds to its children's environment.
+
+    A fresh token is generated unless one is given or ``--no-auto-internal-token``
+    is set; ``--metrics-require-token`` then applies to it (ValueError without one).
+    """
+    given = security.from_args(argparse.Namespace(**{**vars(args), "metrics_require_token": False}), environ)
+    env = {}
+    if given.token is None and args.auto_internal_token:
+        env[security.TOKEN_ENV] = secrets.token_urlsafe(32)
+    if args.metrics_require_token:
+        env[cli_args.env_name("--metrics-require-token")] = "1"
+    transport = dataclasses.replace(given, token=given.token or env.get(security.TOKEN_ENV),
+                                    metrics_auth=args.metrics_require_token)
+    return transport, env
 
 
 def _http_ready(address: str) -> bool:
@@ -136,58 +170,73 @@ def _http_ready(address: str) -> bool:
         return False
 
 
-async def _wait_ready(
-    children: list[Child], timeout: float, stop: dict, transport: security.InternalSecurity = security.NO_SECURITY
-) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(children)
-    while pending and not stop["requested"]:
-        for child in list(pending):
-            if child.process.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with code {child.process.returncode} during start-up")
-            if child.health_service is not None:
-                ready = await grpc_utils.check_health(child.address, child.health_service, security=transport)
-            else:
-                ready = await asyncio.to_thread(_http_ready, child.address)
-            if ready:
-                print(f"  {child.name:<10} ready on {child.address}", flush=True)
-                pending.remove(child)
-        if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"not ready after {timeout:.0f}s: {', '.join(c.name for c in pending)}")
-        await asyncio.sleep(0.3)
+def _ready_check(transport: security.InternalSecurity):
+    async def is_ready(spec: ServiceSpec) -> bool:
+        if spec.health_service is not None:
+            return await grpc_utils.check_health(spec.address, spec.health_service, timeout=1.0, security=transport)
+        return await asyncio.to_thread(_http_ready, spec.address)
+
+    return is_ready
 
 
-def stop_children(children: list[Child], grace: float = 30.0) -> None:
-    """SIGTERM in order (proxy, encoders, PDs), then SIGKILL whatever outlives ``grace``."""
-    order = sorted(children, key=lambda c: {"proxy": 0, "encoder": 1}.get(c.name.split("-")[0], 2))
-    for child in order:
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-            try:
-                child.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+async def _supervise(args: argparse.Namespace, supervisor: Supervisor, metrics_token: str | None) -> int:
+    """Runs the cluster until a stop signal (0, or 130 during start-up) or a failure (1)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    metrics_http = None
+    if args.launcher_metrics_port >= 0:
+        try:
+            metrics_http = await MetricsHttpServer.start(
+                args.metrics_host, args.launcher_metrics_port, supervisor.metrics.render, token=metrics_token)
+        except OSError as error:
+            print(f"epd: cannot serve the launcher's /metrics on port {args.launcher_metrics_port}: "
+                  f"{error.strerror}", file=sys.stderr, flush=True)
+            return 1
+    try:
+        supervisor.start_all()
+        await supervisor.wait_ready(args.startup_timeout, stop)
+        if stop.is_set():
+            return 130
+        print(f"epd: cluster ready. OpenAI API at http://{args.host}:{args.port}/v1  (Ctrl-C to stop)", flush=True)
+        crash = await supervisor.supervise(stop)
+        if crash is not None:
+            print(f"epd: {crash.message()}", file=sys.stderr, flush=True)
+            return 1
+        print("epd: stopping ...", flush=True)
+        return 0
+    except StartupFailed as error:
+        print(f"epd: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if metrics_http is not None:
+            await metrics_http.stop()
+
+
+def _usage_error(args: argparse.Namespace) -> str | None:
+    if args.colocated and args.pds != 1:
+        # The proxy picks an encoder by image hash, not by PD: with several
+        # colocated PDs an image could be sent to a PD that holds no reservation.
+        return "--colocated runs exactly one PD (use --pds 1)"
+    ports = _listening_ports(args)
+    if len(set(ports)) != len(ports):
+        return "two services would listen on the same port; move a --*-base-port or turn metrics off (-1)"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     from services.common.models import ensure_model
     from services.common.models.startup import refuse_unservable_model
 
-    if args.colocated and args.pds != 1:
-        # The proxy picks an encoder by image hash, not by PD: with several
-        # colocated PDs an image could be sent to a PD that holds no reservation.
-        print("epd: --colocated runs exactly one PD (use --pds 1)", file=sys.stderr, flush=True)
-        return 2
-    ports = _listening_ports(args)
-    if len(set(ports)) != len(ports):
-        print("epd: two services would listen on the same port; move a --*-base-port or turn metrics off (-1)",
-              file=sys.stderr, flush=True)
-        return 2
+    problem = _usage_error(args)
     try:
-        transport = security.from_args(args)  # unreadable files fail here, before any child starts
+        policy = restart_policy(args)
+        transport, env = launcher_security(args)  # unreadable files fail here, before any child starts
     except ValueError as error:
-        print(f"epd: {error}", file=sys.stderr, flush=True)
+        problem = problem or str(error)
+    if problem:
+        print(f"epd: {problem}", file=sys.stderr, flush=True)
         return 2
     print("epd: preparing model ...", flush=True)
     model_dir = str(ensure_model(args.model or None, progress=lambda msg: print(f"  {msg}", flush=True)))
@@ -198,36 +247,19 @@ def run(args: argparse.Namespace) -> int:
         print("epd: starting 1 colocated PD (vision tower inside) and the proxy ...", flush=True)
     else:
         print(f"epd: starting {args.encoders} encoder(s), {args.pds} PD(s) and the proxy ...", flush=True)
-    children = _start_children(args)
-    stop = {"requested": False}
-
-    def request_stop(signum, frame):  # noqa: ARG001 - signal handler signature
-        stop["requested"] = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    if security.TOKEN_ENV in env:
+        print("epd: internal calls carry a token generated for this run (--no-auto-internal-token turns it off)",
+              flush=True)
+    supervisor = Supervisor(service_specs(args, env), policy, is_ready=_ready_check(transport),
+                            metrics=LauncherMetrics())
     try:
-        asyncio.run(_wait_ready(children, args.startup_timeout, stop, transport))
-        if stop["requested"]:
-            return 130
-        print(f"epd: cluster ready. OpenAI API at http://{args.host}:{args.port}/v1  (Ctrl-C to stop)", flush=True)
-        while not stop["requested"]:
-            for child in children:
-                if child.process.poll() is not None:
-                    print(f"epd: {child.name} exited with code {child.process.returncode}; stopping", flush=True)
-                    return 1
-            time.sleep(0.5)
-        print("epd: stopping ...", flush=True)
-        return 0
-    except (RuntimeError, TimeoutError) as error:
-        print(f"epd: {error}", file=sys.stderr, flush=True)
-        return 1
+        return asyncio.run(_supervise(args, supervisor, transport.metrics_token))
     finally:
-        stop_children(children)
+        supervisor.stop_all()
         print("epd: stopped", flush=True)
 
 
-__all__ = ["add_arguments", "run", "stop_children"]
+__all__ = ["add_arguments", "launcher_security", "run", "service_specs"]
 
 if os.name != "posix":  # pragma: no cover
     raise ImportError("epd up supports POSIX systems only")

@@ -29,6 +29,11 @@ REQUEST_ID_KEY = "x-request-id"
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing metadata key of a RESOURCE_EXHAUSTED answer: how long to back off."""
 
+FAILED_HOP_KEY = "epd-failed-hop"
+"""Trailing metadata key naming the hop that failed when it was not the server's own work."""
+PUSH_HOP = "pd-push"
+"""``FAILED_HOP_KEY`` value: an encoder's push to PD failed (PD's side or the path to it, not the encoder)."""
+
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -81,6 +86,14 @@ def retry_after_ms(error: grpc.aio.AioRpcError) -> int | None:
 def set_retry_after(context: grpc.aio.ServicerContext, retry_after_ms: int) -> None:
     """Attaches the ``retry-after-ms`` hint to a call about to end RESOURCE_EXHAUSTED."""
     context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(0, int(retry_after_ms)))),))
+
+
+def failed_hop(error: grpc.aio.AioRpcError) -> str | None:
+    """The ``epd-failed-hop`` trailer of an error (e.g. ``PUSH_HOP``), or None when the server itself failed."""
+    for key, value in error.trailing_metadata() or ():
+        if key == FAILED_HOP_KEY:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return None
 
 
 def request_id_of(context: grpc.aio.ServicerContext) -> str:
@@ -152,15 +165,20 @@ async def start_server(
     register: Callable[[grpc.aio.Server], None],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     security: InternalSecurity = NO_SECURITY,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> GrpcServer:
     """Creates, binds and starts a server; ready status starts NOT_SERVING.
 
     ``port=0`` binds an ephemeral port (tests); the bound port is returned.
     ``security`` adds TLS / mTLS, the token check (outermost, before
     ``interceptors``) and, when asked for, server reflection.
+    ``max_receive_bytes``: the largest message this server's methods take
+    (gRPC refuses bigger ones with RESOURCE_EXHAUSTED before any handler runs).
     """
+    options = tuple(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length")
     server = grpc.aio.server(
-        options=SERVER_OPTIONS, interceptors=[*security.server_interceptors(), *interceptors]
+        options=(*options, ("grpc.max_receive_message_length", max_receive_bytes)),
+        interceptors=[*security.server_interceptors(), *interceptors],
     )
     register(server)
     health_servicer = _HealthServicer()

@@ -20,8 +20,16 @@ def _canonical(settings: Mapping[str, Any]) -> bytes:
     return json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
+STRIP_BYTES = 1 << 20
+"""Pixels are hashed a strip of rows at a time: a full ``tobytes()`` copy of a 16-megapixel image is 48 MiB."""
+
+
 def mm_hash(image: Image.Image, processor_settings: Mapping[str, Any], model_id: str) -> str:
-    """SHA-256 hex digest of an image's RGB pixels, size, processor settings and model id."""
+    """SHA-256 hex digest of an image's RGB pixels, size, processor settings and model id.
+
+    The pixels go in as row-major RGB bytes, fed in strips of at most
+    ``STRIP_BYTES`` (the same digest as one ``tobytes()``, without its copy).
+    """
     rgb = image if image.mode == "RGB" else image.convert("RGB")
     digest = hashlib.sha256()
     digest.update(b"epd-mm-v1\0")
@@ -31,5 +39,7 @@ def mm_hash(image: Image.Image, processor_settings: Mapping[str, Any], model_id:
     digest.update(b"\0")
     digest.update(f"{rgb.width}x{rgb.height}".encode())
     digest.update(b"\0")
-    digest.update(rgb.tobytes())
+    rows = max(1, STRIP_BYTES // (3 * rgb.width))
+    for top in range(0, rgb.height, rows):
+        digest.update(rgb.crop((0, top, rgb.width, min(rgb.height, top + rows))).tobytes())
     return digest.hexdigest()

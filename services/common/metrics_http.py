@@ -5,12 +5,15 @@ Each encoder and PD serves ``GET /metrics`` on its own port (``--metrics-port``;
 event loop. Running on the loop, not in a thread, lets a scrape ``await``
 a consistent snapshot (PD reads its engine between two steps). Each
 connection answers one request and closes; request heads are bounded in
-size and time, and nothing from the request is echoed back.
+size and time, and nothing from the request is echoed back. With a token
+(``--metrics-require-token``) a request without ``Authorization: Bearer
+<token>`` gets 401; the comparison takes constant time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
@@ -41,18 +44,23 @@ Render = Callable[[], Awaitable[bytes]]
 class MetricsHttpServer:
     """``GET /metrics`` on ``host:port``; anything else answers 404 or 405."""
 
-    def __init__(self, render: Render, head_timeout_s: float) -> None:
+    def __init__(self, render: Render, head_timeout_s: float, token: str | None = None) -> None:
         self._render = render
         self._head_timeout_s = head_timeout_s
+        self._expected = None if token is None else b"Bearer " + token.encode()
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
 
     @classmethod
     async def start(
-        cls, host: str, port: int, render: Render, *, head_timeout_s: float = HEAD_TIMEOUT_S
+        cls, host: str, port: int, render: Render, *, head_timeout_s: float = HEAD_TIMEOUT_S,
+        token: str | None = None,
     ) -> MetricsHttpServer:
-        """Binds ``host:port`` (0 = a free port); raises OSError when it cannot."""
-        self = cls(render, head_timeout_s)
+        """Binds ``host:port`` (0 = a free port); raises OSError when it cannot.
+
+        ``token``: scrapes must send ``Authorization: Bearer <token>`` (None = open).
+        """
+        self = cls(render, head_timeout_s, token)
         self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEAD_BYTES)
         log.info("metrics on http://%s:%d/metrics", host, self.port)
         return self
@@ -79,8 +87,9 @@ class MetricsHttpServer:
         try:
             status, body = await self._answer(reader)
             content_type = CONTENT_TYPE_LATEST if status == 200 else "text/plain; charset=utf-8"
+            challenge = "WWW-Authenticate: Bearer\r\n" if status == 401 else ""
             head = (
-                f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+                f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n{challenge}"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             )
             writer.write(head.encode("ascii") + body)
@@ -105,11 +114,24 @@ class MetricsHttpServer:
             return 404, b"not found; metrics are at /metrics\n"
         if method != b"GET":
             return 405, b"only GET\n"
+        if not self._authorized(head):
+            return 401, b"the internal token is required\n"
         try:
             return 200, await self._render()
         except Exception:  # noqa: BLE001 - a broken collector must not kill the endpoint
             log.exception("rendering metrics failed")
             return 500, b"rendering metrics failed\n"
 
+    def _authorized(self, head: bytes) -> bool:
+        if self._expected is None:
+            return True
+        ok = False
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"authorization":
+                ok |= hmac.compare_digest(value.strip(), self._expected)
+        return ok
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            500: "Internal Server Error"}

@@ -1,6 +1,8 @@
 """Security of the internal gRPC transport (proxy -> encoder -> PD, proxy -> PD).
 
-Two independent layers, both off by default (a trusted network changes nothing):
+Two independent layers. A service started on its own has both off; ``epd up``
+generates a token for its children unless told otherwise, and the shipped
+compose and Kubernetes files read one from a secret:
 
 - **Shared token.** Every internal call carries ``authorization: Bearer <token>``
   metadata; a server refuses a missing or wrong token with UNAUTHENTICATED
@@ -18,6 +20,11 @@ Two independent layers, both off by default (a trusted network changes nothing):
 
 Server reflection (``--grpc-reflection``) is off unless asked for; when on,
 it sits behind the token like every method but health.
+
+``/metrics`` endpoints are plain HTTP on their own ports. They can be bound
+to loopback (``--metrics-host``) or, with ``--metrics-require-token``, put
+behind the same token (``Authorization: Bearer <token>``, constant-time
+check; ``metrics_http.MetricsHttpServer``), so a scraper needs the secret too.
 
 The token and the private key are read once at start-up and never appear in
 logs or reprs. Certificates are not reloaded: rotating them means a restart.
@@ -86,10 +93,14 @@ class InternalSecurity:
     Needed when the proxy dials pod IPs that a DNS name resolved to."""
     reflection: bool = False
     """Serve gRPC server reflection (for grpcurl and similar tools)."""
+    metrics_auth: bool = False
+    """``/metrics`` answers only requests carrying ``Authorization: Bearer <token>`` (needs ``token``)."""
 
     def __post_init__(self) -> None:
         if self.token is not None:
             _check_token(self.token)
+        if self.metrics_auth and self.token is None:
+            raise ValueError("--metrics-require-token needs an internal token")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_cert is None and (self.tls_ca is not None or self.tls_server_name):
@@ -113,10 +124,17 @@ class InternalSecurity:
             parts.append("token")
         if self.reflection:
             parts.append("reflection")
+        if self.metrics_auth:
+            parts.append("metrics-token")
         return "+".join(parts)
 
     def __repr__(self) -> str:
         return f"InternalSecurity({self.describe()})"
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The token a ``/metrics`` request must carry, or None when the endpoint is open."""
+        return self.token if self.metrics_auth else None
 
     # -- server side ----------------------------------------------------------
     def server_credentials(self) -> grpc.ServerCredentials | None:
@@ -259,6 +277,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, grpc_server: bool) -> None
         add(group, "--grpc-reflection", default=False, help="serve gRPC server reflection (behind the token)")
 
 
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-require-token``: the ``/metrics`` endpoint demands the internal token."""
+    cli_args.add_flag(parser, "--metrics-require-token", default=False,
+                      help="/metrics answers only requests with 'Authorization: Bearer <internal token>' "
+                           "(needs an internal token); off = open to whoever reaches --metrics-host")
+
+
 _FILE_FLAGS = ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name")
 
 
@@ -302,4 +327,5 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         tls_ca=_read("--tls-ca", getattr(args, "tls_ca", "")),
         tls_server_name=getattr(args, "tls_server_name", ""),
         reflection=bool(getattr(args, "grpc_reflection", False)),
+        metrics_auth=bool(getattr(args, "metrics_require_token", False)),
     )

@@ -1,4 +1,4 @@
-"""Micro-batching of vision forwards on a worker thread, with single flight per ``mm_hash``.
+"""Micro-batching of vision forwards on a worker thread, with single flight per image.
 
 The event loop enqueues jobs and awaits their futures; one worker thread
 dequeues up to ``max_batch_images`` jobs (waiting at most ``max_wait_ms``
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from services.common.models.vision_io import Grid, batch_key, encode_images
-from services.encoder.cache import EmbeddingCache
+from services.encoder.cache import EmbeddingCache, cache_key, pixel_digest
 from services.encoder.errors import DeadlineExceeded, EncodeFailed, EncoderError, Overloaded, ShuttingDown
 from services.encoder.metrics import EncoderMetrics
 
@@ -52,9 +52,9 @@ class _State(enum.IntEnum):
 
 @dataclass(eq=False)
 class _Job:
-    """One image computation, shared by every waiter asking for the same ``mm_hash``."""
+    """One image computation, shared by every waiter asking for the same image (``key``)."""
 
-    mm_hash: str
+    key: str  # cache_key(mm_hash, pixel digest, grid): the same hash with other pixels is another job
     pixel_values: torch.Tensor  # [3, H, W], or patches [t*h*w, D] with a grid
     future: asyncio.Future[EncodeResult]
     deadline: float  # time.monotonic() seconds; the latest deadline of its waiters (inf = none)
@@ -134,13 +134,18 @@ class Batcher:
     ) -> EncodeResult:
         """The embedding of one image: from the cache, a shared in-flight job, or a new job.
 
+        Cache and single flight are keyed by ``mm_hash`` and a digest of
+        ``pixel_values`` and ``grid`` (``cache.cache_key``): a hit is always
+        the embedding of these pixels, whatever hash the caller sent with them.
         ``deadline`` is in ``time.monotonic()`` seconds (None = none); ``grid``
         is the patch grid of a dynamic-resolution image. Cancelling the caller
         withdraws it from the job; a queued job nobody waits for is removed at
         once and never computed.
         """
         loop = asyncio.get_running_loop()
-        job = self._join_or_enqueue(mm_hash, pixel_values, math.inf if deadline is None else deadline, loop, grid)
+        digest = await asyncio.to_thread(pixel_digest, pixel_values)
+        key = cache_key(mm_hash, digest if grid is None else f"{digest}:{tuple(grid)}")
+        job = self._join_or_enqueue(key, pixel_values, math.inf if deadline is None else deadline, loop, grid)
         if isinstance(job, EncodeResult):
             return job
         try:
@@ -150,27 +155,27 @@ class Batcher:
             self._leave(job)
 
     def _join_or_enqueue(
-        self, mm_hash: str, pixel_values: torch.Tensor, deadline: float, loop: asyncio.AbstractEventLoop,
+        self, key: str, pixel_values: torch.Tensor, deadline: float, loop: asyncio.AbstractEventLoop,
         grid: Grid | None = None,
     ) -> _Job | EncodeResult:
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("encoder is shutting down")
-            job = self._inflight.get(mm_hash)
+            job = self._inflight.get(key)
             if job is not None and job.state is not _State.DONE:
                 job.num_waiters += 1
                 job.deadline = max(job.deadline, deadline)
                 return job
-            cached = self._cache.get(mm_hash)
+            cached = self._cache.get(key)
             if cached is not None:
                 return EncodeResult(cached, 0.0, True)
             if self._num_pending >= self._max_pending:
                 retry_ms = self._retry_after_ms()
                 self._metrics.on_rejected()
                 raise Overloaded("encoder queue is full", retry_after_ms=retry_ms)
-            job = _Job(mm_hash, pixel_values, loop.create_future(), deadline, grid)
+            job = _Job(key, pixel_values, loop.create_future(), deadline, grid)
             job.future.add_done_callback(_consume_exception)
-            self._inflight[mm_hash] = job
+            self._inflight[key] = job
             self._queue.append(job)
             self._num_pending += 1
             self._cond.notify()
@@ -286,7 +291,7 @@ class Batcher:
             return
         elapsed = time.perf_counter() - start
         for job, row in zip(group, rows):
-            self._cache.put(job.mm_hash, row)
+            self._cache.put(job.key, row)
         with self._cond:
             self._seconds_per_image = 0.8 * self._seconds_per_image + 0.2 * elapsed / len(group)
             self._num_images_encoded += len(group)
@@ -318,8 +323,8 @@ class Batcher:
             return
         job.state = _State.DONE
         self._num_pending -= 1
-        if self._inflight.get(job.mm_hash) is job:
-            del self._inflight[job.mm_hash]
+        if self._inflight.get(job.key) is job:
+            del self._inflight[job.key]
 
     def _resolve_all(self, jobs: list[_Job], make_error: Callable[[], EncoderError]) -> None:
         # One exception object per future: a shared one would collect every

@@ -1,4 +1,10 @@
-"""Byte-bounded LRU cache of image embeddings, keyed by ``mm_hash``.
+"""Byte-bounded LRU cache of image embeddings, keyed by ``mm_hash`` and the pixels encoded.
+
+The key is ``cache_key(mm_hash, pixel_digest(pixels))``: the caller's hash
+alone would let one Encode call (a bug, or a peer holding the token) make
+a popular hash answer with another image's embedding for everyone after
+it. With the digest of the very tensor that was encoded in the key, a hit
+is always the embedding of the pixels asked for.
 
 The batcher's worker thread inserts and the event loop reads, so every
 operation takes one lock. Entries are CPU tensors that nothing mutates: a
@@ -7,10 +13,25 @@ hit hands out the cached tensor itself, without a copy.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 
 import torch
+
+
+def pixel_digest(pixel_values: torch.Tensor) -> str:
+    """BLAKE2b-128 hex of a pixel tensor's dtype, shape and bytes (hashlib releases the GIL: run it in a thread)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{pixel_values.dtype}:{tuple(pixel_values.shape)}\0".encode())
+    flat = pixel_values.detach().contiguous().reshape(-1).view(torch.uint8)
+    digest.update(memoryview(flat.numpy()))
+    return digest.hexdigest()
+
+
+def cache_key(mm_hash: str, digest: str) -> str:
+    """The cache and single-flight key of one image: its hash and the digest of the pixels encoded."""
+    return f"{mm_hash}/{digest}"
 
 
 def tensor_num_bytes(tensor: torch.Tensor) -> int:
@@ -19,7 +40,7 @@ def tensor_num_bytes(tensor: torch.Tensor) -> int:
 
 
 class EmbeddingCache:
-    """LRU over ``mm_hash -> Tensor[num_tokens, hidden]`` holding at most ``capacity_bytes``.
+    """LRU over ``cache_key -> Tensor[num_tokens, hidden]`` holding at most ``capacity_bytes``.
 
     Invariant: ``bytes == sum of entry sizes <= capacity_bytes``. An entry
     larger than the whole capacity is never stored.
@@ -47,26 +68,26 @@ class EmbeddingCache:
         with self._lock:
             return len(self._entries)
 
-    def __contains__(self, mm_hash: object) -> bool:
+    def __contains__(self, key: object) -> bool:
         with self._lock:
-            return mm_hash in self._entries
+            return key in self._entries
 
-    def get(self, mm_hash: str) -> torch.Tensor | None:
+    def get(self, key: str) -> torch.Tensor | None:
         """The cached embedding (now most recently used), or None."""
         with self._lock:
-            tensor = self._entries.get(mm_hash)
+            tensor = self._entries.get(key)
             if tensor is not None:
-                self._entries.move_to_end(mm_hash)
+                self._entries.move_to_end(key)
             return tensor
 
-    def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
-        """Stores ``tensor`` (replacing any entry for ``mm_hash``), evicting LRU entries.
+    def put(self, key: str, tensor: torch.Tensor) -> bool:
+        """Stores ``tensor`` (replacing any entry for ``key``), evicting LRU entries.
 
         Returns False when the tensor alone exceeds the capacity (not stored).
         """
         size = tensor_num_bytes(tensor)
         with self._lock:
-            old = self._entries.pop(mm_hash, None)
+            old = self._entries.pop(key, None)
             if old is not None:
                 self._num_bytes -= tensor_num_bytes(old)
             if size > self._capacity:
@@ -74,6 +95,6 @@ class EmbeddingCache:
             while self._num_bytes + size > self._capacity:
                 _, evicted = self._entries.popitem(last=False)
                 self._num_bytes -= tensor_num_bytes(evicted)
-            self._entries[mm_hash] = tensor
+            self._entries[key] = tensor
             self._num_bytes += size
             return True

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from services.common.grpc_utils import set_retry_after
+from services.common.grpc_utils import FAILED_HOP_KEY, PUSH_HOP, set_retry_after
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class ShuttingDown(EncoderError):
 class PushFailed(EncoderError):
     """Pushing an embedding to PD failed; ``code`` is what the caller sees.
 
+    Reported with the trailer ``epd-failed-hop: pd-push`` so that the proxy
+    charges PD, not this encoder, for it.
+
     ``sent`` is False when PD never received the header, i.e. the push was
     not accepted at all and may be retried.
     """
@@ -87,6 +90,10 @@ def _map_errors(behavior: Handler) -> Handler:
         except EncoderError as err:
             if isinstance(err, Overloaded):
                 set_retry_after(context, err.retry_after_ms)
+            elif isinstance(err, PushFailed):
+                # The encoder did its part; the caller must not charge it for PD's answer
+                # or for a path to PD that is down.
+                context.set_trailing_metadata(((FAILED_HOP_KEY, PUSH_HOP),))
             await context.abort(err.code, err.message)
         except Exception:
             # Anything unexpected is a bug: log it with its traceback, tell the

@@ -2,7 +2,8 @@
 
 Shutdown: SIGTERM/SIGINT -> health NOT_SERVING -> ``stop(grace)`` -> exit 0.
 Metrics: ``start_encoder`` serves ``epd_encoder_*`` on ``--metrics-port``
-(``--metrics-host``, default ``--host``; -1 = off).
+(``--metrics-host``, default ``--host``; -1 = off), behind the internal token
+with ``--metrics-require-token``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "push-late-ms=N (wait N ms before each push), wrong-shape (push one row too few), "
              "wrong-dtype (push uint8), extra-chunk (send more bytes than declared); '' = none")
     security.add_arguments(parser, grpc_server=True)
+    security.add_metrics_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> EncoderConfig:

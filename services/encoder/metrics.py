@@ -128,14 +128,19 @@ class PrometheusEncoderMetrics(EncoderMetrics):
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def serve(self, host: str, port: int, stats: Callable[[], Any]) -> MetricsHttpServer:
-        """Watches ``stats`` and serves ``GET /metrics`` on ``host:port`` (0 = a free port)."""
+    async def serve(
+        self, host: str, port: int, stats: Callable[[], Any], *, token: str | None = None
+    ) -> MetricsHttpServer:
+        """Watches ``stats`` and serves ``GET /metrics`` on ``host:port`` (0 = a free port).
+
+        ``token``: scrapes must carry ``Authorization: Bearer <token>`` (None = open).
+        """
         self.watch(stats)
 
         async def render() -> bytes:
             return self.render()
 
-        return await MetricsHttpServer.start(host, port, render)
+        return await MetricsHttpServer.start(host, port, render, token=token)
 
 
 class _StatsCollector:

@@ -164,7 +164,8 @@ async def start_encoder(
     try:
         if exporter is not None:
             host = config.metrics_host or config.host
-            server.metrics_http = await exporter.serve(host, config.metrics_port, server.stats)
+            server.metrics_http = await exporter.serve(host, config.metrics_port, server.stats,
+                                                       token=config.security.metrics_token)
         await server.become_ready()
     except BaseException:
         await server.stop(0)

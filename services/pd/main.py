@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "forward-raises-after=N (the forward of step N raises), freeze-step-ms=M (a step stalls M ms), "
              "freeze-after=N (which step stalls; default 0); '' = none")
     security.add_arguments(parser, grpc_server=True)
+    security.add_metrics_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> PdConfig:

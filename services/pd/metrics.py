@@ -76,9 +76,9 @@ class PdMetrics:
         await self.refresh()
         return generate_latest(self.registry)
 
-    async def serve(self, host: str, port: int) -> MetricsHttpServer:
-        """Serves ``GET /metrics`` on ``host:port`` (0 = a free port)."""
-        return await MetricsHttpServer.start(host, port, self.render)
+    async def serve(self, host: str, port: int, *, token: str | None = None) -> MetricsHttpServer:
+        """Serves ``GET /metrics`` on ``host:port`` (0 = a free port); with ``token``, only to callers bearing it."""
+        return await MetricsHttpServer.start(host, port, self.render, token=token)
 
     # -- prometheus_client collector -------------------------------------------
     def describe(self) -> list:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from grpc_health.v1 import health_pb2
 
-from services.common import grpc_utils, push_wire
+from services.common import grpc_utils, push_wire, tensors
 from services.common.devices import resolve_device, resolve_dtype
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
@@ -123,6 +123,16 @@ def _num_kv_blocks(config: PdConfig, lm_config, dtype: torch.dtype, max_model_le
     return int(max(1, min(by_memory, by_need)))
 
 
+def max_receive_bytes(config: PdConfig, max_model_len: int) -> int:
+    """The largest message PD's methods take: a push chunk, or a prompt of the whole context
+    (at most 5 bytes per token id) with its items and stop strings. A colocated PD also serves
+    Encode, whose pixel tensors may be large."""
+    if config.encoder == "local":
+        return grpc_utils.MAX_MESSAGE_BYTES
+    prompt = 5 * max_model_len + 128 * config.max_items_per_request + 64 * 1024
+    return max(2 * tensors.CHUNK_BYTES, prompt)
+
+
 def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     """Loads the LM half of the checkpoint and wires the engine core and its thread; returns them with model facts."""
     adapter = load_adapter(str(ensure_model(config.model)))
@@ -212,11 +222,13 @@ async def start_pd(config: PdConfig) -> PdServer:
         if colocated is not None:
             colocated.register(grpc_server)  # epd.v1.Encoder on this same port
 
-    server = await grpc_utils.start_server(config.host, config.port, SERVICE_NAME, register, security=config.security)
+    server = await grpc_utils.start_server(config.host, config.port, SERVICE_NAME, register, security=config.security,
+                                           max_receive_bytes=max_receive_bytes(config, facts["max_model_len"]))
     metrics_http = None
     try:
         if config.metrics_port >= 0:
-            metrics_http = await PdMetrics(engine).serve(config.metrics_host or config.host, config.metrics_port)
+            metrics_http = await PdMetrics(engine).serve(config.metrics_host or config.host, config.metrics_port,
+                                                         token=config.security.metrics_token)
         if config.warmup:
             await warm_up(engine, facts["eos_token_id"])
         if colocated is not None:

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP app: ``create_app(config, backends)``.
 
 Handlers convert and delegate: body -> validated request -> image sources
-(remote ones fetched) -> ``Prompt`` (in a worker thread) -> one ``Job`` per
-choice -> ``Pipeline.generate`` -> OpenAI objects. All state lives on
+(remote ones fetched) -> ``Prompt`` -> one ``Job`` per choice ->
+``Pipeline.generate`` -> OpenAI objects. The prompt is built on two bounded
+pools (``workers``): the text stage on the text pool, the image stage on
+the image pool, so image work never delays a text-only request and a full
+queue is a 503, not an unbounded backlog. All state lives on
 ``app.state.proxy`` and is built by the lifespan.
 """
 
@@ -13,12 +16,10 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import grpc
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,7 +28,7 @@ from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
-from services.proxy.errors import ApiError, RequestError, from_grpc, model_not_found
+from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
 from services.proxy.http_util import (
     ClientDisconnected,
     EventStreamResponse,
@@ -36,16 +37,17 @@ from services.proxy.http_util import (
     request_timeout,
     unless_disconnected,
 )
+from services.proxy.jobs import Job, Trace, new_request_id
 from services.proxy.media import MediaFetcher, MediaPolicy, image_sources
 from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from services.proxy.middleware import (
     AccessLogMiddleware,
     ApiKeyMiddleware,
+    InternalsGuard,
     MetricsMiddleware,
     access_line,
     install_error_handlers,
 )
-from services.proxy.jobs import Job, Trace, new_request_id
 from services.proxy.openapi import openapi_document
 from services.proxy.pipeline import Pipeline
 from services.proxy.preprocess import Preprocessor, Prompt, image_urls
@@ -65,10 +67,14 @@ from services.proxy.sampling import (
     resolve_max_tokens,
     sampling_params,
 )
-from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.proxy.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
+from services.proxy.workers import WorkPool
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass
@@ -80,30 +86,18 @@ class ProxyState:
     preprocessor: Preprocessor
     backends: Backends
     pipeline: Pipeline
-    executor: ThreadPoolExecutor
+    text_pool: WorkPool
+    image_pool: WorkPool
     metrics: ProxyMetrics
     fetcher: MediaFetcher | None
     served_model_name: str
     max_model_len: int
     created: int
+    guard: InternalsGuard
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
             raise model_not_found()
-
-    async def in_worker(self, fn: Callable[..., T], *args: Any, deadline: float | None = None) -> T:
-        """Runs CPU work (image decoding, tokenization) off the event loop.
-
-        With ``deadline`` (``time.monotonic()``), a wait past it is a 504 at the
-        deadline; a job already running finishes in its thread, unobserved.
-        """
-        work = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
-        if deadline is None:
-            return await work
-        try:
-            return await asyncio.wait_for(work, deadline - time.monotonic())
-        except TimeoutError:
-            raise from_grpc(grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
     def decode_token(self, token_id: int) -> str:
         return self.preprocessor.tokenizer.decode([token_id])
@@ -127,8 +121,11 @@ async def chat_completions(request: Request) -> Response:
     urls = image_urls(messages)
     state.preprocessor.check_image_count(len(urls))
     sources = await image_sources(urls, state.fetcher, trace.started + timeout_s - time.monotonic())
-    prompt = await state.in_worker(state.preprocessor.chat_prompt, messages, sources,
-                                   deadline=trace.started + timeout_s)
+    deadline = trace.started + timeout_s
+    token_ids = await state.text_pool.run(state.preprocessor.chat_tokens, messages, deadline=deadline)
+    images = await state.image_pool.run(state.preprocessor.chat_images, sources, deadline=deadline) if sources else ()
+    del sources  # the image bytes are no longer needed
+    prompt = state.preprocessor.assemble(token_ids, images)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl")
 
@@ -145,8 +142,8 @@ async def completions(request: Request) -> Response:
         if len(prompt_input) != 1:
             raise RequestError("Only one prompt per request is supported.", "prompt")
         prompt_input = prompt_input[0]
-    prompt = await state.in_worker(state.preprocessor.completion_prompt, prompt_input,
-                                   deadline=trace.started + timeout_s)
+    prompt = await state.text_pool.run(state.preprocessor.completion_prompt, prompt_input,
+                                       deadline=trace.started + timeout_s)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl")
 
@@ -280,18 +277,25 @@ async def list_models(request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder too.
 
-    Read from the health monitor's state (no calls are made here).
+    Read from the health monitor's state (no calls are made here). The
+    per-instance report names backend addresses, so behind ``--api-key`` it
+    is shown only to an authenticated caller; the status is for everyone.
     """
-    backends = _state(request).backends
-    report = backends.health_report()
+    state = _state(request)
+    report = state.backends.health_report()
     pd_ok = any(report["pd"].values())
-    encoder_ok = not backends.has_encoders or any(report["encoder"].values())
+    encoder_ok = not state.backends.has_encoders or any(report["encoder"].values())
     ok = pd_ok and encoder_ok
-    return JSONResponse({"status": "ok" if ok else "unavailable", **report}, status_code=200 if ok else 503)
+    body = {"status": "ok" if ok else "unavailable", **(report if state.guard.allows(request) else {})}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    """``GET /metrics``; behind ``--api-key`` or ``--metrics-require-token`` it needs a Bearer secret."""
+    state = _state(request)
+    if not state.guard.allows(request):
+        raise invalid_api_key()
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 # --------------------------------------------------------------------------- wiring
@@ -304,10 +308,11 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
 
         adapter = await asyncio.to_thread(lambda: load_adapter(str(ensure_model(config.model))))
         processor = await asyncio.to_thread(adapter.load_processor)
+        max_model_len = min(config.max_model_len or adapter.max_model_len, adapter.max_model_len)
         preprocessor = Preprocessor(
             adapter, processor,
             max_images=config.max_images_per_request, max_image_pixels=config.max_image_pixels,
-            faults=config.faults,
+            max_request_pixels=config.max_request_pixels, max_model_len=max_model_len, faults=config.faults,
         )
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
@@ -321,13 +326,15 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         if media is None and config.allowed_media_domains:
             media = MediaFetcher(MediaPolicy(config.allowed_media_domains, config.media_timeout_s,
                                              config.max_media_bytes))
-        executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="proxy-preprocess")
+        text_pool = WorkPool("text", config.preprocess_threads, config.text_queue)
+        image_pool = WorkPool("image", config.image_threads, config.image_queue)
         app.state.proxy = ProxyState(
             config=config, adapter=adapter, preprocessor=preprocessor, backends=pool, pipeline=pipeline,
-            executor=executor, metrics=metrics, fetcher=media,
+            text_pool=text_pool, image_pool=image_pool, metrics=metrics, fetcher=media,
             served_model_name=config.served_model_name or default_served_name(config.model, adapter.model_id),
-            max_model_len=min(config.max_model_len or adapter.max_model_len, adapter.max_model_len),
+            max_model_len=max_model_len,
             created=int(time.time()),
+            guard=InternalsGuard(config.api_key, config.security.token, require_token=config.security.metrics_auth),
         )
         log.info("proxy serving %s: PDs %s, encoders %s (policies %s / %s)", app.state.proxy.served_model_name,
                  [p.address for p in pool.pds], [e.address for e in pool.encoders],
@@ -340,7 +347,8 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
                 await pool.close()
             if media is not None and fetcher is None:
                 await media.aclose()
-            executor.shutdown(wait=False, cancel_futures=True)
+            text_pool.shutdown()
+            image_pool.shutdown()
 
     return lifespan
 

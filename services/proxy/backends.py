@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from services.common import grpc_utils
 from services.proxy.discovery import Pool, Resolver, system_resolver
-from services.proxy.instances import CircuitBreaker, EncoderClient, Instance, PdClient, Readiness
+from services.proxy.instances import CircuitBreaker, EncoderClient, Instance, PdClient
 from services.proxy.monitor import Monitor, wait_known
 from services.proxy.routing import EncoderPolicy, PdPolicy, make_encoder_policy, make_pd_policy
 
@@ -128,8 +128,10 @@ class Backends:
         return bool(self.encoder_pool.targets)
 
     def pd_candidates(self, exclude: Collection[str] = ()) -> list[PdClient]:
-        """Routable PDs not in ``exclude``, best first (may be empty)."""
-        return self.pd_policy.rank([p for p in self.pds if p.routable() and p.address not in exclude])
+        """Routable PDs not in ``exclude``, best first, then those probing (``last_resort``); may be empty."""
+        pds = [p for p in self.pds if p.address not in exclude]
+        return (self.pd_policy.rank([p for p in pds if p.routable()])
+                + self.pd_policy.rank([p for p in pds if not p.routable() and p.last_resort()]))
 
     def encoder_candidates(
         self, mm_hash: str, exclude: Collection[str] = (), pd_address: str | None = None
@@ -144,20 +146,19 @@ class Backends:
         pd_addresses = {p.address for p in self.pds}
         usable = [
             e for e in self.encoders
-            if e.routable() and e.address not in exclude and (e.address not in pd_addresses or e.address == pd_address)
+            if e.address not in exclude and (e.address not in pd_addresses or e.address == pd_address)
         ]
-        ranked = self.encoder_policy.rank(usable, mm_hash)
+        ranked = (self.encoder_policy.rank([e for e in usable if e.routable()], mm_hash)
+                  + self.encoder_policy.rank([e for e in usable if not e.routable() and e.last_resort()], mm_hash))
         return sorted(ranked, key=lambda e: e.address != pd_address)  # stable: keeps the policy's order
 
     def health_report(self) -> dict[str, dict[str, bool]]:
         """Readiness of every listed instance: ``{"pd": {addr: ok}, "encoder": {addr: ok}}``.
 
-        ``ok`` means health says SERVING and the circuit breaker lets traffic through.
+        ``ok`` means health says SERVING and the circuit breaker is not open
+        (``Instance.healthy``: a probe in flight does not make an instance unhealthy).
         """
-        def ok(instance: Instance) -> bool:
-            return instance.readiness is Readiness.READY and instance.routable()
-
         return {
-            "pd": {p.address: ok(p) for p in self.pds},
-            "encoder": {e.address: ok(e) for e in self.encoders},
+            "pd": {p.address: p.healthy() for p in self.pds},
+            "encoder": {e.address: e.healthy() for e in self.encoders},
         }

@@ -34,11 +34,15 @@ class ProxyConfig:
     max_body_bytes: int = 32 * MIB
     max_images_per_request: int = 8
     max_image_pixels: int = 4096 * 4096          # width × height, read from the header before decoding
+    max_request_pixels: int = 2 * 4096 * 4096    # all images of one request together, from their headers
     max_model_len: int = 0                       # prompt + completion cap; 0 = the model's (match PD's flag)
     max_tokens_limit: int = 16384                # largest max_tokens a client may ask for
     default_max_tokens: int = 1024               # when the client does not say (also capped by context room)
     lease_ms: int = 0                            # Preallocate lease; 0 = PD default (always <= the deadline)
-    preprocess_threads: int = 2                  # image decoding + tokenization run off the event loop
+    preprocess_threads: int = 2                  # text work (chat template, tokenization), off the event loop
+    text_queue: int = 64                         # text jobs waiting for a thread beyond which requests get 503
+    image_threads: int = 2                       # image work (decode, hash, image processor), its own pool
+    image_queue: int = 64                        # requests' image jobs waiting beyond which requests get 503
     max_n: int = 8                               # most choices (n) in one request
     # routing and failure handling
     pd_policy: str = "least-loaded"              # see routing.PD_POLICIES
@@ -81,6 +85,8 @@ class ProxyConfig:
             "request_timeout_s": self.request_timeout_s,
             "max_body_bytes": self.max_body_bytes,
             "max_image_pixels": self.max_image_pixels,
+            "max_request_pixels": self.max_request_pixels,
+            "image_threads": self.image_threads,
             "max_tokens_limit": self.max_tokens_limit,
             "default_max_tokens": self.default_max_tokens,
             "preprocess_threads": self.preprocess_threads,
@@ -97,6 +103,8 @@ class ProxyConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.text_queue < 0 or self.image_queue < 0:
+            raise ValueError("text_queue and image_queue must be >= 0")
         if self.max_images_per_request < 0:
             raise ValueError("max_images_per_request must be >= 0 (0 = text only)")
         if self.default_max_tokens > self.max_tokens_limit:

@@ -152,6 +152,12 @@ class TruncatedImageError(ImageError):
     code = "invalid_image_data"
 
 
+class TooManyPixelsError(ImageError):
+    """The images of one request have more pixels together than ``max_request_pixels`` (from their headers)."""
+
+    code = "too_many_image_pixels"
+
+
 class TooManyImagesError(RequestError):
     """More images in one request than ``max_images_per_request``."""
 

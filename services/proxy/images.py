@@ -39,6 +39,11 @@ def decode_data_url(url: str, max_pixels: int) -> Image.Image:
     return decode_image_bytes(_data_url_payload(url), max_pixels)
 
 
+def data_url_payload(url: str) -> bytes:
+    """The bytes of a ``data:image/...;base64,`` URL (strict base64); ``ImageError`` otherwise."""
+    return _data_url_payload(url)
+
+
 def _data_url_payload(url: str) -> bytes:
     if not url.startswith(_DATA_PREFIX):
         raise InvalidImageUrlError("Only data: URLs with base64 image payloads are supported.", "image_url")
@@ -66,8 +71,8 @@ def pixel_limit(max_pixels: int) -> int:
     return min(max_pixels, guard) if guard else max_pixels
 
 
-def decode_image_bytes(data: bytes, max_pixels: int) -> Image.Image:
-    """Opens, size-checks and fully decodes image bytes; returns an RGB image."""
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """Opens image bytes lazily (header only) and checks width × height; nothing is decoded yet."""
     max_pixels = pixel_limit(max_pixels)
     try:
         # ``formats`` restricts the plugins Pillow may try, so a TIFF, PSD,
@@ -79,19 +84,42 @@ def decode_image_bytes(data: bytes, max_pixels: int) -> Image.Image:
         raise UnsupportedImageFormatError("The image is not a PNG, JPEG, WEBP or GIF file.", "image_url") from None
     except (OSError, SyntaxError, ValueError, EOFError):
         raise TruncatedImageError("The image header is corrupt.", "image_url") from None
-    with image:
-        width, height = image.size
-        if width <= 0 or height <= 0:
-            raise TruncatedImageError("The image has no pixels.", "image_url")
-        if width * height > max_pixels:
-            raise ImageTooLargeError(f"The image has {width * height} pixels; the limit is {max_pixels}.", "image_url")
-        try:
-            image.seek(0)  # first frame of an animation
-            image.load()
-            # convert() allocates the RGB copy; still inside the try because
-            # a lazily-decoded plugin may read more data here.
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        image.close()
+        raise TruncatedImageError("The image has no pixels.", "image_url")
+    if width * height > max_pixels:
+        image.close()
+        raise ImageTooLargeError(f"The image has {width * height} pixels; the limit is {max_pixels}.", "image_url")
+    return image
+
+
+def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """``(width, height)`` from the header alone (same checks as decoding, no pixel decoded)."""
+    with _open(data, max_pixels) as image:
+        return image.size
+
+
+def decode_image_bytes(data: bytes, max_pixels: int) -> Image.Image:
+    """Opens, size-checks and fully decodes image bytes; returns an RGB image.
+
+    An RGB file is returned as decoded, without the copy ``convert`` would
+    make; any other mode is converted and its decoded original dropped at
+    once, so one full-size buffer is held, not two.
+    """
+    image = _open(data, max_pixels)
+    try:
+        image.seek(0)  # first frame of an animation
+        image.load()
+        if image.mode == "RGB":
+            return image
+        # convert() allocates the RGB copy; still inside the try because
+        # a lazily-decoded plugin may read more data here.
+        with image:
             return image.convert("RGB")
-        except Image.DecompressionBombError:
-            raise ImageTooLargeError("The image has too many pixels.", "image_url") from None
-        except (OSError, SyntaxError, ValueError, EOFError, MemoryError):
-            raise TruncatedImageError("The image data is truncated or corrupt.", "image_url") from None
+    except Image.DecompressionBombError:
+        image.close()
+        raise ImageTooLargeError("The image has too many pixels.", "image_url") from None
+    except (OSError, SyntaxError, ValueError, EOFError, MemoryError):
+        image.close()
+        raise TruncatedImageError("The image data is truncated or corrupt.", "image_url") from None

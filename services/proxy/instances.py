@@ -78,6 +78,10 @@ class CircuitBreaker:
     ``open_s``; then HALF_OPEN: one probe call at a time. A successful probe
     closes it; a failed one opens it again for twice as long (up to
     ``max_open_s``). Neutral outcomes only release the probe slot.
+
+    A probe's verdict comes as early as the call allows: a Generate stream is
+    settled by its first message, not by its end (``Instance.settle``), so a
+    probe never holds the slot for a whole generation.
     """
 
     def __init__(self, threshold: int = 3, open_s: float = 2.0, max_open_s: float = 30.0,
@@ -106,14 +110,23 @@ class CircuitBreaker:
         state = self.state
         return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self._probing)
 
-    def on_start(self) -> None:
-        """A call was sent; in HALF_OPEN it is the one probe."""
-        if self.state is BreakerState.HALF_OPEN:
+    def on_start(self) -> bool:
+        """A call was sent; True when it is HALF_OPEN's one probe (pass that to ``on_end``)."""
+        if self.state is BreakerState.HALF_OPEN and not self._probing:
             self._probing = True
+            return True
+        return False
 
-    def on_end(self, outcome: Outcome) -> None:
+    @property
+    def probing(self) -> bool:
+        """A half-open probe is in flight."""
+        return self._probing and self.state is BreakerState.HALF_OPEN
+
+    def on_end(self, outcome: Outcome, *, probe: bool | None = None) -> None:
+        """A call's verdict. ``probe``: whether it was the probe (None: any call ending frees the slot)."""
         was_open = self._opened_at is not None
-        self._probing = False
+        if probe or probe is None:
+            self._probing = False
         if outcome is Outcome.SUCCESS:
             self._num_failures = 0
             self._opened_at = None
@@ -158,6 +171,19 @@ class Instance:
         """Not known to be down: ready (or not yet checked), breaker allows, still listed."""
         return not self.retired and self.readiness is not Readiness.NOT_READY and self.breaker.allows()
 
+    def last_resort(self) -> bool:
+        """Ready, but its half-open probe is in flight: use it only when nothing else is routable.
+
+        Without this a single-instance pool would refuse every request for as
+        long as a probe takes.
+        """
+        return not self.retired and self.readiness is Readiness.READY and self.breaker.probing
+
+    def healthy(self) -> bool:
+        """What ``/health`` reports: SERVING and the breaker not open (a probe in flight counts as healthy)."""
+        return (not self.retired and self.readiness is Readiness.READY
+                and self.breaker.state is not BreakerState.OPEN)
+
     def is_busy(self) -> bool:
         return self._clock() < self.busy_until
 
@@ -186,14 +212,22 @@ class Instance:
         self.load = load
         self.load_baseline = self.num_outstanding
 
-    def begin(self, count: int = 1) -> None:
-        """A call starts (pair with ``end``)."""
+    def begin(self, count: int = 1) -> bool:
+        """A call starts (pair with ``end``); True when it is the breaker's half-open probe."""
         self.num_outstanding += count
-        self.breaker.on_start()
+        return self.breaker.on_start()
 
-    def end(self, outcome: Outcome, count: int = 1) -> None:
+    def settle(self, outcome: Outcome, *, probe: bool) -> None:
+        """The call's verdict for the breaker before it ends (a stream: at its first message)."""
+        self.breaker.on_end(outcome, probe=probe)
+
+    def end(self, outcome: Outcome, count: int = 1, *, probe: bool | None = None, settled: bool = False) -> None:
+        """A call ended. After ``settle`` only a failure still counts (a stream that broke later)."""
         self.num_outstanding -= count
-        self.breaker.on_end(outcome)
+        if not settled:
+            self.breaker.on_end(outcome, probe=probe)
+        elif outcome is Outcome.FAILURE:
+            self.breaker.on_end(outcome, probe=False)
 
     async def get_load(self, timeout: float) -> object:
         raise NotImplementedError

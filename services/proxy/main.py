@@ -33,11 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--max-body-mb", type=float, default=32.0, help="largest request body, MiB")
     add(parser, "--max-images", type=int, default=8, help="most images in one request")
     add(parser, "--max-image-pixels", type=int, default=4096 * 4096, help="largest width x height of one image (checked before decoding)")
+    add(parser, "--max-request-pixels", type=int, default=2 * 4096 * 4096,
+        help="largest width x height of all images of one request together (checked before decoding any)")
     add(parser, "--max-model-len", type=int, default=0, help="prompt + completion tokens (0 = the model's; match PD's)")
     add(parser, "--max-tokens-limit", type=int, default=16384, help="largest max_tokens a client may ask for")
     add(parser, "--default-max-tokens", type=int, default=1024, help="max_tokens when the client does not set it")
     add(parser, "--lease-ms", type=int, default=0, help="Preallocate lease (0 = PD's default)")
-    add(parser, "--preprocess-threads", type=int, default=2, help="threads for image decoding and tokenization")
+    add(parser, "--preprocess-threads", type=int, default=2,
+        help="threads for text work (chat template, tokenization); images have their own (--image-threads)")
+    add(parser, "--text-queue", type=int, default=64,
+        help="text jobs that may wait for a thread; beyond it requests get 503 + Retry-After")
+    add(parser, "--image-threads", type=int, default=2, help="threads for image decoding, hashing and processing")
+    add(parser, "--image-queue", type=int, default=64,
+        help="requests whose images may wait for an image thread; beyond it they get 503 + Retry-After")
     add(parser, "--max-n", type=int, default=8, help="most choices (n) in one request")
     add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")
     add(parser, "--encoder-policy", default="rendezvous", choices=list(ENCODER_POLICIES),
@@ -50,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--breaker-open-s", type=float, default=2.0, help="seconds an open breaker keeps traffic away before a probe")
     add(parser, "--load-poll-s", type=float, default=0.5, help="GetLoad polling period (0 = off)")
     add(parser, "--dns-refresh-s", type=float, default=5.0, help="re-resolution period of named backends")
-    add(parser, "--api-key", default="", help="require 'Authorization: Bearer <key>' on /v1/* ('' = open; prefer the env variable)")
+    add(parser, "--api-key", default="",
+        help="require 'Authorization: Bearer <key>' on /v1/* and /metrics; /health then names no backend to "
+             "callers without it ('' = open; prefer the env variable)")
     add(parser, "--allowed-media-domains", default="",
         help="comma-separated hosts whose https image URLs may be fetched ('*.example.com' = subdomains; '' = data URLs only)")
     add(parser, "--media-timeout", type=float, default=10.0, help="timeout of one remote image fetch, seconds")
@@ -61,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     cli_args.add_log_json_flag(parser)
     security.add_arguments(parser, grpc_server=False)
+    security.add_metrics_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -75,11 +86,15 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_body_bytes=int(args.max_body_mb * MIB),
         max_images_per_request=args.max_images,
         max_image_pixels=args.max_image_pixels,
+        max_request_pixels=args.max_request_pixels,
         max_model_len=args.max_model_len,
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,
         lease_ms=args.lease_ms,
         preprocess_threads=args.preprocess_threads,
+        text_queue=args.text_queue,
+        image_threads=args.image_threads,
+        image_queue=args.image_queue,
         max_n=args.max_n,
         pd_policy=args.pd_policy,
         encoder_policy=args.encoder_policy,

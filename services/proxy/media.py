@@ -13,9 +13,13 @@ work it protects, and none of them trusts DNS twice:
    second lookup cannot swap in an internal address (DNS rebinding);
 4. redirects are followed by hand, only to the same host over https, each
    hop re-checked; at most ``MAX_REDIRECTS``;
-5. the body is read with a byte cap, the whole fetch under one timeout
-   (itself capped by the request's deadline); no proxies from the
-   environment, no connection reuse.
+5. the body is read with a byte cap on the bytes as they arrive, the whole
+   fetch under one timeout (itself capped by the request's deadline); no
+   proxies from the environment, no connection reuse. Bodies are asked for
+   uncompressed (``Accept-Encoding: identity``, images are compressed
+   already) and one sent with a ``Content-Encoding`` anyway is refused
+   unread: decoding it first would let a few KiB of gzip expand to
+   gigabytes before any cap could apply.
 
 Errors are ``ImageUrlNotAllowedError`` / ``ImageFetchError`` (HTTP 400) with
 fixed messages: the URL is never echoed.
@@ -80,7 +84,7 @@ class MediaFetcher:
             trust_env=False,                 # no HTTP(S)_PROXY: the proxy would bypass every address check
             follow_redirects=False,          # redirects are checked by hand
             limits=httpx.Limits(max_keepalive_connections=0),
-            headers={"User-Agent": "epd-proxy", "Accept": "image/*"},
+            headers={"User-Agent": "epd-proxy", "Accept": "image/*", "Accept-Encoding": "identity"},
         )
 
     async def aclose(self) -> None:
@@ -157,11 +161,14 @@ class MediaFetcher:
 
     async def _read_capped(self, response: httpx.Response) -> bytes:
         limit = self.policy.max_bytes
+        if response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+            raise ImageFetchError("The image URL answered with an encoded (compressed) body.", "image_url")
         declared = response.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ImageFetchError(f"The image is larger than {limit} bytes.", "image_url")
         chunks, size = [], 0
         try:
+            # Identity encoding (checked above): these are the bytes as sent, capped before anything else.
             async for chunk in response.aiter_bytes():
                 size += len(chunk)
                 if size > limit:

@@ -88,7 +88,7 @@ class AccessLogMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on ``/v1/*`` (``/health`` and ``/metrics`` stay open).
+    """Requires ``Authorization: Bearer <key>`` on ``/v1/*`` (``/health`` and ``/metrics``: ``InternalsGuard``).
 
     Runs before the body is read, so an unauthenticated client costs
     nothing; the comparison takes constant time.
@@ -105,6 +105,29 @@ class ApiKeyMiddleware:
                 await error_response(invalid_api_key())(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class InternalsGuard:
+    """Who may see backend addresses (``/health`` details) and ``/metrics``.
+
+    Open when neither ``--api-key`` nor ``--metrics-require-token`` is set;
+    otherwise the caller must send ``Authorization: Bearer`` with the API key
+    or the internal token (so one scrape secret serves every service).
+    Compared in constant time.
+    """
+
+    def __init__(self, api_key: str | None, internal_token: str | None, *, require_token: bool) -> None:
+        self.protected = api_key is not None or require_token
+        self._accepted = [b"Bearer " + secret.encode() for secret in (api_key, internal_token) if secret]
+
+    def allows(self, request: Request) -> bool:
+        if not self.protected:
+            return True
+        given = request.headers.get("authorization", "").encode("latin-1", "replace")
+        ok = False
+        for expected in self._accepted:
+            ok |= hmac.compare_digest(given, expected)
+        return ok
 
 
 class MetricsMiddleware:

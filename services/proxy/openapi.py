@@ -92,7 +92,7 @@ _HEALTH = {
 
 _ERROR_STATUSES = {
     "400": "Invalid request (never echoes input)",
-    "401": "Missing or wrong API key (when one is configured)",
+    "401": "Missing or wrong API key (when one is configured; /metrics also takes the internal token)",
     "404": "Unknown model",
     "413": "Body over the size limit",
     "500": "Internal error",
@@ -197,6 +197,7 @@ def openapi_document(app: FastAPI, config: ProxyConfig) -> dict[str, Any]:
     }
     paths["/metrics"]["get"]["responses"] = {
         "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors("401"),
     }
     app.openapi_schema = document
     return document

@@ -14,7 +14,13 @@ every call is what is left of it):
   token reached the caller is replaced by the next PD, always with a fresh
   request id; a buffered (non-streaming) job may also restart on another PD
   after a mid-stream UNAVAILABLE, since the client has seen nothing yet;
-- every call's outcome feeds the instance's circuit breaker.
+- every call's outcome feeds the instance's circuit breaker; a Generate
+  stream gives its verdict at its first message, so a half-open probe lasts
+  until the first token, not the whole generation;
+- an Encode that failed in the encoder's push to PD (trailer
+  ``epd-failed-hop: pd-push``) is charged to that PD, never to the encoder,
+  and moves the job to another PD when PD was unreachable: a partition
+  between the encoders and one PD must not open every encoder's breaker.
 
 Every exit path (finish, error, cancellation, client gone) cancels the
 Generate stream and the Encode calls; any exit but a clean finish also
@@ -52,13 +58,17 @@ DEFAULT_BUSY_S = 1.0
 
 
 class BackendError(Exception):
-    """A backend call failed; keeps the gRPC error and which instance gave it."""
+    """A backend call failed; keeps the gRPC error and which instance gave it.
 
-    def __init__(self, error: grpc.aio.AioRpcError, instance: Instance) -> None:
+    ``pd_push``: the encoder reported that its push to PD failed (PD's hop, not the encoder's).
+    """
+
+    def __init__(self, error: grpc.aio.AioRpcError, instance: Instance, *, pd_push: bool = False) -> None:
         super().__init__(error.code().name)
         self.error = error
         self.code = error.code()
         self.instance = instance
+        self.pd_push = pd_push
 
 
 class _Attempt:
@@ -77,7 +87,8 @@ class _Attempt:
         self.started_rpc = False
         self.outcome = Outcome.NEUTRAL
         self.status = "CANCELLED"  # for metrics: OK, a gRPC code name, or CANCELLED
-        pd.begin()
+        self.probe = pd.begin()  # the breaker's half-open probe: settled at the first message
+        self.settled = False
 
     async def start(self) -> epd_pb2.GenerateResponse:
         """Admits the job on this PD and returns its first message."""
@@ -116,6 +127,8 @@ class _Attempt:
         if self.first is None:
             raise internal_error("The model server ended the stream without a result.")
         self.outcome = Outcome.SUCCESS
+        pd.settle(Outcome.SUCCESS, probe=self.probe)
+        self.settled = True
         return self.first
 
     def _reserved(self, reply: epd_pb2.PreallocateResponse) -> list[tuple[ImageItem, str]]:
@@ -174,7 +187,7 @@ class _Attempt:
             self.call.cancel()
         for task in self.encode_tasks:
             task.cancel()
-        self.pd.end(self.outcome)
+        self.pd.end(self.outcome, probe=self.probe, settled=self.settled)
         return self.encode_tasks
 
 
@@ -207,10 +220,13 @@ class Pipeline:
         return left
 
     def lease_ms(self, job: Job) -> int:
-        """The configured lease, never past the deadline; 0 = PD's default (PD caps it by the call deadline)."""
-        if not self._lease_ms:
-            return 0
-        return max(1, min(self._lease_ms, int(self.remaining(job) * 1000)))
+        """The configured lease, never past the deadline; with none configured, the deadline itself.
+
+        (0 would mean PD's default lease, which knows nothing of this request's
+        deadline: a request with a longer deadline would lose its reservation early.)
+        """
+        left_ms = int(self.remaining(job) * 1000)
+        return max(1, min(self._lease_ms or left_ms, left_ms))
 
     async def generate(self, job: Job, *, buffered: bool = False) -> AsyncIterator[epd_pb2.GenerateResponse]:
         """Yields PD messages up to and including the one with ``finish_reason``.
@@ -278,10 +294,13 @@ class Pipeline:
                 self._note_retry(pd, error.code(), attempt.request_id)
                 last = BackendError(error, pd)
             except BackendError as failure:
+                if failure.pd_push:  # PD's hop failed: PD answers for it
+                    attempt.outcome, attempt.status = outcome_of(failure.code), failure.code.name
                 await self._finish(attempt)
-                # Encoders that cannot reach a PD which has just gone away: the
-                # PD is the cause, so the job moves on like after a PD outage.
-                if failure.code != S.UNAVAILABLE or pd.routable():
+                # Encoders that cannot reach a PD (gone away, or cut off from the
+                # encoders): the PD is the cause, so the job moves on like after a PD outage.
+                pd_is_the_cause = failure.pd_push or not pd.routable()
+                if failure.code != S.UNAVAILABLE or not pd_is_the_cause:
                     raise self._to_api_error(failure.error, attempt.request_id, what=failure.instance.kind) from None
                 self._note_retry(pd, failure.code, attempt.request_id)
                 last = failure
@@ -313,22 +332,23 @@ class Pipeline:
             encoder = candidates[0]
             tried.append(encoder.address)
             outcome, status = Outcome.NEUTRAL, "CANCELLED"
-            encoder.begin()
+            probe = encoder.begin()
             try:
                 reply = await encoder.encode(request, timeout=self.remaining(job))
                 outcome, status = Outcome.SUCCESS, "OK"
             except grpc.aio.AioRpcError as error:
-                outcome, status = outcome_of(error.code()), error.code().name
+                pd_push = grpc_utils.failed_hop(error) == grpc_utils.PUSH_HOP
+                outcome, status = (Outcome.NEUTRAL if pd_push else outcome_of(error.code())), error.code().name
                 if error.code() == S.RESOURCE_EXHAUSTED:
                     encoder.mark_busy(_retry_after_s(error))
-                if error.code() not in _ENCODER_RETRY_CODES:
-                    raise BackendError(error, encoder) from None
+                if pd_push or error.code() not in _ENCODER_RETRY_CODES:
+                    raise BackendError(error, encoder, pd_push=pd_push) from None
                 job.trace.num_encoder_retries += 1
                 self._note_retry(encoder, error.code(), attempt.request_id)
                 last = BackendError(error, encoder)
                 continue
             finally:
-                encoder.end(outcome)
+                encoder.end(outcome, probe=probe)
                 self.metrics.backend_requests.labels("encoder", encoder.address, status).inc()
             job.trace.encode_ms = max(job.trace.encode_ms or 0.0, (time.monotonic() - begin) * 1000)
             hits = sum(1 for item in reply.items if item.cache_hit)

@@ -18,9 +18,16 @@ import torch
 from services.common.grids import grid_to_pb
 from services.common.hashing import mm_hash
 from services.common.pb import epd_pb2
-from services.proxy.errors import ImageError, PlaceholderMismatchError, RequestError, TooManyImagesError
+from services.proxy.errors import (
+    ImageError,
+    PlaceholderMismatchError,
+    RequestError,
+    TooManyImagesError,
+    TooManyPixelsError,
+)
 from services.proxy.faults import NO_FAULTS, ProxyFaults
-from services.proxy.images import decode_data_url, decode_image_bytes
+from services.proxy.images import data_url_payload, decode_image_bytes, image_size
+from services.proxy.text_limits import TextLimit
 
 
 class Adapter(Protocol):
@@ -132,15 +139,35 @@ def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return converted
 
 
-class Preprocessor:
-    """Turns chat messages or completion prompts into ``Prompt`` objects.
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image after the image stage: its decoded pixels are gone, only what PD and the encoder need is kept."""
 
-    Thread-safe: the methods run in a worker pool; tokenizer calls are
-    serialised (HF fast tokenizers must not be used concurrently), image
-    decoding and pixel processing are not.
+    mm_hash: str
+    num_tokens: int              # placeholder count for its size
+    pixel_values: torch.Tensor   # from the checkpoint's image processor (models.ProcessedImage)
+    patch_grid: tuple[int, int, int] | None = None
+    token_grid: tuple[int, int, int] | None = None
+
+
+class Preprocessor:
+    """Turns chat messages or completion prompts into ``Prompt`` objects, in two stages.
+
+    The text stage (``chat_tokens``, ``completion_prompt``) renders and
+    tokenizes, after refusing text too long for the context by its length
+    alone (``text_limits``). The image stage (``chat_images``) reads every
+    image's size from its header and checks the per-image and per-request
+    pixel caps before decoding any, then decodes, hashes and processes one
+    image at a time, dropping each decoded image before the next. The app
+    runs the stages on separate pools (``workers``), so images never delay
+    text; ``assemble`` joins them.
+
+    Thread-safe: tokenizer calls are serialised (HF fast tokenizers must not
+    be used concurrently), image work is not.
     """
 
     def __init__(self, adapter: Adapter, processor: Any, *, max_images: int, max_image_pixels: int,
+                 max_request_pixels: int | None = None, max_model_len: int | None = None,
                  faults: ProxyFaults = NO_FAULTS) -> None:
         self.adapter = adapter
         self.faults = faults  # test-only (services/proxy/faults.py)
@@ -148,6 +175,8 @@ class Preprocessor:
         self.tokenizer = processor.tokenizer
         self.max_images = max_images
         self.max_image_pixels = max_image_pixels
+        self.max_request_pixels = max_request_pixels or max(1, max_images) * max_image_pixels
+        self.text_limit = TextLimit(self.tokenizer, max_model_len or adapter.max_model_len)
         self._settings = adapter.processor_settings()
         self._tokenizer_lock = threading.Lock()
 
@@ -159,7 +188,7 @@ class Preprocessor:
             )
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], sources: Sequence[str | bytes] | None = None) -> Prompt:
-        """Validated OpenAI chat messages -> ``Prompt`` (see the module docstring).
+        """Validated OpenAI chat messages -> ``Prompt``: both stages in this thread.
 
         ``sources``: one per image in prompt order, a data URL or fetched
         bytes (``media.image_sources``); by default the messages' own URLs,
@@ -167,45 +196,63 @@ class Preprocessor:
         """
         sources = image_urls(messages) if sources is None else list(sources)
         self.check_image_count(len(sources))
-        images = [self._decode(source) for source in sources]
-        processed = [self._process(image) for image in images]
+        return self.assemble(self.chat_tokens(messages), self.chat_images(sources))
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Text stage of a chat request: the rendered template's token ids, one image token per image."""
         rendered = self.render(messages)
+        self.text_limit.check(len(rendered), "messages")
         with self._tokenizer_lock:
-            token_ids = self._encode(rendered)
-        counts = [item.num_tokens for item in processed]
-        expanded, offsets = expand_placeholders(token_ids, self.adapter.image_token_id, counts)
-        items = tuple(
-            ImageItem(
+            return self._encode(rendered)
+
+    def chat_images(self, sources: Sequence[str | bytes]) -> tuple[ProcessedImage, ...]:
+        """Image stage: sizes and caps first, then one decoded image alive at a time."""
+        self.check_image_count(len(sources))
+        payloads = [source if isinstance(source, bytes) else data_url_payload(source) for source in sources]
+        sizes = [image_size(payload, self.max_image_pixels) for payload in payloads]
+        total = sum(width * height for width, height in sizes)
+        if total > self.max_request_pixels:
+            raise TooManyPixelsError(
+                f"The request's images have {total} pixels together; the limit is {self.max_request_pixels}.",
+                "messages",
+            )
+        return tuple(self._process(payload) for payload in payloads)
+
+    def _process(self, payload: bytes) -> ProcessedImage:
+        """Decodes one image, runs the checkpoint's image processor on it (400 if it refuses), hashes it."""
+        from services.common.models.adapter import UnsupportedImageError
+
+        self.faults.before_decode()
+        image = decode_image_bytes(payload, self.max_image_pixels)
+        try:
+            item = self.adapter.process_image(self.processor.image_processor, image)
+            return ProcessedImage(
                 mm_hash=mm_hash(image, self._hash_settings(item.patch_grid), self.adapter.model_id),
-                offset=offset,
                 num_tokens=item.num_tokens,
                 pixel_values=item.pixel_values,
                 patch_grid=item.patch_grid,
                 token_grid=item.token_grid,
             )
-            for image, item, offset in zip(images, processed, offsets)
-        )
-        return Prompt(token_ids=expanded, images=items)
-
-    def _process(self, image: Any) -> Any:
-        """The checkpoint's image processor on one image (``models.ProcessedImage``); 400 if it refuses."""
-        from services.common.models.adapter import UnsupportedImageError
-
-        try:
-            return self.adapter.process_image(self.processor.image_processor, image)
         except UnsupportedImageError as error:
             raise ImageError(str(error), "image_url") from None
+        finally:
+            image.close()  # the decoded pixels go now, not when the request ends
 
     def _hash_settings(self, grid: tuple[int, int, int] | None) -> dict:
         # The grid follows from pixels + settings; hashing it too keeps the
         # hash honest should the resize rule ever change.
         return self._settings if grid is None else {**self._settings, "grid": list(grid)}
 
-    def _decode(self, source: str | bytes) -> Any:
-        self.faults.before_decode()
-        if isinstance(source, bytes):
-            return decode_image_bytes(source, self.max_image_pixels)
-        return decode_data_url(source, self.max_image_pixels)
+    def assemble(self, token_ids: Sequence[int], images: Sequence[ProcessedImage]) -> Prompt:
+        """Expands each image token of ``token_ids`` into its image's span."""
+        expanded, offsets = expand_placeholders(token_ids, self.adapter.image_token_id,
+                                                [image.num_tokens for image in images])
+        items = tuple(
+            ImageItem(mm_hash=image.mm_hash, offset=offset, num_tokens=image.num_tokens,
+                      pixel_values=image.pixel_values, patch_grid=image.patch_grid, token_grid=image.token_grid)
+            for image, offset in zip(images, offsets)
+        )
+        return Prompt(token_ids=expanded, images=items)
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat template applied to ``messages``: one image token per image, generation prompt added."""
@@ -216,6 +263,7 @@ class Preprocessor:
     def completion_prompt(self, prompt: str | Sequence[int]) -> Prompt:
         """A text prompt or a list of token ids -> text-only ``Prompt``."""
         if isinstance(prompt, str):
+            self.text_limit.check(len(prompt), "prompt")
             with self._tokenizer_lock:
                 token_ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         else:

@@ -135,6 +135,27 @@ def test_prometheus_scrapes_every_metrics_port(services):
     }
 
 
+def test_internal_security_is_on_for_every_server(services):
+    secrets = load_compose()["secrets"]
+    assert set(secrets) == {"epd_internal_token"} and "file" in secrets["epd_internal_token"]
+    for name in SERVERS:
+        service = services[name]
+        assert service["secrets"] == ["epd_internal_token"], name
+        assert service["environment"]["EPD_INTERNAL_TOKEN_FILE"] == "/run/secrets/epd_internal_token"
+        assert service["environment"]["EPD_METRICS_REQUIRE_TOKEN"] == "1"
+    # The token file itself never goes into the repository.
+    assert "deploy/internal-token" in (DEPLOY.parent / ".gitignore").read_text().split()
+
+
+def test_prometheus_scrapes_with_the_internal_token(services):
+    import yaml
+
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    for job in config["scrape_configs"]:
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/epd_internal_token"}
+    assert services["prometheus"]["secrets"] == ["epd_internal_token"]
+
+
 def test_grafana_dashboard_draws_the_planned_metrics():
     import re
 

@@ -3,8 +3,8 @@
 There is no Docker engine here, so this runs what each container would run,
 in the order ``depends_on`` gives, and rewrites only what one host needs:
 service DNS names -> 127.0.0.1, container ports -> free ports, the /models
-volume -> a temporary directory, ``--host 0.0.0.0`` -> 127.0.0.1, and the
-image's ENTRYPOINT ``epd`` -> ``python -m services.cli``. Then one chat
+volume and /run/secrets -> temporary directories (the secret: a fresh token),
+``--host 0.0.0.0`` -> 127.0.0.1, and the image's ENTRYPOINT ``epd`` -> ``python -m services.cli``. Then one chat
 completion with an image goes through the proxy, and SIGTERM stops every
 server with exit code 0 within its compose stop_grace_period.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shlex
 import signal
 import subprocess
@@ -48,6 +49,7 @@ class SingleHost:
     service_names: set[str]
     models_dir: Path
     port_map: dict[int, int] = field(default_factory=dict)
+    secrets_dir: Path | None = None  # where /run/secrets/<name> lives on this host
 
     def map_ports(self, services: dict) -> None:
         """Gives every container port of every service its own free host port."""
@@ -60,6 +62,8 @@ class SingleHost:
     def text(self, value: str) -> str:
         value = with_defaults(str(value)).replace("0.0.0.0", "127.0.0.1")
         value = re.sub(r"(?<![\w.-])/models(?=/|\s|$)", str(self.models_dir), value)
+        if self.secrets_dir is not None:
+            value = re.sub(r"(?<![\w.-])/run/secrets(?=/)", str(self.secrets_dir), value)
 
         def address(match: re.Match) -> str:
             host, port = match.group(1), int(match.group(2))
@@ -197,8 +201,11 @@ def _stop(running: list[Running], services: dict) -> None:
 def test_compose_services_run_as_local_processes(tmp_path):
     services = load_compose()["services"]
     wanted = ["model", "pd", "encoder", "proxy"]
-    host = SingleHost(service_names=set(services), models_dir=tmp_path / "models")
+    host = SingleHost(service_names=set(services), models_dir=tmp_path / "models", secrets_dir=tmp_path / "secrets")
     host.models_dir.mkdir()
+    host.secrets_dir.mkdir()
+    for name in load_compose()["secrets"]:  # what `docker compose` would mount from each secret's file
+        (host.secrets_dir / name).write_text(secrets.token_urlsafe(32))
     host.map_ports(services)
     running: list[Running] = []
     try:
@@ -219,6 +226,12 @@ def test_compose_services_run_as_local_processes(tmp_path):
 
         proxy_port = host.port_map[int(flag(services["proxy"]["command"], "--port"))]
         _chat_with_image(f"http://127.0.0.1:{proxy_port}")
+        encoder_metrics = host.port_map[int(flag(services["encoder"]["command"], "--metrics-port"))]
+        token = (host.secrets_dir / "epd_internal_token").read_text()
+        for port in (encoder_metrics, proxy_port):  # scrapes need the internal token
+            url = f"http://127.0.0.1:{port}/metrics"
+            assert httpx.get(url, timeout=10).status_code == 401
+            assert httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code == 200
         _stop(list(reversed(running)), services)
     finally:
         for item in running:

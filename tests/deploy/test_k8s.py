@@ -41,9 +41,10 @@ def test_the_expected_objects_and_no_namespace(docs):
         ("ConfigMap", "epd-config"),
         ("Deployment", "pd"), ("Deployment", "encoder"), ("Deployment", "proxy"),
         ("Service", "pd-headless"), ("Service", "encoder-headless"), ("Service", "proxy"),
+        ("NetworkPolicy", "encoder-ingress"), ("NetworkPolicy", "pd-ingress"),
     }
     for doc in docs.values():
-        assert doc["apiVersion"] in ("v1", "apps/v1")
+        assert doc["apiVersion"] in ("v1", "apps/v1", "networking.k8s.io/v1")
         assert "namespace" not in doc["metadata"], "manifests are namespace-free (kubectl apply -n NS)"
 
 
@@ -160,3 +161,41 @@ def test_kubectl_kustomize_renders_every_object():
     assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == {
         (d["kind"], d["metadata"]["name"]) for d in load_k8s()
     }
+
+
+def _component(selector: dict) -> str:
+    labels = selector["podSelector"]["matchLabels"]
+    assert labels["app.kubernetes.io/name"] == "epd"
+    return labels["app.kubernetes.io/component"]
+
+
+@pytest.mark.parametrize(("name", "allowed"), [("encoder", {"proxy"}), ("pd", {"proxy", "encoder"})])
+def test_network_policies_admit_only_the_expected_peers_to_grpc(docs, name, allowed):
+    policy = docs[("NetworkPolicy", f"{name}-ingress")]["spec"]
+    assert _component(policy) == name and policy["policyTypes"] == ["Ingress"]
+    container_ports = _ports(_main_container(docs[("Deployment", name)]))
+    admitted: dict[str, set[str]] = {}
+    for rule in policy["ingress"]:
+        sources = {_component(peer) for peer in rule["from"]} if "from" in rule else {"anyone"}
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP" and port["port"] in container_ports
+            admitted.setdefault(port["port"], set()).update(sources)
+    # gRPC (the push port included: one port per service) from the allowed pods only;
+    # metrics from anywhere (Prometheus), where the token guards it.
+    assert admitted == {"grpc": allowed, "metrics": {"anyone"}}
+
+
+def test_every_server_reads_the_internal_token_from_the_secret(docs):
+    config = docs[("ConfigMap", "epd-config")]["data"]
+    assert config["EPD_METRICS_REQUIRE_TOKEN"] == "1"
+    token_dir, token_file = config["EPD_INTERNAL_TOKEN_FILE"].rsplit("/", 1)
+    for name in SERVERS:
+        spec = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["name"]: m for m in _main_container(docs[("Deployment", name)])["volumeMounts"]}
+        secret = volumes["internal-token"]["secret"]
+        assert secret["secretName"] == "epd-internal-token"
+        assert mounts["internal-token"] == {"name": "internal-token", "mountPath": token_dir, "readOnly": True}
+        assert token_file == "token"  # the key `kubectl create secret ... --from-literal=token=...` makes
+        # Readable by the group the pod runs with (fsGroup), by nobody else.
+        assert secret["defaultMode"] == 0o440 and spec["securityContext"]["fsGroup"] == 10001

@@ -26,9 +26,9 @@ SLOW_DECODE_MS = 3000
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    # Four preprocessing threads: a decode abandoned at its deadline keeps one
-    # busy until it finishes, and the other tests need free ones.
-    proxy = {"faults": ProxyFaults(slow_decode_ms=SLOW_DECODE_MS), "preprocess_threads": 4}
+    # Four image threads: a decode abandoned at its deadline keeps one busy
+    # until it finishes, and the other tests need free ones.
+    proxy = {"faults": ProxyFaults(slow_decode_ms=SLOW_DECODE_MS), "preprocess_threads": 4, "image_threads": 4}
     cluster = InProcessCluster(str(tiny_model_dir), proxy=proxy).start()
     yield cluster
     cluster.stop()

@@ -107,3 +107,20 @@ async def test_pd_scrape_before_any_snapshot_reports_only_responsiveness(tiny_mo
     await pd.stop(0)
     assert pd.metrics_http is None  # metrics off: no endpoint was started
     assert _values(await PdMetrics(pd.engine).render()) == {"epd_pd_engine_responsive": 0.0}
+
+
+async def test_pd_metrics_behind_the_internal_token(tiny_model_dir):
+    from services.common.security import InternalSecurity
+
+    token = "pd-metrics-token-0123456789"
+    config = PdConfig(model=str(tiny_model_dir), port=0, metrics_port=0, warmup=False,
+                      security=InternalSecurity(token=token, metrics_auth=True))
+    pd = await start_pd(config)
+    try:
+        url = f"http://127.0.0.1:{pd.metrics_http.port}/metrics"
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(url)).status_code == 401
+            reply = await client.get(url, headers={"Authorization": f"Bearer {token}"})
+        assert reply.status_code == 200 and "epd_pd_engine_responsive" in _values(reply.text)
+    finally:
+        await pd.stop(0)

@@ -99,6 +99,21 @@ async def test_stop_ends_idle_connections_and_frees_the_port():
         await asyncio.open_connection("127.0.0.1", port)
 
 
+async def test_a_token_protected_endpoint_needs_the_bearer_token():
+    token = "metrics-token-0123456789"
+    server = await MetricsHttpServer.start("127.0.0.1", 0, _render_ok, token=token)
+    try:
+        status, body = await _ask(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
+        assert status == 401 and b"epd_test" not in body
+        wrong = b"GET /metrics HTTP/1.1\r\nAuthorization: Bearer metrics-token-0123456780\r\n\r\n"
+        assert (await _ask(server.port, wrong))[0] == 401
+        right = f"GET /metrics HTTP/1.1\r\nHost: a\r\nauthorization:  Bearer {token}\r\n\r\n".encode()
+        status, body = await _ask(server.port, right)
+        assert status == 200 and body == await _render_ok()
+    finally:
+        await server.stop()
+
+
 async def test_a_port_in_use_raises():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -256,15 +271,8 @@ def test_an_invalid_metrics_port_is_refused(port):
 
 
 def _spawned(monkeypatch, argv: list[str]) -> dict[str, list[str]]:
-    spawned: dict[str, list[str]] = {}
-
-    def spawn_double(name, args, address, health_service):
-        spawned[name] = args
-        return launcher.Child(name=name, process=None, address=address, health_service=health_service)
-
-    monkeypatch.setattr(launcher, "_spawn", spawn_double)
-    launcher._start_children(_parse(launcher.add_arguments, argv))
-    return spawned
+    specs = launcher.service_specs(_parse(launcher.add_arguments, argv))
+    return {spec.name: list(spec.argv) for spec in specs}
 
 
 def _metrics_port(argv: list[str]) -> str:
@@ -283,6 +291,7 @@ def test_up_gives_each_server_its_own_metrics_port(monkeypatch):
     ["--encoders", "11"],                                     # encoder gRPC 50051..50061 meets PD 50061
     ["--encoder-metrics-base-port", "9201"],                  # encoder and PD metrics on one port
     ["--pds", "2", "--pd-metrics-base-port", "8000"],         # PD metrics on the proxy's port
+    ["--launcher-metrics-port", "9101"],                      # the launcher's metrics on encoder 0's
 ])
 def test_up_refuses_ports_that_collide(argv, capsys):
     assert launcher.run(_parse(launcher.add_arguments, argv)) == 2
@@ -291,6 +300,6 @@ def test_up_refuses_ports_that_collide(argv, capsys):
 
 def test_up_ports_do_not_collide_when_metrics_are_off():
     args = _parse(launcher.add_arguments, ["--encoders", "150", "--encoder-metrics-base-port", "-1",
-                                           "--pd-base-port", "60000"])
+                                           "--pd-base-port", "60000", "--launcher-metrics-port", "-1"])
     ports = launcher._listening_ports(args)
     assert len(ports) == len(set(ports)) == 1 + 150 + 1 + 1  # proxy, encoders, PD, PD metrics

@@ -395,6 +395,20 @@ async def test_unreachable_pd_is_unavailable(cluster: Cluster) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await cluster.stub.Encode(encode_request(f"127.0.0.1:{_free_port()}", 13.0), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Defect 9: the caller learns that the push failed, not the encoder's own work.
+    assert grpc_utils.failed_hop(info.value) == grpc_utils.PUSH_HOP
+
+
+async def test_a_pd_rejection_is_marked_as_the_push_hop_and_own_failures_are_not(cluster: Cluster) -> None:
+    cluster.pd.fail_with = grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.aio.AioRpcError) as rejected:
+        await cluster.stub.Encode(encode_request(cluster.pd_address, 21.0), timeout=10)
+    assert grpc_utils.failed_hop(rejected.value) == grpc_utils.PUSH_HOP
+    cluster.pd.fail_with = None
+    cluster.vision.fail_next = True
+    with pytest.raises(grpc.aio.AioRpcError) as own:
+        await cluster.stub.Encode(encode_request(cluster.pd_address, 22.0), timeout=10)
+    assert own.value.code() == grpc.StatusCode.INTERNAL and grpc_utils.failed_hop(own.value) is None
 
 
 async def test_push_waits_for_a_pd_that_comes_up(cluster: Cluster) -> None:

@@ -109,6 +109,13 @@ def test_preallocate_and_generate_refuse_too_many_items(stub, adapter, pd_cluste
     assert _stats(pd_cluster).num_reservations == 0
 
 
+def test_a_message_bigger_than_any_legitimate_one_is_refused_by_the_transport(stub, pd_cluster):
+    max_model_len = pd_cluster.pds[0].servicer.max_model_len
+    huge = epd_pb2.GenerateRequest(request_id=new_request_id(), prompt_token_ids=[1] * (8 * max_model_len + 3_000_000))
+    assert huge.ByteSize() > 3_000_000
+    assert _code(lambda: run_generate(stub, huge)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 # -- 6: one push in flight per reservation, and an idle timeout ------------------
 
 def _stalled_push(request_id, reservation_id, mm_hash, embedding, release: threading.Event):

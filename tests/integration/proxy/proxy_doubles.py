@@ -33,10 +33,16 @@ class Failure:
 
     code: grpc.StatusCode
     retry_after_ms: int | None = None
+    failed_hop: str | None = None  # e.g. grpc_utils.PUSH_HOP: the encoder says its push to PD failed
 
     async def raise_in(self, context: grpc.aio.ServicerContext) -> None:
+        trailers = []
         if self.retry_after_ms is not None:
-            context.set_trailing_metadata(((grpc_utils.RETRY_AFTER_KEY, str(self.retry_after_ms)),))
+            trailers.append((grpc_utils.RETRY_AFTER_KEY, str(self.retry_after_ms)))
+        if self.failed_hop is not None:
+            trailers.append((grpc_utils.FAILED_HOP_KEY, self.failed_hop))
+        if trailers:
+            context.set_trailing_metadata(tuple(trailers))
         await context.abort(self.code, "scripted failure")
 
 
@@ -144,6 +150,7 @@ class FakeEncoder(epd_pb2_grpc.EncoderServicer):
         self.delay_s = 0.0
         self.cancelled = 0
         self.cache_hits: set[str] = set()                 # mm_hashes to report as cache hits
+        self.push_failures: dict[str, Failure] = {}       # PD address -> how pushes to it fail
         self.deadlines: list[float | None] = []           # time_remaining() seen by each Encode
 
     async def Encode(self, request, context):
@@ -159,6 +166,8 @@ class FakeEncoder(epd_pb2_grpc.EncoderServicer):
             await self.next_failures.pop(0).raise_in(context)
         if self.failure is not None:
             await self.failure.raise_in(context)
+        if request.pd_address in self.push_failures:
+            await self.push_failures[request.pd_address].raise_in(context)
         pd = self.pds_by_address[request.pd_address]
         for item in request.items:
             assert item.pixel_values.dtype == epd_pb2.DTYPE_FLOAT32 and len(item.pixel_values.shape) == 3

@@ -17,6 +17,7 @@ from proxy_doubles import (
 )
 
 from services.common.pb import epd_pb2
+from services.common.security import InternalSecurity
 from services.proxy.app import create_app
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
@@ -225,7 +226,8 @@ async def test_x_request_timeout_is_the_deadline_of_every_hop(cluster_factory):
     assert reply.status_code == 200
     assert 1.5 < cluster.pd.deadlines[-1] <= 2.5 and 1.5 < cluster.encoder.deadlines[-1] <= 2.5
     await post(cluster, headers={"X-Request-Timeout": "3600"})   # may only shorten the server's limit
-    assert cluster.pd.deadlines[-1] <= 10.0
+    # gRPC sends a timeout of 10 s or more in 100 ms units, rounded up: 10.0 can arrive as 10.1.
+    assert cluster.pd.deadlines[-1] <= 10.1
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "inf", ""])
@@ -273,6 +275,32 @@ async def test_api_key_is_required_on_the_api_only(cluster_factory):
     assert cluster.pd.generates == []
     assert (await post(cluster, headers={"Authorization": "Bearer k-123"})).status_code == 200
     assert (await cluster.client.get("/health")).status_code == 200
+
+
+async def test_with_an_api_key_health_and_metrics_name_no_backend_to_strangers(cluster_factory):
+    # Defect 10: /health listed every backend address and /metrics labelled them, to anyone.
+    cluster = await cluster_factory(api_key="k-123")
+    addresses = [cluster.pd.address, cluster.encoder.address]
+    health = await cluster.client.get("/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    scrape = await cluster.client.get("/metrics")
+    assert scrape.status_code == 401 and scrape.json()["error"]["code"] == "invalid_api_key"
+    assert not any(address in health.text + scrape.text for address in addresses)
+    assert (await cluster.client.get("/metrics", headers={"Authorization": "Bearer wrong"})).status_code == 401
+    authorized = {"Authorization": "Bearer k-123"}
+    full = (await cluster.client.get("/health", headers=authorized)).json()
+    assert full["pd"] == {cluster.pd.address: True} and full["encoder"] == {cluster.encoder.address: True}
+    scrape = await cluster.client.get("/metrics", headers=authorized)
+    assert scrape.status_code == 200 and cluster.pd.address in scrape.text
+
+
+async def test_metrics_require_token_accepts_the_internal_token(cluster_factory):
+    token = "internal-token-0123456789"
+    cluster = await cluster_factory(security=InternalSecurity(token=token, metrics_auth=True))
+    assert (await cluster.client.get("/metrics")).status_code == 401
+    assert "pd" not in (await cluster.client.get("/health")).json()
+    assert (await cluster.client.get("/metrics", headers={"Authorization": f"Bearer {token}"})).status_code == 200
+    assert (await post(cluster)).status_code == 200  # the API itself stays open without --api-key
 
 
 async def test_a_dns_name_with_two_addresses_is_two_instances_that_follow_dns(tiny_model_dir):

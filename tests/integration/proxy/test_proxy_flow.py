@@ -71,11 +71,20 @@ async def test_image_request_preallocates_then_encodes_and_generates(cluster_fac
     assert sorted((i.mm_hash, i.reservation_id) for e in encodes for i in e.items) == sorted(
         (item.mm_hash, f"{request_id}/res{index}") for index, item in enumerate(pre.items)
     )
-    assert pre.lease_ms == 0                                 # PD's default, capped by the call deadline
+    # Defect 12: no --lease-ms means the request's deadline (10 s here), not PD's default.
+    assert 9_000 < pre.lease_ms <= 10_000
     usage = reply.json()["usage"]
     assert usage["epd"]["image_tokens"] == sum(i.num_tokens for i in pre.items)
     assert usage["epd"]["num_images"] == 2
     assert {"preprocess", "preallocate", "encode", "total"} <= set(usage["epd"]["timings_ms"])
+
+
+async def test_without_a_configured_lease_the_lease_is_the_request_deadline(cluster_factory):
+    cluster = await cluster_factory(request_timeout_s=60.0)
+    request = {"messages": [image_message(png_data_url())], "max_tokens": 2}
+    reply = await cluster.client.post("/v1/chat/completions", json=request, headers={"X-Request-Timeout": "45"})
+    assert reply.status_code == 200
+    assert 40_000 < cluster.pd.preallocates[0].lease_ms <= 45_000
 
 
 async def test_configured_lease_is_sent(cluster_factory):

@@ -55,3 +55,40 @@ def test_non_rgb_modes_hash_as_their_rgb_pixels():
     rgba = _image().convert("RGBA")
     assert mm_hash(rgba, SETTINGS, "m") == mm_hash(rgba.convert("RGB"), SETTINGS, "m")
     assert len(mm_hash(rgba, SETTINGS, "m")) == 64
+
+
+def _whole_image_digest(img, settings, model_id) -> str:
+    """The definition of mm_hash, with one tobytes() of the whole image."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    for part in (b"epd-mm-v1\0", model_id.encode(), b"\0",
+                 json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str).encode(), b"\0",
+                 f"{img.width}x{img.height}".encode(), b"\0", img.tobytes()):
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def test_strip_hashing_gives_the_whole_image_digest():
+    import torch
+
+    for width, height in ((8, 6), (1500, 701), (3, 400_000)):  # strips of one row, many rows, ragged end
+        pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(width),
+                               dtype=torch.uint8)
+        img = Image.fromarray(pixels.numpy(), "RGB")
+        assert mm_hash(img, SETTINGS, "m") == _whole_image_digest(img, SETTINGS, "m")
+
+
+def test_hashing_a_large_image_holds_no_full_copy_of_its_pixels():
+    # Defect 4: hashing made a tobytes() copy of the whole decoded image (48 MiB for 4096 x 4096).
+    import tracemalloc
+
+    img = Image.new("RGB", (2048, 2048), (1, 2, 3))  # 12 MiB of pixels
+    tracemalloc.start()
+    try:
+        mm_hash(img, SETTINGS, "m")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * 2**20

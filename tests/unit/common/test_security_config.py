@@ -170,18 +170,11 @@ def test_forward_argv_passes_only_what_was_set(clean_env):
 
 
 def test_epd_up_passes_the_flags_to_every_service(monkeypatch, clean_env):
-    spawned: dict[str, list[str]] = {}
-
-    def spawn_double(name, argv, address, health_service):  # test double: records, starts nothing
-        spawned[name] = argv
-        return launcher.Child(name=name, process=None, address=address, health_service=health_service)
-
-    monkeypatch.setattr(launcher, "_spawn", spawn_double)
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
     args = parser.parse_args(["--internal-token-file", "t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a",
                               "--grpc-reflection"])
-    launcher._start_children(args)
+    spawned = {spec.name: list(spec.argv) for spec in launcher.service_specs(args)}
     flags = ["--internal-token-file", "t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a"]
     assert set(spawned) == {"encoder-0", "pd-0", "proxy"}
     for name, argv in spawned.items():

@@ -196,6 +196,31 @@ async def test_cache_hit_skips_vision(batcher: Batcher, vision: FakeVision) -> N
     assert torch.equal(first.embedding, second.embedding)
 
 
+async def test_a_known_hash_with_other_pixels_is_encoded_not_served_from_the_cache(
+    batcher: Batcher, vision: FakeVision
+) -> None:
+    # Poisoning: a caller (bug or hostile peer) sends a popular image's hash with other pixels.
+    genuine = await batcher.encode("popular", image(1.0), None)
+    forged = await batcher.encode("popular", image(9.0), None)
+    assert not forged.cache_hit and torch.equal(forged.embedding, expected(image(9.0)[None])[0])
+    # The genuine entry is untouched: the real image still hits and gets its own embedding.
+    again = await batcher.encode("popular", image(1.0), None)
+    assert again.cache_hit and torch.equal(again.embedding, genuine.embedding)
+    assert vision.num_forwards == 2
+
+
+async def test_same_hash_other_pixels_in_flight_are_two_jobs(batcher: Batcher, vision: FakeVision) -> None:
+    holder = await hold_worker(batcher, vision)
+    first = asyncio.create_task(batcher.encode("h", image(2.0), None))
+    second = asyncio.create_task(batcher.encode("h", image(3.0), None))
+    await wait_until(lambda: batcher.num_pending == 3)  # not joined: each waits for its own forward
+    vision.gate.set()
+    a, b = await asyncio.gather(first, second)
+    await holder
+    assert torch.equal(a.embedding, expected(image(2.0)[None])[0])
+    assert torch.equal(b.embedding, expected(image(3.0)[None])[0])
+
+
 async def test_dead_item_dropped_at_dequeue(batcher: Batcher, vision: FakeVision) -> None:
     holder = await hold_worker(batcher, vision)
     doomed = asyncio.create_task(batcher.encode("late", image(5.0), time.monotonic() + 0.05))

@@ -27,15 +27,8 @@ def test_pd_encoder_flag_builds_the_config() -> None:
 
 
 def _children(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str, list[str]]:
-    spawned: dict[str, list[str]] = {}
-
-    def fake_spawn(name, args, address, health_service):
-        spawned[name] = args
-        return launcher.Child(name=name, process=None, address=address, health_service=health_service)
-
-    monkeypatch.setattr(launcher, "_spawn", fake_spawn)
-    launcher._start_children(_parse(launcher.add_arguments, argv))
-    return spawned
+    specs = launcher.service_specs(_parse(launcher.add_arguments, argv))
+    return {spec.name: list(spec.argv) for spec in specs}
 
 
 def _flag(argv: list[str], flag: str) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from services.proxy.main import add_arguments, config_from_args, run
 
 
@@ -54,6 +56,19 @@ def test_routing_access_and_media_flags():
     assert (config.breaker_open_s, config.load_poll_s, config.dns_refresh_s, config.max_n) == (0.5, 0.0, 1.0, 2)
     assert config.api_key == "k" and config.allowed_media_domains == ("img.example.com", "*.cdn.org")
     assert config.media_timeout_s == 3.0 and config.max_media_bytes == 2 * 1024 * 1024
+
+
+def test_preprocessing_pool_and_pixel_budget_flags():
+    config = config_from_args(parse([
+        "--preprocess-threads", "3", "--text-queue", "5", "--image-threads", "4", "--image-queue", "0",
+        "--max-request-pixels", "1000000",
+    ]))
+    assert (config.preprocess_threads, config.text_queue, config.image_threads, config.image_queue) == (3, 5, 4, 0)
+    assert config.max_request_pixels == 1_000_000
+    with pytest.raises(ValueError):
+        config_from_args(parse(["--image-queue", "-1"]))
+    with pytest.raises(ValueError):
+        config_from_args(parse(["--image-threads", "0"]))
 
 
 def test_api_key_from_the_environment(monkeypatch):

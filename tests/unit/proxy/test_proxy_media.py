@@ -127,6 +127,36 @@ async def test_byte_cap_by_header_and_while_streaming():
         await media.fetch("https://img.example.com/a", 5.0)
 
 
+async def test_an_encoded_body_is_refused_before_it_is_decoded():
+    # Defect 4: the byte cap applied to decoded bytes, so a small gzip body was inflated first.
+    import gzip
+    import tracemalloc
+
+    bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB of zeros in ~64 KiB
+    seen: list[httpx.Request] = []
+
+    async def body():
+        for start in range(0, len(bomb), 16384):
+            yield bomb[start:start + 16384]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=body(), headers={"content-encoding": "gzip"})  # streamed, unread
+
+    media = fetcher(handler, max_bytes=1 << 20)
+    assert len(bomb) < media.policy.max_bytes
+    tracemalloc.start()
+    try:
+        with pytest.raises(ImageFetchError, match="encoded"):
+            await media.fetch("https://img.example.com/a.png", 5.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20  # nothing was inflated
+    assert seen[0].headers["accept-encoding"] == "identity"
+    await media.aclose()
+
+
 async def test_timeout_and_error_statuses():
     async def slow(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(5)

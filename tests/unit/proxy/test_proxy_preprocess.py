@@ -123,3 +123,90 @@ def test_completion_prompts(preprocessor):
         preprocessor.completion_prompt([len(preprocessor.tokenizer) + 5])
     with pytest.raises(RequestError):
         preprocessor.completion_prompt([])
+
+
+# -- limits before work (issue 16) -------------------------------------------------
+@pytest.fixture(scope="module")
+def adapter_and_processor(tiny_model_dir):
+    from services.common.models import load_adapter
+
+    adapter = load_adapter(str(tiny_model_dir))
+    return adapter, adapter.load_processor()
+
+
+def _decode_spy(monkeypatch):
+    """Wraps the decoder: records how many decoded images were still alive at each call."""
+    import gc
+    import threading
+    import weakref
+
+    from services.proxy import images, preprocess
+
+    decoded: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+    real = images.decode_image_bytes
+
+    def alive(ref: weakref.ref) -> bool:
+        image = ref()
+        try:
+            return image is not None and image.im is not None
+        except ValueError:  # closed: its pixels are gone
+            return False
+
+    test_thread = threading.get_ident()
+
+    def spy(data, max_pixels):
+        if threading.get_ident() != test_thread:  # another test's leftover work: not ours to count
+            return real(data, max_pixels)
+        gc.collect()
+        alive_at_call.append(sum(alive(ref) for ref in decoded))
+        image = real(data, max_pixels)
+        decoded.append(weakref.ref(image))
+        return image
+
+    for module in (preprocess, images):  # wherever the decoder is looked up from
+        monkeypatch.setattr(module, "decode_image_bytes", spy, raising=False)
+    return alive_at_call
+
+
+def test_the_request_pixel_budget_is_checked_before_any_image_is_decoded(adapter_and_processor, monkeypatch):
+    adapter, processor = adapter_and_processor
+    preprocessor = Preprocessor(adapter, processor, max_images=4, max_image_pixels=512 * 512,
+                                max_request_pixels=3000)
+    alive_at_call = _decode_spy(monkeypatch)
+    images = [data_url(picture(40, 40, seed=i)) for i in range(2)]  # 1600 pixels each, 3200 together
+    with pytest.raises(RequestError) as refused:
+        preprocessor.chat_prompt([user("two", *images)])
+    assert refused.value.code == "too_many_image_pixels" and "3200" in refused.value.message
+    assert alive_at_call == []  # nothing was decoded
+    assert len(preprocessor.chat_prompt([user("one", images[0])]).images) == 1
+
+
+def test_images_are_decoded_one_at_a_time_and_each_is_released_before_the_next(adapter_and_processor, monkeypatch):
+    # Defect 4: every image of a request was decoded first and all held until the end.
+    adapter, processor = adapter_and_processor
+    preprocessor = Preprocessor(adapter, processor, max_images=4, max_image_pixels=512 * 512)
+    alive_at_call = _decode_spy(monkeypatch)
+    images = [data_url(picture(48, 40, seed=i)) for i in range(4)]
+    prompt = preprocessor.chat_prompt([user("four", *images)])
+    assert len(prompt.images) == 4 and alive_at_call == [0, 0, 0, 0]
+
+
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(adapter_and_processor, monkeypatch):
+    adapter, processor = adapter_and_processor
+    preprocessor = Preprocessor(adapter, processor, max_images=4, max_image_pixels=512 * 512, max_model_len=32)
+    long_text = "word " * 10_000
+
+    class NoTokenizing:
+        bos_token = processor.tokenizer.bos_token
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("tokenized text that could not fit")
+
+    monkeypatch.setattr(preprocessor, "tokenizer", NoTokenizing())
+    with pytest.raises(RequestError) as chat:
+        preprocessor.chat_tokens([user(long_text)])
+    with pytest.raises(RequestError) as completion:
+        preprocessor.completion_prompt(long_text)
+    assert chat.value.code == completion.value.code == "context_length_exceeded"
+    assert "word" not in chat.value.message

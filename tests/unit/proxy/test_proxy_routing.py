@@ -254,7 +254,7 @@ async def test_lease_is_capped_by_the_deadline_and_a_spent_deadline_is_504():
     clock = FakeClock()
     backends = await static_backends(pds(1, clock), encoders(1, clock))
     job = Job(new_request_id(), Prompt([1, 2]), epd_pb2.SamplingParams(), deadline=clock.now + 3.0)
-    assert Pipeline(backends, lease_ms=0, clock=clock).lease_ms(job) == 0           # PD default
+    assert Pipeline(backends, lease_ms=0, clock=clock).lease_ms(job) == 3000        # none set: the deadline (defect 12)
     assert Pipeline(backends, lease_ms=1000, clock=clock).lease_ms(job) == 1000
     assert Pipeline(backends, lease_ms=9000, clock=clock).lease_ms(job) == 3000
     clock.now += 3.5

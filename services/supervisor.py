@@ -1,0 +1,348 @@
+"""Supervision of ``epd up``'s children: restart with backoff, crash-loop detection, a status endpoint.
+
+A child that exits while ``epd up`` is not stopping is restarted with the
+same command on the same port after a backoff delay; the others keep
+serving, and the proxy's health watch takes the instance out of rotation
+and back in once it reports ready again. When one service has been
+restarted ``max_restarts`` times within ``window_s`` and exits again, it
+is crash-looping: supervision ends and the caller stops the cluster, saying
+which service, how it exited and its last output lines.
+
+Policy (``CrashHistory``) is pure and clock-driven; processes, readiness
+checks and output forwarding are injected so the loop is testable with
+tiny processes. Every child's output goes through the launcher (forwarded
+line by line, unchanged, so JSON log lines stay JSON) and its last lines
+are kept for the crash report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import IO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from services.common.metrics_http import MetricDoc
+
+TAIL_LINES = 20
+"""Output lines kept per child for the crash report."""
+MAX_LINE_CHARS = 500
+"""A kept line longer than this is cut (forwarding is unchanged)."""
+POLL_S = 0.2
+"""How often exits are noticed and restarts are due-checked."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a child that exited is started again."""
+
+    max_restarts: int = 5
+    """Restarts of one service allowed within ``window_s``; one more exit is a crash loop (0 = never restart)."""
+    window_s: float = 60.0
+    """Sliding window over which restarts are counted."""
+    backoff_s: float = 1.0
+    """Delay before the first restart in a window; doubles with each further one."""
+    max_backoff_s: float = 30.0
+    """Longest delay between an exit and its restart."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("max_restarts >= 0, window_s > 0 and 0 <= backoff_s <= max_backoff_s are required")
+
+
+class CrashHistory:
+    """One service's recent restarts; decides the next delay or declares a crash loop (pure)."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._restarts: deque[float] = deque()
+
+    @property
+    def num_recent(self) -> int:
+        """Restarts inside the window at the last ``on_exit``."""
+        return len(self._restarts)
+
+    def on_exit(self, now: float) -> float | None:
+        """The delay before restarting a child that exited at ``now``; None = crash loop, stop."""
+        while self._restarts and now - self._restarts[0] > self.policy.window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.policy.max_restarts:
+            return None
+        self._restarts.append(now)
+        return min(self.policy.backoff_s * 2 ** (len(self._restarts) - 1), self.policy.max_backoff_s)
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 3`` or ``killed by SIGKILL`` (Popen reports a signal as a negative code)."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How to start one service: ``python -m services.cli <argv>`` with extra environment."""
+
+    name: str                       # encoder-0, pd-1, proxy
+    argv: tuple[str, ...]
+    address: str                    # host:port it serves on
+    health_service: str | None      # gRPC health service meaning "ready"; None = HTTP /health
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the launcher's own (secrets)
+
+    @property
+    def kind(self) -> str:
+        return self.name.split("-")[0]
+
+
+class OutputTail:
+    """Forwards a child's output line by line to ``sink`` and keeps its last lines."""
+
+    def __init__(self, stream: IO[bytes], sink: IO[bytes], num_lines: int = TAIL_LINES) -> None:
+        self._lines: deque[str] = deque(maxlen=num_lines)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._pump, args=(stream, sink), daemon=True, name="child-output")
+        self._thread.start()
+
+    def _pump(self, stream: IO[bytes], sink: IO[bytes]) -> None:
+        with stream:
+            for raw in iter(lambda: stream.readline(65536), b""):
+                try:
+                    sink.write(raw)
+                    sink.flush()
+                except (OSError, ValueError):
+                    pass  # our own output is gone; keep draining so the child never blocks
+                with self._lock:
+                    self._lines.append(raw.decode("utf-8", "replace").rstrip()[:MAX_LINE_CHARS])
+
+    def lines(self, wait_s: float = 1.0) -> list[str]:
+        """The last lines (after up to ``wait_s`` for the pipe to drain, when the child has exited)."""
+        self._thread.join(wait_s)
+        with self._lock:
+            return list(self._lines)
+
+
+def _death_signal() -> Callable[[], None] | None:
+    """What runs in the child before exec: SIGTERM it if the launcher dies (Linux ``PR_SET_PDEATHSIG``).
+
+    Resolved here, in the launcher: after ``fork`` in a process with threads
+    (the output pumps) the child must not import or load anything.
+    """
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        return None
+    return lambda: prctl(1, signal.SIGTERM)
+
+
+def spawn_process(spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
+    """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *spec.argv], env={**os.environ, **spec.env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_death_signal(),
+    )
+    assert process.stdout is not None
+    return process, OutputTail(process.stdout, sys.stderr.buffer)
+
+
+class ChildState(enum.IntEnum):
+    STARTING = 0    # spawned, not ready yet
+    RUNNING = 1     # reported ready
+    WAITING = 2     # exited; restart due at ``restart_at``
+
+
+@dataclass
+class Child:
+    """One supervised service and its current process."""
+
+    spec: ServiceSpec
+    history: CrashHistory
+    process: subprocess.Popen | None = None
+    output: OutputTail | None = None
+    state: ChildState = ChildState.STARTING
+    restart_at: float = 0.0
+    num_restarts: int = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def tail(self) -> list[str]:
+        return [] if self.output is None else self.output.lines()
+
+
+class StartupFailed(Exception):
+    """A child exited or did not become ready before the cluster was up."""
+
+
+@dataclass(frozen=True)
+class CrashLoop:
+    """Why supervision gave up: the service, how it last exited, its last output lines."""
+
+    name: str
+    exit: str
+    num_restarts: int
+    window_s: float
+    tail: list[str]
+
+    def message(self) -> str:
+        lines = "".join(f"\n  | {line}" for line in self.tail) or "\n  (no output)"
+        return (f"{self.name} is crash-looping: it {self.exit} after {self.num_restarts} restarts within "
+                f"{self.window_s:.0f}s; stopping the cluster. Its last output lines:{lines}")
+
+
+METRICS = (
+    MetricDoc("epd_launcher_restarts_total", "counter", ("service",),
+              "restarts of a child of `epd up` after it exited unexpectedly"),
+    MetricDoc("epd_launcher_service_up", "gauge", ("service",),
+              "1 while the child is running and has reported ready, 0 while starting or waiting to restart"),
+)
+
+
+class LauncherMetrics:
+    """``epd_launcher_*`` on a registry of its own (served by ``epd up --launcher-metrics-port``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.restarts = Counter("epd_launcher_restarts", "Child restarts after an unexpected exit", ["service"],
+                                registry=self.registry)
+        self.up = Gauge("epd_launcher_service_up", "1 while the child runs and reported ready", ["service"],
+                        registry=self.registry)
+
+    async def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+Say = Callable[[str], None]
+ReadyCheck = Callable[[ServiceSpec], Awaitable[bool]]
+Spawn = Callable[[ServiceSpec], tuple[subprocess.Popen, OutputTail]]
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+class Supervisor:
+    """Starts the children, waits until all are ready, then keeps them running (see the module docstring)."""
+
+    def __init__(self, specs: list[ServiceSpec], policy: RestartPolicy, *, is_ready: ReadyCheck,
+                 spawn: Spawn = spawn_process, metrics: LauncherMetrics | None = None, say: Say = _say,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self.children = [Child(spec, CrashHistory(policy)) for spec in specs]
+        self._is_ready = is_ready
+        self._spawn = spawn
+        self.metrics = metrics or LauncherMetrics()
+        self._say = say
+        self._clock = clock
+        for spec in specs:  # every series exists from the start, at 0
+            self.metrics.restarts.labels(spec.name)
+            self.metrics.up.labels(spec.name).set(0)
+
+    def _start(self, child: Child) -> None:
+        child.process, child.output = self._spawn(child.spec)
+        child.state = ChildState.STARTING
+        self.metrics.up.labels(child.spec.name).set(0)
+
+    def start_all(self) -> None:
+        for child in self.children:
+            self._start(child)
+
+    async def wait_ready(self, timeout_s: float, stop: asyncio.Event) -> None:
+        """Until every child reports ready; ``StartupFailed`` when one exits or the time runs out."""
+        deadline = self._clock() + timeout_s
+        while not stop.is_set():
+            for child in self.children:
+                if child.process.poll() is not None:
+                    lines = "".join(f"\n  | {line}" for line in child.tail())
+                    raise StartupFailed(f"{child.spec.name} {describe_exit(child.process.returncode)} "
+                                        f"during start-up{lines}")
+            if await self._check_starting():
+                return
+            if self._clock() > deadline:
+                pending = [c.spec.name for c in self.children if c.state is not ChildState.RUNNING]
+                raise StartupFailed(f"not ready after {timeout_s:.0f}s: {', '.join(pending)}")
+            await _wait(stop, POLL_S)
+
+    async def _check_starting(self) -> bool:
+        """Asks every starting child whether it is ready now; True when all children run."""
+        starting = [c for c in self.children if c.state is ChildState.STARTING and c.process.poll() is None]
+        answers = await asyncio.gather(*(self._is_ready(c.spec) for c in starting))
+        for child, ready in zip(starting, answers):
+            if ready and child.process.poll() is None:
+                child.state = ChildState.RUNNING
+                self.metrics.up.labels(child.spec.name).set(1)
+                again = " again" if child.num_restarts else ""
+                self._say(f"  {child.spec.name:<10} ready{again} on {child.spec.address} (pid {child.pid})")
+        return all(c.state is ChildState.RUNNING for c in self.children)
+
+    async def supervise(self, stop: asyncio.Event) -> CrashLoop | None:
+        """Restarts children that exit until ``stop`` is set (None) or one crash-loops (returned)."""
+        while not stop.is_set():
+            now = self._clock()
+            for child in self.children:
+                if child.state is ChildState.WAITING:
+                    if now >= child.restart_at:
+                        self._start(child)
+                        self._say(f"epd: {child.spec.name} restarted (pid {child.pid}, restart {child.num_restarts})")
+                    continue
+                if child.process.poll() is None:
+                    continue
+                crash = self._on_exit(child, now)
+                if crash is not None:
+                    return crash
+            await self._check_starting()
+            await _wait(stop, POLL_S)
+        return None
+
+    def _on_exit(self, child: Child, now: float) -> CrashLoop | None:
+        how = describe_exit(child.process.returncode)
+        self.metrics.up.labels(child.spec.name).set(0)
+        delay = child.history.on_exit(now)
+        if delay is None:
+            return CrashLoop(child.spec.name, how, child.history.num_recent, self.policy.window_s, child.tail())
+        child.num_restarts += 1
+        child.state, child.restart_at = ChildState.WAITING, now + delay
+        self.metrics.restarts.labels(child.spec.name).inc()
+        self._say(f"epd: {child.spec.name} {how}; restarting it on {child.spec.address} in {delay:.1f}s "
+                  f"({child.history.num_recent} of {self.policy.max_restarts} restarts within "
+                  f"{self.policy.window_s:.0f}s); the others keep serving")
+        return None
+
+    def stop_all(self, grace_s: float = 30.0) -> None:
+        """SIGTERM in order (proxy, encoders, PDs), each waited for; SIGKILL whatever outlives ``grace_s``."""
+        order = sorted(self.children, key=lambda c: {"proxy": 0, "encoder": 1}.get(c.spec.kind, 2))
+        for child in order:
+            process = child.process
+            if process is None or process.poll() is not None:
+                continue
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for child in self.children:
+            if child.output is not None:
+                child.output.lines(wait_s=2.0)  # let the last lines reach the terminal
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        pass

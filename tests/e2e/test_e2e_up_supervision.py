@@ -1,0 +1,287 @@
+"""``epd up`` keeps serving through a crash (issue 16's must-show), and stops on a crash loop.
+
+One ``epd up --encoders 2 --pds 2`` on the tiny model serves a bounded mixed
+load (text and image requests, some of them streamed) while one encoder and
+then one PD are SIGKILLed. Without a restart of ``epd up``: at least 95% of
+the requests succeed, every other one ends cleanly (an OpenAI error, or a
+stream's error event followed by ``[DONE]``; none is cut off silently), and
+both killed services are restarted on their ports and ready again within
+60 s. Then one encoder is killed and its port held, so that every restart
+fails: ``epd up`` must stop, naming that encoder, its exit and its last lines.
+
+Before issue 16, ``epd up`` tore the whole cluster down at the first exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from oracle_support import data_url, make_image
+
+pytestmark = pytest.mark.e2e
+
+NUM_REQUESTS = 48
+CONCURRENCY = 4
+MAX_TOKENS = 6
+KILL_ENCODER_AFTER = 12      # completed requests
+KILL_PD_AFTER = 24
+BACK_WITHIN_S = 60.0         # must-show bound for a killed service to be ready again
+REQUEST_TIMEOUT_S = 20
+
+
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive ports that were all free just now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+class Launcher:
+    """A running ``epd up`` and everything it has printed (read on a thread so the pipe never fills)."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self._lock:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def output(self) -> str:
+        with self._lock:
+            return "\n".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, timeout_s: float, after: float = 0.0) -> tuple[float, re.Match]:
+        """The first line printed after ``after`` that matches ``pattern``: (when, match)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with self._lock:
+                for when, line in self.lines:
+                    match = re.search(pattern, line)
+                    if when >= after and match:
+                        return when, match
+            if self.process.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not printed within {timeout_s:.0f}s; output:\n{self.output()[-6000:]}")
+
+    def pid_of(self, name: str, after: float = 0.0) -> int:
+        return int(self.wait_for(rf"{name}\s+ready.* \(pid (\d+)\)", 5, after)[1].group(1))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+
+
+@dataclass
+class Cluster:
+    launcher: Launcher
+    base_url: str
+    encoder_base: int
+    launcher_metrics: int
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    proxy_port, launcher_metrics = (free_port_range(1) for _ in range(2))
+    encoder_base, pd_base, encoder_metrics, pd_metrics = (free_port_range(2) for _ in range(4))
+    command = [
+        sys.executable, "-m", "services.cli", "up", "--model", str(tiny_model_dir), "--encoders", "2", "--pds", "2",
+        "--port", str(proxy_port), "--encoder-base-port", str(encoder_base), "--pd-base-port", str(pd_base),
+        "--encoder-metrics-base-port", str(encoder_metrics), "--pd-metrics-base-port", str(pd_metrics),
+        "--launcher-metrics-port", str(launcher_metrics), "--threads", "1", "--log-level", "warning",
+        "--max-restarts", "2", "--restart-backoff-s", "0.2",
+    ]
+    env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path_factory.mktemp("cache")), "PYTHONUNBUFFERED": "1"}
+    env.pop("EPD_INTERNAL_TOKEN", None)
+    launcher = Launcher(command, env)
+    try:
+        launcher.wait_for("cluster ready", 300)
+        yield Cluster(launcher, f"http://127.0.0.1:{proxy_port}", encoder_base, launcher_metrics)
+    finally:
+        launcher.stop()
+
+
+# -- load ---------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    index: int
+    streamed: bool
+    status: int | None = None     # HTTP status; None = no answer at all
+    finished: bool = False        # a finish_reason arrived
+    error_event: bool = False     # a stream ended with an OpenAI error event
+    done: bool = False            # a stream's data: [DONE]
+    error_code: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.finished and not self.error_event and (self.done or not self.streamed)
+
+    @property
+    def clean_failure(self) -> bool:
+        """Failed, but the client was told: an error status with a body, or an error event then [DONE]."""
+        if self.status is not None and self.status != 200:
+            return self.error_code is not None
+        return self.streamed and self.error_event and self.done
+
+
+def body_of(index: int) -> dict:
+    images = [make_image(index % 7 + 1)] if index % 3 else []  # two thirds carry an image, some repeated
+    content = [{"type": "text", "text": f"Request {index}: what is shown?"}]
+    content += [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in images]
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": index % 2 == 1}
+
+
+def send(client: httpx.Client, index: int) -> Outcome:
+    body = body_of(index)
+    outcome = Outcome(index, streamed=body["stream"])
+    headers = {"X-Request-Timeout": str(REQUEST_TIMEOUT_S)}
+    try:
+        if not body["stream"]:
+            reply = client.post("/v1/chat/completions", json=body, headers=headers)
+            outcome.status = reply.status_code
+            payload = reply.json()
+            outcome.finished = reply.status_code == 200 and payload["choices"][0]["finish_reason"] is not None
+            outcome.error_code = (payload.get("error") or {}).get("code")
+            return outcome
+        with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as reply:
+            outcome.status = reply.status_code
+            if reply.status_code != 200:
+                outcome.error_code = (json.loads(reply.read()).get("error") or {}).get("code")
+                return outcome
+            for line in reply.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    outcome.done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    outcome.error_event, outcome.error_code = True, event["error"].get("code")
+                elif any(choice.get("finish_reason") for choice in event.get("choices", [])):
+                    outcome.finished = True
+    except (httpx.HTTPError, ValueError):
+        pass  # no (complete) answer: counted as lost below
+    return outcome
+
+
+def _kill(pid: int) -> float:
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _restarts(cluster: Cluster) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{cluster.launcher_metrics}/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'epd_launcher_restarts_total\{service="([^"]+)"\} (\S+)', text)}
+
+
+def test_a_killed_encoder_and_pd_are_restarted_while_the_cluster_keeps_serving(cluster):
+    launcher = cluster.launcher
+    proxy_pid = launcher.pid_of("proxy")
+    completed: list[Outcome] = []
+    kills: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def one(client: httpx.Client, index: int) -> None:
+        outcome = send(client, index)
+        with lock:
+            completed.append(outcome)
+            count = len(completed)
+            if count == KILL_ENCODER_AFTER and "encoder-0" not in kills:
+                kills["encoder-0"] = _kill(launcher.pid_of("encoder-0"))
+            elif count == KILL_PD_AFTER and "pd-0" not in kills:
+                kills["pd-0"] = _kill(launcher.pid_of("pd-0"))
+
+    with httpx.Client(base_url=cluster.base_url, timeout=REQUEST_TIMEOUT_S + 10) as client, \
+            ThreadPoolExecutor(CONCURRENCY) as pool:
+        list(pool.map(lambda i: one(client, i), range(NUM_REQUESTS)))
+
+    assert set(kills) == {"encoder-0", "pd-0"}
+    back = {name: launcher.wait_for(rf"{name}\s+ready again", BACK_WITHIN_S, after=killed)[0] - killed
+            for name, killed in kills.items()}
+    ok = [o for o in completed if o.ok]
+    failed = [o for o in completed if not o.ok]
+    lost = [o for o in failed if not o.clean_failure]
+    print(f"{len(ok)}/{len(completed)} succeeded; failed cleanly: "
+          f"{[(o.index, o.status, o.error_code, o.streamed) for o in failed]}; "
+          f"back and ready after kill: " + ", ".join(f"{name} {s:.1f}s" for name, s in back.items()))
+    assert len(completed) == NUM_REQUESTS
+    assert lost == [], f"requests that ended without a clean error: {lost}"
+    assert len(ok) >= 0.95 * NUM_REQUESTS
+    assert all(seconds <= BACK_WITHIN_S for seconds in back.values())
+    # epd up itself never restarted, nor its proxy; each kill counted once.
+    assert launcher.process.poll() is None
+    restarts = _restarts(cluster)
+    assert restarts == {"encoder-0": 1, "encoder-1": 0, "pd-0": 1, "pd-1": 0, "proxy": 0}
+    os.kill(proxy_pid, 0)  # the proxy that started with the cluster still runs
+    # The proxy's health watch re-admits the restarted instances, and they serve again.
+    end = time.monotonic() + 30
+    while True:
+        health = httpx.get(cluster.base_url + "/health", timeout=5).json()
+        if all(health["pd"].values()) and all(health["encoder"].values()):
+            break
+        assert time.monotonic() < end, f"the proxy did not re-admit the restarted instances: {health}"
+        time.sleep(0.1)
+    with httpx.Client(base_url=cluster.base_url, timeout=30) as client:
+        assert all(send(client, index).ok for index in range(100, 104))
+
+
+def test_a_crash_looping_service_stops_epd_up_naming_it(cluster):
+    launcher = cluster.launcher
+    port = cluster.encoder_base + 1
+    killed = _kill(launcher.pid_of("encoder-1"))
+    holder = socket.socket()  # every restart of encoder-1 now fails to bind its port
+    try:
+        end = time.monotonic() + 10
+        while True:
+            try:
+                holder.bind(("127.0.0.1", port))
+                break
+            except OSError:  # the killed process's socket is not closed yet
+                assert time.monotonic() < end, "the killed encoder's port never freed"
+                time.sleep(0.02)
+        holder.listen()
+        assert launcher.process.wait(180) == 1
+    finally:
+        holder.close()
+    launcher.wait_for("stopped", 30, after=killed)
+    message = launcher.wait_for(r"encoder-1 is crash-looping: it exited with code 1 after 2 restarts", 5)[1]
+    assert message is not None
+    output = launcher.output()
+    tail = output[output.index("encoder-1 is crash-looping"):]
+    assert "| " in tail and "bind" in tail  # its last output lines, with the reason

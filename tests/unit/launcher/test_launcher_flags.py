@@ -1,0 +1,70 @@
+"""``epd up``'s security and restart flags: the token it generates, what it forwards, what it refuses."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services import launcher
+from services.common import security
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("EPD_INTERNAL_TOKEN", "EPD_INTERNAL_TOKEN_FILE", "EPD_METRICS_REQUIRE_TOKEN",
+                 "EPD_AUTO_INTERNAL_TOKEN", "EPD_METRICS_HOST"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _env(argv: list[str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    return launcher.launcher_security(_args(argv), environ or {})[1]
+
+
+def test_a_fresh_token_is_generated_for_the_children_by_default(clean_env):
+    first, second = _env([]), _env([])
+    token = first[security.TOKEN_ENV]
+    assert len(token) >= 32 and token != second[security.TOKEN_ENV]
+    security.InternalSecurity(token=token)  # a valid token for every service
+    specs = launcher.service_specs(_args([]), first)
+    assert all(spec.env == first for spec in specs)
+    assert all(token not in " ".join(spec.argv) for spec in specs)  # never on a command line (ps)
+
+
+def test_a_given_token_is_used_and_none_is_generated(clean_env, tmp_path):
+    (tmp_path / "token").write_text("given-token-0123456789")
+    assert _env(["--internal-token-file", str(tmp_path / "token")]) == {}
+    assert _env([], environ={security.TOKEN_ENV: "given-token-0123456789"}) == {}
+
+
+def test_auto_token_can_be_turned_off(clean_env):
+    assert _env(["--no-auto-internal-token"]) == {}
+
+
+def test_metrics_require_token_reaches_the_children_and_needs_a_token(clean_env, capsys):
+    transport, env = launcher.launcher_security(_args(["--metrics-require-token"]), {})
+    assert env["EPD_METRICS_REQUIRE_TOKEN"] == "1" and transport.metrics_token == env[security.TOKEN_ENV]
+    assert launcher.run(_args(["--metrics-require-token", "--no-auto-internal-token"])) == 2
+    assert "needs an internal token" in capsys.readouterr().err
+
+
+def test_metrics_endpoints_listen_on_loopback_whatever_the_host(clean_env):
+    for spec in launcher.service_specs(_args(["--host", "0.0.0.0"])):
+        if spec.kind != "proxy":
+            argv = list(spec.argv)
+            assert argv[argv.index("--host") + 1] == "0.0.0.0"
+            assert argv[argv.index("--metrics-host") + 1] == "127.0.0.1"
+
+
+def test_restart_flags_build_the_policy_and_bad_ones_are_usage_errors(clean_env, capsys):
+    policy = launcher.restart_policy(_args(["--max-restarts", "2", "--restart-window-s", "30",
+                                            "--restart-backoff-s", "0.5"]))
+    assert (policy.max_restarts, policy.window_s, policy.backoff_s) == (2, 30.0, 0.5)
+    assert launcher.run(_args(["--max-restarts", "-1"])) == 2
+    assert "max_restarts" in capsys.readouterr().err

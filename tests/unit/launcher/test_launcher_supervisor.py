@@ -1,0 +1,182 @@
+"""``epd up``'s supervision: the restart policy, and the supervisor driving tiny stand-in processes.
+
+The stand-ins are real child processes (``python -c ...``), so exits,
+signals and output forwarding are real; only what they run is not an EPD
+service (that is ``tests/e2e/test_e2e_up_supervision.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from services.supervisor import (
+    CrashHistory,
+    OutputTail,
+    RestartPolicy,
+    ServiceSpec,
+    StartupFailed,
+    Supervisor,
+    describe_exit,
+)
+
+RUN_FOREVER = "import time\nprint('up', flush=True)\nwhile True: time.sleep(1)"
+CRASH = "import sys\nprint('loading ...', flush=True)\nprint('boom: port in use', flush=True)\nsys.exit(3)"
+
+
+# -- policy -------------------------------------------------------------------
+def test_backoff_doubles_within_the_window_and_is_capped():
+    history = CrashHistory(RestartPolicy(max_restarts=10, window_s=100, backoff_s=1.0, max_backoff_s=5.0))
+    assert [history.on_exit(t) for t in (0, 1, 2, 3, 4)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_restarts_older_than_the_window_are_forgotten():
+    history = CrashHistory(RestartPolicy(max_restarts=2, window_s=10, backoff_s=1.0))
+    assert history.on_exit(0) == 1.0
+    assert history.on_exit(5) == 2.0
+    assert history.on_exit(9) is None               # a third exit within 10 s: crash loop
+    fresh = CrashHistory(RestartPolicy(max_restarts=2, window_s=10, backoff_s=1.0))
+    assert fresh.on_exit(0) == 1.0 and fresh.on_exit(5) == 2.0
+    assert fresh.on_exit(16) == 1.0                 # both earlier restarts left the window
+
+
+def test_zero_restarts_means_any_exit_stops_the_cluster():
+    assert CrashHistory(RestartPolicy(max_restarts=0)).on_exit(0) is None
+
+
+@pytest.mark.parametrize("kwargs", [{"max_restarts": -1}, {"window_s": 0}, {"backoff_s": 5, "max_backoff_s": 1}])
+def test_invalid_policies_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        RestartPolicy(**kwargs)
+
+
+def test_exits_are_described_by_code_or_signal():
+    assert describe_exit(3) == "exited with code 3"
+    assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
+    assert describe_exit(-200) == "killed by signal 200"
+
+
+# -- the supervisor with stand-in processes -----------------------------------------
+class StandIns:
+    """Test double spawner: each spec's argv[0] is a Python script run as the child."""
+
+    def __init__(self) -> None:
+        self.sink = io.BytesIO()
+        self.scripts: dict[str, str] = {}
+        self.num_spawned: dict[str, int] = {}
+
+    def spawn(self, spec: ServiceSpec):
+        script = self.scripts.get(spec.name, spec.argv[0])
+        process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        self.num_spawned[spec.name] = self.num_spawned.get(spec.name, 0) + 1
+        return process, OutputTail(process.stdout, self.sink)
+
+
+async def alive(spec: ServiceSpec) -> bool:
+    return True
+
+
+def _specs(*scripts: tuple[str, str]) -> list[ServiceSpec]:
+    return [ServiceSpec(name, (script,), f"127.0.0.1:{5000 + i}", None) for i, (name, script) in enumerate(scripts)]
+
+
+async def _until(predicate, what: str, timeout_s: float = 30.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _metric(supervisor: Supervisor, name: str, service: str) -> float:
+    return supervisor.metrics.registry.get_sample_value(name, {"service": service})
+
+
+async def test_a_killed_child_is_restarted_and_the_others_keep_running():
+    stand_ins, said = StandIns(), []
+    policy = RestartPolicy(max_restarts=3, window_s=60, backoff_s=0.05)
+    supervisor = Supervisor(_specs(("encoder-0", RUN_FOREVER), ("pd-0", RUN_FOREVER)), policy,
+                            is_ready=alive, spawn=stand_ins.spawn, say=said.append)
+    stop = asyncio.Event()
+    try:
+        supervisor.start_all()
+        await supervisor.wait_ready(30, stop)
+        encoder, pd = supervisor.children
+        pd_pid, old_pid = pd.pid, encoder.pid
+        task = asyncio.create_task(supervisor.supervise(stop))
+        os.kill(old_pid, signal.SIGKILL)
+        await _until(lambda: encoder.pid != old_pid and _metric(supervisor, "epd_launcher_service_up", "encoder-0"),
+                     "the restarted encoder")
+        stop.set()
+        assert await task is None
+        assert stand_ins.num_spawned == {"encoder-0": 2, "pd-0": 1} and pd.pid == pd_pid
+        assert _metric(supervisor, "epd_launcher_restarts_total", "encoder-0") == 1
+        assert any("encoder-0 killed by SIGKILL; restarting it on 127.0.0.1:5000" in line for line in said)
+        assert any("encoder-0" in line and "ready again" in line for line in said)
+    finally:
+        supervisor.stop_all(grace_s=5)
+    assert all(child.process.poll() is not None for child in supervisor.children)
+
+
+async def test_a_crash_looping_child_ends_supervision_naming_it_with_its_last_lines():
+    stand_ins = StandIns()
+    policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.01)
+    supervisor = Supervisor(_specs(("encoder-0", RUN_FOREVER), ("proxy", RUN_FOREVER)), policy,
+                            is_ready=alive, spawn=stand_ins.spawn, say=lambda _: None)
+    stop = asyncio.Event()
+    try:
+        supervisor.start_all()
+        await supervisor.wait_ready(30, stop)
+        stand_ins.scripts["encoder-0"] = CRASH  # every restart now fails at once
+        os.kill(supervisor.children[0].pid, signal.SIGKILL)
+        crash = await asyncio.wait_for(supervisor.supervise(stop), 60)
+    finally:
+        supervisor.stop_all(grace_s=5)
+    assert crash is not None and crash.name == "encoder-0"
+    assert crash.exit == "exited with code 3" and crash.num_restarts == 2
+    assert crash.tail[-1] == "boom: port in use"
+    message = crash.message()
+    assert message.startswith("encoder-0 is crash-looping: it exited with code 3 after 2 restarts")
+    assert "| boom: port in use" in message
+    assert stand_ins.num_spawned["proxy"] == 1   # the others were never touched
+    assert b"boom: port in use" in stand_ins.sink.getvalue()  # output is forwarded as it comes
+
+
+async def test_a_child_that_exits_during_start_up_aborts_with_its_output():
+    stand_ins = StandIns()
+    supervisor = Supervisor(_specs(("pd-0", CRASH)), RestartPolicy(), is_ready=alive, spawn=stand_ins.spawn)
+
+    async def never_ready(spec):
+        return False
+
+    supervisor._is_ready = never_ready
+    try:
+        supervisor.start_all()
+        with pytest.raises(StartupFailed, match="pd-0 exited with code 3 during start-up") as failed:
+            await supervisor.wait_ready(30, asyncio.Event())
+        assert "boom: port in use" in str(failed.value)
+        assert stand_ins.num_spawned == {"pd-0": 1}   # never restarted before the cluster was up
+    finally:
+        supervisor.stop_all(grace_s=5)
+
+
+async def test_a_start_up_that_takes_too_long_is_reported():
+    stand_ins = StandIns()
+
+    async def never_ready(spec):
+        return False
+
+    supervisor = Supervisor(_specs(("proxy", RUN_FOREVER)), RestartPolicy(), is_ready=never_ready,
+                            spawn=stand_ins.spawn)
+    try:
+        supervisor.start_all()
+        with pytest.raises(StartupFailed, match="not ready after 0s: proxy"):
+            await supervisor.wait_ready(0.1, asyncio.Event())
+    finally:
+        supervisor.stop_all(grace_s=5)
