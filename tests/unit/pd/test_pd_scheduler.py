@@ -6,31 +6,10 @@ See ``scheduler_harness.py``: hand-made model outputs, no model, no torch.
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import EOS, IMG, TOKEN, Harness, chunk_of, force_preempt, refusal
+from scheduler_harness import EOS, IMG, TOKEN, chunk_of, force_preempt, refusal
 
 from services.pd.errors import ErrorKind
 from services.pd.request import RequestStatus
-
-@pytest.fixture
-def make():
-    """Builds harnesses; each is checked once more when the test ends."""
-    made: list[Harness] = []
-
-    def factory(**kwargs) -> Harness:
-        made.append(Harness(**kwargs))
-        return made[-1]
-
-    yield factory
-    for harness in made:
-        harness.check()
-
-
-@pytest.fixture
-def h(make):
-    return make()
-
-
-
 
 
 def test_chunked_prefill_then_decode(make):
@@ -210,7 +189,6 @@ def test_a_preempted_image_request_recomputes_its_image(make):
     assert chunk.start_pos == 0 and [(s.mm_hash, s.length) for s in chunk.image_slices] == [("cat", 8)]
     h.run()
     assert request.status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 8
-
 
 
 def test_prefix_hit_sets_cached_tokens_and_skips_compute(h):

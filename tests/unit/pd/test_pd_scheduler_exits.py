@@ -13,27 +13,6 @@ from services.pd.outputs import ModelRunnerOutput, SampledToken
 from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
 from services.pd.scheduler import QueueFull, SchedulerConfig
 
-@pytest.fixture
-def make():
-    """Builds harnesses; each is checked once more when the test ends."""
-    made: list[Harness] = []
-
-    def factory(**kwargs) -> Harness:
-        made.append(Harness(**kwargs))
-        return made[-1]
-
-    yield factory
-    for harness in made:
-        harness.check()
-
-
-@pytest.fixture
-def h(make):
-    return make()
-
-
-
-
 
 def test_queue_bounds_and_invalid_requests(make):
     h = make(max_waiting_requests=2, max_waiting_tokens=10, max_model_len=12, num_blocks=4)
