@@ -12,8 +12,9 @@ Read a request's life here, top to bottom, plus ``scheduler.py``:
 3. ``add_request`` (Generate): the request takes over what Preallocate left
    (the same cached prefix, one embedding reference per image span) and
    queues in the scheduler.
-4. ``step``: the scheduler picks chunks, the runner computes them, sampled
-   tokens are detokenized and become ``RequestEvent``s. Image references are
+4. ``step``: the step budget sizes the prefill share (``step_budget.py``),
+   the scheduler picks chunks, the runner computes them, sampled tokens are
+   detokenized and become ``RequestEvent``s. Image references are
    dropped as spans enter the KV cache and taken again after a preemption.
 5. Exit: finish, stop string, abort, error, lease expiry or shutdown all end
    in ``_finish``, and ``_release`` is the one place that frees what a
@@ -47,6 +48,7 @@ from services.pd.outputs import Allocation, Failed, Finished, ModelRunnerOutput,
 from services.pd.preallocated import Preallocated, PreallocatedRequests
 from services.pd.request import CachedPrefix, MultiModalSpan, Request, RequestStatus, SamplingParams
 from services.pd.scheduler import QueueFull, Scheduler
+from services.pd.step_budget import StepBudget
 from services.pd.step_stats import StepStats
 from services.pd.streams import RequestStreams
 
@@ -68,6 +70,8 @@ class EngineCore:
     ``runner`` has ``execute(SchedulerOutput, embeddings) -> ModelRunnerOutput``
     and ``prepare_embedding(tensor) -> tensor`` (to its device and dtype; raises
     ValueError for a tensor it cannot use). ``tokenizer`` decodes output text.
+    ``step_budget`` sizes each step's prefill (default: off, the whole step
+    budget); ``timer`` measures steps for it and for the step stats.
     Errors are ``EngineError``s whose messages never echo input.
     """
 
@@ -80,6 +84,8 @@ class EngineCore:
         hidden_size: int,
         lease_sweep_interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        step_budget: StepBudget | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
@@ -94,6 +100,8 @@ class EngineCore:
         self._next_sweep = 0.0
         self._num_expired_leases = 0
         self.step_stats = StepStats()
+        self.step_budget = step_budget or StepBudget.off(scheduler.config.max_num_batched_tokens)
+        self._timer = timer
 
     # ------------------------------------------------------------ Preallocate
     def preallocate(self, request_id: str, spans: Sequence[MultiModalSpan], lease_s: float,
@@ -293,10 +301,10 @@ class EngineCore:
         return self._streams.has_events or self.scheduler.has_unfinished_requests()
 
     def _run_step(self) -> bool:
-        started = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        started = self._timer()
+        scheduler_output = self.scheduler.schedule(self.step_budget.before_step(self.scheduler.running, started))
         self._after_schedule(scheduler_output)
-        scheduled = time.perf_counter()
+        scheduled = self._timer()
         self.step_stats.seconds["schedule"] += scheduled - started
         if scheduler_output.is_empty:
             return False
@@ -308,14 +316,15 @@ class EngineCore:
             for chunk in scheduler_output.chunks:
                 self._end(chunk.request_id, RequestStatus.FINISHED_ERROR, error)
             return True
-        executed = time.perf_counter()
+        executed = self._timer()
         self.step_stats.seconds["execute"] += executed - scheduled
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._release_computed_spans(scheduler_output)
         self._emit(scheduler_output, runner_output, finished)
-        now = time.perf_counter()
+        now = self._timer()
         self.step_stats.seconds["update"] += now - executed
         self.step_stats.record(scheduler_output, runner_output, now - started)
+        self.step_budget.after_step(scheduler_output, started, now)
         return True
 
     def _after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -379,6 +388,7 @@ class EngineCore:
             num_embeddings_stored=len(self._embeddings),
             num_expired_leases=self._num_expired_leases,
             steps=self.step_stats.snapshot(),
+            budget=self.step_budget.snapshot(),
         )
 
     def reset_prefix_cache(self) -> None:

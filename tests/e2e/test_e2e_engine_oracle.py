@@ -3,8 +3,10 @@
 Each scenario runs its own cluster (proxy -> encoder -> PD) with PD settings
 that force one engine mechanism: 32 concurrent mixed requests, chunked
 prefill with a 16-token step budget (prompts and image spans split across
-steps), a KV pool barely larger than one request (recompute preemption), and
-prefix-cache hits on a repeated long prompt, with and without an image. The
+steps), an inter-token latency target that holds prefill to 5-token chunks
+while anything decodes, a KV pool barely larger than one request (recompute
+preemption), and prefix-cache hits on a repeated long prompt, with and
+without an image. Every other scenario runs the default adaptive step budget. The
 oracle is ``LlavaForConditionalGeneration.generate`` (greedy) on the full
 checkpoint; requests go through the official ``openai`` client.
 """
@@ -84,6 +86,15 @@ def test_chunked_prefill_with_a_16_token_step_budget(start_cluster, oracle):
     _check_concurrently(cluster, oracle, requests)
     # Every prompt (>= 16 image rows plus the template) needed several steps.
     assert _pd_stats(cluster).num_steps >= sum(1 for _ in requests) * 2
+
+
+def test_an_itl_target_squeezes_prefill_to_odd_chunks_while_others_decode(start_cluster, oracle):
+    # A target no step can meet: while anything decodes, every prefill chunk is the
+    # 5-token minimum, so prompts and image spans split at boundaries no block shares.
+    cluster = start_cluster(target_itl_ms=0.001, min_prefill_tokens=5)
+    held_back = _pd_stats(cluster).budget.num_limited_steps
+    _check_concurrently(cluster, oracle, _mixed_requests(8))
+    assert _pd_stats(cluster).budget.num_limited_steps > held_back
 
 
 def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, oracle):

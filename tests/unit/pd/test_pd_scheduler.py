@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from core_support import EmbeddingDouble, FakeClock, RunnerDouble, make_core
+from core_support import EmbeddingDouble, FakeClock, PrefillBudgetDouble, RunnerDouble, make_core
 
 from services.pd.embedding_cache import EntryState
 from services.pd.errors import EngineError, ErrorKind
@@ -34,10 +34,11 @@ class Harness:
         self.clock = FakeClock()
         self.runner = RunnerDouble()
         self.runner.on_step = lambda out, embeddings: [self._check_chunk(c) for c in out.chunks]
+        self.prefill_budget = PrefillBudgetDouble(budget)
         self.core = make_core(clock=self.clock, runner=self.runner, num_blocks=num_blocks, block_size=block_size,
                               embedding_tokens=embedding_tokens, prefix_caching=prefix_caching,
                               max_model_len=max_model_len, max_num_batched_tokens=budget,
-                              max_num_seqs=max_num_seqs, **limits)
+                              max_num_seqs=max_num_seqs, step_budget=self.prefill_budget, **limits)
         self.sched = self.core.scheduler
         self.kv, self.emb = self.core.kv_cache, self.core.embedding_cache
         self.evicted: list[str] = []                  # READY entries a Preallocate evicted, in order
@@ -73,14 +74,20 @@ class Harness:
             return False
         return True
 
-    def step(self, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[Request]]:
-        """One engine step; checks the budget and every invariant. Returns the requests that ended."""
+    def step(self, tokens: dict[str, int] | None = None,
+             prefill_budget: int | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        """One engine step (prefill chunks within ``prefill_budget``, if given); checks the budgets and
+        every invariant. Returns the requests that ended."""
         self.runner.tokens = dict(tokens or {})
+        self.prefill_budget.next = prefill_budget
         self.sched.last_output = SchedulerOutput()
+        decoding = {r.request_id for r in self.sched.running if r.is_decoding}
         result = self.core.step()
         out = self.sched.last_output
         assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        if prefill_budget is not None:
+            assert sum(c.num_tokens for c in out.chunks if c.request_id not in decoding) <= prefill_budget
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
         self.check()
         self.clock.now += 0.01
@@ -209,6 +216,40 @@ def test_max_num_seqs_limits_admission(make):
     h.step()                                            # r0, r1 finish (2 tokens)
     out, _ = h.step()
     assert [c.request_id for c in out.chunks] == ["r2"]
+
+
+def test_a_prefill_budget_caps_prefill_chunks_and_never_decodes(make):
+    h = make(budget=16)
+    h.add("a", range(5), max_tokens=10)
+    h.add("b", range(20, 25), max_tokens=10)
+    h.step()                                            # both prefill and sample
+    h.add("c", range(100, 130))
+    out, _ = h.step(prefill_budget=3)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 3)]
+    h.add("d", range(200, 204))
+    out, _ = h.step(prefill_budget=0)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1)]
+    # Held back by the budget, not blocked on an image; nothing admitted.
+    assert h.requests["c"].status is RequestStatus.RUNNING and h.requests["d"].status is RequestStatus.WAITING
+    out, _ = h.step()                                   # the step budget alone
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 14)]
+    h.run()
+
+
+def test_a_spent_prefill_share_holds_a_prefilling_request_back(make):
+    h = make(budget=64)
+    h.add("a", range(10, 22), max_tokens=10)
+    h.add("b", [3] * 4 + [IMG] * 6 + [4] * 10, spans=[("x", 4, 6)])   # stops before its image
+    h.add("c", range(100, 180))                                         # 80 tokens: a partial chunk
+    out, _ = h.step()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 12), ("b", 4), ("c", 48)]
+    h.push("b", "x")
+    out, _ = h.step(prefill_budget=5)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 5)]
+    assert h.requests["c"].status is RequestStatus.RUNNING
+    out, _ = h.step(prefill_budget=40)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 11), ("c", 29)]
+    h.run()
 
 
 def test_text_prefills_while_image_encodes_then_resumes(h):
@@ -506,8 +547,8 @@ def test_config_validation():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workload_keeps_invariants(seed, make):
-    """Random arrivals, images, pushes, lost pushes, aborts and tight KV: every step
-    keeps the budget and all invariants, and every request ends with nothing leaked."""
+    """Random arrivals, images, pushes, lost pushes, aborts, tight KV and prefill budgets: every
+    step keeps the budgets and all invariants, and every request ends with nothing leaked."""
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
     h = make(num_blocks=rng.randint(40, 56) // block_size, block_size=block_size,
@@ -527,7 +568,7 @@ def test_random_workload_keeps_invariants(seed, make):
             victim = rng.choice(h.sched.running)
             h.core.abort(victim.request_id)               # its end arrives with the next step's events
         tokens = {r.request_id: rng.choice([TOKEN, TOKEN, TOKEN, EOS]) for r in h.sched.running}
-        ended += h.step(tokens)[1]
+        ended += h.step(tokens, prefill_budget=rng.choice([None, None, 1, 2, 5]))[1]
     for item in pending:
         h.push(*item)
     # Lost pushes: the lease sweep drops their entries and fails whoever waits on them.
