@@ -1,8 +1,8 @@
 """How many prefill tokens the next step may take, so that decoding streams keep their inter-token latency.
 
-Pure Python. Every step, the engine core asks ``StepBudget.prefill_budget``
-before it schedules and shows ``StepBudget.observe`` the step it ran. The
-rule:
+Pure Python. Every step, the engine core asks ``StepBudget.before_step``
+for the prefill budget before it schedules, and shows ``after_step`` the
+step it ran (which the ``StepTimeModel`` learns from). The rule:
 
 - nothing decoding: prefill gets the whole step budget
   (``--max-num-batched-tokens``): a prompt arriving at an idle engine pays no
@@ -21,7 +21,7 @@ rule:
   prompt still advances, and its time to first token stays bounded, at the
   price of steps that can exceed the target by that chunk's time;
 - ``--max-num-batched-tokens`` stays the cap of the whole step; decode rows
-  take one token each from it first, as before;
+  take their one token each from it first;
 - target 0 turns the rule off (the whole cap every step), and so does a model
   not yet seeded (the warm-up seeds it before the server reports ready).
 
@@ -108,7 +108,9 @@ class StepBudget:
     def after_step(self, scheduler_output: SchedulerOutput, started: float, ended: float) -> None:
         """Learns from a step that ran ``scheduler_output`` from ``started`` to ``ended``."""
         shape = StepShape.of_output(scheduler_output)
-        self._num_limited_steps += shape.num_prefill_tokens >= self._last_budget < self.config.max_num_batched_tokens
+        held_back = self._last_budget < self.config.max_num_batched_tokens
+        if held_back and shape.num_prefill_tokens >= self._last_budget:   # prefill wanted more than it got
+            self._num_limited_steps += 1
         self.observe(shape, ended - started)
         self._last_step_end = ended
 

@@ -34,9 +34,9 @@ Three guards keep it sane on a noisy shared machine:
   otherwise grow without bound and make the next such step swing the fit;
 - what the model answers is kept >= 0 (more work never makes a step
   faster): predictions, and the per-token prefill cost the budget divides
-  by. The fit itself stays unconstrained, so that it remains the exact
-  weighted least-squares answer while the data are still thin (clamping
-  its coefficients would bias the warm-up's seed).
+  by. The fit itself stays unconstrained: projecting its coefficients onto
+  >= 0 would make them disagree with the covariance, which biases the
+  warm-up's seed and can make the recursion diverge.
 """
 
 from __future__ import annotations

@@ -87,8 +87,9 @@ async def test_pd_scrape_serves_the_last_values_when_the_engine_does_not_answer(
         assert reply.status_code == 200
         served = _values(reply.text)
         # The warm-up: one token, then the step-time calibration's requests.
-        warm_up_tokens = 1 + (len(step_calibration.PROMPT_LENGTHS) + step_calibration.BATCH_SIZE) \
-            * step_calibration.NUM_OUTPUT_TOKENS
+        calibration = step_calibration
+        warm_up_tokens = 1 + calibration.NUM_PASSES * (len(calibration.PROMPT_LENGTHS) + calibration.BATCH_SIZE) \
+            * calibration.NUM_OUTPUT_TOKENS
         assert served["epd_pd_engine_responsive"] == 1 and served["epd_pd_generation_tokens_total"] == warm_up_tokens
 
         metrics = PdMetrics(pd.engine, snapshot_timeout_s=0.05)
