@@ -223,6 +223,7 @@ async def start_pd(config: PdConfig) -> PdServer:
             await warm_up(engine, facts["eos_token_id"])
         if colocated is not None:
             await colocated.become_ready(server, warm_up=config.warmup)
+        target_itl = _describe_target(config, (await engine.stats()).budget.itl_target_s)
     except (RuntimeError, EngineError, asyncio.TimeoutError, OSError):
         if metrics_http is not None:
             await metrics_http.stop()
@@ -236,7 +237,7 @@ async def start_pd(config: PdConfig) -> PdServer:
     log.info(
         "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d target_itl=%s",
         config.host, server.port, facts["model_id"], facts["device"], facts["dtype"], facts["num_kv_blocks"],
-        _describe_target(config, (await engine.stats()).budget.itl_target_s),
+        target_itl,
     )
     watchdog = None
     if config.stall_timeout_s > 0:
