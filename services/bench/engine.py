@@ -123,6 +123,7 @@ class EngineRunner:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.num_requests,
             # Room for every request at full length (as the static batch has) plus the TTFT prompts.
             num_kv_blocks=(args.num_requests + 2) * per_request, linear_backend=linear_backend,
+            target_itl_ms=0,   # throughput: every step may use the whole budget, as generate_batch's does
         )
         self.engine, self.facts = build_engine(config)
         self.workload = workload
@@ -139,7 +140,7 @@ class EngineRunner:
     def measure(self) -> tuple[float, list[list[int]], dict[str, Any]]:
         """Runs the workload once: (seconds, outputs, step details)."""
         # Prompts repeat across rounds: forget cached prefixes so every round computes everything.
-        self.loop.run_until_complete(self.engine.call(self.engine.core.reset_prefix_cache))
+        self.loop.run_until_complete(self.engine.call(self.engine.core.kv_cache.reset_prefix_cache))
         before = self.loop.run_until_complete(self.engine.stats())
         seconds, outputs = self.loop.run_until_complete(self._generate_all())
         after = self.loop.run_until_complete(self.engine.stats())

@@ -14,6 +14,12 @@ push, no copy). Images queued by concurrent calls share one forward (up to
 ``MAX_BATCH_IMAGES``; those with equal ``LoadedVision.batch_key``: any grids
 for dynamic-resolution towers); an image already READY on PD, or queued
 twice, is computed once.
+
+Decoding streams wait through that forward too. The step budget counts
+engine-thread time between steps (``StepBudget.before_step``), so the step
+right after an encode prefills only what the latency target still allows:
+the baseline gets the same adaptive budget as disaggregated PDs, nothing here
+needs to report the forward.
 """
 
 from __future__ import annotations

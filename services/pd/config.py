@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.pd.faults import NO_FAULTS, PdFaults
+from services.pd.step_budget import DEFAULT_MIN_PREFILL_TOKENS
 
 DEFAULT_METRICS_PORT = 9201
 """``epd pd``'s ``--metrics-port`` (``epd up`` gives PD j 9201 + j)."""
@@ -32,7 +33,11 @@ class PdConfig:
     kv_cache_memory_mb: int = 1024
     enable_prefix_caching: bool = True
     # scheduling
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 2048    # hard cap of one step's tokens
+    # Inter-token latency each step's prefill is sized for (services/pd/step_budget.py):
+    # None = auto (a multiple of the measured decode-only step), 0 = off (the whole cap every step).
+    target_itl_ms: float | None = None
+    min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS   # prefill every step may take whatever the target
     max_num_seqs: int = 64
     max_model_len: int = 0              # 0 = the model's max_position_embeddings
     max_waiting_requests: int = 1024
@@ -61,6 +66,10 @@ class PdConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if self.target_itl_ms is not None and not 0 <= self.target_itl_ms < float("inf"):
+            raise ValueError("target_itl_ms must be auto (None), 0 (off) or a positive number of milliseconds")
+        if self.min_prefill_tokens <= 0:
+            raise ValueError("min_prefill_tokens must be positive")
         if self.max_waiting_requests <= 0 or self.max_waiting_tokens <= 0 or self.waiting_retry_after_ms <= 0:
             raise ValueError("max_waiting_requests, max_waiting_tokens and waiting_retry_after_ms must be positive")
         if self.linear_backend not in ("auto", "torch", "onednn"):

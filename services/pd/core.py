@@ -12,14 +12,14 @@ Read a request's life here, top to bottom, plus ``scheduler.py``:
 3. ``add_request`` (Generate): the request takes over what Preallocate left
    (the same cached prefix, one embedding reference per image span) and
    queues in the scheduler.
-4. ``step``: the scheduler picks chunks, the runner computes them, sampled
-   tokens are detokenized and become ``RequestEvent``s. A request keeps its
-   image references, and the pinned K/V that stands in for images it has no
+4. ``step``: the step budget sizes the prefill share (``step_budget.py``),
+   the scheduler picks chunks, the runner computes them, sampled tokens are
+   detokenized and become ``RequestEvent``s. A request keeps its image
+   references, and the pinned K/V that stands in for images it has no
    embedding for, until it ends: a preempted request can always recompute.
 5. Exit: finish, stop string, abort, error, lease expiry or shutdown all end
-   in ``_finish``, and ``_release`` is the one place that frees what a
-   request holds (KV blocks, pinned prefix, embedding references,
-   reservations, its Preallocate lease).
+   in ``_finish``; ``_release`` is the one place that frees what a request
+   holds (KV blocks, pins, image references, reservations, its lease).
 
 Single-threaded and synchronous: tests drive it directly; ``bridge.py`` runs it
 on the engine thread for the asyncio servers. Tensors are touched only through
@@ -50,6 +50,7 @@ from services.pd.outputs import Allocation, Failed, Finished, ModelRunnerOutput,
 from services.pd.preallocated import Preallocated, PreallocatedRequests
 from services.pd.request import CachedPrefix, MultiModalSpan, Request, RequestStatus, SamplingParams
 from services.pd.scheduler import QueueFull, Scheduler
+from services.pd.step_budget import StepBudget
 from services.pd.step_stats import StepStats
 from services.pd.streams import RequestStreams
 
@@ -76,10 +77,10 @@ def _allocation(mm_hash: str, state: EntryState, reservation_id: str) -> Allocat
 class EngineCore:
     """Owns the scheduler, both caches, the embedding tensor store and the model runner.
 
-    ``runner`` has ``execute(SchedulerOutput, embeddings) -> ModelRunnerOutput``
-    and ``prepare_embedding(tensor) -> tensor`` (to its device and dtype; raises
-    ValueError for a tensor it cannot use). ``tokenizer`` decodes output text.
-    Errors are ``EngineError``s whose messages never echo input.
+    ``runner`` has ``execute(SchedulerOutput, embeddings) -> ModelRunnerOutput`` and
+    ``prepare_embedding(tensor)`` (to its device and dtype; ValueError for one it cannot
+    use). ``step_budget`` sizes each step's prefill (default: off, the whole step budget);
+    ``timer`` measures steps. Errors are ``EngineError``s whose messages never echo input.
     """
 
     def __init__(
@@ -91,6 +92,8 @@ class EngineCore:
         hidden_size: int,
         lease_sweep_interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        step_budget: StepBudget | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
@@ -105,6 +108,8 @@ class EngineCore:
         self._next_sweep = 0.0
         self._num_expired_leases = 0
         self.step_stats = StepStats()
+        self.step_budget = step_budget or StepBudget.off(scheduler.config.max_num_batched_tokens)
+        self._timer = timer
 
     # ------------------------------------------------------------ Preallocate
     def preallocate(self, request_id: str, spans: Sequence[MultiModalSpan], lease_s: float,
@@ -234,8 +239,7 @@ class EngineCore:
             if self.embedding_cache.num_tokens(span.mm_hash) != span.num_tokens:
                 error = EngineError(ErrorKind.INVALID_ARGUMENT, _SIZE_DIFFERS)
                 break
-        # A reference left over (an item preallocated but absent from the
-        # prompt) would pin its entry forever: drop it now.
+        # Left over (preallocated, absent from the prompt): it would pin its entry forever.
         for mm_hash in taken:
             self.embedding_cache.release(mm_hash)
         self._pin_prefix(request, 0 if error else covered_end)
@@ -315,10 +319,10 @@ class EngineCore:
         return self._streams.has_events or self.scheduler.has_unfinished_requests()
 
     def _run_step(self) -> bool:
-        started = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        started = self._timer()
+        scheduler_output = self.scheduler.schedule(self.step_budget.before_step(self.scheduler.running, started))
         self._after_schedule(scheduler_output)
-        scheduled = time.perf_counter()
+        scheduled = self._timer()
         self.step_stats.seconds["schedule"] += scheduled - started
         if scheduler_output.is_empty:
             return False
@@ -330,13 +334,14 @@ class EngineCore:
             for chunk in scheduler_output.chunks:
                 self._end(chunk.request_id, RequestStatus.FINISHED_ERROR, error)
             return True
-        executed = time.perf_counter()
+        executed = self._timer()
         self.step_stats.seconds["execute"] += executed - scheduled
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._emit(scheduler_output, runner_output, finished)
-        now = time.perf_counter()
+        now = self._timer()
         self.step_stats.seconds["update"] += now - executed
         self.step_stats.record(scheduler_output, runner_output, now - started)
+        self.step_budget.after_step(scheduler_output, started, now)
         return True
 
     def _after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -379,11 +384,8 @@ class EngineCore:
             num_embeddings_stored=len(self._embeddings),
             num_expired_leases=self._num_expired_leases,
             steps=self.step_stats.snapshot(),
+            budget=self.step_budget.snapshot(),
         )
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix block (benchmarks measure cold prefills with it)."""
-        self.kv_cache.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         """Raises AssertionError unless the scheduler, both caches, the store and the streams agree."""

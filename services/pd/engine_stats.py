@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.pd.step_budget import BudgetSnapshot
 from services.pd.step_stats import StepSnapshot
 
 
@@ -38,6 +39,7 @@ class EngineStats:
     num_expired_leases: int       # leases that ran out unused: per image reservation, per KV lease
     # steps
     steps: StepSnapshot
+    budget: BudgetSnapshot        # the step budget controller (step_budget.py)
 
     @property
     def referenced_tokens(self) -> int:

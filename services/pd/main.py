@@ -11,8 +11,22 @@ from services.common.logs import setup_logging
 from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
 from services.pd.faults import PdFaults
 from services.pd.server import start_pd
+from services.pd.step_budget import AUTO_TARGET_MULTIPLE, DEFAULT_MIN_PREFILL_TOKENS
 
 log = logging.getLogger(__name__)
+
+
+def parse_target_itl_ms(text: str) -> float | None:
+    """``--target-itl-ms``: ``auto`` -> None, else milliseconds >= 0 (0 = off)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected auto, 0 (off) or milliseconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError("expected auto, 0 (off) or a finite number of milliseconds >= 0")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +42,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--num-kv-blocks", type=int, default=0, help="KV cache blocks (0 = size from --kv-cache-memory-mb)")
     add(parser, "--kv-cache-memory-mb", type=int, default=1024, help="memory for the KV cache when --num-kv-blocks is 0")
     add(parser, "--enable-prefix-caching", default=True, help="reuse KV blocks of identical prompt prefixes")
-    add(parser, "--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    add(parser, "--max-num-batched-tokens", type=int, default=2048,
+        help="token budget of one engine step: a hard cap (--target-itl-ms may give prefill less of it)")
+    add(parser, "--target-itl-ms", type=parse_target_itl_ms, default="auto",
+        help="inter-token latency PD keeps for decoding streams: while anything decodes, each step's prefill "
+             "chunk is sized from an online model of step time (fitted to the steps PD runs, seeded by the "
+             "warm-up) so that the step, plus engine-thread work since the last one (colocated: the vision "
+             "forward), stays within it; with nothing decoding prefill gets the whole --max-num-batched-tokens. "
+             f"auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step at the current batch; a number = "
+             "that many ms; 0 = off: every step may prefill up to --max-num-batched-tokens whatever decodes")
+    add(parser, "--min-prefill-tokens", type=int, default=DEFAULT_MIN_PREFILL_TOKENS,
+        help="prefill tokens every step may take whatever --target-itl-ms says, so a waiting prompt advances "
+             "under any decode load (its time to first token stays bounded); the price: a step may exceed the "
+             "target by the time of this many tokens. Larger = faster first tokens under load, spikier "
+             "inter-token latency")
     add(parser, "--max-num-seqs", type=int, default=64, help="most requests running at once")
     add(parser, "--max-model-len", type=int, default=0, help="context length (0 = the model's)")
     add(parser, "--max-waiting-requests", type=int, default=1024, help="queued requests before Generate is refused")
@@ -75,6 +102,8 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         kv_cache_memory_mb=args.kv_cache_memory_mb,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        target_itl_ms=args.target_itl_ms,
+        min_prefill_tokens=args.min_prefill_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_waiting_requests=args.max_waiting_requests,

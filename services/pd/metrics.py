@@ -20,6 +20,7 @@ from services.common.metrics_http import MetricDoc, MetricsHttpServer
 from services.pd.bridge import EngineBridge
 from services.pd.engine_stats import EngineStats
 from services.pd.errors import EngineError
+from services.pd.step_budget import PREDICTION_RATIO_BUCKETS, BudgetSnapshot
 from services.pd.step_stats import STEP_SECONDS_BUCKETS, StepSnapshot
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,12 @@ METRICS = (
     MetricDoc("epd_pd_prompt_tokens_total", "counter", (),
               "prompt tokens of requests that got their first token (cached tokens included)"),
     MetricDoc("epd_pd_generation_tokens_total", "counter", (), "tokens sampled by the model"),
+    MetricDoc("epd_pd_step_budget_tokens", "gauge", (),
+              "prefill tokens the last step was allowed (--max-num-batched-tokens with nothing decoding)"),
+    MetricDoc("epd_pd_itl_target_seconds", "gauge", (),
+              "inter-token latency the step budget keeps (0 = off; auto: 0 until a step decoded)"),
+    MetricDoc("epd_pd_step_time_prediction_ratio", "histogram", (),
+              "a step's measured / predicted duration, 1 = exact (the step-time model the budget is sized with)"),
     MetricDoc("epd_pd_preemptions_total", "counter", (), "running requests preempted for lack of KV blocks"),
     MetricDoc("epd_pd_engine_responsive", "gauge", (),
               "1 when this scrape read the engine; 0 when it did not answer in time (values are the last read)"),
@@ -106,6 +113,7 @@ class PdMetrics:
         yield CounterMetricFamily("epd_pd_reservations_expired", "Preallocate leases that ran out unused",
                                   value=s.num_expired_leases)
         yield from _step_families(s.steps)
+        yield from _budget_families(s.budget)
         yield CounterMetricFamily("epd_pd_preemptions", "Requests preempted for lack of KV blocks",
                                   value=s.num_preemptions)
 
@@ -124,3 +132,15 @@ def _step_families(steps: StepSnapshot) -> Iterable[Metric]:
                               value=steps.num_prompt_tokens)
     yield CounterMetricFamily("epd_pd_generation_tokens", "Tokens sampled by the model",
                               value=steps.num_generation_tokens)
+
+
+def _budget_families(budget: BudgetSnapshot) -> Iterable[Metric]:
+    yield GaugeMetricFamily("epd_pd_step_budget_tokens", "Prefill tokens the last step was allowed",
+                            value=budget.prefill_budget_tokens)
+    yield GaugeMetricFamily("epd_pd_itl_target_seconds", "Inter-token latency the step budget keeps",
+                            value=budget.itl_target_s)
+    bounds = [repr(float(b)) for b in PREDICTION_RATIO_BUCKETS] + ["+Inf"]
+    yield HistogramMetricFamily(
+        "epd_pd_step_time_prediction_ratio", "Measured / predicted step duration",
+        buckets=list(zip(bounds, budget.ratio_bucket_counts)), sum_value=budget.ratio_sum,
+    )

@@ -149,3 +149,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_decoding(self) -> bool:
+        """Whether its next step computes one token and samples (a decode row, not a prefill chunk)."""
+        return (self.status is RequestStatus.RUNNING and bool(self.output_token_ids)
+                and self.num_computed_tokens == self.num_tokens - 1)

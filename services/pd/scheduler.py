@@ -1,13 +1,13 @@
 """Continuous-batching scheduler of the PD engine. Pure Python: counters and ids.
 
-One token budget per step is shared by decodes and prefill chunks (chunked
-prefill). Running requests go first, in admission order; then waiting ones,
-first come first served. A prefill chunk stops right before an image whose
-embedding is not READY, so the text before it prefills while the image is
-still being encoded; a request that cannot move at all for that reason is
-WAITING_FOR_EMBEDDING. When KV blocks run out, the newest running request is
-preempted (its KV is dropped and recomputed later) and nothing new is admitted
-in that step.
+One token budget per step is shared by decodes and prefill chunks, whose
+share the caller may cap (``step_budget.py``: decode keeps its inter-token
+latency). Running requests go first, in admission order; then waiting ones,
+FCFS. A prefill chunk stops before an image whose embedding is not READY (the
+text before it prefills while the image is encoded); a request that cannot
+move at all for that reason is WAITING_FOR_EMBEDDING. When KV blocks run out,
+the newest running request is preempted (its KV recomputed later) and nothing
+new is admitted in that step.
 
 The scheduler decides and keeps its queues; it releases nothing a request
 holds. A request arrives with its embedding references already taken
@@ -37,6 +37,7 @@ from services.pd.kv_cache import KVCacheManager
 from services.pd.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from services.pd.positions import rope_plan
 from services.pd.request import Request, RequestStatus
+from services.pd.step_budget import TokenBudget
 
 _RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED,
@@ -156,22 +157,29 @@ class Scheduler:
             raise ValueError("the request needs more KV cache than this server has")
 
     # ----------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
-        """Pick the chunks of the next step within the token budget."""
+    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
+        """Pick the chunks of the next step within the step budget; prefill chunks
+        also within ``prefill_budget`` (None = no separate cap)."""
         now = self._clock()
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, now)
+        budget = TokenBudget(self.config.max_num_batched_tokens, prefill_budget)
+        self._schedule_running(out, budget, now)
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget, now)
         out.num_batched_tokens = sum(chunk.num_tokens for chunk in out.chunks)
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: TokenBudget, now: float) -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.num_tokens > 0:
             request = self.running[i]
-            num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, budget)
+            decoding = request.is_decoding
+            limit = budget.limit(decoding)
+            if limit == 0:   # the prefill share is spent; decode rows behind it still go
+                i += 1
+                continue
+            num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, limit)
             if num_new == 0:
                 if self._embedding_gone(blocking_hash):
                     out.failed_request_ids.append(request.request_id)
@@ -182,9 +190,8 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, out, now):
                 break   # the request preempted itself: it was the newest, nothing follows
             self._add_chunk(out, request, num_new, now)
-            budget -= num_new
+            budget.spend(num_new, decoding)
             i += 1
-        return budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput,
                              now: float) -> bool:
@@ -196,17 +203,17 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: TokenBudget, now: float) -> None:
         blocked: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget.limit(False) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            outcome, num_new = self._try_admit(request, budget, out, now)
+            outcome, num_new = self._try_admit(request, budget.limit(False), out, now)
             if outcome is _Admit.NO_ROOM:
                 self.waiting.appendleft(request)
                 break
             if outcome in (_Admit.BLOCKED, _Admit.FAILED):
                 blocked.append(request)
-            budget -= num_new
+            budget.spend(num_new, False)
         self.waiting.extendleft(reversed(blocked))   # keep their place in line
 
     def _try_admit(self, request: Request, budget: int, out: SchedulerOutput,
@@ -362,7 +369,7 @@ class Scheduler:
 
     # -------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
-        """Raise AssertionError unless queues, counters and both caches agree."""
+        """Raise AssertionError unless the queues and the requests' counters agree (the caches: ``EngineCore``)."""
         queued = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         check(len(queued) == len(set(queued)) and set(queued) == set(self._requests),
                "queues and the request table disagree")
@@ -375,11 +382,9 @@ class Scheduler:
                    "block table shorter than the computed tokens")
         for request in self.waiting:
             check(request.status in _WAITING_STATES, "bad status in waiting")
-            check(not request.block_ids and request.num_computed_tokens == 0,
-                   "a waiting request holds KV")
+            check(not request.block_ids and request.num_computed_tokens == 0, "a waiting request holds KV")
         for request in self._requests.values():
-            check(all(0 <= i < len(request.mm_spans) for i in request.span_refs),
-                   "span reference out of range")
+            check(all(0 <= i < len(request.mm_spans) for i in request.span_refs), "span reference out of range")
             check(request.cached_prefix is None or not request.block_ids,
                    "a cached prefix outlived admission")
 

@@ -27,10 +27,11 @@ from services.pd.errors import EngineError, ErrorKind
 from services.pd.kv_cache import KVCacheManager
 from services.pd.metrics import PdMetrics
 from services.pd.model_runner import ModelRunner
-from services.pd.outputs import Failed, Finished
 from services.pd.request import Request, SamplingParams
 from services.pd.scheduler import Scheduler, SchedulerConfig
 from services.pd.servicer import PrefillDecodeServicer
+from services.pd.step_budget import BudgetConfig, StepBudget
+from services.pd.step_calibration import calibrate_step_time, generate
 from services.pd.watchdog import Probe, watch_engine
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,13 @@ def _held(stats: EngineStats | None) -> str:
             f"kv_leases={stats.num_kv_leases} referenced_tokens={stats.referenced_tokens}")
 
 
+def _describe_target(config: PdConfig, measured_s: float) -> str:
+    """``--target-itl-ms`` for the ready line; auto shows the target the warm-up's last decode step gave."""
+    if config.target_itl_ms is None:
+        return f"auto({measured_s * 1000:.1f}ms)" if measured_s else "auto"
+    return f"{config.target_itl_ms:g}ms" if config.target_itl_ms else "off"
+
+
 def _num_kv_blocks(config: PdConfig, lm_config, dtype: torch.dtype, max_model_len: int) -> int:
     if config.num_kv_blocks > 0:
         return config.num_kv_blocks
@@ -162,12 +170,14 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         kv_cache,
         embedding_cache,
     )
+    target_itl_s = None if config.target_itl_ms is None else config.target_itl_ms / 1000.0
     core = EngineCore(
         scheduler=scheduler,
         runner=runner,
         tokenizer=tokenizer,
         hidden_size=adapter.hidden_size,
         lease_sweep_interval_s=config.lease_sweep_interval_s,
+        step_budget=StepBudget(BudgetConfig(config.max_num_batched_tokens, target_itl_s, config.min_prefill_tokens)),
     )
     # The engine thread runs the model with the thread count chosen here.
     engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))
@@ -186,20 +196,16 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
 
 
 async def warm_up(engine: EngineBridge, eos_token_id: int | None) -> None:
-    """Generates one token end to end; raises if the engine cannot."""
+    """Generates one token end to end, then seeds the step-time model (step_calibration.py); raises if the
+    engine cannot."""
     request = Request(
         request_id=f"warmup-{uuid.uuid4().hex}",
         prompt_token_ids=[1, 2, 3],
         sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         eos_token_id=eos_token_id,
     )
-    events = await engine.add_request(request)
-    while True:
-        event = await asyncio.wait_for(events.get(), timeout=300)
-        if isinstance(event, Finished):
-            return
-        if isinstance(event, Failed):
-            raise RuntimeError(f"warm-up generation failed: {event.error.message}")
+    await generate(engine, request)
+    await calibrate_step_time(engine, eos_token_id)
 
 
 async def start_pd(config: PdConfig) -> PdServer:
@@ -233,6 +239,7 @@ async def start_pd(config: PdConfig) -> PdServer:
             await warm_up(engine, facts["eos_token_id"])
         if colocated is not None:
             await colocated.become_ready(server, warm_up=config.warmup)
+        target_itl = _describe_target(config, (await engine.stats()).budget.itl_target_s)
     except (RuntimeError, EngineError, asyncio.TimeoutError, OSError):
         if metrics_http is not None:
             await metrics_http.stop()
@@ -244,8 +251,9 @@ async def start_pd(config: PdConfig) -> PdServer:
         log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
     await server.set_ready(True)
     log.info(
-        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d",
+        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d target_itl=%s",
         config.host, server.port, facts["model_id"], facts["device"], facts["dtype"], facts["num_kv_blocks"],
+        target_itl,
     )
     pd = PdServer(grpc=server, engine=engine, config=config, colocated=colocated,
                   servicer=servicer, metrics_http=metrics_http)

@@ -40,6 +40,7 @@ PLANNED_METRICS = frozenset({
     "epd_pd_prefix_cache_hit_tokens_total", "epd_pd_embedding_cache_tokens", "epd_pd_reservations_expired_total",
     "epd_pd_step_seconds", "epd_pd_prompt_tokens_total", "epd_pd_generation_tokens_total",
     "epd_pd_step_phase_seconds_total", "epd_pd_preemptions_total", "epd_pd_engine_responsive",
+    "epd_pd_step_budget_tokens", "epd_pd_itl_target_seconds", "epd_pd_step_time_prediction_ratio",
 })
 """The metric names the dashboard is drawn for (histograms without _bucket/_sum/_count)."""
 

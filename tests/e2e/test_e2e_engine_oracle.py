@@ -3,11 +3,14 @@
 Each scenario runs its own cluster (proxy -> encoder -> PD) with PD settings
 that force one engine mechanism: 32 concurrent mixed requests, chunked
 prefill with a 16-token step budget (prompts and image spans split across
-steps), a KV pool barely larger than one request (recompute preemption), and
-prefix-cache hits on a repeated long prompt, with and without an image. The
-oracle is the full checkpoint's ``generate()`` (greedy); requests go through
-the official ``openai`` client. The pressure cases also run on Qwen2.5-VL,
-whose image tokens carry 3-D rotary positions that every mechanism must keep.
+steps), an inter-token latency target that holds prefill to 5-token chunks
+while anything decodes, a KV pool barely larger than one request (recompute
+preemption), and prefix-cache hits on a repeated long prompt, with and
+without an image. Every other scenario runs the default adaptive step
+budget. The oracle is the full checkpoint's ``generate()`` (greedy); requests
+go through the official ``openai`` client. The pressure cases also run on
+Qwen2.5-VL, whose image tokens carry 3-D rotary positions that every
+mechanism must keep.
 """
 
 from __future__ import annotations
@@ -103,6 +106,15 @@ def test_chunked_prefill_with_a_16_token_step_budget(start_cluster, oracle, mode
     _check_concurrently(cluster, oracle, requests)
     # Every prompt (>= 16 image rows plus the template) needed several steps.
     assert _pd_stats(cluster).num_steps >= sum(1 for _ in requests) * 2
+
+
+def test_an_itl_target_squeezes_prefill_to_odd_chunks_while_others_decode(start_cluster, oracle):
+    # A target no step can meet: while anything decodes, every prefill chunk is the
+    # 5-token minimum, so prompts and image spans split at boundaries no block shares.
+    cluster = start_cluster(target_itl_ms=0.001, min_prefill_tokens=5)
+    held_back = _pd_stats(cluster).budget.num_limited_steps
+    _check_concurrently(cluster, oracle, _mixed_requests(8))
+    assert _pd_stats(cluster).budget.num_limited_steps > held_back
 
 
 @pytest.mark.parametrize("model", ["tiny", QWEN], indirect=True)

@@ -209,6 +209,12 @@ def test_every_documented_metric_is_exported_with_plausible_values(cluster):
     assert now("pd", "epd_pd_engine_responsive") == 2
     for scraped in after["pd"]:  # a histogram's +Inf bucket is its count
         assert scraped.value("epd_pd_step_seconds_bucket", le="+Inf") == scraped.value("epd_pd_step_seconds_count")
+    # Step budget (default auto): the warm-up seeded the model, every later step was predicted.
+    assert grew("pd", "epd_pd_step_time_prediction_ratio_count") == grew("pd", "epd_pd_step_seconds_count")
+    assert grew("pd", "epd_pd_step_time_prediction_ratio_sum") > 0
+    for scraped in after["pd"]:
+        assert scraped.value("epd_pd_itl_target_seconds") > 0
+        assert 16 <= scraped.value("epd_pd_step_budget_tokens") <= 2048
 
 
 def test_metrics_endpoints_answer_only_get_metrics(cluster):

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.encoder.config import EncoderConfig
 from services.encoder.server import start_encoder
+from services.pd import step_calibration
 from services.pd.config import PdConfig
 from services.pd.metrics import PdMetrics
 from services.pd.server import start_pd
@@ -85,7 +86,11 @@ async def test_pd_scrape_serves_the_last_values_when_the_engine_does_not_answer(
             reply = await client.get(f"http://127.0.0.1:{port}/metrics", timeout=30)
         assert reply.status_code == 200
         served = _values(reply.text)
-        assert served["epd_pd_engine_responsive"] == 1 and served["epd_pd_generation_tokens_total"] == 1  # warm-up
+        # The warm-up: one token, then the step-time calibration's requests.
+        calibration = step_calibration
+        warm_up_tokens = 1 + calibration.NUM_PASSES * (len(calibration.PROMPT_LENGTHS) + calibration.BATCH_SIZE) \
+            * calibration.NUM_OUTPUT_TOKENS
+        assert served["epd_pd_engine_responsive"] == 1 and served["epd_pd_generation_tokens_total"] == warm_up_tokens
 
         metrics = PdMetrics(pd.engine, snapshot_timeout_s=0.05)
         await metrics.refresh()

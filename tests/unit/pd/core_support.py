@@ -14,6 +14,7 @@ from services.pd.embedding_cache import EmbeddingCache
 from services.pd.kv_cache import KVCacheManager
 from services.pd.outputs import Failed, Finished, ModelRunnerOutput, SampledToken, SchedulerOutput, StepResult
 from services.pd.scheduler import Scheduler, SchedulerConfig
+from services.pd.step_budget import BudgetSnapshot, StepBudget
 
 DEFAULT_TOKEN = 7
 
@@ -24,6 +25,30 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class FakeTimer(FakeClock):
+    """Stands in for ``time.perf_counter``: step durations are what a test (or its runner double) adds."""
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class PrefillBudgetDouble:
+    """Stands in for ``StepBudget``: every step's prefill budget is ``next`` (None = the whole step budget)."""
+
+    def __init__(self, max_num_batched_tokens: int) -> None:
+        self.next: int | None = None
+        self._off = StepBudget.off(max_num_batched_tokens)
+
+    def before_step(self, running, now: float) -> int | None:
+        return self.next
+
+    def after_step(self, scheduler_output, started: float, ended: float) -> None:
+        pass
+
+    def snapshot(self) -> BudgetSnapshot:
+        return self._off.snapshot()
 
 
 class TokenizerDouble:
@@ -65,21 +90,23 @@ class RecordingScheduler(Scheduler):
 
     last_output = SchedulerOutput()
 
-    def schedule(self) -> SchedulerOutput:
-        self.last_output = super().schedule()
+    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
+        self.last_output = super().schedule(prefill_budget)
         return self.last_output
 
 
 def make_core(*, clock: FakeClock, num_blocks: int = 64, block_size: int = 4, embedding_tokens: int = 256,
               prefix_caching: bool = True, runner: RunnerDouble | None = None, hidden_size: int = 8,
+              step_budget: StepBudget | PrefillBudgetDouble | None = None, timer: FakeTimer | None = None,
               **limits) -> EngineCore:
     """An ``EngineCore`` over real caches and a (recording) real scheduler; ``limits`` are
-    ``SchedulerConfig`` fields."""
+    ``SchedulerConfig`` fields. Without ``step_budget`` every step may prefill its whole budget."""
     limits.setdefault("max_model_len", 256)
     scheduler = RecordingScheduler(SchedulerConfig(**limits), KVCacheManager(num_blocks, block_size, prefix_caching),
                                    EmbeddingCache(embedding_tokens), clock=clock)
+    timing = {} if timer is None else {"timer": timer}
     return EngineCore(scheduler=scheduler, runner=runner or RunnerDouble(), tokenizer=TokenizerDouble(),
-                      hidden_size=hidden_size, clock=clock)
+                      hidden_size=hidden_size, clock=clock, step_budget=step_budget, **timing)
 
 
 def ended_ids(result: StepResult) -> list[str]:

@@ -9,7 +9,7 @@ its request computed itself.
 from __future__ import annotations
 
 import pytest
-from core_support import EmbeddingDouble, FakeClock, RunnerDouble, make_core
+from core_support import EmbeddingDouble, FakeClock, PrefillBudgetDouble, RunnerDouble, make_core
 
 from services.pd.errors import EngineError
 from services.pd.outputs import Failed, Finished, SchedulerOutput
@@ -31,10 +31,11 @@ class Harness:
         self.clock = FakeClock()
         self.runner = RunnerDouble()
         self.runner.on_step = lambda out, embeddings: [self._check_chunk(c) for c in out.chunks]
+        self.prefill_budget = PrefillBudgetDouble(budget)
         self.core = make_core(clock=self.clock, runner=self.runner, num_blocks=num_blocks, block_size=block_size,
                               embedding_tokens=embedding_tokens, prefix_caching=prefix_caching,
                               max_model_len=max_model_len, max_num_batched_tokens=budget,
-                              max_num_seqs=max_num_seqs, **limits)
+                              max_num_seqs=max_num_seqs, step_budget=self.prefill_budget, **limits)
         self.sched = self.core.scheduler
         self.kv, self.emb = self.core.kv_cache, self.core.embedding_cache
         self.evicted: list[str] = []                  # READY entries a Preallocate evicted, in order
@@ -70,14 +71,20 @@ class Harness:
             return False
         return True
 
-    def step(self, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[Request]]:
-        """One engine step; checks the budget and every invariant. Returns the requests that ended."""
+    def step(self, tokens: dict[str, int] | None = None,
+             prefill_budget: int | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        """One engine step (prefill chunks within ``prefill_budget``, if given); checks the budgets and
+        every invariant. Returns the requests that ended."""
         self.runner.tokens = dict(tokens or {})
+        self.prefill_budget.next = prefill_budget
         self.sched.last_output = SchedulerOutput()
+        decoding = {r.request_id for r in self.sched.running if r.is_decoding}
         result = self.core.step()
         out = self.sched.last_output
         assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        if prefill_budget is not None:
+            assert sum(c.num_tokens for c in out.chunks if c.request_id not in decoding) <= prefill_budget
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
         self.check()
         self.clock.now += 0.01

@@ -54,6 +54,40 @@ def test_max_num_seqs_limits_admission(make):
     assert [c.request_id for c in out.chunks] == ["r2"]
 
 
+def test_a_prefill_budget_caps_prefill_chunks_and_never_decodes(make):
+    h = make(budget=16)
+    h.add("a", range(5), max_tokens=10)
+    h.add("b", range(20, 25), max_tokens=10)
+    h.step()                                            # both prefill and sample
+    h.add("c", range(100, 130))
+    out, _ = h.step(prefill_budget=3)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 3)]
+    h.add("d", range(200, 204))
+    out, _ = h.step(prefill_budget=0)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1)]
+    # Held back by the budget, not blocked on an image; nothing admitted.
+    assert h.requests["c"].status is RequestStatus.RUNNING and h.requests["d"].status is RequestStatus.WAITING
+    out, _ = h.step()                                   # the step budget alone
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 14)]
+    h.run()
+
+
+def test_a_spent_prefill_share_holds_a_prefilling_request_back(make):
+    h = make(budget=64)
+    h.add("a", range(10, 22), max_tokens=10)
+    h.add("b", [3] * 4 + [IMG] * 6 + [4] * 10, spans=[("x", 4, 6)])   # stops before its image
+    h.add("c", range(100, 180))                                         # 80 tokens: a partial chunk
+    out, _ = h.step()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 12), ("b", 4), ("c", 48)]
+    h.push("b", "x")
+    out, _ = h.step(prefill_budget=5)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 5)]
+    assert h.requests["c"].status is RequestStatus.RUNNING
+    out, _ = h.step(prefill_budget=40)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 11), ("c", 29)]
+    h.run()
+
+
 def test_text_prefills_while_image_encodes_then_resumes(h):
     prompt = [5, 6, 7, 8, 9, 10] + [IMG] * 8 + [11, 12, 13]
     request = h.add("a", prompt, spans=[("cat", 6, 8)], max_tokens=2)

@@ -111,8 +111,8 @@ def test_config_validation():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workload_keeps_invariants(seed, make):
-    """Random arrivals, images, pushes, lost pushes, aborts and tight KV: every step
-    keeps the budget and all invariants, and every request ends with nothing leaked."""
+    """Random arrivals, images, pushes, lost pushes, aborts, tight KV and prefill budgets: every
+    step keeps the budgets and all invariants, and every request ends with nothing leaked."""
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
     h = make(num_blocks=rng.randint(40, 56) // block_size, block_size=block_size,
@@ -132,7 +132,7 @@ def test_random_workload_keeps_invariants(seed, make):
             victim = rng.choice(h.sched.running)
             h.core.abort(victim.request_id)               # its end arrives with the next step's events
         tokens = {r.request_id: rng.choice([TOKEN, TOKEN, TOKEN, EOS]) for r in h.sched.running}
-        ended += h.step(tokens)[1]
+        ended += h.step(tokens, prefill_budget=rng.choice([None, None, 1, 2, 5]))[1]
     for item in pending:
         h.push(*item)
     # Lost pushes: the lease sweep drops their entries and fails whoever waits on them.

@@ -1,0 +1,44 @@
+"""The README's metric table documents exactly what each service's ``METRICS`` declares (name, type, labels)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from services.encoder.metrics import METRICS as ENCODER_METRICS
+from services.pd.metrics import METRICS as PD_METRICS
+from services.proxy.metrics import METRICS as PROXY_METRICS
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+ROW = re.compile(r"^\| (proxy|encoder|pd) \| (`[^|]+?) \| (counter|gauge|histogram) \|([^|]*)\|")
+
+
+def _names(cell: str) -> list[str]:
+    """``epd_a_hits_total` / `_misses_total``: a name starting with ``_`` replaces as many trailing parts."""
+    names: list[str] = []
+    for name in re.findall(r"`([^`]+)`", cell):
+        if name.startswith("_"):
+            stem = names[0].split("_")[: -(name.count("_"))]
+            name = "_".join(stem) + name
+        names.append(name)
+    return names
+
+
+def _readme_rows() -> set[tuple[str, str, str, tuple[str, ...]]]:
+    rows = set()
+    for line in README.read_text().splitlines():
+        match = ROW.match(line)
+        if match:
+            service, cell, kind, labels = match.groups()
+            label_names = tuple(label.strip() for label in labels.split(",") if label.strip())
+            rows.update((service, name, kind, label_names) for name in _names(cell))
+    return rows
+
+
+def test_the_readme_metric_table_matches_every_services_metric_docs():
+    declared = {(service, doc.name, doc.type, tuple(doc.labels))
+                for service, docs in (("proxy", PROXY_METRICS), ("encoder", ENCODER_METRICS), ("pd", PD_METRICS))
+                for doc in docs}
+    documented = _readme_rows()
+    assert declared - documented == set(), "declared in METRICS but missing from the README table"
+    assert documented - declared == set(), "in the README table but not declared in METRICS"
