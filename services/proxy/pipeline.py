@@ -17,10 +17,9 @@ every call is what is left of it):
 - every call's outcome feeds the instance's circuit breaker; a Generate
   stream gives its verdict at its first message, so a half-open probe lasts
   until the first token, not the whole generation;
-- an Encode that failed in the encoder's push to PD (trailer
-  ``epd-failed-hop: pd-push``) is charged to that PD, never to the encoder,
-  and moves the job to another PD when PD was unreachable: a partition
-  between the encoders and one PD must not open every encoder's breaker.
+- an Encode that failed in the encoder's push to PD (``epd-failed-hop:
+  pd-push``) is charged to that PD, not the encoder, and moves the job to
+  another PD when PD was unreachable.
 
 Every exit path (finish, error, cancellation, client gone) cancels the
 Generate stream and the Encode calls; any exit but a clean finish also

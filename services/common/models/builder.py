@@ -34,7 +34,7 @@ from transformers import (
 from .builder_qwen import write_qwen_checkpoint
 from .chat_template import LLAVA_CHAT_TEMPLATE
 from .init_weights import initialise_vlm
-from .presets import PRESETS, Preset, get_preset
+from .presets import CLIP_MEAN, CLIP_STD, PRESETS, Preset, get_preset
 from .tokenizer import IMAGE, build_hf_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 BUILD_VERSION = "v1"  # bump when the builder's output changes, so cached builds are not reused
 CONFIG_FILE = "config.json"
 # CLIP's own normalisation constants, as llava-1.5 uses them.
-_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 def _vision_config(preset: Preset) -> CLIPVisionConfig | SiglipVisionConfig:
@@ -108,8 +106,8 @@ def llava_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> Llava
         image_processor = CLIPImageProcessorPil(
             size={"shortest_edge": size},
             crop_size={"height": size, "width": size},
-            image_mean=_CLIP_MEAN,
-            image_std=_CLIP_STD,
+            image_mean=list(CLIP_MEAN),
+            image_std=list(CLIP_STD),
         )
     return LlavaProcessor(
         image_processor=image_processor,

@@ -27,7 +27,7 @@ from transformers import (
 
 from .chat_template import QWEN_VL_CHAT_TEMPLATE
 from .init_weights import initialise_vlm
-from .presets import Preset, QwenVisionShape
+from .presets import CLIP_MEAN, CLIP_STD, Preset, QwenVisionShape
 from .tokenizer import ENDOFTEXT, IM_END, IMAGE_PAD, QWEN_SPECIAL_TOKENS, VIDEO_PAD, VISION_END, VISION_START
 from .tokenizer import build_qwen_tokenizer
 
@@ -37,8 +37,6 @@ _FAMILIES = {
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration, "Qwen2VLProcessor"),
 }
 # CLIP's normalisation constants, as Qwen2-VL's image processor uses them.
-_MEAN = [0.48145466, 0.4578275, 0.40821073]
-_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 def _vision_config(preset: Preset) -> dict:
@@ -101,8 +99,8 @@ def qwen_image_processor(preset: Preset) -> Qwen2VLImageProcessorPil:
         patch_size=vision.patch_size,
         temporal_patch_size=vision.temporal_patch_size,
         merge_size=vision.merge_size,
-        image_mean=_MEAN,
-        image_std=_STD,
+        image_mean=list(CLIP_MEAN),
+        image_std=list(CLIP_STD),
     )
 
 

@@ -13,6 +13,12 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+"""Per-channel pixel mean of CLIP (and of Qwen2-VL's towers, which reuse it)."""
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+"""Per-channel pixel standard deviation of CLIP."""
+
+
 @dataclass(frozen=True)
 class VisionShape:
     """A CLIP (or SigLIP) vision tower; ``(image_size // patch_size) ** 2`` patches (CLIP adds a CLS token)."""
