@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common import grpc_utils, push_wire
-from services.common.devices import resolve_device, resolve_dtype
+from services.common.devices import exact_float32, resolve_device, resolve_dtype
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
 from services.pd import faults
@@ -20,10 +20,12 @@ from services.pd.bridge import EngineBridge
 from services.pd.colocated import Colocated
 from services.pd.config import PdConfig
 from services.pd.core import EngineCore
+from services.pd.decode_graphs import StaticDecodeConfig
 from services.pd.embedding_cache import EmbeddingCache
 from services.pd.engine_stats import EngineStats
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.kv_cache import KVCacheManager
+from services.pd.kv_sizing import size_kv_cache
 from services.pd.metrics import PdMetrics
 from services.pd.model_runner import ModelRunner
 from services.pd.outputs import Failed, Finished
@@ -108,19 +110,6 @@ def _held(stats: EngineStats | None) -> str:
             f"kv_leases={stats.num_kv_leases} referenced_tokens={stats.referenced_tokens}")
 
 
-def _num_kv_blocks(config: PdConfig, lm_config, dtype: torch.dtype, max_model_len: int) -> int:
-    if config.num_kv_blocks > 0:
-        return config.num_kv_blocks
-    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads
-    bytes_per_token = (
-        2 * lm_config.num_hidden_layers * lm_config.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    )
-    by_memory = (config.kv_cache_memory_mb * 1024 * 1024) // (bytes_per_token * config.block_size)
-    # Never more than every sequence at full length could use.
-    by_need = config.max_num_seqs * -(-max_model_len // config.block_size)
-    return int(max(1, min(by_memory, by_need)))
-
-
 def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     """Loads the LM half of the checkpoint and wires the engine core and its thread; returns them with model facts."""
     adapter = load_adapter(str(ensure_model(config.model)))
@@ -128,13 +117,19 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     dtype = resolve_dtype(config.dtype, device)
     if config.threads > 0:
         torch.set_num_threads(config.threads)
+    exact_float32(device, dtype)
     model = adapter.load_language_model(device, dtype)
     tokenizer = adapter.load_tokenizer()
     max_model_len = config.max_model_len or adapter.max_model_len
-    num_blocks = _num_kv_blocks(config, model.config, dtype, max_model_len)
+    sizing = size_kv_cache(config, model, device, dtype, max_model_len)
+    num_blocks = sizing.num_blocks
+    log.info("KV cache: %d blocks of %d = %d tokens (%s)", num_blocks, config.block_size, sizing.num_tokens,
+             sizing.source)
     runner = ModelRunner(
         model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype,
         linear_backend=config.linear_backend,
+        static_decode=StaticDecodeConfig(cuda_graphs=not config.enforce_eager, max_num_seqs=config.max_num_seqs,
+                                         max_model_len=max_model_len),
     )
     embedding_cache = EmbeddingCache(config.embedding_cache_tokens)
     kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
@@ -165,6 +160,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         "max_model_len": max_model_len,
         "model_id": adapter.model_id,
         "num_kv_blocks": num_blocks,
+        "num_cuda_graphs": runner.static_decoder.num_graphs if runner.static_decoder is not None else 0,
         "linear_backend": runner.linear_backend,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -228,8 +224,9 @@ async def start_pd(config: PdConfig) -> PdServer:
         log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
     await server.set_ready(True)
     log.info(
-        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d",
+        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d cuda_graphs=%d",
         config.host, server.port, facts["model_id"], facts["device"], facts["dtype"], facts["num_kv_blocks"],
+        facts["num_cuda_graphs"],
     )
     watchdog = None
     if config.stall_timeout_s > 0:
