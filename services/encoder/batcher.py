@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from services.common.models.loaded_vision import embeddings_to_host
 from services.encoder.cache import EmbeddingCache
 from services.encoder.errors import DeadlineExceeded, EncodeFailed, EncoderError, Overloaded, ShuttingDown
 from services.encoder.metrics import EncoderMetrics
@@ -273,8 +274,7 @@ class Batcher:
                 out = self._vision(pixels)  # [N, num_tokens, hidden]
             if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != len(group):
                 raise RuntimeError("vision module returned an unexpected output shape")
-            # One CPU copy per row: a cached row must not pin the whole batch.
-            rows = [row.to("cpu", copy=True).contiguous() for row in out.unbind(0)]
+            rows = embeddings_to_host(out)   # one read-back per batch; each image its own tensor
         except Exception:
             log.exception("vision forward failed for a batch of %d images", len(group))
             self._fail(group)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.devices import resolve_device, resolve_dtype
+from services.common.devices import exact_float32, resolve_device, resolve_dtype
 
 WARMUP_IMAGE_SIZE = 64
 """Side of the blank image used for the warm-up forward (any size: the processor resizes)."""
@@ -35,6 +35,7 @@ class LoadedVision:
 
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        exact_float32(torch_device, torch_dtype)
         adapter = load_adapter(str(ensure_model(model)))
         blank = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE))
         pixels = adapter.load_processor().image_processor(images=[blank], return_tensors="pt")["pixel_values"][0]
@@ -47,11 +48,34 @@ class LoadedVision:
             hidden_size=adapter.hidden_size,
         )
 
-    def warm_up(self) -> None:
-        """One forward of the blank image; RuntimeError unless it has the LM's embedding shape."""
-        pixels = self.sample_pixels.unsqueeze(0).to(device=self.device, dtype=self.dtype)
-        with torch.inference_mode():
-            out = self.module(pixels)
-        want = (1, self.num_tokens, self.hidden_size)
-        if tuple(out.shape) != want:
-            raise RuntimeError(f"vision module produced shape {list(out.shape)} for a blank image, expected {list(want)}")
+    def warm_up(self, max_batch_images: int = 1) -> None:
+        """Forwards of the blank image; RuntimeError unless they have the LM's embedding shape.
+
+        On CUDA a full batch of ``max_batch_images`` runs too, so the first
+        real batch meets no cold kernel or allocator path.
+        """
+        batch_sizes = {1, max_batch_images} if self.device.type == "cuda" else {1}
+        for batch_size in sorted(batch_sizes):
+            pixels = self.sample_pixels.expand(batch_size, *self.sample_pixels.shape)
+            with torch.inference_mode():
+                out = self.module(pixels.to(device=self.device, dtype=self.dtype))
+            want = (batch_size, self.num_tokens, self.hidden_size)
+            if tuple(out.shape) != want:
+                raise RuntimeError(f"vision module produced shape {list(out.shape)} for blank images, "
+                                   f"expected {list(want)}")
+
+
+def embeddings_to_host(out: torch.Tensor) -> list[torch.Tensor]:
+    """A batch's ``[N, num_tokens, hidden]`` embeddings as N contiguous CPU tensors, one per image.
+
+    On CUDA the batch is read back once, into page-locked memory (one
+    asynchronous copy and one wait, instead of a synchronous copy per image),
+    and each image then gets its own copy in ordinary memory: a cached
+    embedding must neither pin the whole batch nor hold page-locked memory.
+    """
+    if out.device.type == "cuda":
+        staged = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        staged.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        out = staged
+    return [row.to("cpu", copy=True).contiguous() for row in out.unbind(0)]
