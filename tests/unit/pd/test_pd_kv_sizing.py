@@ -91,7 +91,8 @@ def test_a_pd_refuses_to_start_with_a_kv_cache_below_one_request(tiny_model_dir,
     assert "pd cannot start: the KV cache (--kv-cache-memory-mb 1) holds 2032 tokens" in capfd.readouterr().err
 
 
-def test_gpu_flags_reach_the_config_and_impossible_values_are_refused():
+def test_gpu_flags_reach_the_config_and_impossible_values_are_refused(monkeypatch):
+    monkeypatch.delenv("EPD_KV_CACHE_MEMORY_MB", raising=False)   # the suite sets it for the services it starts
     parser = argparse.ArgumentParser()
     pd_main.add_arguments(parser)
     config = pd_main.config_from_args(parser.parse_args(["--gpu-memory-utilization", "0.5", "--enforce-eager"]))
