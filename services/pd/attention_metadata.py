@@ -20,6 +20,18 @@ from services.pd.flex_decode import FlexDecodeGroup
 DECODE_PATHS = ("padded", "ragged")
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: on CUDA through page-locked memory, so the copy is queued, not waited for.
+
+    (From pageable memory the driver copies through a bounce buffer and the
+    host waits.) The caching host allocator keeps the staging alive until the
+    copy is done.
+    """
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
 @dataclass(frozen=True)
 class DecodeGroup:
     """Requests with exactly one query token, attended in one padded SDPA call."""
@@ -146,7 +158,7 @@ def build_metadata(
     return PagedAttentionMetadata(
         key_cache=key_cache,
         value_cache=value_cache,
-        slot_mapping=slot_mapping.to(device, non_blocking=True),
+        slot_mapping=to_device(slot_mapping, device),
         decode=decode,
         prefills=prefills,
         gather_keys=gather_keys,
@@ -193,7 +205,7 @@ def _rows(token_indices: list[int], device) -> slice | torch.Tensor:
     first = token_indices[0]
     if token_indices == list(range(first, first + len(token_indices))):
         return slice(first, first + len(token_indices))  # the usual case: decodes come first
-    return torch.tensor(token_indices, dtype=torch.long).to(device, non_blocking=True)
+    return to_device(torch.tensor(token_indices, dtype=torch.long), device)
 
 
 def ragged_decode_group(token_indices, context_lens, block_tables, block_size, device) -> RaggedDecodeGroup:
@@ -210,7 +222,7 @@ def ragged_decode_group(token_indices, context_lens, block_tables, block_size, d
             block_ids.extend(blocks)
     return RaggedDecodeGroup(
         rows=_rows(token_indices, device),
-        block_ids=torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True),
+        block_ids=to_device(torch.tensor(block_ids, dtype=torch.long), device),
         spans=tuple(spans),
     )
 
@@ -223,8 +235,8 @@ def _decode_group(token_indices, context_lens, block_tables, block_size, device)
     mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
     return DecodeGroup(
         rows=_rows(token_indices, device),
-        block_tables=torch.tensor(tables, dtype=torch.long).to(device, non_blocking=True),
-        mask=mask[:, None, None, :].to(device, non_blocking=True),
+        block_tables=to_device(torch.tensor(tables, dtype=torch.long), device),
+        mask=to_device(mask[:, None, None, :], device),
     )
 
 
@@ -236,11 +248,11 @@ def _prefill_seq(query_start, num_queries, context_len, block_table, block_size,
         # sees every key up to and including that position.
         offset = context_len - num_queries
         query_pos = torch.arange(num_queries)[:, None] + offset
-        mask = (torch.arange(context_len)[None, :] <= query_pos).to(device, non_blocking=True)
+        mask = to_device(torch.arange(context_len)[None, :] <= query_pos, device)
     return PrefillSeq(
         query_start=query_start,
         query_end=query_start + num_queries,
         context_len=context_len,
-        block_ids=torch.tensor(list(block_table[:num_blocks]), dtype=torch.long).to(device, non_blocking=True),
+        block_ids=to_device(torch.tensor(list(block_table[:num_blocks]), dtype=torch.long), device),
         mask=mask,
     )

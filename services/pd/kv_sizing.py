@@ -1,14 +1,17 @@
 """How many KV blocks a PD gets: from free device memory on CUDA, from a fixed budget on CPU.
 
-CUDA, the rule vLLM users expect: load the weights, run one profiling
-forward of a whole step (``max_num_batched_tokens`` tokens) to learn the
-activations' peak, then the KV cache gets
+CUDA, the rule vLLM users expect: ``gpu_memory_utilization`` is this PD's
+own share of the device, whatever other processes use (two PDs on one GPU
+take 0.45 each). Note what is in use before the weights load, load them, run
+one profiling forward of a whole step (``max_num_batched_tokens`` tokens) to
+learn the activations' peak, then the KV cache gets
 
-    gpu_memory_utilization x total - memory in use now (weights, other processes, the CUDA context)
+    gpu_memory_utilization x total - what this PD uses now (weights, buffers)
                                    - the step's transient peak (peak - still allocated)
 
-The decode CUDA graphs are captured afterwards; their pool, a few decode
-steps' activations, comes out of the ``1 - gpu_memory_utilization`` left over.
+and never more than is free. The decode CUDA graphs are captured afterwards;
+their pool, a few decode steps' activations, comes out of the
+``1 - gpu_memory_utilization`` left over.
 
 CPU: ``--kv-cache-memory-mb`` (default 1024), capped at what ``max_num_seqs``
 requests at full length could ever use.
@@ -40,10 +43,11 @@ class KvCacheTooSmall(ValueError):
 class DeviceMemory:
     """One reading of a device's memory, in bytes."""
 
-    total: int      # the device's capacity
-    used: int       # in use now by every process and allocator (total - free)
-    peak: int       # this process's allocator peak since the last reset
-    current: int    # this process's allocator, allocated now
+    total: int        # the device's capacity
+    used: int         # in use now by every process and allocator (total - free)
+    used_before: int  # in use before this PD loaded anything (other processes, the CUDA context)
+    peak: int         # this process's allocator peak since the last reset
+    current: int      # this process's allocator, allocated now
 
 
 class MemoryReader(Protocol):
@@ -55,10 +59,12 @@ class MemoryReader(Protocol):
 
 
 class CudaMemoryReader:
-    """``torch.cuda``'s view of one device."""
+    """``torch.cuda``'s view of one device; create it before the weights load (it notes what is in use)."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        free, total = torch.cuda.mem_get_info(device)
+        self._used_before = total - free
 
     def reset_peak(self) -> None:
         torch.cuda.synchronize(self._device)
@@ -69,8 +75,8 @@ class CudaMemoryReader:
         torch.cuda.synchronize(self._device)
         free, total = torch.cuda.mem_get_info(self._device)
         stats = torch.cuda.memory_stats(self._device)
-        return DeviceMemory(total=total, used=total - free, peak=stats["allocated_bytes.all.peak"],
-                            current=stats["allocated_bytes.all.current"])
+        return DeviceMemory(total=total, used=total - free, used_before=self._used_before,
+                            peak=stats["allocated_bytes.all.peak"], current=stats["allocated_bytes.all.current"])
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,10 @@ class KvSizing:
 
 
 def kv_budget_from_memory(memory: DeviceMemory, utilization: float) -> int:
-    """Bytes the KV cache may take (negative when the allowed share is already used up)."""
-    return int(memory.total * utilization) - memory.used - (memory.peak - memory.current)
+    """Bytes the KV cache may take (negative when the share, or the device, is already used up)."""
+    transient = memory.peak - memory.current
+    by_share = int(memory.total * utilization) - (memory.used - memory.used_before) - transient
+    return min(by_share, memory.total - memory.used - transient)
 
 
 def blocks_in_budget(budget_bytes: int, bytes_per_block: int) -> int:
@@ -146,8 +154,9 @@ def size_kv_cache(config, model: torch.nn.Module, device: torch.device, dtype: t
                   memory: MemoryReader | None = None) -> KvSizing:
     """The KV cache for ``config`` (a ``PdConfig``) and the loaded LM; raises ``KvCacheTooSmall``.
 
-    ``memory`` reads the device (default: ``CudaMemoryReader`` on CUDA); the
-    profiling forward runs only when it is used.
+    ``memory`` reads the device (a ``CudaMemoryReader`` made before the
+    weights loaded; None on CPU): without ``--kv-cache-memory-mb`` the cache
+    is sized from it, after a profiling forward.
     """
     from services.pd.model_runner import ModelRunner
 
@@ -155,9 +164,9 @@ def size_kv_cache(config, model: torch.nn.Module, device: torch.device, dtype: t
     if config.num_kv_blocks > 0:
         return KvSizing(config.num_kv_blocks, block_size, "--num-kv-blocks")
     bytes_per_block = ModelRunner.kv_bytes_per_block(model.config, block_size, dtype)
-    if config.kv_cache_memory_mb == 0 and (memory is not None or device.type == "cuda"):
+    if config.kv_cache_memory_mb == 0 and memory is not None:
         return size_from_device_memory(
-            memory or CudaMemoryReader(device),
+            memory,
             profile=lambda: profile_step(model, config.max_num_batched_tokens, device),
             utilization=config.gpu_memory_utilization, bytes_per_block=bytes_per_block,
             block_size=block_size, max_model_len=max_model_len)

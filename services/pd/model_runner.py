@@ -23,7 +23,13 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from services.pd.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, register_paged_attention
-from services.pd.attention_metadata import DECODE_PATHS, GatherScratch, PagedAttentionMetadata, build_metadata
+from services.pd.attention_metadata import (
+    DECODE_PATHS,
+    GatherScratch,
+    PagedAttentionMetadata,
+    build_metadata,
+    to_device,
+)
 from services.pd.cpu_linear import resolve_backend, use_onednn_linear
 from services.pd.decode_graphs import (
     DecodeBuffers,
@@ -182,14 +188,12 @@ class ModelRunner:
     def prepare_embedding(self, embedding: torch.Tensor) -> torch.Tensor:
         """A received ``[num_tokens, hidden]`` embedding on this runner's device, in its dtype.
 
-        On CUDA the host tensor is staged in page-locked memory first: from
-        pageable memory the copy would be synchronous (through a driver
-        bounce buffer); from pinned memory it is queued behind the running
-        step. The caching host allocator keeps the staging alive until the
-        copy is done.
+        On CUDA the host tensor is staged in page-locked memory first
+        (``to_device``): the copy is queued behind the running step instead
+        of being waited for.
         """
         if self.device.type == "cuda" and embedding.device.type == "cpu":
-            return embedding.pin_memory().to(self.device, non_blocking=True).to(self.dtype)
+            return to_device(embedding, self.device).to(self.dtype)
         return embedding.to(device=self.device, dtype=self.dtype)
 
     def execute(
@@ -253,7 +257,7 @@ class ModelRunner:
         ).last_hidden_state[0]
 
     def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
 
     def _metadata(self, chunks: list[ScheduledChunk]) -> PagedAttentionMetadata:
         return build_metadata(

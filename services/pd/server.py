@@ -25,7 +25,7 @@ from services.pd.embedding_cache import EmbeddingCache
 from services.pd.engine_stats import EngineStats
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.kv_cache import KVCacheManager
-from services.pd.kv_sizing import size_kv_cache
+from services.pd.kv_sizing import CudaMemoryReader, size_kv_cache
 from services.pd.metrics import PdMetrics
 from services.pd.model_runner import ModelRunner
 from services.pd.outputs import Failed, Finished
@@ -118,10 +118,11 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     exact_float32(device, dtype)
+    memory = CudaMemoryReader(device) if device.type == "cuda" else None   # before the weights: what others use
     model = adapter.load_language_model(device, dtype)
     tokenizer = adapter.load_tokenizer()
     max_model_len = config.max_model_len or adapter.max_model_len
-    sizing = size_kv_cache(config, model, device, dtype, max_model_len)
+    sizing = size_kv_cache(config, model, device, dtype, max_model_len, memory)
     num_blocks = sizing.num_blocks
     log.info("KV cache: %d blocks of %d = %d tokens (%s)", num_blocks, config.block_size, sizing.num_tokens,
              sizing.source)

@@ -7,6 +7,7 @@ import argparse
 import logging
 
 import pytest
+import torch
 
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
@@ -39,17 +40,25 @@ class MemoryReaderDouble:
         return self.reading
 
 
-def test_budget_is_the_allowed_share_minus_what_is_used_and_the_step_peak():
-    # 80 GiB device, 0.9 allowed = 72; 20 GiB in use; the profile peaked 6 GiB above what stays allocated.
-    memory = DeviceMemory(total=80 * GIB, used=20 * GIB, peak=21 * GIB, current=15 * GIB)
-    assert kv_budget_from_memory(memory, 0.9) == 72 * GIB - 20 * GIB - 6 * GIB
+def test_budget_is_this_pds_share_minus_what_it_uses_and_the_step_peak():
+    # 80 GiB device, 0.9 allowed = 72; another process held 2 GiB before this PD loaded, this PD
+    # now holds 15 more; the profile peaked 6 GiB above what stays allocated.
+    memory = DeviceMemory(total=80 * GIB, used=17 * GIB, used_before=2 * GIB, peak=21 * GIB, current=15 * GIB)
+    assert kv_budget_from_memory(memory, 0.9) == 72 * GIB - 15 * GIB - 6 * GIB
+    # Two PDs of 0.45 on one GPU: the second is not charged for the first one's memory...
+    second = DeviceMemory(total=80 * GIB, used=36 * GIB + GIB, used_before=36 * GIB, peak=GIB, current=GIB)
+    assert kv_budget_from_memory(second, 0.45) == 36 * GIB - GIB
+    # ...but never gets more than is free.
+    crowded = DeviceMemory(total=80 * GIB, used=70 * GIB, used_before=60 * GIB, peak=GIB, current=GIB)
+    assert kv_budget_from_memory(crowded, 0.9) == 10 * GIB
     assert kv_budget_from_memory(memory, 0.25) < 0
     assert blocks_in_budget(10 * 1000 + 999, 1000) == 9          # one block is the runner's padding block
     assert blocks_in_budget(-5, 1000) == 0
 
 
 def test_device_memory_sizing_profiles_between_reset_and_read():
-    reader = MemoryReaderDouble(DeviceMemory(total=80 * GIB, used=20 * GIB, peak=2 * GIB, current=GIB))
+    reader = MemoryReaderDouble(DeviceMemory(total=80 * GIB, used=20 * GIB, used_before=0, peak=2 * GIB,
+                                             current=GIB))
     profiled = []
     sizing = size_from_device_memory(reader, profile=lambda: profiled.append(reader.calls[:]), utilization=0.9,
                                      bytes_per_block=2**20, block_size=16, max_model_len=4096)
@@ -58,8 +67,24 @@ def test_device_memory_sizing_profiles_between_reset_and_read():
     assert sizing.num_tokens == sizing.num_blocks * 16 and "0.9 of 80.0 GiB" in sizing.source
 
 
+def test_device_memory_sizing_of_a_loaded_lm_runs_a_real_profiling_forward(tiny_model_dir):
+    from services.common.models import load_adapter
+    from services.pd.kv_sizing import size_kv_cache
+
+    model = load_adapter(str(tiny_model_dir)).load_language_model(torch.device("cpu"), torch.float32)
+    reader = MemoryReaderDouble(DeviceMemory(total=4 * GIB, used=GIB, used_before=0, peak=0, current=0))
+    sizing = size_kv_cache(PdConfig(model="", max_num_batched_tokens=64), model, torch.device("cpu"),
+                           torch.float32, 2048, memory=reader)
+    assert reader.calls == ["reset_peak", "read"] and "0.9 of 4.0 GiB" in sizing.source
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4                      # K and V, 2 layers, 16 slots, 2 heads x 16
+    assert sizing.num_blocks == int(2.6 * GIB) // bytes_per_block - 1
+    explicit = size_kv_cache(PdConfig(model="", num_kv_blocks=7), model, torch.device("cpu"), torch.float32, 2048,
+                             memory=reader)
+    assert explicit.num_blocks == 7 and reader.calls == ["reset_peak", "read"]   # taken as given, nothing read
+
+
 def test_device_memory_that_cannot_hold_one_request_is_refused():
-    reader = MemoryReaderDouble(DeviceMemory(total=16 * GIB, used=14 * GIB, peak=GIB, current=GIB))
+    reader = MemoryReaderDouble(DeviceMemory(total=16 * GIB, used=14 * GIB, used_before=0, peak=GIB, current=GIB))
     with pytest.raises(KvCacheTooSmall, match="--gpu-memory-utilization") as refusal:
         size_from_device_memory(reader, profile=lambda: None, utilization=0.9, bytes_per_block=2**30,
                                 block_size=16, max_model_len=4096)
