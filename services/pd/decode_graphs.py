@@ -16,9 +16,10 @@ runner's padding block, a block outside the KV manager's range, so its K/V
 write lands there, it attends only there, and its logits are never read.
 
 Host to device: each step's inputs are written into one host staging area
-per dtype (pinned on CUDA) and copied with ``non_blocking`` copies. The
-staging is rewritten only by the next step, after this step's sampled tokens
-were read back (a sync), so no copy ever reads a half-written staging area.
+per dtype (pinned on CUDA) and copied with ``non_blocking`` copies. Before
+the staging is rewritten, the previous step's copies are waited for (an
+event; normally long done, since every step reads its sampled tokens back),
+so no copy ever reads a half-written staging area.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class DecodeBuffers:
         self._int = torch.zeros(max_rows * (1 + table_width), dtype=torch.int32, device=device)
         self._host_long = torch.zeros(self._long.shape, dtype=torch.long, pin_memory=pin)
         self._host_int = torch.zeros(self._int.shape, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None   # recorded after each step's copies
         for name, row in zip(self._LONG_FIELDS, self._long):
             setattr(self, name, row)
         self.num_blocks = self._int[:max_rows]
@@ -117,6 +119,8 @@ class DecodeBuffers:
         if count > num_rows or num_rows > self.max_rows:
             raise ValueError("more decode rows than the static buffers hold")
         stage, tables, num_blocks = self._stage_long, self._stage_tables, self._stage_num_blocks
+        if self._copied is not None:
+            self._copied.synchronize()
         pad = (0, 0, self.pad_block * block_size, self.pad_block, 1)   # token, position, slot, block, fill
         for field, value in enumerate(pad):
             stage[field, count:num_rows] = value
@@ -136,6 +140,8 @@ class DecodeBuffers:
         self.num_blocks[:num_rows].copy_(self._host_int[:num_rows], non_blocking=True)
         start, end = self.max_rows, self.max_rows + num_rows * self.table_width
         self._int[start:end].copy_(self._host_int[start:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
 
 class FlexTables:

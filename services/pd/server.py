@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -169,14 +170,35 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     return engine, facts
 
 
-async def warm_up(engine: EngineBridge, eos_token_id: int | None) -> None:
-    """Generates one token end to end; raises if the engine cannot."""
-    request = Request(
-        request_id=f"warmup-{uuid.uuid4().hex}",
-        prompt_token_ids=[1, 2, 3],
-        sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-        eos_token_id=eos_token_id,
-    )
+# Two full 16-token KV blocks and a tail: its repeat is served from the prefix cache.
+_WARM_UP_PROMPT = tuple(range(1, 41))
+
+
+async def warm_up(engine: EngineBridge, eos_token_id: int | None, every_path: bool = False) -> None:
+    """Generates through the engine before ready; raises if it cannot.
+
+    One greedy token by default. ``every_path`` (on CUDA) also runs each kind
+    of step a request can take, so that none meets a cold kernel after ready:
+    greedy decodes (the static decode step), a sampled request with top-k,
+    top-p, a seed and logprobs, then a repeat of the prompt that hits the
+    prefix cache (a prefill over cached context).
+    """
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    if not every_path:
+        await _generate(engine, eos_token_id, [1, 2, 3], greedy)
+        return
+    greedy = dataclasses.replace(greedy, max_tokens=3)
+    sampled = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=2, max_tokens=3, ignore_eos=True)
+    prompt = list(_WARM_UP_PROMPT)
+    await asyncio.gather(_generate(engine, eos_token_id, prompt, greedy),
+                         _generate(engine, eos_token_id, prompt[::-1], sampled))
+    await _generate(engine, eos_token_id, prompt, greedy)
+
+
+async def _generate(engine: EngineBridge, eos_token_id: int | None, prompt: list[int],
+                    sampling: SamplingParams) -> None:
+    request = Request(request_id=f"warmup-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling,
+                      eos_token_id=eos_token_id)
     events = await engine.add_request(request)
     while True:
         event = await asyncio.wait_for(events.get(), timeout=300)
@@ -211,7 +233,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         if config.metrics_port >= 0:
             metrics_http = await PdMetrics(engine).serve(config.metrics_host or config.host, config.metrics_port)
         if config.warmup:
-            await warm_up(engine, facts["eos_token_id"])
+            await warm_up(engine, facts["eos_token_id"], every_path=facts["device"].startswith("cuda"))
         if colocated is not None:
             await colocated.become_ready(server, warm_up=config.warmup)
     except (RuntimeError, EngineError, asyncio.TimeoutError, OSError):
