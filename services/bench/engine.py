@@ -336,11 +336,16 @@ def _run(args: argparse.Namespace) -> int:
     notes["loadavg_after"] = f"{os.getloadavg()[0]:.1f}"
     print(format_report(results, ttft, notes))
     if args.json:
-        payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "machine": notes,
-                   "results": {n: {**{k: v for k, v in asdict(r).items() if k != "outputs"},
-                                   "median_s": r.median_s, "tokens_per_s": r.tokens_per_s}
-                               for n, r in results.items()},
-                   "prefix_cache_ttft": ttft}
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(payload, out, indent=2, default=str)
+        _write_json(args, notes, results, ttft)
     return 0
+
+
+def _write_json(args: argparse.Namespace, notes: dict[str, Any], results: dict[str, Result],
+                ttft: list[dict[str, Any]]) -> None:
+    payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "machine": notes,
+               "results": {n: {**{k: v for k, v in asdict(r).items() if k != "outputs"},
+                               "median_s": r.median_s, "tokens_per_s": r.tokens_per_s}
+                           for n, r in results.items()},
+               "prefix_cache_ttft": ttft}
+    with open(args.json, "w", encoding="utf-8") as out:
+        json.dump(payload, out, indent=2, default=str)

@@ -149,12 +149,7 @@ def build_metadata(
             block_size,
             device,
         )
-    gather_blocks = [seq.block_ids.shape[0] for seq in prefills if seq.mask is not None]
-    if isinstance(decode, DecodeGroup):
-        gather_blocks.append(decode.block_tables.numel())
-    elif decode is not None:
-        gather_blocks.append(decode.block_ids.numel())
-    gather_keys, gather_values = scratch.buffers(max(gather_blocks, default=0))
+    gather_keys, gather_values = scratch.buffers(_largest_gather(prefills, decode))
     return PagedAttentionMetadata(
         key_cache=key_cache,
         value_cache=value_cache,
@@ -164,6 +159,16 @@ def build_metadata(
         gather_keys=gather_keys,
         gather_values=gather_values,
     )
+
+
+def _largest_gather(prefills: tuple[PrefillSeq, ...], decode) -> int:
+    """Blocks of the largest single gather of the step (prefills with context, decodes)."""
+    gather_blocks = [seq.block_ids.shape[0] for seq in prefills if seq.mask is not None]
+    if isinstance(decode, DecodeGroup):
+        gather_blocks.append(decode.block_tables.numel())
+    elif decode is not None:
+        gather_blocks.append(decode.block_ids.numel())
+    return max(gather_blocks, default=0)
 
 
 def decode_only_metadata(

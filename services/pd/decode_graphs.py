@@ -60,6 +60,7 @@ class StaticDecodeConfig:
         if self.max_num_seqs <= 0 or self.max_model_len <= 0:
             raise ValueError("max_num_seqs and max_model_len must be positive")
 
+
 # (token ids [B], positions [B], metadata) -> logits [B, vocab]
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
 
@@ -130,7 +131,8 @@ class DecodeBuffers:
             kv_position = chunk.start_pos
             used = kv_position // block_size + 1
             blocks = chunk.block_ids[:used]
-            if used > min(len(blocks), self.table_width) or not 0 <= min(blocks) <= max(blocks) < self.num_blocks_limit:
+            in_range = bool(blocks) and min(blocks) >= 0 and max(blocks) < self.num_blocks_limit
+            if used > min(len(blocks), self.table_width) or not in_range:
                 raise ValueError("a decode row's block table does not cover its context within the KV cache")
             stage[:, row] = (chunk.token_ids[0], position, blocks[-1] * block_size + kv_position % block_size,
                              blocks[-1], kv_position % block_size + 1)
