@@ -25,6 +25,24 @@ from services.proxy.app import create_app
 from services.proxy.config import ProxyConfig
 
 
+# The suite runs the same on a GPU machine: model servers started by tests run
+# float32 (the oracle's precision; float32 on CUDA turns TF32 off) and size
+# their KV cache from a fixed budget, so several PDs can share one GPU (sized
+# from free memory, the first would take 90% of it).
+TEST_PD_SETTINGS = {"dtype": "float32", "kv_cache_memory_mb": 1024}
+TEST_ENCODER_SETTINGS = {"dtype": "float32"}
+
+
+def pd_config(model_dir: str, **overrides: Any) -> PdConfig:
+    """A PD config for an in-process test server: ``TEST_PD_SETTINGS`` under ``overrides``."""
+    return PdConfig(model=model_dir, **{**TEST_PD_SETTINGS, **overrides})
+
+
+def encoder_config(model_dir: str, **overrides: Any) -> EncoderConfig:
+    """An encoder config for an in-process test server: ``TEST_ENCODER_SETTINGS`` under ``overrides``."""
+    return EncoderConfig(model=model_dir, **{**TEST_ENCODER_SETTINGS, **overrides})
+
+
 def free_ports(count: int) -> list[int]:
     """Ports picked by binding port 0 (then released for a child process to bind)."""
     socks = []
@@ -106,10 +124,10 @@ class InProcessCluster:
     async def _start(self) -> None:
         # /metrics endpoints are off (the configs' default) unless a test asks: pd={"metrics_port": 0}.
         for _ in range(self.num_pds):
-            config = PdConfig(model=self.model_dir, host="127.0.0.1", port=0, **self.pd_overrides)
+            config = pd_config(self.model_dir, host="127.0.0.1", port=0, **self.pd_overrides)
             self.pds.append(await start_pd(config))
         for _ in range(self.num_encoders):
-            config = EncoderConfig(model=self.model_dir, host="127.0.0.1", port=0, **self.encoder_overrides)
+            config = encoder_config(self.model_dir, host="127.0.0.1", port=0, **self.encoder_overrides)
             self.encoders.append(await start_encoder(config))
         if self.with_proxy:
             await self._start_proxy()

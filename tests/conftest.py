@@ -11,6 +11,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Services spawned by tests read these as their flag defaults (see
+# cluster_support.TEST_PD_SETTINGS for why); tests of flag defaults clear EPD_*.
+os.environ.setdefault("EPD_DTYPE", "float32")
+os.environ.setdefault("EPD_KV_CACHE_MEMORY_MB", "1024")
 
 
 @pytest.fixture(scope="session")

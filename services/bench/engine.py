@@ -3,8 +3,9 @@
 The workload: ``--num-requests`` prompts of random token ids (seeded), each
 ``--min-prompt``..``--max-prompt`` tokens long, each generating exactly
 ``--output-len`` tokens (greedy, EOS ignored). Every system gets the same
-prompts, the same weights (the LM half of ``--model``), the same dtype and the
-same torch thread count, in the same process:
+prompts, the same weights (the LM half of ``--model``), the same device and
+dtype (``--device``, ``--dtype``) and the same torch thread count, in the same
+process:
 
 - ``engine``: this repository's PD engine (scheduler + model runner, the
   engine thread and its asyncio API; no gRPC), all requests submitted at once.
@@ -17,6 +18,8 @@ same torch thread count, in the same process:
 - ``static``: the machine's limit for plain HF code: one left-padded batch of
   all requests, one prefill forward (sdpa, ``DynamicCache``), then greedy
   decode steps; no scheduler, no per-request bookkeeping.
+
+The three ``transformers`` baselines live in ``_engine_hf.py``.
 
 Output tokens/s = generated tokens / wall seconds (from submission of the
 first request to the last token, model loading and warm-up excluded). With
@@ -53,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt", type=int, default=512, help="longest prompt in tokens (default: 512)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the image (default: 0)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: 0 = torch's choice)")
+    parser.add_argument("--device", default="auto",
+                        help="where every system runs: auto (cuda when present, else cpu), cpu, cuda, cuda:N "
+                             "(default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations of every system: auto = float32 on cpu, bfloat16 on cuda "
+                             "(default: auto)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="engine step budget, also generate_batch's max_batch_tokens (default: 2048)")
     parser.add_argument("--block-size", type=int, default=16, help="engine KV block size (default: 16)")
@@ -67,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Workload:
+    """The prompts every system runs, and how many tokens each generates."""
+
     prompts: list[list[int]]
     output_len: int
 
@@ -119,7 +130,7 @@ class EngineRunner:
         longest = max(args.max_prompt, args.ttft_prompt) + args.output_len
         per_request = -(-longest // args.block_size)
         config = PdConfig(
-            model=model_dir, threads=args.threads, block_size=args.block_size,
+            model=model_dir, device=args.device, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.num_requests,
             # Room for every request at full length (as the static batch has) plus the TTFT prompts.
             num_kv_blocks=(args.num_requests + 2) * per_request, linear_backend=linear_backend,
@@ -209,86 +220,6 @@ class EngineRunner:
         return {"prompt_tokens": len(prompt), "image_tokens": num_image_tokens, "first": runs[0], "repeat": runs[1]}
 
 
-# ----------------------------------------------------------------------------- (b)-(d) transformers
-
-
-def _hf_model(model_dir: str, device, dtype):
-    from services.common.models import load_adapter
-
-    model = load_adapter(model_dir).load_language_model(device, dtype)
-    model.set_attn_implementation("sdpa")
-    return model.eval()
-
-
-def run_generate_batch(model, workload: Workload, max_batch_tokens: int) -> tuple[float, list[list[int]]]:
-    """HF continuous batching, sized like the engine: same token budget, a cache for every request.
-
-    Its defaults (8192-token batches, a cache sized from free memory) were
-    10-40x slower on CPU, mostly allocating; page size 64 was its fastest.
-    """
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    model.set_attn_implementation("sdpa")
-    config = GenerationConfig(max_new_tokens=workload.output_len, do_sample=False, eos_token_id=-1,
-                              pad_token_id=model.config.pad_token_id or 0)
-    page_size = 64
-    longest = max(map(len, workload.prompts)) + workload.output_len
-    batching = ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=max_batch_tokens,
-                                        num_blocks=len(workload.prompts) * -(-longest // page_size) + 4)
-    started = time.perf_counter()
-    results = model.generate_batch([list(p) for p in workload.prompts], generation_config=config,
-                                   continuous_batching_config=batching, warmup=False)
-    seconds = time.perf_counter() - started
-    ordered = list(results.values())   # generate_batch returns them in input order
-    return seconds, [list(r.generated_tokens) for r in ordered]
-
-
-def run_sequential(model, workload: Workload) -> tuple[float, list[list[int]]]:
-    import torch
-
-    model.set_attn_implementation("sdpa")
-    outputs = []
-    started = time.perf_counter()
-    with torch.inference_mode():
-        for prompt in workload.prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=workload.output_len,
-                                 do_sample=False, eos_token_id=None, pad_token_id=model.config.pad_token_id or 0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return time.perf_counter() - started, outputs
-
-
-def run_static(model, workload: Workload) -> tuple[float, list[list[int]]]:
-    """One left-padded batch: one prefill forward, then ``output_len - 1`` greedy decode steps."""
-    import torch
-    from transformers import DynamicCache
-
-    model.set_attn_implementation("sdpa")
-    batch, width = len(workload.prompts), max(map(len, workload.prompts))
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, prompt in enumerate(workload.prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    started = time.perf_counter()
-    with torch.inference_mode():
-        cache = DynamicCache()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits
-        tokens = [logits[:, -1].argmax(-1)]
-        positions = positions[:, -1:]
-        for _ in range(workload.output_len - 1):
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            positions = positions + 1
-            logits = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True).logits
-            tokens.append(logits[:, -1].argmax(-1))
-    seconds = time.perf_counter() - started
-    return seconds, torch.stack(tokens, dim=1).tolist()
-
-
 # ----------------------------------------------------------------------------- report
 
 
@@ -342,13 +273,30 @@ def run(args: argparse.Namespace) -> int:
         transformers.logging.set_verbosity(verbosity)
 
 
+def _machine_notes(device, dtype) -> dict[str, Any]:
+    import torch
+
+    notes = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+             "dtype": str(dtype).removeprefix("torch."), "cpus": os.cpu_count(),
+             "torch_threads": torch.get_num_threads()}
+    return notes | {"loadavg_before": f"{os.getloadavg()[0]:.1f}"}
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from services.bench._engine_hf import load_hf_model, run_generate_batch, run_sequential, run_static
+    from services.common.devices import exact_float32, resolve_device, resolve_dtype
     from services.common.models import ensure_model, load_adapter
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    try:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+    except ValueError as error:   # e.g. --device cuda on a machine without CUDA
+        raise SystemExit(f"epd bench engine: {error}") from None
+    exact_float32(device, dtype)
     model_dir = str(ensure_model(args.model))
     adapter = load_adapter(model_dir)
     tokenizer = adapter.load_tokenizer()
@@ -356,9 +304,8 @@ def _run(args: argparse.Namespace) -> int:
     workload = make_workload(args, len(tokenizer), avoid)
     vocab = [t for t in range(len(tokenizer)) if t not in avoid]
     wanted = [s for s in SYSTEMS if s not in args.skip]
-    notes = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-             "loadavg_before": f"{os.getloadavg()[0]:.1f}"}
-    hf = _hf_model(model_dir, torch.device("cpu"), torch.float32) if set(wanted) & {*SYSTEMS[2:]} else None
+    notes = _machine_notes(device, dtype)
+    hf = load_hf_model(model_dir, device, dtype) if set(wanted) & {*SYSTEMS[2:]} else None
     results = {name: Result(name) for name in wanted}
     ttft: list[dict[str, Any]] = []
     image = (adapter.image_token_id, adapter.num_image_tokens(224, 224), adapter.hidden_size, vocab)
@@ -390,11 +337,16 @@ def _run(args: argparse.Namespace) -> int:
     notes["loadavg_after"] = f"{os.getloadavg()[0]:.1f}"
     print(format_report(results, ttft, notes))
     if args.json:
-        payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "machine": notes,
-                   "results": {n: {**{k: v for k, v in asdict(r).items() if k != "outputs"},
-                                   "median_s": r.median_s, "tokens_per_s": r.tokens_per_s}
-                               for n, r in results.items()},
-                   "prefix_cache_ttft": ttft}
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(payload, out, indent=2, default=str)
+        _write_json(args, notes, results, ttft)
     return 0
+
+
+def _write_json(args: argparse.Namespace, notes: dict[str, Any], results: dict[str, Result],
+                ttft: list[dict[str, Any]]) -> None:
+    payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "machine": notes,
+               "results": {n: {**{k: v for k, v in asdict(r).items() if k != "outputs"},
+                               "median_s": r.median_s, "tokens_per_s": r.tokens_per_s}
+                           for n, r in results.items()},
+               "prefix_cache_ttft": ttft}
+    with open(args.json, "w", encoding="utf-8") as out:
+        json.dump(payload, out, indent=2, default=str)

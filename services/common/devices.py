@@ -25,3 +25,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def exact_float32(device: torch.device, dtype: torch.dtype) -> None:
+    """float32 on CUDA means IEEE float32: TF32 off for matmuls and convolutions.
+
+    TF32 keeps 10 mantissa bits; outputs compared token for token with a
+    float32 reference (the test oracle) must not depend on it. Process-wide,
+    and only touched when this process runs float32 on CUDA.
+    """
+    if device.type == "cuda" and dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False

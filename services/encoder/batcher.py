@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from services.common.models.loaded_vision import embeddings_to_host
 from services.common.models.vision_io import Grid, batch_key, encode_images
 from services.encoder.cache import EmbeddingCache, cache_key, pixel_digest
 from services.encoder.errors import DeadlineExceeded, EncodeFailed, EncoderError, Overloaded, ShuttingDown
@@ -282,8 +283,7 @@ class Batcher:
         try:
             out = encode_images(self._vision, [(job.pixel_values, job.grid) for job in group],
                                 self._device, self._dtype)     # [num_tokens, hidden] per image
-            # One CPU copy per row: a cached row must not pin the whole batch.
-            rows = [row.to("cpu", copy=True).contiguous() for row in out]
+            rows = embeddings_to_host(out)   # one read-back per batch; each image its own tensor
         except Exception:
             log.exception("vision forward failed for a batch of %d images", len(group))
             self._fail(group)

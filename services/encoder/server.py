@@ -127,7 +127,7 @@ class EncoderServer:
         Encode calls that arrive earlier wait in the queue for the worker.
         """
         if self.config.warmup:
-            await asyncio.to_thread(self.vision.warm_up)
+            await asyncio.to_thread(self.vision.warm_up, self.config.max_batch_images)
         self._batcher.start()
         await self._grpc.set_ready(True)
 

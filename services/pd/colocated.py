@@ -101,8 +101,8 @@ class ColocatedEncoder:
             return self._num_images_encoded
 
     async def warm_up(self) -> None:
-        """One blank-image forward on the engine thread; raises if the shape is not what the LM expects."""
-        await self._engine.call(self._vision.warm_up)
+        """Blank-image forwards on the engine thread; raises if the shape is not what the LM expects."""
+        await self._engine.call(self._vision.warm_up, self._max_batch)
 
     async def encode(self, items: list[ColocatedItem]) -> list[ColocatedItem]:
         """Encodes ``items`` on the engine thread and fills their reservations; raises the first error."""

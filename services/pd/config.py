@@ -29,9 +29,12 @@ class PdConfig:
     linear_backend: str = "auto"        # auto | torch | onednn (see services/pd/cpu_linear.py)
     # KV cache
     block_size: int = 16
-    num_kv_blocks: int = 0              # 0 = size from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 1024
+    num_kv_blocks: int = 0              # 0 = size from memory (services/pd/kv_sizing.py)
+    kv_cache_memory_mb: int = 0         # 0 = 1024 on CPU; on CUDA, what gpu_memory_utilization leaves
     enable_prefix_caching: bool = True
+    # GPU engine (services/pd/kv_sizing.py, services/pd/decode_graphs.py)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device this PD may fill (weights, activations, KV)
+    enforce_eager: bool = False          # CUDA: capture no graphs; decode-only steps run eagerly
     # scheduling
     max_num_batched_tokens: int = 2048    # hard cap of one step's tokens
     # Inter-token latency each step's prefill is sized for (services/pd/step_budget.py):
@@ -78,6 +81,8 @@ class PdConfig:
             raise ValueError("stall_timeout_s and liveness_timeout_s must be >= 0 (0 = a dead engine thread only)")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be -1 (off), 0 (any free port) or a port")
+        if not 0 < self.gpu_memory_utilization <= 1 or self.kv_cache_memory_mb < 0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1] and kv_cache_memory_mb >= 0")
         if self.embedding_cache_tokens <= 0:
             raise ValueError("embedding_cache_tokens must be positive")
         if self.max_items_per_request <= 0 or self.push_idle_timeout_s <= 0:

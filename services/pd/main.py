@@ -10,6 +10,7 @@ from services.common import cli_args, grpc_utils, security
 from services.common.logs import setup_logging
 from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
 from services.pd.faults import PdFaults
+from services.pd.kv_sizing import KvCacheTooSmall
 from services.pd.server import start_pd
 from services.pd.step_budget import AUTO_TARGET_MULTIPLE, DEFAULT_MIN_PREFILL_TOKENS
 
@@ -39,8 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "batch rows are padded to buckets so its per-shape primitives stay bounded, see "
              "services/pd/cpu_linear.py); auto = oneDNN for float32 on CPU when it works, else torch")
     add(parser, "--block-size", type=int, default=16, help="tokens per KV cache block")
-    add(parser, "--num-kv-blocks", type=int, default=0, help="KV cache blocks (0 = size from --kv-cache-memory-mb)")
-    add(parser, "--kv-cache-memory-mb", type=int, default=1024, help="memory for the KV cache when --num-kv-blocks is 0")
+    add(parser, "--num-kv-blocks", type=int, default=0,
+        help="KV cache blocks, taken as given (0 = size from memory: --kv-cache-memory-mb, or on CUDA "
+             "--gpu-memory-utilization)")
+    add(parser, "--kv-cache-memory-mb", type=int, default=0,
+        help="memory for the KV cache when --num-kv-blocks is 0 (0 = 1024 on CPU; on CUDA, what "
+             "--gpu-memory-utilization leaves); start-up is refused when it cannot hold one --max-model-len request")
+    # GPU engine: services/pd/kv_sizing.py, services/pd/decode_graphs.py
+    add(parser, "--gpu-memory-utilization", type=float, default=0.9,
+        help="CUDA: share of the device's memory this PD may fill; after the weights and a profiling forward of "
+             "--max-num-batched-tokens tokens, the KV cache gets the rest of that share (as in vLLM)")
+    add(parser, "--enforce-eager", default=False,
+        help="CUDA: capture no CUDA graphs; decode-only steps run eagerly (graphs are captured at start-up for "
+             "padded batch sizes 1, 2, 4, 8, then every 16 up to --max-num-seqs)")
     add(parser, "--enable-prefix-caching", default=True, help="reuse KV blocks of identical prompt prefixes")
     add(parser, "--max-num-batched-tokens", type=int, default=2048,
         help="token budget of one engine step: a hard cap (--target-itl-ms may give prefill less of it)")
@@ -100,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_mb=args.kv_cache_memory_mb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
         target_itl_ms=args.target_itl_ms,
@@ -151,5 +165,9 @@ def run(args: argparse.Namespace) -> int:
         await server.stop()
         log.info("pd stopped")
 
-    grpc_utils.run_until_signal(main)
+    try:
+        grpc_utils.run_until_signal(main)
+    except KvCacheTooSmall as error:   # a sizing problem the user fixes with a flag: no traceback
+        log.error("pd cannot start: %s", error)
+        return 2
     return 1 if failed else 0

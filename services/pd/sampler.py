@@ -54,9 +54,11 @@ class Sampler:
         if logits.shape[0] != len(params) or len(params) != len(num_output_tokens):
             raise ValueError("logits rows, params and num_output_tokens must have the same length")
         logits = logits.float()
-        token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:   # the common step: one argmax, no row indices to upload
+            return _with_logprobs(logits, logits.argmax(dim=-1), params)
+        token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         if greedy_rows:
             rows = _index(greedy_rows, logits.device)
             token_ids[rows] = logits[rows].argmax(dim=-1)
@@ -130,18 +132,19 @@ def _with_logprobs(logits, token_ids, params) -> list[SampledToken]:
     """Attach logprobs of the chosen token and top alternatives where asked.
 
     Logprobs come from ``log_softmax`` of the unmodified logits (before
-    temperature / top-k / top-p), as OpenAI reports them.
+    temperature / top-k / top-p), as OpenAI reports them. Everything is read
+    back to the host in one go: one wait for the device per step.
     """
-    ids = token_ids.tolist()
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
+        [ids] = read_back(token_ids)
         return [SampledToken(token_id=t) for t in ids]
     index = _index(rows, logits.device)
     logprobs = logits[index].log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids[index][:, None]).squeeze(1).tolist()
+    chosen = logprobs.gather(1, token_ids[index][:, None]).squeeze(1)
     num_top = max(params[i].logprobs for i in rows)
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    ids, chosen, top_values, top_ids = read_back(token_ids, chosen, top_values, top_ids)
     out = [SampledToken(token_id=t) for t in ids]
     for j, i in enumerate(rows):
         n = params[i].logprobs
@@ -152,3 +155,20 @@ def _with_logprobs(logits, token_ids, params) -> list[SampledToken]:
             top_logprobs=tuple(top_values[j][:n]),
         )
     return out
+
+
+def read_back(*tensors: torch.Tensor) -> list[list]:
+    """The tensors as Python lists, with one wait for the device.
+
+    On CUDA each is copied into page-locked host memory without blocking and
+    the stream is synchronised once; ``.tolist()`` per tensor would wait once
+    per tensor.
+    """
+    device = tensors[0].device
+    if device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, tensor in zip(hosts, tensors):
+        host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(device).synchronize()
+    return [host.tolist() for host in hosts]

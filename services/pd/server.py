@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -13,7 +14,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, push_wire, tensors
-from services.common.devices import resolve_device, resolve_dtype
+from services.common.devices import exact_float32, resolve_device, resolve_dtype
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
 from services.pd import faults
@@ -21,10 +22,12 @@ from services.pd.bridge import EngineBridge
 from services.pd.colocated import Colocated
 from services.pd.config import PdConfig
 from services.pd.core import EngineCore
+from services.pd.decode_graphs import StaticDecodeConfig
 from services.pd.embedding_cache import EmbeddingCache
 from services.pd.engine_stats import EngineStats
 from services.pd.errors import EngineError, ErrorKind
 from services.pd.kv_cache import KVCacheManager
+from services.pd.kv_sizing import CudaMemoryReader, size_kv_cache
 from services.pd.metrics import PdMetrics
 from services.pd.model_runner import ModelRunner
 from services.pd.request import Request, SamplingParams
@@ -118,19 +121,6 @@ def _describe_target(config: PdConfig, measured_s: float) -> str:
     return f"{config.target_itl_ms:g}ms" if config.target_itl_ms else "off"
 
 
-def _num_kv_blocks(config: PdConfig, lm_config, dtype: torch.dtype, max_model_len: int) -> int:
-    if config.num_kv_blocks > 0:
-        return config.num_kv_blocks
-    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads
-    bytes_per_token = (
-        2 * lm_config.num_hidden_layers * lm_config.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    )
-    by_memory = (config.kv_cache_memory_mb * 1024 * 1024) // (bytes_per_token * config.block_size)
-    # Never more than every sequence at full length could use.
-    by_need = config.max_num_seqs * -(-max_model_len // config.block_size)
-    return int(max(1, min(by_memory, by_need)))
-
-
 def max_receive_bytes(config: PdConfig, max_model_len: int) -> int:
     """The largest message PD's methods take: a push chunk, or a prompt of the whole context
     (at most 5 bytes per token id) with its items and stop strings. A colocated PD also serves
@@ -148,13 +138,20 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     dtype = resolve_dtype(config.dtype, device)
     if config.threads > 0:
         torch.set_num_threads(config.threads)
+    exact_float32(device, dtype)
+    memory = CudaMemoryReader(device) if device.type == "cuda" else None   # before the weights: what others use
     model = adapter.load_language_model(device, dtype)
     tokenizer = adapter.load_tokenizer()
     max_model_len = config.max_model_len or adapter.max_model_len
-    num_blocks = _num_kv_blocks(config, model.config, dtype, max_model_len)
+    sizing = size_kv_cache(config, model, device, dtype, max_model_len, memory)
+    num_blocks = sizing.num_blocks
+    log.info("KV cache: %d blocks of %d = %d tokens (%s)", num_blocks, config.block_size, sizing.num_tokens,
+             sizing.source)
     runner = ModelRunner(
         model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype,
         linear_backend=config.linear_backend,
+        static_decode=StaticDecodeConfig(cuda_graphs=not config.enforce_eager, max_num_seqs=config.max_num_seqs,
+                                         max_model_len=max_model_len),
     )
     embedding_cache = EmbeddingCache(config.embedding_cache_tokens)
     kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
@@ -188,6 +185,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         "uses_mrope": adapter.uses_mrope,
         "model_id": adapter.model_id,
         "num_kv_blocks": num_blocks,
+        "num_cuda_graphs": runner.static_decoder.num_graphs if runner.static_decoder is not None else 0,
         "linear_backend": runner.linear_backend,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -195,17 +193,37 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     return engine, facts
 
 
-async def warm_up(engine: EngineBridge, eos_token_id: int | None) -> None:
-    """Generates one token end to end, then seeds the step-time model (step_calibration.py); raises if the
-    engine cannot."""
-    request = Request(
-        request_id=f"warmup-{uuid.uuid4().hex}",
-        prompt_token_ids=[1, 2, 3],
-        sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-        eos_token_id=eos_token_id,
-    )
-    await generate(engine, request)
+# Two full 16-token KV blocks and a tail: its repeat is served from the prefix cache.
+_WARM_UP_PROMPT = tuple(range(1, 41))
+
+
+async def warm_up(engine: EngineBridge, eos_token_id: int | None, every_path: bool = False) -> None:
+    """Generates through the engine before ready, then seeds the step-time model
+    (``step_calibration.py``); raises if the engine cannot.
+
+    One greedy token first. ``every_path`` (on CUDA) also runs each kind of
+    step a request can take, so that none meets a cold kernel after ready:
+    greedy decodes (the static decode step), a sampled request with top-k,
+    top-p, a seed and logprobs, then a repeat of the prompt that hits the
+    prefix cache (a prefill over cached context).
+    """
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    if every_path:
+        greedy = dataclasses.replace(greedy, max_tokens=3)
+        sampled = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=2, max_tokens=3,
+                                 ignore_eos=True)
+        prompt = list(_WARM_UP_PROMPT)
+        await asyncio.gather(generate(engine, _warm_up_request(prompt, greedy, eos_token_id)),
+                             generate(engine, _warm_up_request(prompt[::-1], sampled, eos_token_id)))
+        await generate(engine, _warm_up_request(prompt, greedy, eos_token_id))
+    else:
+        await generate(engine, _warm_up_request([1, 2, 3], greedy, eos_token_id))
     await calibrate_step_time(engine, eos_token_id)
+
+
+def _warm_up_request(prompt: list[int], sampling: SamplingParams, eos_token_id: int | None) -> Request:
+    return Request(request_id=f"warmup-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling,
+                   eos_token_id=eos_token_id)
 
 
 async def start_pd(config: PdConfig) -> PdServer:
@@ -236,7 +254,7 @@ async def start_pd(config: PdConfig) -> PdServer:
             metrics_http = await PdMetrics(engine).serve(config.metrics_host or config.host, config.metrics_port,
                                                          token=config.security.metrics_token)
         if config.warmup:
-            await warm_up(engine, facts["eos_token_id"])
+            await warm_up(engine, facts["eos_token_id"], every_path=facts["device"].startswith("cuda"))
         if colocated is not None:
             await colocated.become_ready(server, warm_up=config.warmup)
         target_itl = _describe_target(config, (await engine.stats()).budget.itl_target_s)
@@ -251,9 +269,9 @@ async def start_pd(config: PdConfig) -> PdServer:
         log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
     await server.set_ready(True)
     log.info(
-        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d target_itl=%s",
+        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d cuda_graphs=%d target_itl=%s",
         config.host, server.port, facts["model_id"], facts["device"], facts["dtype"], facts["num_kv_blocks"],
-        target_itl,
+        facts["num_cuda_graphs"], target_itl,
     )
     pd = PdServer(grpc=server, engine=engine, config=config, colocated=colocated,
                   servicer=servicer, metrics_http=metrics_http)

@@ -33,11 +33,16 @@ def seed_with_text_and_images(count: int) -> int:
 def test_bench_serve_writes_json_markdown_and_plots(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     seed = seed_with_text_and_images(6)
+    # Two cores and 1 encoder + 1 PD whatever the machine has (its default layout scales with the cores).
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("the disaggregated layout needs two cores")
     command = [
         sys.executable, "-m", "services.cli", "bench", "serve", "--model", str(tiny_model_dir),
         "--workload", "mixed", "--configs", "colocated,disagg", "--rates", "6",
         "--num-requests", "6", "--max-tokens", "4", "--prompt-words", "8", "--seed", str(seed),
         "--calibration-requests", "1", "--startup-timeout", "120", "--request-timeout", "60",
+        "--cores", ",".join(map(str, cores)), "--encoders", "1", "--pds", "1",
         "--out", str(out), "--no-progress",
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}

@@ -22,13 +22,12 @@ import grpc
 import httpx
 import openai
 import pytest
-from cluster_support import InProcessCluster
+from cluster_support import InProcessCluster, pd_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from oracle_support import make_image, user_message
 from test_e2e_handoff_support import MAX_TOKENS, ProxyOnly, chat, client_for
 
 from services.common.pb import epd_pb2, epd_pb2_grpc
-from services.pd.config import PdConfig
 from services.pd.faults import PdFaults
 from services.pd.main import add_arguments, config_from_args
 from services.pd.server import start_pd
@@ -65,7 +64,7 @@ def setup(tiny_model_dir):
     proxies = {}
     try:
         raising, frozen = (
-            cluster.run(start_pd(PdConfig(model=model_dir, port=0, metrics_port=-1, grace_s=0, **overrides)))
+            cluster.run(start_pd(pd_config(model_dir, port=0, metrics_port=-1, grace_s=0, **overrides)))
             for overrides in (
                 {"faults": PdFaults(forward_raises_after=RAISE_AT_STEP)},
                 {"faults": PdFaults(freeze_step_ms=FREEZE_MS), "stall_timeout_s": STALL_TIMEOUT_S},

@@ -13,11 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from cluster_support import InProcessCluster
+from cluster_support import InProcessCluster, encoder_config
 from oracle_support import make_image, user_message
 from test_e2e_handoff_support import MAX_TOKENS, ProxyOnly, chat, client_for
 
-from services.encoder.config import EncoderConfig
 from services.encoder.faults import Faults
 from services.encoder.server import start_encoder
 
@@ -46,7 +45,7 @@ def setup(tiny_model_dir):
     proxies = {}
     try:
         for name, (faults, proxy, _) in [*FAULTS.items(), ("stuck", (STUCK, {}, None))]:
-            config = EncoderConfig(model=model_dir, port=0, metrics_port=-1, faults=faults, grace_s=0)
+            config = encoder_config(model_dir, port=0, metrics_port=-1, faults=faults, grace_s=0)
             encoder = cluster.run(start_encoder(config, vision=vision))
             cluster.encoders.append(encoder)  # leak checks and stop() cover it
             proxies[name] = ProxyOnly(model_dir, cluster.pd_addresses, [encoder.address], **proxy).start()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
-from cluster_support import InProcessCluster, ProxyThread, free_ports
+from cluster_support import InProcessCluster, ProxyThread, free_ports, pd_config
 from oracle_support import make_image, user_message
 
 from services.common import grpc_utils
@@ -315,13 +315,12 @@ def test_a_drain_that_outlasts_its_grace_stops_the_pd_anyway(two_pds, caplog):
 
 async def test_a_starting_pd_is_not_serving_until_warmed_up(tiny_model_dir, monkeypatch):
     from services.pd import server as pd_server
-    from services.pd.config import PdConfig
 
     warmed, release = asyncio.Event(), asyncio.Event()
     real_warm_up = pd_server.warm_up
 
-    async def held_warm_up(engine, eos_token_id):
-        await real_warm_up(engine, eos_token_id)
+    async def held_warm_up(engine, eos_token_id, **options):
+        await real_warm_up(engine, eos_token_id, **options)
         warmed.set()
         await release.wait()   # start-up stays here until the test has looked
 
@@ -329,7 +328,7 @@ async def test_a_starting_pd_is_not_serving_until_warmed_up(tiny_model_dir, monk
     port = free_ports(1)[0]
     address = f"127.0.0.1:{port}"
     starting = asyncio.create_task(pd_server.start_pd(
-        PdConfig(model=str(tiny_model_dir), host="127.0.0.1", port=port, metrics_port=-1)))
+        pd_config(str(tiny_model_dir), host="127.0.0.1", port=port, metrics_port=-1)))
     try:
         await asyncio.wait_for(warmed.wait(), 120)
         assert await grpc_utils.check_health(address, "")              # alive: the port answers

@@ -14,9 +14,9 @@ import time
 
 import httpx
 import pytest
+from cluster_support import encoder_config, pd_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.encoder.config import EncoderConfig
 from services.encoder.server import start_encoder
 from services.pd import step_calibration
 from services.pd.config import PdConfig
@@ -53,7 +53,7 @@ async def _refused(port: int) -> bool:
 async def test_pd_with_a_taken_metrics_port_fails_to_start_and_leaves_nothing_running(tiny_model_dir, taken_port):
     engines_before = _threads("pd-engine")
     with pytest.raises(OSError):
-        await start_pd(PdConfig(model=str(tiny_model_dir), port=0, metrics_port=taken_port, warmup=False))
+        await start_pd(pd_config(str(tiny_model_dir), port=0, metrics_port=taken_port, warmup=False))
     assert _threads("pd-engine") == engines_before
 
 
@@ -62,12 +62,12 @@ async def test_encoder_with_a_taken_metrics_port_fails_to_start_and_leaves_nothi
 ):
     workers_before = _threads("encoder-batcher")
     with pytest.raises(OSError):
-        await start_encoder(EncoderConfig(model=str(tiny_model_dir), port=0, metrics_port=taken_port, warmup=False))
+        await start_encoder(encoder_config(str(tiny_model_dir), port=0, metrics_port=taken_port, warmup=False))
     assert _threads("encoder-batcher") == workers_before
 
 
 async def test_encoder_stop_closes_its_metrics_endpoint(tiny_model_dir):
-    encoder = await start_encoder(EncoderConfig(model=str(tiny_model_dir), port=0, metrics_port=0, grace_s=0))
+    encoder = await start_encoder(encoder_config(str(tiny_model_dir), port=0, metrics_port=0, grace_s=0))
     port = encoder.metrics_http.port
     try:
         async with httpx.AsyncClient() as client:
@@ -79,7 +79,7 @@ async def test_encoder_stop_closes_its_metrics_endpoint(tiny_model_dir):
 
 
 async def test_pd_scrape_serves_the_last_values_when_the_engine_does_not_answer(tiny_model_dir):
-    pd = await start_pd(PdConfig(model=str(tiny_model_dir), port=0, metrics_port=0, grace_s=0))
+    pd = await start_pd(pd_config(str(tiny_model_dir), port=0, metrics_port=0, grace_s=0))
     port = pd.metrics_http.port
     try:
         async with httpx.AsyncClient() as client:
@@ -108,7 +108,7 @@ async def test_pd_scrape_serves_the_last_values_when_the_engine_does_not_answer(
 
 
 async def test_pd_scrape_before_any_snapshot_reports_only_responsiveness(tiny_model_dir):
-    pd = await start_pd(PdConfig(model=str(tiny_model_dir), port=0, warmup=False, grace_s=0))
+    pd = await start_pd(pd_config(str(tiny_model_dir), port=0, warmup=False, grace_s=0))
     await pd.stop(0)
     assert pd.metrics_http is None  # metrics off: no endpoint was started
     assert _values(await PdMetrics(pd.engine).render()) == {"epd_pd_engine_responsive": 0.0}

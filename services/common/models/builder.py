@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 BUILD_VERSION = "v1"  # bump when the builder's output changes, so cached builds are not reused
 CONFIG_FILE = "config.json"
-# CLIP's own normalisation constants, as llava-1.5 uses them.
 
 
 def _vision_config(preset: Preset) -> CLIPVisionConfig | SiglipVisionConfig:
@@ -65,25 +64,31 @@ def _siglip(preset: Preset) -> bool:
 
 def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
     """A llava-1.5-style config (second-to-last vision layer; CLIP's CLS dropped) for ``preset``."""
+    return _llava_config(preset, len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE))
+
+
+def _llava_config(preset: Preset, num_tokens: int, *, bos_token_id: int | None, eos_token_id: int | None,
+                  pad_token_id: int | None, image_token_id: int) -> LlavaConfig:
     text = preset.text
-    vision_config = _vision_config(preset)
     text_config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=max(num_tokens, preset.lm_vocab_size),
         hidden_size=text.hidden_size,
         num_hidden_layers=text.num_layers,
         num_attention_heads=text.num_heads,
         num_key_value_heads=text.num_kv_heads,
         intermediate_size=text.intermediate_size,
         max_position_embeddings=text.max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
         tie_word_embeddings=False,
     )
     return LlavaConfig(
-        vision_config=vision_config,
+        vision_config=_vision_config(preset),
         text_config=text_config,
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        image_token_id=image_token_id,
         image_seq_length=preset.num_image_tokens,
         vision_feature_layer=-2,
         # SigLIP has no CLS token: every patch is an image token.
@@ -91,6 +96,18 @@ def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaCon
         projector_hidden_act="gelu",
         tie_word_embeddings=False,
     )
+
+
+def num_parameters(preset: Preset) -> int:
+    """Parameters of a LLaVA ``preset``'s checkpoint, counted on the meta device (nothing is allocated).
+
+    The LM's vocabulary is taken at ``lm_vocab_size`` or the tokenizer's target size.
+    """
+    config = _llava_config(preset, preset.tokenizer_vocab_size, bos_token_id=None, eos_token_id=None,
+                           pad_token_id=None, image_token_id=0)
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 def llava_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
@@ -128,16 +145,21 @@ def _write_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Callab
 
 
 def _write_llava_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Callable[[str], None]) -> None:
+    device, dtype = build_device(preset)   # first: a machine that cannot build it is told at once
     progress(f"training tokenizer ({preset.tokenizer_vocab_size} tokens)")
     tokenizer = build_hf_tokenizer(preset.tokenizer_vocab_size, preset.corpus_lines, seed)
     config = llava_config(preset, tokenizer)
-    progress("initialising weights")
+    progress(f"initialising weights on {device} in {str(dtype).removeprefix('torch.')}")
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config)
+        # float32 is the default; naming it would add a "dtype" entry to config.json.
+        model = (LlavaForConditionalGeneration(config) if dtype == torch.float32
+                 else LlavaForConditionalGeneration._from_config(config, dtype=dtype))
     # Built only to be saved: initialise_vlm writes every parameter, and the
     # non-persistent buffers that to_empty leaves unset are never saved.
-    model = model.to_empty(device="cpu")
-    initialise_vlm(model, tokenizer.all_special_ids, seed, preset.context_strength)
+    model = model.to_empty(device=device)
+    # Rows past the tokenizer's (a padded vocabulary) count as special: never sampled.
+    never_sampled = [*tokenizer.all_special_ids, *range(len(tokenizer), config.text_config.vocab_size)]
+    initialise_vlm(model, never_sampled, seed, preset.context_strength)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -146,6 +168,18 @@ def _write_llava_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: 
     progress("saving weights")
     model.save_pretrained(out_dir, safe_serialization=True)
     llava_processor(preset, tokenizer).save_pretrained(out_dir)
+
+
+def build_device(preset: Preset) -> tuple[torch.device, torch.dtype]:
+    """Where and in which dtype ``preset``'s weights are made; ValueError when this machine cannot."""
+    if preset.build_device == "cpu":
+        return torch.device("cpu"), torch.float32
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"the {preset.name} preset is built on a CUDA device in bfloat16 ({num_parameters(preset) / 1e9:.2f}B "
+            f"parameters, about {2 * num_parameters(preset) / 1e9:.0f} GB; in float32 they do not fit a CPU "
+            "machine's memory), and this machine has no CUDA device: build it on a GPU machine")
+    return torch.device("cuda"), torch.bfloat16
 
 
 def build_checkpoint(

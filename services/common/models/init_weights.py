@@ -19,7 +19,9 @@ generation length is ``max_tokens``, which keeps tests and benchmarks exact.
 
 Every tensor is drawn from one ``torch.Generator`` in sorted-name order, so
 the same seed gives byte-identical weights regardless of how ``transformers``
-orders or initialises modules.
+orders or initialises modules. The generator lives on the model's device: a
+model built on CUDA draws from CUDA's generator (reproducible there, but not
+the CPU build's bytes).
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def initialise_vlm(model: nn.Module, special_ids: Collection[int], seed: int, co
     LM weights are recognised by ``language_model`` in their names, as both
     LLaVA's and Qwen2-VL's checkpoints name them.
     """
-    generator = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name in sorted(params):
         if name != "lm_head.weight":
             _init_tensor(name, params[name], generator, context_strength)
@@ -78,6 +81,6 @@ def initialise_vlm(model: nn.Module, special_ids: Collection[int], seed: int, co
         raise ValueError("the bigram backbone needs untied input and output embeddings")
     lm_head.zero_()
     successors = successor_cycle(embeddings.shape[0], special_ids, seed)
-    current = torch.tensor(list(successors.keys()))
-    following = torch.tensor(list(successors.values()))
+    current = torch.tensor(list(successors.keys()), device=device)
+    following = torch.tensor(list(successors.values()), device=device)
     lm_head[following] = embeddings[current]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.devices import resolve_device, resolve_dtype
+from services.common.devices import exact_float32, resolve_device, resolve_dtype
 from services.common.models.vision_io import Grid, PixelLayout, batch_key, encode_images
 
 WARMUP_IMAGE_SIZE = 64
@@ -43,6 +43,7 @@ class LoadedVision:
 
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        exact_float32(torch_device, torch_dtype)
         adapter = load_adapter(str(ensure_model(model)))
         blank = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE))
         sample = adapter.process_image(adapter.load_processor().image_processor, blank)
@@ -65,9 +66,34 @@ class LoadedVision:
         """Images with equal keys may share one ``encode`` call."""
         return batch_key(self.module, pixels, grid)
 
-    def warm_up(self) -> None:
-        """One forward of the blank image; RuntimeError unless it has the LM's embedding shape."""
-        out = self.encode([(self.sample_pixels, self.sample_grid)])[0]
+    def warm_up(self, max_batch_images: int = 1) -> None:
+        """Forwards of the blank image; RuntimeError unless they have the LM's embedding shape.
+
+        On CUDA a full batch of ``max_batch_images`` runs too, so the first
+        real batch meets no cold kernel or allocator path.
+        """
+        batch_sizes = {1, max_batch_images} if self.device.type == "cuda" else {1}
         want = (self.num_tokens, self.hidden_size)
-        if tuple(out.shape) != want:
-            raise RuntimeError(f"vision module produced shape {list(out.shape)} for a blank image, expected {list(want)}")
+        for batch_size in sorted(batch_sizes):
+            for out in self.encode([(self.sample_pixels, self.sample_grid)] * batch_size):
+                if tuple(out.shape) != want:
+                    raise RuntimeError(f"vision module produced shape {list(out.shape)} for a blank image, "
+                                       f"expected {list(want)}")
+
+
+def embeddings_to_host(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One batch's per-image ``[num_tokens, hidden]`` embeddings as contiguous CPU tensors, one per image.
+
+    On CUDA the batch is read back once, into page-locked memory (one
+    asynchronous copy and one wait, instead of a synchronous copy per image),
+    and each image then gets its own copy in ordinary memory: a cached
+    embedding must neither pin the whole batch nor hold page-locked memory.
+    """
+    if rows and rows[0].device.type == "cuda":
+        flat = torch.cat([row.reshape(-1) for row in rows])
+        staged = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        staged.copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(flat.device).synchronize()
+        sizes = [row.numel() for row in rows]
+        return [part.view(row.shape).clone() for part, row in zip(staged.split(sizes), rows)]
+    return [row.to("cpu", copy=True).contiguous() for row in rows]

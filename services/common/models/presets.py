@@ -5,6 +5,10 @@ ViT-B/16 and ~125M-parameter-LM shapes so that timings mean something.
 ``llava-siglip-tiny`` is ``tiny`` with a SigLIP vision tower. The ``qwen2.5-vl-*``
 and ``qwen2-vl-tiny`` presets are Qwen2.5-VL / Qwen2-VL checkpoints (dynamic
 resolution, multimodal RoPE) of the same two sizes.
+``llava-1.5-7b-random`` has LLaVA-1.5-7B's shapes (CLIP ViT-L/14-336, a
+32-layer 4096-wide Llama, llava-hf's 32064-row vocabulary; 7.06B parameters)
+for GPU measurements; it is built on CUDA in bfloat16 (about 14 GB) and never
+in CI.
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ class Preset:
     # bigram backbone (see init_weights.py). Measured, per shape, by the greedy test.
     context_strength: float
     family: str = "llava"  # config model_type: "llava", "qwen2_vl" or "qwen2_5_vl"
+    # LM vocabulary rows; 0 = the tokenizer's size. Rows past the tokenizer's are never sampled.
+    lm_vocab_size: int = 0
+    # Where the weights are made: "cpu" in float32 (byte-identical for a seed), or
+    # "cuda" in bfloat16 for shapes a CPU machine's memory cannot hold in float32.
+    build_device: str = "cpu"
 
     @property
     def num_image_tokens(self) -> int:
@@ -170,10 +179,30 @@ QWEN2_5_VL_BENCH = Preset(
     family="qwen2_5_vl",
 )
 
-# Read-only view: presets are looked up, never registered at runtime.
-PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
-    {p.name: p for p in (TINY, BENCH, LLAVA_SIGLIP_TINY, QWEN2_5_VL_TINY, QWEN2_VL_TINY, QWEN2_5_VL_BENCH)}
+LLAVA_15_7B = Preset(
+    name="llava-1.5-7b-random",
+    vision=VisionShape(
+        hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096, image_size=336, patch_size=14
+    ),
+    text=TextShape(
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        intermediate_size=11008,
+        max_position_embeddings=4096,
+    ),
+    tokenizer_vocab_size=8192,   # a real BPE like bench's; the LM's other rows are never sampled
+    corpus_lines=20000,
+    context_strength=1.2,
+    lm_vocab_size=32064,
+    build_device="cuda",
 )
+
+# Read-only view: presets are looked up, never registered at runtime.
+PRESETS: MappingProxyType[str, Preset] = MappingProxyType({p.name: p for p in (
+    TINY, BENCH, LLAVA_SIGLIP_TINY, QWEN2_5_VL_TINY, QWEN2_VL_TINY, QWEN2_5_VL_BENCH, LLAVA_15_7B)})
+
 
 
 def get_preset(name: str) -> Preset:

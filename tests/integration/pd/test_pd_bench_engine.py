@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from services import cli
 
 
@@ -26,3 +29,20 @@ def test_bench_engine_runs_every_system_and_the_prefix_cache_experiment(tiny_mod
     assert "| engine |" in table and "| static |" in table and "TTFT first" in table
     # Greedy outputs agree with generate() (the random prompts hold no near-ties for the tiny model).
     assert "| engine | 8 | 128 |" in table and "8/8 |" in table
+
+
+def test_bench_engine_runs_every_system_on_the_asked_device_and_dtype(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "engine", "--model", str(tiny_model_dir), "--quick", "--device", "cpu", "--dtype", "bfloat16",
+            "--skip", "generate", "--skip", "engine_torch_linear", "--skip", "ttft", "--json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["machine"]["device"] == "cpu" and report["machine"]["dtype"] == "bfloat16"
+    assert {name: result["num_tokens"] for name, result in report["results"].items()} == {
+        "engine": 8 * 16, "generate_batch": 8 * 16, "static": 8 * 16}
+
+
+def test_bench_engine_refuses_a_device_this_machine_lacks(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        cli.main(["bench", "engine", "--model", str(tiny_model_dir), "--quick", "--device", "cuda"])

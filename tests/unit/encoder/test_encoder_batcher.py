@@ -303,3 +303,13 @@ async def test_broken_metrics_hook_does_not_stall_the_worker(vision: FakeVision)
         await asyncio.to_thread(b.stop, 5)
     assert torch.equal(first.embedding, expected(image(1.0)[None])[0])
     assert torch.equal(second.embedding, expected(image(2.0)[None])[0])
+
+
+def test_embeddings_to_host_gives_each_image_its_own_tensor():
+    from services.common.models.loaded_vision import embeddings_to_host
+
+    out = torch.arange(24.0).view(2, 3, 4)
+    rows = embeddings_to_host(list(out.unbind(0)))
+    assert torch.equal(torch.stack(rows), out)
+    # A cached image must not keep the whole batch alive.
+    assert all(row.untyped_storage().nbytes() == 3 * 4 * 4 and row.is_contiguous() for row in rows)

@@ -213,8 +213,8 @@ def test_kv_cache_sizing_from_memory_budget():
 
 
 def test_ragged_decode_reads_consecutive_blocks_in_place_and_gathers_the_rest():
-    from services.pd.attention import _ragged_decode_group
+    from services.pd.attention_metadata import ragged_decode_group
 
-    group = _ragged_decode_group([0, 1, 2], [9, 4, 5], [[6, 7, 8], [3], [2, 9]], 4, "cpu")
+    group = ragged_decode_group([0, 1, 2], [9, 4, 5], [[6, 7, 8], [3], [2, 9]], 4, "cpu")
     assert group.spans == ((True, 24, 9), (True, 12, 4), (False, 0, 5))
     assert group.block_ids.tolist() == [2, 9]                            # only the scattered table
