@@ -40,8 +40,13 @@ from services.pd.outputs import SchedulerOutput
 from services.pd.request import Request
 from services.pd.step_time_model import StepShape, StepTimeModel
 
-AUTO_TARGET_MULTIPLE = 2.0
-"""``--target-itl-ms auto``: the target is this many times the predicted decode-only step at the current batch."""
+AUTO_TARGET_MULTIPLE = 1.25
+"""``--target-itl-ms auto``: the target is this many times the predicted decode-only step at the current batch.
+
+Small on purpose: a step that prefills doubles the inter-token latency of
+every stream in it, and spreading a long prompt over many such steps hurt
+p99 more than one long stall did (``epd bench serve --workload mixed``: 2x
+was worse than a fixed 2048-token budget, 1.25x better)."""
 DEFAULT_MIN_PREFILL_TOKENS = 16
 """Prefill tokens every step may take whatever the target (one KV block with the default block size)."""
 PREDICTION_RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
