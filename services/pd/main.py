@@ -39,6 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="who runs the LM's linear layers: torch, or oneDNN for float32 on CPU (about 2x faster there; "
              "batch rows are padded to buckets so its per-shape primitives stay bounded, see "
              "services/pd/cpu_linear.py); auto = oneDNN for float32 on CPU when it works, else torch")
+    _add_cache_arguments(parser)
+    _add_step_arguments(parser)
+    _add_admission_arguments(parser)
+    _add_lifecycle_arguments(parser)
+    security.add_arguments(parser, grpc_server=True)
+    security.add_metrics_arguments(parser)
+
+
+def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """KV cache size and layout, and how the device runs it."""
+    add = cli_args.add_flag
     add(parser, "--block-size", type=int, default=16, help="tokens per KV cache block")
     add(parser, "--num-kv-blocks", type=int, default=0,
         help="KV cache blocks, taken as given (0 = size from memory: --kv-cache-memory-mb, or on CUDA "
@@ -54,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA: capture no CUDA graphs; decode-only steps run eagerly (graphs are captured at start-up for "
              "padded batch sizes 1, 2, 4, 8, then every 16 up to --max-num-seqs)")
     add(parser, "--enable-prefix-caching", default=True, help="reuse KV blocks of identical prompt prefixes")
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """What one engine step may hold: its token cap, the prefill share, the running batch."""
+    add = cli_args.add_flag
     add(parser, "--max-num-batched-tokens", type=int, default=2048,
         help="token budget of one engine step: a hard cap (--target-itl-ms may give prefill less of it)")
     add(parser, "--target-itl-ms", type=parse_target_itl_ms, default="auto",
@@ -70,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "inter-token latency")
     add(parser, "--max-num-seqs", type=int, default=64, help="most requests running at once")
     add(parser, "--max-model-len", type=int, default=0, help="context length (0 = the model's)")
+
+
+def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """Limits on what PD accepts before any work: queues, images, reservations."""
+    add = cli_args.add_flag
     add(parser, "--max-waiting-requests", type=int, default=1024, help="queued requests before Generate is refused")
     add(parser, "--max-waiting-tokens", type=int, default=262144,
         help="prompt tokens of all queued requests before Generate is refused")
@@ -79,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most images one Preallocate or Generate may carry (more: INVALID_ARGUMENT)")
     add(parser, "--push-idle-timeout-s", type=float, default=10.0,
         help="a PushEmbedding stream that sends nothing for this long is ended (DEADLINE_EXCEEDED)")
+
+
+
+def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
+    """Start-up, where embeddings come from, shutdown, probes and test-only faults."""
+    add = cli_args.add_flag
     add(parser, "--warmup", default=True, help="generate one token before reporting ready")
     add(parser, "--encoder", default="remote", choices=["remote", "local"],
         help="where image embeddings come from: remote = encoder services push them; local = colocated "
@@ -89,13 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report not ready while the step loop is stuck this long with work pending (0 = off)")
     add(parser, "--liveness-timeout-s", type=float, default=300.0,
         help="report not alive (health service '') once the step loop is stuck this long; a dead engine "
-             "thread is never alive and makes the process exit (0 = only a dead thread counts)"),
+             "thread is never alive and makes the process exit (0 = only a dead thread counts)")
     add(parser, "--fault", default="",
         help="TEST ONLY: inject step-loop faults, comma-separated, each once, steps counted after warm-up: "
              "forward-raises-after=N (the forward of step N raises), freeze-step-ms=M (a step stalls M ms), "
              "freeze-after=N (which step stalls; default 0); '' = none")
-    security.add_arguments(parser, grpc_server=True)
-    security.add_metrics_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> PdConfig:

@@ -16,7 +16,7 @@ from cluster_support import InProcessCluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pd_client import greedy, new_request_id, push_chunks, run_generate
 
-from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.common.pb import epd_pb2
 
 IDLE_TIMEOUT_S = 0.5
 MAX_ITEMS = 4
@@ -32,12 +32,6 @@ def pd_cluster(tiny_model_dir):
     yield cluster
     cluster.stop()
 
-
-@pytest.fixture
-def stub(pd_cluster):
-    with grpc.insecure_channel(pd_cluster.pd_addresses[0]) as channel:
-        yield epd_pb2_grpc.PrefillDecodeStub(channel)
-    assert pd_cluster.leaks() == {}, "PD left something reserved, pending or referenced"
 
 
 def _code(call) -> grpc.StatusCode:

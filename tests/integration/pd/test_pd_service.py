@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pd_client import greedy, new_request_id, push_chunks, run_generate
 
 from services.common.grpc_utils import RETRY_AFTER_KEY
-from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.common.pb import epd_pb2
 
 HASH_A = "a" * 64
 HASH_B = "b" * 64
@@ -33,12 +33,6 @@ def pd_cluster(tiny_model_dir):
     yield cluster
     cluster.stop()
 
-
-@pytest.fixture
-def stub(pd_cluster):
-    with grpc.insecure_channel(pd_cluster.pd_addresses[0]) as channel:
-        yield epd_pb2_grpc.PrefillDecodeStub(channel)
-    assert pd_cluster.leaks() == {}, "PD left something reserved, pending or referenced"
 
 
 def _generate(stub, request_id, prompt, items=(), sampling=None, timeout=60):
