@@ -61,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--device", default="auto", help="torch device for encoders and PDs")
     add(parser, "--dtype", default="auto", help="dtype for encoders and PDs")
     add(parser, "--threads", type=int, default=0, help="torch threads per process (0 = torch default)")
-    add(parser, "--startup-timeout", type=float, default=600.0, help="seconds to wait for every service to be ready")
+    add(parser, "--startup-timeout", type=float, default=600.0,
+        help="seconds to wait for every service to be ready; a service restarted later that is not ready "
+             "within this long is killed and counts as one more exit")
     defaults = RestartPolicy()
     add(parser, "--max-restarts", type=int, default=defaults.max_restarts,
         help="restarts of one service allowed within --restart-window-s; one more exit is a crash loop and stops "
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         print("epd: internal calls carry a token generated for this run (--no-auto-internal-token turns it off)",
               flush=True)
     supervisor = Supervisor(service_specs(args, env), policy, is_ready=_ready_check(transport),
-                            metrics=LauncherMetrics())
+                            metrics=LauncherMetrics(), ready_timeout_s=args.startup_timeout)
     try:
         return asyncio.run(_supervise(args, supervisor, transport.metrics_token))
     finally:

@@ -3,7 +3,10 @@
 A child that exits while ``epd up`` is not stopping is restarted with the
 same command on the same port after a backoff delay; the others keep
 serving, and the proxy's health watch takes the instance out of rotation
-and back in once it reports ready again. When one service has been
+and back in once it reports ready again. A restarted child that does not
+report ready within ``ready_timeout_s`` is killed and counts as one more
+exit, so a service wedged in start-up ends in a crash loop instead of
+leaving a hole nobody reports. When one service has been
 restarted ``max_restarts`` times within ``window_s`` and exits again, it
 is crash-looping: supervision ends and the caller stops the cluster, saying
 which service, how it exited and its last output lines.
@@ -176,6 +179,8 @@ class Child:
     state: ChildState = ChildState.STARTING
     restart_at: float = 0.0
     num_restarts: int = 0
+    started_at: float = 0.0
+    not_ready_in_s: float | None = None   # set when supervision killed it for not becoming ready
 
     @property
     def pid(self) -> int | None:
@@ -241,8 +246,9 @@ class Supervisor:
 
     def __init__(self, specs: list[ServiceSpec], policy: RestartPolicy, *, is_ready: ReadyCheck,
                  spawn: Spawn = spawn_process, metrics: LauncherMetrics | None = None, say: Say = _say,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, ready_timeout_s: float | None = None) -> None:
         self.policy = policy
+        self.ready_timeout_s = ready_timeout_s   # for restarted children; None = wait forever
         self.children = [Child(spec, CrashHistory(policy)) for spec in specs]
         self._is_ready = is_ready
         self._spawn = spawn
@@ -255,7 +261,7 @@ class Supervisor:
 
     def _start(self, child: Child) -> None:
         child.process, child.output = self._spawn(child.spec)
-        child.state = ChildState.STARTING
+        child.state, child.started_at, child.not_ready_in_s = ChildState.STARTING, self._clock(), None
         self.metrics.up.labels(child.spec.name).set(0)
 
     def start_all(self) -> None:
@@ -301,6 +307,7 @@ class Supervisor:
                         self._say(f"epd: {child.spec.name} restarted (pid {child.pid}, restart {child.num_restarts})")
                     continue
                 if child.process.poll() is None:
+                    self._kill_if_not_ready(child, now)
                     continue
                 crash = self._on_exit(child, now)
                 if crash is not None:
@@ -309,8 +316,20 @@ class Supervisor:
             await _wait(stop, POLL_S)
         return None
 
+    def _kill_if_not_ready(self, child: Child, now: float) -> None:
+        """Kills a child still starting after ``ready_timeout_s``; its exit is then handled like any other."""
+        timeout_s = self.ready_timeout_s
+        if child.state is not ChildState.STARTING or timeout_s is None or now - child.started_at <= timeout_s:
+            return
+        if child.not_ready_in_s is None:
+            child.not_ready_in_s = timeout_s
+            self._say(f"epd: {child.spec.name} did not become ready within {timeout_s:g}s; killing it")
+            child.process.kill()
+
     def _on_exit(self, child: Child, now: float) -> CrashLoop | None:
         how = describe_exit(child.process.returncode)
+        if child.not_ready_in_s is not None:
+            how = f"did not become ready within {child.not_ready_in_s:g}s"
         self.metrics.up.labels(child.spec.name).set(0)
         delay = child.history.on_exit(now)
         if delay is None:

@@ -148,6 +148,32 @@ async def test_a_crash_looping_child_ends_supervision_naming_it_with_its_last_li
     assert b"boom: port in use" in stand_ins.sink.getvalue()  # output is forwarded as it comes
 
 
+async def test_a_restarted_child_that_never_becomes_ready_is_killed_and_ends_in_a_crash_loop():
+    stand_ins, said = StandIns(), []
+
+    async def only_first_start_ready(spec):   # a restart wedges in start-up (alive, never ready)
+        return stand_ins.num_spawned[spec.name] == 1
+
+    policy = RestartPolicy(max_restarts=1, window_s=60, backoff_s=0.01)
+    supervisor = Supervisor(_specs(("pd-0", RUN_FOREVER), ("proxy", RUN_FOREVER)), policy,
+                            is_ready=only_first_start_ready, spawn=stand_ins.spawn, say=said.append,
+                            ready_timeout_s=0.3)
+    stop = asyncio.Event()
+    try:
+        supervisor.start_all()
+        await supervisor.wait_ready(30, stop)
+        os.kill(supervisor.children[0].pid, signal.SIGKILL)
+        crash = await asyncio.wait_for(supervisor.supervise(stop), 60)
+        wedged = supervisor.children[0].process
+        assert wedged.wait(timeout=10) == -signal.SIGKILL   # killed by supervision, not left running
+    finally:
+        supervisor.stop_all(grace_s=5)
+    assert crash is not None and crash.name == "pd-0" and crash.num_restarts == 1
+    assert crash.exit == "did not become ready within 0.3s"
+    assert any("pd-0 did not become ready within 0.3s; killing it" in line for line in said)
+    assert stand_ins.num_spawned == {"pd-0": 2, "proxy": 1}
+
+
 async def test_a_child_that_exits_during_start_up_aborts_with_its_output():
     stand_ins = StandIns()
     supervisor = Supervisor(_specs(("pd-0", CRASH)), RestartPolicy(), is_ready=alive, spawn=stand_ins.spawn)
