@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -119,11 +119,8 @@ class PdMetrics:
 
 
 def _step_families(steps: StepSnapshot) -> Iterable[Metric]:
-    bounds = [repr(float(b)) for b in STEP_SECONDS_BUCKETS] + ["+Inf"]
-    yield HistogramMetricFamily(
-        "epd_pd_step_seconds", "Duration of one engine step",
-        buckets=list(zip(bounds, steps.bucket_counts)), sum_value=steps.sum_seconds,
-    )
+    yield _histogram("epd_pd_step_seconds", "Duration of one engine step",
+                     STEP_SECONDS_BUCKETS, steps.bucket_counts, steps.sum_seconds)
     phases = CounterMetricFamily("epd_pd_step_phase_seconds", "Engine step time by phase", labels=["phase"])
     for phase, seconds in steps.seconds.items():
         phases.add_metric([phase], seconds)
@@ -139,8 +136,13 @@ def _budget_families(budget: BudgetSnapshot) -> Iterable[Metric]:
                             value=budget.prefill_budget_tokens)
     yield GaugeMetricFamily("epd_pd_itl_target_seconds", "Inter-token latency the step budget keeps",
                             value=budget.itl_target_s)
-    bounds = [repr(float(b)) for b in PREDICTION_RATIO_BUCKETS] + ["+Inf"]
-    yield HistogramMetricFamily(
-        "epd_pd_step_time_prediction_ratio", "Measured / predicted step duration",
-        buckets=list(zip(bounds, budget.ratio_bucket_counts)), sum_value=budget.ratio_sum,
-    )
+    yield _histogram("epd_pd_step_time_prediction_ratio", "Measured / predicted step duration",
+                     PREDICTION_RATIO_BUCKETS, budget.ratio_bucket_counts, budget.ratio_sum)
+
+
+def _histogram(name: str, documentation: str, bounds: Sequence[float], cumulative_counts: Sequence[int],
+               total: float) -> HistogramMetricFamily:
+    """A histogram family from a snapshot's cumulative counts per bound (then +Inf) and sum."""
+    labels = [repr(float(bound)) for bound in bounds] + ["+Inf"]
+    return HistogramMetricFamily(name, documentation, buckets=list(zip(labels, cumulative_counts)),
+                                 sum_value=total)

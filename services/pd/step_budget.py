@@ -31,13 +31,13 @@ runs; outputs do not (chunking never changes what a request computes).
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.pd.outputs import SchedulerOutput
 from services.pd.request import Request
+from services.pd.step_stats import Histogram
 from services.pd.step_time_model import StepShape, StepTimeModel
 
 AUTO_TARGET_MULTIPLE = 1.25
@@ -93,8 +93,7 @@ class StepBudget:
         self._last_budget = config.max_num_batched_tokens
         self._target_s = config.target_itl_s or 0.0   # auto: set at the first decoding step
         self._num_limited_steps = 0
-        self._ratio_hits = [0] * (len(PREDICTION_RATIO_BUCKETS) + 1)   # per bucket; last = +Inf
-        self._ratio_sum = 0.0
+        self._ratios = Histogram(PREDICTION_RATIO_BUCKETS)   # measured / predicted step time
         self._last_step_end: float | None = None   # when the last executed step ended (the core's timer)
 
     @classmethod
@@ -152,22 +151,16 @@ class StepBudget:
         """Learns from one executed step; records how far off the prediction was once the model is seeded."""
         predicted = self.model.predict(shape)
         if self.model.is_seeded and predicted > 0:
-            ratio = seconds / predicted
-            self._ratio_hits[bisect.bisect_left(PREDICTION_RATIO_BUCKETS, ratio)] += 1
-            self._ratio_sum += ratio
+            self._ratios.observe(seconds / predicted)
         self.model.observe(shape, seconds)
 
     def snapshot(self) -> BudgetSnapshot:
-        cumulative, total = [], 0
-        for hits in self._ratio_hits:
-            total += hits
-            cumulative.append(total)
         return BudgetSnapshot(
             prefill_budget_tokens=self._last_budget,
             itl_target_s=self._target_s,
             num_limited_steps=self._num_limited_steps,
-            ratio_bucket_counts=tuple(cumulative),
-            ratio_sum=self._ratio_sum,
+            ratio_bucket_counts=self._ratios.cumulative_counts(),
+            ratio_sum=self._ratios.sum,
         )
 
 
