@@ -25,19 +25,21 @@ def _instance(cluster, address: str):
     return next(i for i in [*proxy.backends.pds, *proxy.backends.encoders] if i.address == address)
 
 
-async def _open_breaker(cluster, pd) -> None:
+async def _half_open_breaker(cluster, pd):
+    """Opens ``pd``'s breaker with failed Generates, waits until it lets a probe through; returns the breaker."""
+    breaker = _instance(cluster, pd.address).breaker
     pd.generate_failure = Failure(S.INTERNAL)
-    while _instance(cluster, pd.address).breaker.state is not BreakerState.OPEN:
+    while breaker.state is not BreakerState.OPEN:
         assert (await cluster.client.post("/v1/chat/completions", json=TEXT)).status_code == 500
     pd.generate_failure = None
+    await wait_until(lambda: breaker.state is BreakerState.HALF_OPEN)
+    return breaker
 
 
 async def test_a_probe_settles_at_its_first_token_not_at_the_end_of_its_stream(cluster_factory):
     cluster = await cluster_factory(breaker_failures=2, breaker_open_s=0.2)
     pd = cluster.pd
-    await _open_breaker(cluster, pd)
-    breaker = _instance(cluster, pd.address).breaker
-    await wait_until(lambda: breaker.state is BreakerState.HALF_OPEN)
+    breaker = await _half_open_breaker(cluster, pd)
     pd.hold_after_first.clear()                      # the probe streams its first token, then stalls
     probe = asyncio.create_task(cluster.client.post("/v1/chat/completions", json={**TEXT, "stream": True}))
     await wait_until(lambda: pd.num_active == 1 and breaker.state is BreakerState.CLOSED)
@@ -52,9 +54,7 @@ async def test_a_probe_settles_at_its_first_token_not_at_the_end_of_its_stream(c
 async def test_a_single_pd_cluster_keeps_serving_while_a_probe_waits_for_its_first_token(cluster_factory):
     cluster = await cluster_factory(breaker_failures=2, breaker_open_s=0.2)
     pd = cluster.pd
-    await _open_breaker(cluster, pd)
-    breaker = _instance(cluster, pd.address).breaker
-    await wait_until(lambda: breaker.state is BreakerState.HALF_OPEN)
+    breaker = await _half_open_breaker(cluster, pd)
     pd.hold_first_token.clear()                      # the probe gets no first token yet
     probe = asyncio.create_task(cluster.client.post("/v1/chat/completions", json=TEXT))
     await wait_until(lambda: pd.num_active == 1 and breaker.probing)

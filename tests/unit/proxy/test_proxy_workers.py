@@ -19,13 +19,18 @@ def pool():
     pool.shutdown()
 
 
-def _blocker(gate: threading.Event, started: threading.Event):
+async def _occupy(pool: WorkPool) -> tuple[threading.Event, asyncio.Task]:
+    """Runs a job that holds the pool's one thread until the returned gate is set; returns (gate, its task)."""
+    gate, started = threading.Event(), threading.Event()
+
     def block() -> str:
         started.set()
         assert gate.wait(10), "test gate never opened"
         return "done"
 
-    return block
+    running = asyncio.create_task(pool.run(block))
+    await asyncio.to_thread(started.wait, 10)
+    return gate, running
 
 
 async def _until(predicate) -> None:
@@ -37,9 +42,7 @@ async def _until(predicate) -> None:
 
 
 async def test_a_full_queue_is_a_503_with_retry_after(pool):
-    gate, started = threading.Event(), threading.Event()
-    running = asyncio.create_task(pool.run(_blocker(gate, started)))
-    await asyncio.to_thread(started.wait, 10)
+    gate, running = await _occupy(pool)
     queued = asyncio.create_task(pool.run(lambda: "queued"))
     await _until(lambda: pool.num_admitted == 2)
     with pytest.raises(ApiError) as refused:
@@ -52,9 +55,7 @@ async def test_a_full_queue_is_a_503_with_retry_after(pool):
 
 
 async def test_a_job_whose_deadline_passed_in_the_queue_never_runs(pool):
-    gate, started = threading.Event(), threading.Event()
-    running = asyncio.create_task(pool.run(_blocker(gate, started)))
-    await asyncio.to_thread(started.wait, 10)
+    gate, running = await _occupy(pool)
     ran = []
     with pytest.raises(ApiError) as late:
         await pool.run(lambda: ran.append(1), deadline=time.monotonic() + 0.05)
@@ -66,9 +67,7 @@ async def test_a_job_whose_deadline_passed_in_the_queue_never_runs(pool):
 
 
 async def test_a_cancelled_caller_frees_its_slot(pool):
-    gate, started = threading.Event(), threading.Event()
-    running = asyncio.create_task(pool.run(_blocker(gate, started)))
-    await asyncio.to_thread(started.wait, 10)
+    gate, running = await _occupy(pool)
     waiting = asyncio.create_task(pool.run(lambda: "never"))
     await _until(lambda: pool.num_admitted == 2)
     waiting.cancel()
