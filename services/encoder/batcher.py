@@ -30,7 +30,7 @@ import torch
 
 from services.common.models.loaded_vision import embeddings_to_host
 from services.common.models.vision_io import Grid, batch_key, encode_images
-from services.encoder.cache import EmbeddingCache, cache_key, pixel_digest
+from services.encoder.cache import EmbeddingCache, cache_key
 from services.encoder.errors import DeadlineExceeded, EncodeFailed, EncoderError, Overloaded, ShuttingDown
 from services.encoder.metrics import EncoderMetrics
 
@@ -55,7 +55,7 @@ class _State(enum.IntEnum):
 class _Job:
     """One image computation, shared by every waiter asking for the same image (``key``)."""
 
-    key: str  # cache_key(mm_hash, pixel digest, grid): the same hash with other pixels is another job
+    key: str  # cache_key(mm_hash, pixels, grid): the same hash with other pixels is another job
     pixel_values: torch.Tensor  # [3, H, W], or patches [t*h*w, D] with a grid
     future: asyncio.Future[EncodeResult]
     deadline: float  # time.monotonic() seconds; the latest deadline of its waiters (inf = none)
@@ -144,8 +144,7 @@ class Batcher:
         once and never computed.
         """
         loop = asyncio.get_running_loop()
-        digest = await asyncio.to_thread(pixel_digest, pixel_values)
-        key = cache_key(mm_hash, digest if grid is None else f"{digest}:{tuple(grid)}")
+        key = await asyncio.to_thread(cache_key, mm_hash, pixel_values, grid)
         job = self._join_or_enqueue(key, pixel_values, math.inf if deadline is None else deadline, loop, grid)
         if isinstance(job, EncodeResult):
             return job

@@ -1,6 +1,6 @@
 """Byte-bounded LRU cache of image embeddings, keyed by ``mm_hash`` and the pixels encoded.
 
-The key is ``cache_key(mm_hash, pixel_digest(pixels))``: the caller's hash
+The key is ``cache_key(mm_hash, pixels, grid)``: the caller's hash
 alone would let one Encode call (a bug, or a peer holding the token) make
 a popular hash answer with another image's embedding for everyone after
 it. With the digest of the very tensor that was encoded in the key, a hit
@@ -16,22 +16,21 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
 
-def pixel_digest(pixel_values: torch.Tensor) -> str:
-    """BLAKE2b-128 hex of a pixel tensor's dtype, shape and bytes (hashlib releases the GIL: run it in a thread)."""
+def cache_key(mm_hash: str, pixel_values: torch.Tensor, grid: Sequence[int] | None = None) -> str:
+    """The cache and single-flight key of one image: its hash, then a BLAKE2b-128 digest of the pixel
+    tensor encoded (dtype, shape, bytes) and of its patch grid. Hashes every byte, and hashlib releases
+    the GIL: call it in a thread."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{pixel_values.dtype}:{tuple(pixel_values.shape)}\0".encode())
+    grid_text = "" if grid is None else str(tuple(grid))
+    digest.update(f"{pixel_values.dtype}:{tuple(pixel_values.shape)}:{grid_text}\0".encode())
     flat = pixel_values.detach().contiguous().reshape(-1).view(torch.uint8)
     digest.update(memoryview(flat.numpy()))
-    return digest.hexdigest()
-
-
-def cache_key(mm_hash: str, digest: str) -> str:
-    """The cache and single-flight key of one image: its hash and the digest of the pixels encoded."""
-    return f"{mm_hash}/{digest}"
+    return f"{mm_hash}/{digest.hexdigest()}"
 
 
 def tensor_num_bytes(tensor: torch.Tensor) -> int:
