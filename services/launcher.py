@@ -99,25 +99,22 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
     common = ["--model", args.model or "tiny", "--host", args.host, "--log-level", args.log_level,
               "--log-json" if args.log_json else "--no-log-json"]
     device = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
-    specs: list[ServiceSpec] = []
-    encoder_addresses, pd_addresses = [], []
-    for i in range(0 if args.colocated else args.encoders):
-        address = f"{args.host}:{args.encoder_base_port + i}"
-        encoder_addresses.append(address)
-        argv = ["encoder", *common, *device, "--port", str(args.encoder_base_port + i),
-                "--metrics-port", _metrics_port(args.encoder_metrics_base_port, i), "--metrics-host", args.metrics_host,
-                *security.forward_argv(args, grpc_server=True)]
-        specs.append(ServiceSpec(f"encoder-{i}", tuple(argv), address, "epd.v1.Encoder", env))
-    for j in range(args.pds):
-        address = f"{args.host}:{args.pd_base_port + j}"
-        pd_addresses.append(address)
-        argv = ["pd", *common, *device, "--port", str(args.pd_base_port + j),
-                "--metrics-port", _metrics_port(args.pd_metrics_base_port, j), "--metrics-host", args.metrics_host,
-                *security.forward_argv(args, grpc_server=True)]
-        if args.colocated:
-            argv += ["--encoder", "local"]
-            encoder_addresses.append(address)  # the PD serves epd.v1.Encoder on its own port
-        specs.append(ServiceSpec(f"pd-{j}", tuple(argv), address, "epd.v1.PrefillDecode", env))
+
+    def grpc_service(kind: str, index: int, base_port: int, metrics_base_port: int, health_service: str,
+                     *extra: str) -> ServiceSpec:
+        argv = [kind, *common, *device, "--port", str(base_port + index),
+                "--metrics-port", _metrics_port(metrics_base_port, index), "--metrics-host", args.metrics_host,
+                *security.forward_argv(args, grpc_server=True), *extra]
+        return ServiceSpec(f"{kind}-{index}", tuple(argv), f"{args.host}:{base_port + index}", health_service, env)
+
+    specs = [grpc_service("encoder", i, args.encoder_base_port, args.encoder_metrics_base_port, "epd.v1.Encoder")
+             for i in range(0 if args.colocated else args.encoders)]
+    specs += [grpc_service("pd", j, args.pd_base_port, args.pd_metrics_base_port, "epd.v1.PrefillDecode",
+                           *(["--encoder", "local"] if args.colocated else []))
+              for j in range(args.pds)]
+    pd_addresses = [spec.address for spec in specs if spec.kind == "pd"]
+    # Colocated: each PD serves epd.v1.Encoder on its own port.
+    encoder_addresses = pd_addresses if args.colocated else [spec.address for spec in specs if spec.kind == "encoder"]
     proxy_argv = [
         "proxy", *common, "--port", str(args.port),
         "--pd", ",".join(pd_addresses), "--encoder", ",".join(encoder_addresses),
