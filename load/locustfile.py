@@ -56,31 +56,88 @@ from typing import Any
 from locust import HttpUser, events, task
 
 CHAT_PATH = "/v1/chat/completions"
-PROMPT_WORDS = ("tell", "me", "about", "the", "picture", "river", "city", "light", "story", "garden", "morning",
-                "color", "window", "market", "quiet", "bright")
+PROMPT_WORDS = (
+    "tell",
+    "me",
+    "about",
+    "the",
+    "picture",
+    "river",
+    "city",
+    "light",
+    "story",
+    "garden",
+    "morning",
+    "color",
+    "window",
+    "market",
+    "quiet",
+    "bright",
+)
 
 
 @events.init_command_line_parser.add_listener
 def _add_options(parser: Any) -> None:
     group = parser.add_argument_group("EPD chat load")
-    group.add_argument("--text-weight", type=int, default=3, env_var="EPD_LOAD_TEXT_WEIGHT",
-                       help="weight of TextChatUser (0 = none)")
-    group.add_argument("--image-weight", type=int, default=1, env_var="EPD_LOAD_IMAGE_WEIGHT",
-                       help="weight of ImageChatUser (0 = none)")
-    group.add_argument("--repeat-weight", type=int, default=1, env_var="EPD_LOAD_REPEAT_WEIGHT",
-                       help="weight of RepeatedImageChatUser (0 = none)")
-    group.add_argument("--disconnect-weight", type=int, default=0, env_var="EPD_LOAD_DISCONNECT_WEIGHT",
-                       help="weight of DisconnectingChatUser (0 = none)")
-    group.add_argument("--invalid-weight", type=int, default=0, env_var="EPD_LOAD_INVALID_WEIGHT",
-                       help="weight of InvalidInputUser (0 = none)")
-    group.add_argument("--max-tokens", type=int, default=32, env_var="EPD_LOAD_MAX_TOKENS",
-                       help="output tokens of every request (ignore_eos)")
-    group.add_argument("--image-size", type=int, default=224, env_var="EPD_LOAD_IMAGE_SIZE",
-                       help="side of the square noise images, pixels")
-    group.add_argument("--image-pool", type=int, default=4, env_var="EPD_LOAD_IMAGE_POOL",
-                       help="distinct images RepeatedImageChatUser cycles through")
-    group.add_argument("--think-time", type=float, default=0.5, env_var="EPD_LOAD_THINK_TIME",
-                       help="seconds each user waits between its requests")
+    group.add_argument(
+        "--text-weight", type=int, default=3, env_var="EPD_LOAD_TEXT_WEIGHT", help="weight of TextChatUser (0 = none)"
+    )
+    group.add_argument(
+        "--image-weight",
+        type=int,
+        default=1,
+        env_var="EPD_LOAD_IMAGE_WEIGHT",
+        help="weight of ImageChatUser (0 = none)",
+    )
+    group.add_argument(
+        "--repeat-weight",
+        type=int,
+        default=1,
+        env_var="EPD_LOAD_REPEAT_WEIGHT",
+        help="weight of RepeatedImageChatUser (0 = none)",
+    )
+    group.add_argument(
+        "--disconnect-weight",
+        type=int,
+        default=0,
+        env_var="EPD_LOAD_DISCONNECT_WEIGHT",
+        help="weight of DisconnectingChatUser (0 = none)",
+    )
+    group.add_argument(
+        "--invalid-weight",
+        type=int,
+        default=0,
+        env_var="EPD_LOAD_INVALID_WEIGHT",
+        help="weight of InvalidInputUser (0 = none)",
+    )
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        env_var="EPD_LOAD_MAX_TOKENS",
+        help="output tokens of every request (ignore_eos)",
+    )
+    group.add_argument(
+        "--image-size",
+        type=int,
+        default=224,
+        env_var="EPD_LOAD_IMAGE_SIZE",
+        help="side of the square noise images, pixels",
+    )
+    group.add_argument(
+        "--image-pool",
+        type=int,
+        default=4,
+        env_var="EPD_LOAD_IMAGE_POOL",
+        help="distinct images RepeatedImageChatUser cycles through",
+    )
+    group.add_argument(
+        "--think-time",
+        type=float,
+        default=0.5,
+        env_var="EPD_LOAD_THINK_TIME",
+        help="seconds each user waits between its requests",
+    )
 
 
 @events.init.add_listener
@@ -94,8 +151,13 @@ def _apply_options(environment: Any, **_: Any) -> None:
     RepeatedImageChatUser.weight = options.repeat_weight
     DisconnectingChatUser.weight = options.disconnect_weight
     InvalidInputUser.weight = options.invalid_weight
-    weights = (options.text_weight, options.image_weight, options.repeat_weight, options.disconnect_weight,
-               options.invalid_weight)
+    weights = (
+        options.text_weight,
+        options.image_weight,
+        options.repeat_weight,
+        options.disconnect_weight,
+        options.invalid_weight,
+    )
     if min(weights) < 0 or sum(weights) <= 0:
         raise ValueError("user weights must be >= 0 and at least one positive")
 
@@ -110,8 +172,9 @@ def noise_image_url(data: bytes, size: int) -> str:
 
 
 def _fire(environment: Any, kind: str, name: str, milliseconds: float) -> None:
-    environment.events.request.fire(request_type=kind, name=name, response_time=milliseconds, response_length=0,
-                                    exception=None, context={})
+    environment.events.request.fire(
+        request_type=kind, name=name, response_time=milliseconds, response_length=0, exception=None, context={}
+    )
 
 
 def _outcome(environment: Any, outcome: str) -> None:
@@ -147,7 +210,7 @@ class _ChatUser(HttpUser):
     def wait_time(self) -> float:
         return self.environment.parsed_options.think_time if self.environment.parsed_options else 0.5
 
-    read_limit: int | None = None   # hang up after this many token events (DisconnectingChatUser)
+    read_limit: int | None = None  # hang up after this many token events (DisconnectingChatUser)
     hung_up = False
 
     def on_start(self) -> None:
@@ -162,7 +225,9 @@ class _ChatUser(HttpUser):
         urls = self.image_urls()
         content: Any = prompt
         if urls:
-            content = [{"type": "text", "text": prompt}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+            content = [{"type": "text", "text": prompt}] + [
+                {"type": "image_url", "image_url": {"url": u}} for u in urls
+            ]
         return {
             "messages": [{"role": "user", "content": content}],
             "stream": True,
@@ -176,7 +241,9 @@ class _ChatUser(HttpUser):
     def chat(self) -> None:
         body = self._body()
         sent = time.perf_counter()
-        with self.client.post(CHAT_PATH, json=body, stream=True, catch_response=True, name=f"chat {self.kind}") as reply:
+        with self.client.post(
+            CHAT_PATH, json=body, stream=True, catch_response=True, name=f"chat {self.kind}"
+        ) as reply:
             if reply.status_code != 200:
                 if clean_rejection(reply):  # overload, answered the way clients are told to retry
                     reply.success()
@@ -190,7 +257,7 @@ class _ChatUser(HttpUser):
                 reply.failure(problem)
                 _outcome(self.environment, "failed")
             elif self.read_limit is not None and self.hung_up:
-                reply.close()   # drop the connection with the stream half read
+                reply.close()  # drop the connection with the stream half read
                 reply.success()
                 _outcome(self.environment, "disconnected")
             else:
@@ -274,7 +341,7 @@ class DisconnectingChatUser(_ChatUser):
     """
 
     kind = "disconnect"
-    weight = 1   # non-zero so Locust keeps the class; --disconnect-weight (default 0) sets the real weight
+    weight = 1  # non-zero so Locust keeps the class; --disconnect-weight (default 0) sets the real weight
 
     def image_urls(self) -> list[str]:
         if self.rng.random() < 0.5:
@@ -284,7 +351,7 @@ class DisconnectingChatUser(_ChatUser):
 
     def _body(self) -> dict[str, Any]:
         body = super()._body()
-        self.read_limit = self.rng.randrange(body["max_tokens"])   # 0 = before the first token
+        self.read_limit = self.rng.randrange(body["max_tokens"])  # 0 = before the first token
         return body
 
 
@@ -300,7 +367,7 @@ BAD_IMAGE_URLS = (
 class InvalidInputUser(HttpUser):
     """Invalid requests: broken images, bad parameters, malformed JSON. Each must get a clean 4xx."""
 
-    weight = 1   # as DisconnectingChatUser: --invalid-weight (default 0) sets the real weight
+    weight = 1  # as DisconnectingChatUser: --invalid-weight (default 0) sets the real weight
 
     def wait_time(self) -> float:
         return self.environment.parsed_options.think_time if self.environment.parsed_options else 0.5
@@ -323,8 +390,9 @@ class InvalidInputUser(HttpUser):
     @task
     def bad_request(self) -> None:
         headers = {"Content-Type": "application/json"}
-        with self.client.post(CHAT_PATH, data=self._bad_body(), headers=headers, catch_response=True,
-                              name="chat invalid") as reply:
+        with self.client.post(
+            CHAT_PATH, data=self._bad_body(), headers=headers, catch_response=True, name="chat invalid"
+        ) as reply:
             problem = None if 400 <= reply.status_code < 500 else f"HTTP {reply.status_code} for a bad input"
             problem = problem or clean_error(reply)
             if problem:

@@ -37,45 +37,114 @@ DEFAULT_LAUNCHER_METRICS_PORT = 9300
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = cli_args.add_flag
-    add(parser, "--model", default="", help="checkpoint directory, preset name (tiny, bench, qwen2.5-vl-tiny, ...; see epd make-model) or hub id of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint; default: the tiny model, built on first use")
+    add(
+        parser,
+        "--model",
+        default="",
+        help="checkpoint directory, preset name (tiny, bench, qwen2.5-vl-tiny, ...; see epd make-model) or hub id of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint; default: the tiny model, built on first use",
+    )
     add(parser, "--encoders", type=int, default=1, help="number of encoder processes")
     add(parser, "--pds", type=int, default=1, help="number of PD processes")
-    add(parser, "--pd-policy", default="least-loaded", choices=["least-loaded", "round-robin"],
-        help="proxy: how a PD is chosen (other proxy flags: set their EPD_* variables)")
-    add(parser, "--encoder-policy", default="rendezvous", choices=["rendezvous", "least-loaded", "round-robin"],
-        help="proxy: how an encoder is chosen for an image")
-    add(parser, "--colocated", default=False, help="baseline mode: no encoder processes; the PD loads the vision tower and encodes inside its step loop like a monolithic engine (needs --pds 1)")
+    add(
+        parser,
+        "--pd-policy",
+        default="least-loaded",
+        choices=["least-loaded", "round-robin"],
+        help="proxy: how a PD is chosen (other proxy flags: set their EPD_* variables)",
+    )
+    add(
+        parser,
+        "--encoder-policy",
+        default="rendezvous",
+        choices=["rendezvous", "least-loaded", "round-robin"],
+        help="proxy: how an encoder is chosen for an image",
+    )
+    add(
+        parser,
+        "--colocated",
+        default=False,
+        help="baseline mode: no encoder processes; the PD loads the vision tower and encodes inside its step loop like a monolithic engine (needs --pds 1)",
+    )
     add(parser, "--host", default="127.0.0.1", help="address every service listens on")
     add(parser, "--port", type=int, default=8000, help="proxy HTTP port")
     add(parser, "--encoder-base-port", type=int, default=50051, help="encoder i listens on this port + i")
     add(parser, "--pd-base-port", type=int, default=50061, help="PD j listens on this port + j")
-    add(parser, "--encoder-metrics-base-port", type=int, default=9101,
-        help="encoder i serves Prometheus /metrics on this port + i (-1 = off)")
-    add(parser, "--pd-metrics-base-port", type=int, default=9201,
-        help="PD j serves Prometheus /metrics on this port + j (-1 = off)")
-    add(parser, "--launcher-metrics-port", type=int, default=DEFAULT_LAUNCHER_METRICS_PORT,
-        help="epd up's own /metrics: epd_launcher_restarts_total and epd_launcher_service_up per service (-1 = off)")
-    add(parser, "--metrics-host", default="127.0.0.1",
+    add(
+        parser,
+        "--encoder-metrics-base-port",
+        type=int,
+        default=9101,
+        help="encoder i serves Prometheus /metrics on this port + i (-1 = off)",
+    )
+    add(
+        parser,
+        "--pd-metrics-base-port",
+        type=int,
+        default=9201,
+        help="PD j serves Prometheus /metrics on this port + j (-1 = off)",
+    )
+    add(
+        parser,
+        "--launcher-metrics-port",
+        type=int,
+        default=DEFAULT_LAUNCHER_METRICS_PORT,
+        help="epd up's own /metrics: epd_launcher_restarts_total and epd_launcher_service_up per service (-1 = off)",
+    )
+    add(
+        parser,
+        "--metrics-host",
+        default="127.0.0.1",
         help="address of every encoder, PD and launcher /metrics endpoint (loopback keeps them off the network "
-             "whatever --host is)")
+        "whatever --host is)",
+    )
     add(parser, "--device", default="auto", help="torch device for encoders and PDs")
     add(parser, "--dtype", default="auto", help="dtype for encoders and PDs")
     add(parser, "--threads", type=int, default=0, help="torch threads per process (0 = torch default)")
-    add(parser, "--startup-timeout", type=float, default=600.0,
+    add(
+        parser,
+        "--startup-timeout",
+        type=float,
+        default=600.0,
         help="seconds to wait for every service to be ready; a service restarted later that is not ready "
-             "within this long is killed and counts as one more exit")
+        "within this long is killed and counts as one more exit",
+    )
     defaults = RestartPolicy()
-    add(parser, "--max-restarts", type=int, default=defaults.max_restarts,
+    add(
+        parser,
+        "--max-restarts",
+        type=int,
+        default=defaults.max_restarts,
         help="restarts of one service allowed within --restart-window-s; one more exit is a crash loop and stops "
-             "epd up (0 = never restart: any exit stops the cluster)")
-    add(parser, "--restart-window-s", type=float, default=defaults.window_s,
-        help="sliding window, seconds, over which a service's restarts are counted")
-    add(parser, "--restart-backoff-s", type=float, default=defaults.backoff_s,
-        help="delay before the first restart in a window; it doubles with each further restart (at most 30 s)")
-    add(parser, "--auto-internal-token", default=True,
+        "epd up (0 = never restart: any exit stops the cluster)",
+    )
+    add(
+        parser,
+        "--restart-window-s",
+        type=float,
+        default=defaults.window_s,
+        help="sliding window, seconds, over which a service's restarts are counted",
+    )
+    add(
+        parser,
+        "--restart-backoff-s",
+        type=float,
+        default=defaults.backoff_s,
+        help="delay before the first restart in a window; it doubles with each further restart (at most 30 s)",
+    )
+    add(
+        parser,
+        "--auto-internal-token",
+        default=True,
         help="generate a random internal token for the children when none is given (--internal-token-file or "
-             "$EPD_INTERNAL_TOKEN); --no-auto-internal-token runs them without one")
-    add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level of every service")
+        "$EPD_INTERNAL_TOKEN); --no-auto-internal-token runs them without one",
+    )
+    add(
+        parser,
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level of every service",
+    )
     cli_args.add_log_json_flag(parser)
     security.add_arguments(parser, grpc_server=True)  # passed on to every service
     security.add_metrics_arguments(parser)
@@ -83,8 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:
     """The restart flags as a policy (ValueError when invalid)."""
-    return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s,
-                         backoff_s=args.restart_backoff_s, max_backoff_s=max(30.0, args.restart_backoff_s))
+    return RestartPolicy(
+        max_restarts=args.max_restarts,
+        window_s=args.restart_window_s,
+        backoff_s=args.restart_backoff_s,
+        max_backoff_s=max(30.0, args.restart_backoff_s),
+    )
 
 
 def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -> list[ServiceSpec]:
@@ -96,29 +169,66 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
     and keeps its served name.
     """
     env = dict(env or {})
-    common = ["--model", args.model or "tiny", "--host", args.host, "--log-level", args.log_level,
-              "--log-json" if args.log_json else "--no-log-json"]
+    common = [
+        "--model",
+        args.model or "tiny",
+        "--host",
+        args.host,
+        "--log-level",
+        args.log_level,
+        "--log-json" if args.log_json else "--no-log-json",
+    ]
     device = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
 
-    def grpc_service(kind: str, index: int, base_port: int, metrics_base_port: int, health_service: str,
-                     *extra: str) -> ServiceSpec:
-        argv = [kind, *common, *device, "--port", str(base_port + index),
-                "--metrics-port", _metrics_port(metrics_base_port, index), "--metrics-host", args.metrics_host,
-                *security.forward_argv(args, grpc_server=True), *extra]
+    def grpc_service(
+        kind: str, index: int, base_port: int, metrics_base_port: int, health_service: str, *extra: str
+    ) -> ServiceSpec:
+        argv = [
+            kind,
+            *common,
+            *device,
+            "--port",
+            str(base_port + index),
+            "--metrics-port",
+            _metrics_port(metrics_base_port, index),
+            "--metrics-host",
+            args.metrics_host,
+            *security.forward_argv(args, grpc_server=True),
+            *extra,
+        ]
         return ServiceSpec(f"{kind}-{index}", tuple(argv), f"{args.host}:{base_port + index}", health_service, env)
 
-    specs = [grpc_service("encoder", i, args.encoder_base_port, args.encoder_metrics_base_port, "epd.v1.Encoder")
-             for i in range(0 if args.colocated else args.encoders)]
-    specs += [grpc_service("pd", j, args.pd_base_port, args.pd_metrics_base_port, "epd.v1.PrefillDecode",
-                           *(["--encoder", "local"] if args.colocated else []))
-              for j in range(args.pds)]
+    specs = [
+        grpc_service("encoder", i, args.encoder_base_port, args.encoder_metrics_base_port, "epd.v1.Encoder")
+        for i in range(0 if args.colocated else args.encoders)
+    ]
+    specs += [
+        grpc_service(
+            "pd",
+            j,
+            args.pd_base_port,
+            args.pd_metrics_base_port,
+            "epd.v1.PrefillDecode",
+            *(["--encoder", "local"] if args.colocated else []),
+        )
+        for j in range(args.pds)
+    ]
     pd_addresses = [spec.address for spec in specs if spec.kind == "pd"]
     # Colocated: each PD serves epd.v1.Encoder on its own port.
     encoder_addresses = pd_addresses if args.colocated else [spec.address for spec in specs if spec.kind == "encoder"]
     proxy_argv = [
-        "proxy", *common, "--port", str(args.port),
-        "--pd", ",".join(pd_addresses), "--encoder", ",".join(encoder_addresses),
-        "--pd-policy", args.pd_policy, "--encoder-policy", args.encoder_policy,
+        "proxy",
+        *common,
+        "--port",
+        str(args.port),
+        "--pd",
+        ",".join(pd_addresses),
+        "--encoder",
+        ",".join(encoder_addresses),
+        "--pd-policy",
+        args.pd_policy,
+        "--encoder-policy",
+        args.encoder_policy,
         *security.forward_argv(args, grpc_server=False),
     ]
     specs.append(ServiceSpec("proxy", tuple(proxy_argv), f"{args.host}:{args.port}", None, env))
@@ -156,8 +266,9 @@ def launcher_security(
         env[security.TOKEN_ENV] = secrets.token_urlsafe(32)
     if args.metrics_require_token:
         env[cli_args.env_name("--metrics-require-token")] = "1"
-    transport = dataclasses.replace(given, token=given.token or env.get(security.TOKEN_ENV),
-                                    metrics_auth=args.metrics_require_token)
+    transport = dataclasses.replace(
+        given, token=given.token or env.get(security.TOKEN_ENV), metrics_auth=args.metrics_require_token
+    )
     return transport, env
 
 
@@ -188,10 +299,14 @@ async def _supervise(args: argparse.Namespace, supervisor: Supervisor, metrics_t
     if args.launcher_metrics_port >= 0:
         try:
             metrics_http = await MetricsHttpServer.start(
-                args.metrics_host, args.launcher_metrics_port, supervisor.metrics.render, token=metrics_token)
+                args.metrics_host, args.launcher_metrics_port, supervisor.metrics.render, token=metrics_token
+            )
         except OSError as error:
-            print(f"epd: cannot serve the launcher's /metrics on port {args.launcher_metrics_port}: "
-                  f"{error.strerror}", file=sys.stderr, flush=True)
+            print(
+                f"epd: cannot serve the launcher's /metrics on port {args.launcher_metrics_port}: {error.strerror}",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
     try:
         supervisor.start_all()
@@ -240,17 +355,24 @@ def run(args: argparse.Namespace) -> int:
     print("epd: preparing model ...", flush=True)
     model_dir = str(ensure_model(args.model or None, progress=lambda msg: print(f"  {msg}", flush=True)))
     if refuse_unservable_model(model_dir, "epd") is not None:
-        return 2   # before any child starts: one line, no traceback
+        return 2  # before any child starts: one line, no traceback
     print(f"epd: model {model_dir}", flush=True)
     if args.colocated:
         print("epd: starting 1 colocated PD (vision tower inside) and the proxy ...", flush=True)
     else:
         print(f"epd: starting {args.encoders} encoder(s), {args.pds} PD(s) and the proxy ...", flush=True)
     if security.TOKEN_ENV in env:
-        print("epd: internal calls carry a token generated for this run (--no-auto-internal-token turns it off)",
-              flush=True)
-    supervisor = Supervisor(service_specs(args, env), policy, is_ready=_ready_check(transport),
-                            metrics=LauncherMetrics(), ready_timeout_s=args.startup_timeout)
+        print(
+            "epd: internal calls carry a token generated for this run (--no-auto-internal-token turns it off)",
+            flush=True,
+        )
+    supervisor = Supervisor(
+        service_specs(args, env),
+        policy,
+        is_ready=_ready_check(transport),
+        metrics=LauncherMetrics(),
+        ready_timeout_s=args.startup_timeout,
+    )
     try:
         return asyncio.run(_supervise(args, supervisor, transport.metrics_token))
     finally:

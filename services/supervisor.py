@@ -99,10 +99,10 @@ def describe_exit(returncode: int) -> str:
 class ServiceSpec:
     """How to start one service: ``python -m services.cli <argv>`` with extra environment."""
 
-    name: str                       # encoder-0, pd-1, proxy
+    name: str  # encoder-0, pd-1, proxy
     argv: tuple[str, ...]
-    address: str                    # host:port it serves on
-    health_service: str | None      # gRPC health service meaning "ready"; None = HTTP /health
+    address: str  # host:port it serves on
+    health_service: str | None  # gRPC health service meaning "ready"; None = HTTP /health
     env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the launcher's own (secrets)
 
     @property
@@ -155,17 +155,21 @@ def _death_signal() -> Callable[[], None] | None:
 def spawn_process(spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
     """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *spec.argv], env={**os.environ, **spec.env},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_death_signal(),
+        [sys.executable, "-m", "services.cli", *spec.argv],
+        env={**os.environ, **spec.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_death_signal(),
     )
     assert process.stdout is not None
     return process, OutputTail(process.stdout, sys.stderr.buffer)
 
 
 class ChildState(enum.IntEnum):
-    STARTING = 0    # spawned, not ready yet
-    RUNNING = 1     # reported ready
-    WAITING = 2     # exited; restart due at ``restart_at``
+    STARTING = 0  # spawned, not ready yet
+    RUNNING = 1  # reported ready
+    WAITING = 2  # exited; restart due at ``restart_at``
 
 
 @dataclass
@@ -180,7 +184,7 @@ class Child:
     restart_at: float = 0.0
     num_restarts: int = 0
     started_at: float = 0.0
-    not_ready_in_s: float | None = None   # set when supervision killed it for not becoming ready
+    not_ready_in_s: float | None = None  # set when supervision killed it for not becoming ready
 
     @property
     def pid(self) -> int | None:
@@ -206,15 +210,25 @@ class CrashLoop:
 
     def message(self) -> str:
         lines = "".join(f"\n  | {line}" for line in self.tail) or "\n  (no output)"
-        return (f"{self.name} is crash-looping: it {self.exit} after {self.num_restarts} restarts within "
-                f"{self.window_s:.0f}s; stopping the cluster. Its last output lines:{lines}")
+        return (
+            f"{self.name} is crash-looping: it {self.exit} after {self.num_restarts} restarts within "
+            f"{self.window_s:.0f}s; stopping the cluster. Its last output lines:{lines}"
+        )
 
 
 METRICS = (
-    MetricDoc("epd_launcher_restarts_total", "counter", ("service",),
-              "restarts of a child of `epd up` after it exited unexpectedly"),
-    MetricDoc("epd_launcher_service_up", "gauge", ("service",),
-              "1 while the child is running and has reported ready, 0 while starting or waiting to restart"),
+    MetricDoc(
+        "epd_launcher_restarts_total",
+        "counter",
+        ("service",),
+        "restarts of a child of `epd up` after it exited unexpectedly",
+    ),
+    MetricDoc(
+        "epd_launcher_service_up",
+        "gauge",
+        ("service",),
+        "1 while the child is running and has reported ready, 0 while starting or waiting to restart",
+    ),
 )
 
 
@@ -223,10 +237,12 @@ class LauncherMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.restarts = Counter("epd_launcher_restarts", "Child restarts after an unexpected exit", ["service"],
-                                registry=self.registry)
-        self.up = Gauge("epd_launcher_service_up", "1 while the child runs and reported ready", ["service"],
-                        registry=self.registry)
+        self.restarts = Counter(
+            "epd_launcher_restarts", "Child restarts after an unexpected exit", ["service"], registry=self.registry
+        )
+        self.up = Gauge(
+            "epd_launcher_service_up", "1 while the child runs and reported ready", ["service"], registry=self.registry
+        )
 
     async def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -244,11 +260,20 @@ def _say(text: str) -> None:
 class Supervisor:
     """Starts the children, waits until all are ready, then keeps them running (see the module docstring)."""
 
-    def __init__(self, specs: list[ServiceSpec], policy: RestartPolicy, *, is_ready: ReadyCheck,
-                 spawn: Spawn = spawn_process, metrics: LauncherMetrics | None = None, say: Say = _say,
-                 clock: Callable[[], float] = time.monotonic, ready_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        specs: list[ServiceSpec],
+        policy: RestartPolicy,
+        *,
+        is_ready: ReadyCheck,
+        spawn: Spawn = spawn_process,
+        metrics: LauncherMetrics | None = None,
+        say: Say = _say,
+        clock: Callable[[], float] = time.monotonic,
+        ready_timeout_s: float | None = None,
+    ) -> None:
         self.policy = policy
-        self.ready_timeout_s = ready_timeout_s   # for restarted children; None = wait forever
+        self.ready_timeout_s = ready_timeout_s  # for restarted children; None = wait forever
         self.children = [Child(spec, CrashHistory(policy)) for spec in specs]
         self._is_ready = is_ready
         self._spawn = spawn
@@ -275,8 +300,9 @@ class Supervisor:
             for child in self.children:
                 if child.process.poll() is not None:
                     lines = "".join(f"\n  | {line}" for line in child.tail())
-                    raise StartupFailed(f"{child.spec.name} {describe_exit(child.process.returncode)} "
-                                        f"during start-up{lines}")
+                    raise StartupFailed(
+                        f"{child.spec.name} {describe_exit(child.process.returncode)} during start-up{lines}"
+                    )
             if await self._check_starting():
                 return
             if self._clock() > deadline:
@@ -337,9 +363,11 @@ class Supervisor:
         child.num_restarts += 1
         child.state, child.restart_at = ChildState.WAITING, now + delay
         self.metrics.restarts.labels(child.spec.name).inc()
-        self._say(f"epd: {child.spec.name} {how}; restarting it on {child.spec.address} in {delay:.1f}s "
-                  f"({child.history.num_recent} of {self.policy.max_restarts} restarts within "
-                  f"{self.policy.window_s:.0f}s); the others keep serving")
+        self._say(
+            f"epd: {child.spec.name} {how}; restarting it on {child.spec.address} in {delay:.1f}s "
+            f"({child.history.num_recent} of {self.policy.max_restarts} restarts within "
+            f"{self.policy.window_s:.0f}s); the others keep serving"
+        )
         return None
 
     def stop_all(self, grace_s: float = 30.0) -> None:

@@ -24,7 +24,6 @@ from services.pd.server import start_pd
 from services.proxy.app import create_app
 from services.proxy.config import ProxyConfig
 
-
 # The suite runs the same on a GPU machine: model servers started by tests run
 # float32 (the oracle's precision; float32 on CUDA turns TF32 off) and size
 # their KV cache from a fixed budget, so several PDs can share one GPU (sized
@@ -91,7 +90,7 @@ class InProcessCluster:
         self.port = 0
 
     # -- lifecycle ------------------------------------------------------
-    def start(self, timeout: float = 300) -> "InProcessCluster":
+    def start(self, timeout: float = 300) -> InProcessCluster:
         self.thread.start()
         self.run(self._start(), timeout=timeout)
         return self
@@ -167,8 +166,15 @@ class InProcessCluster:
         report: dict[str, int] = {}
         for i, pd in enumerate(self.pds):
             stats = await pd.stats()
-            for key in ("reserved_tokens", "num_reservations", "num_running", "num_waiting",
-                        "num_kv_blocks_used", "num_live_requests", "referenced_tokens"):
+            for key in (
+                "reserved_tokens",
+                "num_reservations",
+                "num_running",
+                "num_waiting",
+                "num_kv_blocks_used",
+                "num_live_requests",
+                "referenced_tokens",
+            ):
                 report[f"pd{i}.{key}"] = int(getattr(stats, key))
         for i, encoder in enumerate(self.encoders):
             stats = encoder.stats()

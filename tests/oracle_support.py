@@ -70,7 +70,7 @@ class Oracle:
         inputs = self.inputs(messages, images)
         with self.lock, torch.inference_mode():
             output = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-        return output[0, inputs["input_ids"].shape[1]:].tolist()
+        return output[0, inputs["input_ids"].shape[1] :].tolist()
 
     def decode(self, token_ids: list[int]) -> str:
         return self.processor.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -65,7 +65,8 @@ def is_ready(address: str, kind: str, timeout_s: float = 2.0) -> bool:
     try:
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=HEALTH_NAMES[kind]), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=HEALTH_NAMES[kind]), timeout=timeout_s
+            )
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -80,8 +81,23 @@ class ServiceProcess:
         self.kind = kind
         self.port = port
         self.address = f"127.0.0.1:{port}"
-        self.command = [sys.executable, "-m", "services.cli", kind, "--model", model_dir, "--port", str(port),
-                        "--metrics-port", "-1", "--threads", "1", "--log-level", "warning", *extra_args]
+        self.command = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            kind,
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--metrics-port",
+            "-1",
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
         self.log_path = Path(log_path)
         self.process: subprocess.Popen | None = None
         self.num_starts = 0
@@ -90,8 +106,7 @@ class ServiceProcess:
         if self.running:
             raise RuntimeError(f"{self.kind} {self.address} is already running")
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.num_starts += 1
 
     @property
@@ -143,9 +158,16 @@ class ProxyView:
         for family in text_string_to_metric_families(text):
             if family.name != "epd_proxy_backend_requests":
                 continue
-            return int(sum(s.value for s in family.samples if s.name.endswith("_total")
-                           and s.labels.get("kind") == kind and s.labels.get("address") == address
-                           and s.labels.get("status") == "OK"))
+            return int(
+                sum(
+                    s.value
+                    for s in family.samples
+                    if s.name.endswith("_total")
+                    and s.labels.get("kind") == kind
+                    and s.labels.get("address") == address
+                    and s.labels.get("status") == "OK"
+                )
+            )
         return 0
 
 
@@ -156,9 +178,9 @@ class Outcome:
     index: int
     sent: float
     done: float = 0.0
-    status: int | None = None          # HTTP status; None = no answer (connection error or client timeout)
+    status: int | None = None  # HTTP status; None = no answer (connection error or client timeout)
     token_ids: list[int] | None = None
-    error: dict | None = None          # the OpenAI error object of a non-200 answer
+    error: dict | None = None  # the OpenAI error object of a non-200 answer
 
     @property
     def ok(self) -> bool:
@@ -173,14 +195,14 @@ class Traffic:
     Bodies should ask for ``return_token_ids`` so that answers can be checked.
     """
 
-    base_url: str                       # the proxy's root, e.g. http://127.0.0.1:8000
+    base_url: str  # the proxy's root, e.g. http://127.0.0.1:8000
     make_body: Callable[[int], dict]
     concurrency: int = 3
-    request_timeout_s: float = 15.0     # X-Request-Timeout of each request
-    client_timeout_s: float = 30.0      # a request open longer than this has hung
+    request_timeout_s: float = 15.0  # X-Request-Timeout of each request
+    client_timeout_s: float = 30.0  # a request open longer than this has hung
     max_requests: int = 5000
     max_run_s: float = 600.0
-    pause_s: float = 0.0                # each thread's think time between requests
+    pause_s: float = 0.0  # each thread's think time between requests
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -243,22 +265,30 @@ class Recovery:
     kind: str
     address: str
     signal: str
-    killed_at: float         # time.monotonic() of the signal
-    marked_down_s: float     # kill -> the proxy's /health shows the instance not routable
-    failover_s: float        # kill -> first successful request sent after the kill (served by the others)
-    restart_ready_s: float   # restart -> the restarted process reports ready (process start + model load)
-    rejoin_s: float          # restart -> first call the proxy completed OK on the restarted instance
-    total_s: float           # kill -> back in rotation and serving
+    killed_at: float  # time.monotonic() of the signal
+    marked_down_s: float  # kill -> the proxy's /health shows the instance not routable
+    failover_s: float  # kill -> first successful request sent after the kill (served by the others)
+    restart_ready_s: float  # restart -> the restarted process reports ready (process start + model load)
+    rejoin_s: float  # restart -> first call the proxy completed OK on the restarted instance
+    total_s: float  # kill -> back in rotation and serving
 
     def line(self) -> str:
-        return (f"{self.kind} {self.address} {self.signal}: marked down {self.marked_down_s:.2f}s, "
-                f"failover {self.failover_s:.2f}s, restart->ready {self.restart_ready_s:.2f}s, "
-                f"restart->first request served {self.rejoin_s:.2f}s, kill->rejoined {self.total_s:.2f}s")
+        return (
+            f"{self.kind} {self.address} {self.signal}: marked down {self.marked_down_s:.2f}s, "
+            f"failover {self.failover_s:.2f}s, restart->ready {self.restart_ready_s:.2f}s, "
+            f"restart->first request served {self.rejoin_s:.2f}s, kill->rejoined {self.total_s:.2f}s"
+        )
 
 
-def kill_and_rejoin(services: Sequence[ServiceProcess], proxy: ProxyView, traffic: Traffic, *,
-                    sig: int = signal.SIGKILL, restart_after_s: float = 0.0,
-                    timeout_s: float = 120.0) -> list[Recovery]:
+def kill_and_rejoin(
+    services: Sequence[ServiceProcess],
+    proxy: ProxyView,
+    traffic: Traffic,
+    *,
+    sig: int = signal.SIGKILL,
+    restart_after_s: float = 0.0,
+    timeout_s: float = 120.0,
+) -> list[Recovery]:
     """Kills ``services`` (together) while ``traffic`` runs, restarts them on their ports, waits until each serves.
 
     ``restart_after_s``: downtime before the restarts (0 = as soon as the
@@ -268,10 +298,15 @@ def kill_and_rejoin(services: Sequence[ServiceProcess], proxy: ProxyView, traffi
     """
     killed = [service.kill(sig) for service in services]
     marked_down = wait_until_each(
-        [lambda s=s: not proxy.routable(s.kind, s.address) for s in services], timeout_s,
-        "the proxy to take the killed instances out of rotation")
-    wait_until(lambda: traffic.first_success_sent_after(max(killed)) is not None, timeout_s,
-               "a successful request after the kill")
+        [lambda s=s: not proxy.routable(s.kind, s.address) for s in services],
+        timeout_s,
+        "the proxy to take the killed instances out of rotation",
+    )
+    wait_until(
+        lambda: traffic.first_success_sent_after(max(killed)) is not None,
+        timeout_s,
+        "a successful request after the kill",
+    )
     failover = traffic.first_success_sent_after(max(killed)).done
     time.sleep(restart_after_s)
     served_before = [proxy.num_served(s.kind, s.address) for s in services]
@@ -282,10 +317,21 @@ def kill_and_rejoin(services: Sequence[ServiceProcess], proxy: ProxyView, traffi
     ready = wait_until_each([lambda s=s: s.ready() for s in services], timeout_s, "the restarted instances to be ready")
     rejoined = wait_until_each(
         [lambda s=s, n=n: proxy.num_served(s.kind, s.address) > n for s, n in zip(services, served_before)],
-        timeout_s, "the proxy to complete a call on each restarted instance")
+        timeout_s,
+        "the proxy to complete a call on each restarted instance",
+    )
     name = signal.Signals(sig).name
     return [
-        Recovery(kind=s.kind, address=s.address, signal=name, killed_at=k, marked_down_s=d - k,
-                 failover_s=failover - k, restart_ready_s=r - t, rejoin_s=j - t, total_s=j - k)
+        Recovery(
+            kind=s.kind,
+            address=s.address,
+            signal=name,
+            killed_at=k,
+            marked_down_s=d - k,
+            failover_s=failover - k,
+            restart_ready_s=r - t,
+            rejoin_s=j - t,
+            total_s=j - k,
+        )
         for s, k, d, t, r, j in zip(services, killed, marked_down, restarted, ready, rejoined)
     ]

@@ -24,8 +24,8 @@ import subprocess
 import sys
 import time
 
-from services.bench._serve_report import markdown_table
-from services.bench._soak_report import rss_bytes
+from services.bench.serve.report import markdown_table
+from services.bench.soak.report import rss_bytes
 from services.common import cli_args
 
 BACKENDS = ("torch", "onednn-raw", "onednn")
@@ -57,7 +57,7 @@ def _child(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from services.pd.cpu_linear import onednn_linear
+    from services.pd.runner.cpu_linear import onednn_linear
 
     torch.set_num_threads(args.threads)
     backend = args.child
@@ -87,25 +87,55 @@ def run(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends or args.iterations < 1 or args.warmup < 0 or args.max_rows < 1:
-        print(f"epd bench linear: choose backends from {', '.join(BACKENDS)}; --iterations >= 1, --warmup >= 0, "
-              "--max-rows >= 1", file=sys.stderr)
+        print(
+            f"epd bench linear: choose backends from {', '.join(BACKENDS)}; --iterations >= 1, --warmup >= 0, "
+            "--max-rows >= 1",
+            file=sys.stderr,
+        )
         return 2
     results = []
     for backend in backends:
-        print(f"epd bench linear: {backend} ({args.iterations} batches after {args.warmup} warm-up)...",
-              file=sys.stderr, flush=True)
-        command = [sys.executable, "-m", "services.cli", "bench", "linear", "--child", backend,
-                   "--iterations", str(args.iterations), "--warmup", str(args.warmup),
-                   "--max-rows", str(args.max_rows), "--threads", str(args.threads), "--seed", str(args.seed)]
+        print(
+            f"epd bench linear: {backend} ({args.iterations} batches after {args.warmup} warm-up)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "bench",
+            "linear",
+            "--child",
+            backend,
+            "--iterations",
+            str(args.iterations),
+            "--warmup",
+            str(args.warmup),
+            "--max-rows",
+            str(args.max_rows),
+            "--threads",
+            str(args.threads),
+            "--seed",
+            str(args.seed),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode:
             print(f"epd bench linear: {backend} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             return 1
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     torch_s = next((r["seconds"] for r in results if r["backend"] == "torch"), None)
-    rows = [[r["backend"], f"{r['seconds']:.1f}", f"{torch_s / r['seconds']:.2f}x faster" if torch_s else "-",
-             f"{r['rss_warm_mib']:.0f}", f"{r['rss_end_mib']:.0f}", f"{r['rss_end_mib'] - r['rss_warm_mib']:+.0f}"]
-            for r in results]
+    rows = [
+        [
+            r["backend"],
+            f"{r['seconds']:.1f}",
+            f"{torch_s / r['seconds']:.2f}x faster" if torch_s else "-",
+            f"{r['rss_warm_mib']:.0f}",
+            f"{r['rss_end_mib']:.0f}",
+            f"{r['rss_end_mib'] - r['rss_warm_mib']:+.0f}",
+        ]
+        for r in results
+    ]
     header = ["backend", "seconds", "vs torch", "RSS after warm-up (MiB)", "at end (MiB)", "growth (MiB)"]
     print("\n".join(markdown_table(header, rows)).rstrip())
     return 0

@@ -1,7 +1,8 @@
 """``epd bench <name>``: dispatches to ``services.bench.<name>``.
 
-Each benchmark module exposes ``add_arguments(parser)`` and ``run(args)``
-and keeps heavy imports (torch, models) inside ``run``, so listing them is cheap.
+A benchmark is a module here, or a package whose ``command`` module is its
+entry point. Either exposes ``add_arguments(parser)`` and ``run(args)`` and
+keeps heavy imports (torch, models) inside ``run``, so listing them is cheap.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import services.bench as package
 
 
 def _benchmarks() -> dict[str, str]:
-    """Benchmark name -> module, for every module here with ``run``, except this one."""
+    """Benchmark name -> entry module: every public module here but this one, and every package's ``command``."""
     found = {}
     for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in ("main",) and not info.name.startswith("_"):
-            found[info.name.replace("_", "-")] = f"{package.__name__}.{info.name}"
+        if info.name == "main" or info.name.startswith("_"):
+            continue
+        module = f"{package.__name__}.{info.name}"
+        found[info.name.replace("_", "-")] = f"{module}.command" if info.ispkg else module
     return found
 
 

@@ -35,8 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed pushes first (default: 5)")
     parser.add_argument("--tokens", type=int, default=576, help="embedding rows (default: 576, LLaVA-1.5 336px)")
     parser.add_argument("--hidden", type=int, default=4096, help="embedding width (default: 4096, a 7B LM)")
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
-                        help="embedding dtype on the wire and on PD (default: float16)")
+    parser.add_argument(
+        "--dtype",
+        default="float16",
+        choices=["float16", "bfloat16", "float32"],
+        help="embedding dtype on the wire and on PD (default: float16)",
+    )
     parser.add_argument("--chunk-kib", type=int, default=1024, help="push chunk size in KiB, <= 1024 (default: 1024)")
     parser.add_argument("--json", default="", help="also write the results as JSON to this path")
 
@@ -64,18 +68,20 @@ def build_receiver(hidden_size: int, dtype_name: str, capacity_tokens: int) -> t
 
     from services.pd.bridge import EngineBridge
     from services.pd.config import PdConfig
-    from services.pd.core import EngineCore
-    from services.pd.embedding_cache import EmbeddingCache
-    from services.pd.kv_cache import KVCacheManager
-    from services.pd.scheduler import Scheduler, SchedulerConfig
+    from services.pd.engine.core import EngineCore
+    from services.pd.engine.embedding_cache import EmbeddingCache
+    from services.pd.engine.kv_cache import KVCacheManager
+    from services.pd.engine.scheduler import Scheduler, SchedulerConfig
     from services.pd.servicer import PrefillDecodeServicer
 
     scheduler = Scheduler(
-        SchedulerConfig(max_model_len=capacity_tokens + 16, max_num_seqs=1), KVCacheManager(1, 16),
+        SchedulerConfig(max_model_len=capacity_tokens + 16, max_num_seqs=1),
+        KVCacheManager(1, 16),
         EmbeddingCache(capacity_tokens),
     )
-    core = EngineCore(scheduler=scheduler, runner=PushOnlyRunner(getattr(torch, dtype_name)), tokenizer=None,
-                      hidden_size=hidden_size)
+    core = EngineCore(
+        scheduler=scheduler, runner=PushOnlyRunner(getattr(torch, dtype_name)), tokenizer=None, hidden_size=hidden_size
+    )
     engine = EngineBridge(core)
     servicer = PrefillDecodeServicer(
         engine, PdConfig(model=""), eos_token_id=None, vocab_size=1, max_model_len=capacity_tokens + 16
@@ -224,12 +230,18 @@ def run(args: argparse.Namespace) -> int:
         "receiver_cpu_ms": receiver_cpu / (args.warmup + args.iterations) * 1000,
     }
     print("embedding push, encoder pusher -> PD PushEmbedding (separate processes, loopback TCP)")
-    print(f"  payload     {args.tokens} x {args.hidden} {args.dtype} = {num_bytes / 1e6:.2f} MB, "
-          f"chunks of {args.chunk_kib} KiB, {len(seconds)} timed pushes after {args.warmup} warm-up")
-    print(f"  {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'min ms':>8} {'GB/s@p50':>9} {'cpu ms send':>11} {'cpu ms recv':>11}")
-    print(f"  {result['p50_ms']:8.2f} {result['p99_ms']:8.2f} {result['mean_ms']:8.2f} "
-          f"{result['min_ms']:8.2f} {result['gb_per_s_at_p50']:9.2f} "
-          f"{result['sender_cpu_ms']:11.2f} {result['receiver_cpu_ms']:11.2f}")
+    print(
+        f"  payload     {args.tokens} x {args.hidden} {args.dtype} = {num_bytes / 1e6:.2f} MB, "
+        f"chunks of {args.chunk_kib} KiB, {len(seconds)} timed pushes after {args.warmup} warm-up"
+    )
+    print(
+        f"  {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'min ms':>8} {'GB/s@p50':>9} {'cpu ms send':>11} {'cpu ms recv':>11}"
+    )
+    print(
+        f"  {result['p50_ms']:8.2f} {result['p99_ms']:8.2f} {result['mean_ms']:8.2f} "
+        f"{result['min_ms']:8.2f} {result['gb_per_s_at_p50']:9.2f} "
+        f"{result['sender_cpu_ms']:11.2f} {result['receiver_cpu_ms']:11.2f}"
+    )
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def env_name(flag: str) -> str:
@@ -63,13 +64,32 @@ def add_flag(
 
 def add_common_flags(parser: argparse.ArgumentParser, *, port: int, metrics_port: int | None) -> None:
     """Flags every gRPC service takes: model, device, dtype, address, logging."""
-    add_flag(parser, "--model", default="", help="checkpoint directory, preset name (built on first use) or hub id of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint (default: the built-in tiny model)")
-    add_flag(parser, "--device", default="auto", help="torch device: auto (cuda when present, else cpu), cpu, cuda, cuda:N")
-    add_flag(parser, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weight and activation dtype: auto = float32 on cpu, bfloat16 on cuda")
+    add_flag(
+        parser,
+        "--model",
+        default="",
+        help="checkpoint directory, preset name (built on first use) or hub id of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint (default: the built-in tiny model)",
+    )
+    add_flag(
+        parser, "--device", default="auto", help="torch device: auto (cuda when present, else cpu), cpu, cuda, cuda:N"
+    )
+    add_flag(
+        parser,
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight and activation dtype: auto = float32 on cpu, bfloat16 on cuda",
+    )
     add_flag(parser, "--host", default="127.0.0.1", help="address to listen on")
     add_flag(parser, "--port", type=int, default=port, help="gRPC port (0 = pick a free one)")
     if metrics_port is not None:
-        add_flag(parser, "--metrics-port", type=int, default=metrics_port, help="Prometheus /metrics HTTP port (0 = pick a free one, -1 = off)")
+        add_flag(
+            parser,
+            "--metrics-port",
+            type=int,
+            default=metrics_port,
+            help="Prometheus /metrics HTTP port (0 = pick a free one, -1 = off)",
+        )
     add_flag(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     add_log_json_flag(parser)
     add_flag(parser, "--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")

@@ -218,7 +218,10 @@ async def check_health(
 
 
 async def wait_healthy(
-    address: str, service_name: str, timeout: float, interval: float = 0.2,
+    address: str,
+    service_name: str,
+    timeout: float,
+    interval: float = 0.2,
     security: InternalSecurity = NO_SECURITY,
 ) -> None:
     """Polls health until SERVING; TimeoutError after ``timeout`` seconds."""

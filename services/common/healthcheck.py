@@ -32,8 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the health-check flags (each also read from ``EPD_<FLAG>``)."""
     add = cli_args.add_flag
     add(parser, "--address", default="", help="gRPC HOST:PORT to ask with the gRPC health protocol")
-    add(parser, "--service", default="", help="gRPC health service name: '' = alive, epd.v1.PrefillDecode / epd.v1.Encoder = ready")
-    add(parser, "--http", default="", help="HTTP(S) URL that answers 200 when ready (the proxy's /health); instead of --address")
+    add(
+        parser,
+        "--service",
+        default="",
+        help="gRPC health service name: '' = alive, epd.v1.PrefillDecode / epd.v1.Encoder = ready",
+    )
+    add(
+        parser,
+        "--http",
+        default="",
+        help="HTTP(S) URL that answers 200 when ready (the proxy's /health); instead of --address",
+    )
     add(parser, "--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     security.add_arguments(parser, grpc_server=False)
 

@@ -19,7 +19,9 @@ from types import TracebackType
 from typing import Any
 
 _RECORD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
-    "message", "asctime", "color_message",  # the last one: uvicorn's coloured copy of its message
+    "message",
+    "asctime",
+    "color_message",  # the last one: uvicorn's coloured copy of its message
 }
 """Attributes that are not ``extra`` fields: every ``LogRecord`` has them."""
 

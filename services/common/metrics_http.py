@@ -31,8 +31,8 @@ HEAD_TIMEOUT_S = 10.0
 class MetricDoc(NamedTuple):
     """One exported metric, as the README documents it."""
 
-    name: str                 # exposed name (counters end in _total; histograms add _bucket/_sum/_count)
-    type: str                 # counter | gauge | histogram
+    name: str  # exposed name (counters end in _total; histograms add _bucket/_sum/_count)
+    type: str  # counter | gauge | histogram
     labels: tuple[str, ...]
     meaning: str
 
@@ -53,7 +53,12 @@ class MetricsHttpServer:
 
     @classmethod
     async def start(
-        cls, host: str, port: int, render: Render, *, head_timeout_s: float = HEAD_TIMEOUT_S,
+        cls,
+        host: str,
+        port: int,
+        render: Render,
+        *,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
         token: str | None = None,
     ) -> MetricsHttpServer:
         """Binds ``host:port`` (0 = a free port); raises OSError when it cannot.
@@ -118,7 +123,7 @@ class MetricsHttpServer:
             return 401, b"the internal token is required\n"
         try:
             return 200, await self._render()
-        except Exception:  # noqa: BLE001 - a broken collector must not kill the endpoint
+        except Exception:
             log.exception("rendering metrics failed")
             return 500, b"rendering metrics failed\n"
 
@@ -133,5 +138,11 @@ class MetricsHttpServer:
         return ok
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+}

@@ -19,8 +19,8 @@ PROTO_FILES = ("epd/v1/epd.proto",)
 
 def generate(out_dir: Path) -> list[Path]:
     """Runs protoc into ``out_dir`` and rewrites imports to be package-relative."""
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as raw:

@@ -24,7 +24,7 @@ from services.common.pb import epd_pb2
 
 SERVICE = epd_pb2.DESCRIPTOR.services_by_name["PrefillDecode"]
 PUSH_METHOD = f"/{SERVICE.full_name}/PushEmbedding"
-_DATA_TAG = bytes([(2 << 3) | 2])   # field 2 (``data``), wire type 2 (length-delimited)
+_DATA_TAG = bytes([(2 << 3) | 2])  # field 2 (``data``), wire type 2 (length-delimited)
 
 _HANDLER_FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,

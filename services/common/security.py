@@ -264,24 +264,40 @@ def add_arguments(parser: argparse.ArgumentParser, *, grpc_server: bool) -> None
     """The internal-security flags; identical on every service (``grpc_server`` adds reflection)."""
     group = parser.add_argument_group("internal transport security")
     add = cli_args.add_flag
-    add(group, "--internal-token-file", default="",
+    add(
+        group,
+        "--internal-token-file",
+        default="",
         help=f"file holding the shared token every internal gRPC call must carry (health exempt); "
-             f"or put the token itself in ${TOKEN_ENV} ('' = no token)")
+        f"or put the token itself in ${TOKEN_ENV} ('' = no token)",
+    )
     add(group, "--tls-cert", default="", help="PEM certificate chain of this process: turns TLS on (with --tls-key)")
     add(group, "--tls-key", default="", help="PEM private key of --tls-cert")
-    add(group, "--tls-ca", default="",
-        help="PEM CA bundle: servers then require client certificates (mTLS), clients verify servers with it")
-    add(group, "--tls-server-name", default="",
-        help="name expected in peers' certificates instead of the dialled host ('' = that host)")
+    add(
+        group,
+        "--tls-ca",
+        default="",
+        help="PEM CA bundle: servers then require client certificates (mTLS), clients verify servers with it",
+    )
+    add(
+        group,
+        "--tls-server-name",
+        default="",
+        help="name expected in peers' certificates instead of the dialled host ('' = that host)",
+    )
     if grpc_server:
         add(group, "--grpc-reflection", default=False, help="serve gRPC server reflection (behind the token)")
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     """``--metrics-require-token``: the ``/metrics`` endpoint demands the internal token."""
-    cli_args.add_flag(parser, "--metrics-require-token", default=False,
-                      help="/metrics answers only requests with 'Authorization: Bearer <internal token>' "
-                           "(needs an internal token); off = open to whoever reaches --metrics-host")
+    cli_args.add_flag(
+        parser,
+        "--metrics-require-token",
+        default=False,
+        help="/metrics answers only requests with 'Authorization: Bearer <internal token>' "
+        "(needs an internal token); off = open to whoever reaches --metrics-host",
+    )
 
 
 _FILE_FLAGS = ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name")

@@ -67,9 +67,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(cpu.view(torch.uint8).numpy()).cast("B") if cpu.numel() else memoryview(b"")
 
 
-def tensor_from_bytes(
-    data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: Sequence[int]
-) -> torch.Tensor:
+def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """Builds a tensor from raw bytes after checking the byte count matches ``shape``."""
     if any(int(d) < 0 for d in shape):
         raise ValueError("tensor shape has a negative dimension")

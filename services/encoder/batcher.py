@@ -155,7 +155,11 @@ class Batcher:
             self._leave(job)
 
     def _join_or_enqueue(
-        self, key: str, pixel_values: torch.Tensor, deadline: float, loop: asyncio.AbstractEventLoop,
+        self,
+        key: str,
+        pixel_values: torch.Tensor,
+        deadline: float,
+        loop: asyncio.AbstractEventLoop,
         grid: Grid | None = None,
     ) -> _Job | EncodeResult:
         with self._cond:
@@ -280,9 +284,10 @@ class Batcher:
     def _forward(self, group: list[_Job]) -> None:
         start = time.perf_counter()
         try:
-            out = encode_images(self._vision, [(job.pixel_values, job.grid) for job in group],
-                                self._device, self._dtype)     # [num_tokens, hidden] per image
-            rows = embeddings_to_host(out)   # one read-back per batch; each image its own tensor
+            out = encode_images(
+                self._vision, [(job.pixel_values, job.grid) for job in group], self._device, self._dtype
+            )  # [num_tokens, hidden] per image
+            rows = embeddings_to_host(out)  # one read-back per batch; each image its own tensor
         except Exception:
             log.exception("vision forward failed for a batch of %d images", len(group))
             self._fail(group)

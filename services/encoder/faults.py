@@ -24,8 +24,12 @@ from services.common.fault_spec import parse_fault_spec
 EXTRA_CHUNK = b"\x00" * 8
 """The surplus payload ``extra-chunk`` appends after the declared bytes."""
 
-_SWITCHES = {"never-push": "never_push", "wrong-shape": "wrong_shape", "wrong-dtype": "wrong_dtype",
-             "extra-chunk": "extra_chunk"}
+_SWITCHES = {
+    "never-push": "never_push",
+    "wrong-shape": "wrong_shape",
+    "wrong-dtype": "wrong_dtype",
+    "extra-chunk": "extra_chunk",
+}
 
 
 @dataclass(frozen=True)

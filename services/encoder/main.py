@@ -28,30 +28,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_common_flags(parser, port=defaults.port, metrics_port=DEFAULT_METRICS_PORT)
     add = cli_args.add_flag
     add(parser, "--metrics-host", default="", help="address of the /metrics endpoint ('' = --host)")
-    add(parser, "--max-batch-images", type=int, default=defaults.max_batch_images,
-        help="most images in one vision forward")
-    add(parser, "--max-wait-ms", type=float, default=defaults.max_wait_ms,
-        help="how long a batch waits for more images after its first")
-    add(parser, "--max-pending", type=int, default=defaults.max_pending,
-        help="most images queued or encoding; more are refused with RESOURCE_EXHAUSTED")
-    add(parser, "--cache-mib", type=int, default=defaults.cache_bytes // MIB,
-        help="embedding cache capacity in MiB (0 = off)")
-    add(parser, "--max-outbound-mib", type=int, default=defaults.max_outbound_bytes // MIB,
-        help="most MiB of embedding pushes in flight")
-    add(parser, "--push-chunk-kib", type=int, default=defaults.push_chunk_bytes // KIB,
-        help="largest PushEmbedding chunk in KiB (<= 1024)")
-    add(parser, "--push-timeout-s", type=float, default=defaults.push_timeout_s,
-        help="push deadline when the Encode call has none")
-    add(parser, "--warmup", default=defaults.warmup,
-        help="run a blank-image forward before reporting ready")
-    add(parser, "--grace", type=float, default=defaults.grace_s,
-        help="seconds in-flight Encode calls get to finish on SIGTERM")
+    add(
+        parser,
+        "--max-batch-images",
+        type=int,
+        default=defaults.max_batch_images,
+        help="most images in one vision forward",
+    )
+    add(
+        parser,
+        "--max-wait-ms",
+        type=float,
+        default=defaults.max_wait_ms,
+        help="how long a batch waits for more images after its first",
+    )
+    add(
+        parser,
+        "--max-pending",
+        type=int,
+        default=defaults.max_pending,
+        help="most images queued or encoding; more are refused with RESOURCE_EXHAUSTED",
+    )
+    add(
+        parser,
+        "--cache-mib",
+        type=int,
+        default=defaults.cache_bytes // MIB,
+        help="embedding cache capacity in MiB (0 = off)",
+    )
+    add(
+        parser,
+        "--max-outbound-mib",
+        type=int,
+        default=defaults.max_outbound_bytes // MIB,
+        help="most MiB of embedding pushes in flight",
+    )
+    add(
+        parser,
+        "--push-chunk-kib",
+        type=int,
+        default=defaults.push_chunk_bytes // KIB,
+        help="largest PushEmbedding chunk in KiB (<= 1024)",
+    )
+    add(
+        parser,
+        "--push-timeout-s",
+        type=float,
+        default=defaults.push_timeout_s,
+        help="push deadline when the Encode call has none",
+    )
+    add(parser, "--warmup", default=defaults.warmup, help="run a blank-image forward before reporting ready")
+    add(
+        parser,
+        "--grace",
+        type=float,
+        default=defaults.grace_s,
+        help="seconds in-flight Encode calls get to finish on SIGTERM",
+    )
     # The flag's old name, still accepted so existing deploy files keep working.
     parser.add_argument("--grace-s", dest="grace", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    add(parser, "--fault", default="",
+    add(
+        parser,
+        "--fault",
+        default="",
         help="TEST ONLY: inject hand-off faults, comma-separated: never-push (report success, push nothing), "
-             "push-late-ms=N (wait N ms before each push), wrong-shape (push one row too few), "
-             "wrong-dtype (push uint8), extra-chunk (send more bytes than declared); '' = none")
+        "push-late-ms=N (wait N ms before each push), wrong-shape (push one row too few), "
+        "wrong-dtype (push uint8), extra-chunk (send more bytes than declared); '' = none",
+    )
     security.add_arguments(parser, grpc_server=True)
     security.add_metrics_arguments(parser)
 

@@ -47,24 +47,43 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 METRICS = (
     MetricDoc("epd_encoder_images_total", "counter", (), "images that went through a successful vision forward"),
     MetricDoc("epd_encoder_failed_images_total", "counter", (), "images whose batch forward raised"),
-    MetricDoc("epd_encoder_dropped_images_total", "counter", ("reason",),
-              "queued images dropped before encoding: deadline, cancelled (caller gone), shutdown"),
-    MetricDoc("epd_encoder_rejected_images_total", "counter", (),
-              "images refused with RESOURCE_EXHAUSTED because the pending queue was full"),
+    MetricDoc(
+        "epd_encoder_dropped_images_total",
+        "counter",
+        ("reason",),
+        "queued images dropped before encoding: deadline, cancelled (caller gone), shutdown",
+    ),
+    MetricDoc(
+        "epd_encoder_rejected_images_total",
+        "counter",
+        (),
+        "images refused with RESOURCE_EXHAUSTED because the pending queue was full",
+    ),
     MetricDoc("epd_encoder_cache_hits_total", "counter", (), "items served from the embedding cache"),
-    MetricDoc("epd_encoder_cache_misses_total", "counter", (),
-              "items not in the cache (encoded, or joined an identical in-flight encode)"),
+    MetricDoc(
+        "epd_encoder_cache_misses_total",
+        "counter",
+        (),
+        "items not in the cache (encoded, or joined an identical in-flight encode)",
+    ),
     MetricDoc("epd_encoder_cache_bytes", "gauge", (), "bytes held by the embedding cache"),
     MetricDoc("epd_encoder_cache_entries", "gauge", (), "embeddings held by the embedding cache"),
     MetricDoc("epd_encoder_queue_depth", "gauge", (), "images queued or being encoded"),
     MetricDoc("epd_encoder_outbound_bytes", "gauge", (), "embedding bytes of pushes in flight to PDs"),
     MetricDoc("epd_encoder_batch_size", "histogram", (), "images per vision forward"),
-    MetricDoc("epd_encoder_encode_seconds", "histogram", (), "duration of one batch forward (vision tower + projector)"),
-    MetricDoc("epd_encoder_push_seconds", "histogram", (),
-              "one item's push to PD, waiting for outbound capacity included"),
+    MetricDoc(
+        "epd_encoder_encode_seconds", "histogram", (), "duration of one batch forward (vision tower + projector)"
+    ),
+    MetricDoc(
+        "epd_encoder_push_seconds", "histogram", (), "one item's push to PD, waiting for outbound capacity included"
+    ),
     MetricDoc("epd_encoder_push_bytes_total", "counter", (), "embedding bytes pushed to PDs"),
-    MetricDoc("epd_encoder_requests_total", "counter", ("status",),
-              "Encode calls by final status (OK, a gRPC status name, CANCELLED)"),
+    MetricDoc(
+        "epd_encoder_requests_total",
+        "counter",
+        ("status",),
+        "Encode calls by final status (OK, a gRPC status name, CANCELLED)",
+    ),
     MetricDoc("epd_encoder_request_seconds", "histogram", (), "Encode call duration, any status"),
 )
 """Everything ``PrometheusEncoderMetrics`` exports (the README table is made from it)."""
@@ -78,23 +97,28 @@ class PrometheusEncoderMetrics(EncoderMetrics):
         r = self.registry
         self.images = Counter("epd_encoder_images", "Images through a successful vision forward", registry=r)
         self.failed_images = Counter("epd_encoder_failed_images", "Images whose batch forward raised", registry=r)
-        self.dropped = Counter("epd_encoder_dropped_images", "Queued images dropped before encoding",
-                               ["reason"], registry=r)
+        self.dropped = Counter(
+            "epd_encoder_dropped_images", "Queued images dropped before encoding", ["reason"], registry=r
+        )
         for reason in DROP_REASONS:
             self.dropped.labels(reason)  # exported as 0 until the first drop
         self.rejected = Counter("epd_encoder_rejected_images", "Images refused: pending queue full", registry=r)
         self.cache_hits = Counter("epd_encoder_cache_hits", "Items served from the embedding cache", registry=r)
         self.cache_misses = Counter("epd_encoder_cache_misses", "Items not found in the embedding cache", registry=r)
-        self.batch_size = Histogram("epd_encoder_batch_size", "Images per vision forward",
-                                    buckets=_BATCH_SIZES, registry=r)
-        self.encode_seconds = Histogram("epd_encoder_encode_seconds", "Duration of one batch forward",
-                                        buckets=_SECONDS, registry=r)
-        self.push_seconds = Histogram("epd_encoder_push_seconds", "Duration of one item's push to PD",
-                                      buckets=_SECONDS, registry=r)
+        self.batch_size = Histogram(
+            "epd_encoder_batch_size", "Images per vision forward", buckets=_BATCH_SIZES, registry=r
+        )
+        self.encode_seconds = Histogram(
+            "epd_encoder_encode_seconds", "Duration of one batch forward", buckets=_SECONDS, registry=r
+        )
+        self.push_seconds = Histogram(
+            "epd_encoder_push_seconds", "Duration of one item's push to PD", buckets=_SECONDS, registry=r
+        )
         self.push_bytes = Counter("epd_encoder_push_bytes", "Embedding bytes pushed to PDs", registry=r)
         self.requests = Counter("epd_encoder_requests", "Encode calls by final status", ["status"], registry=r)
-        self.request_seconds = Histogram("epd_encoder_request_seconds", "Encode call duration",
-                                         buckets=_SECONDS, registry=r)
+        self.request_seconds = Histogram(
+            "epd_encoder_request_seconds", "Encode call duration", buckets=_SECONDS, registry=r
+        )
 
     # -- events (EncoderMetrics) -------------------------------------------
     def on_batch(self, num_images: int, forward_s: float, ok: bool) -> None:
@@ -158,6 +182,7 @@ class _StatsCollector:
             GaugeMetricFamily("epd_encoder_cache_bytes", "Bytes held by the embedding cache", value=stats.cache_bytes),
             GaugeMetricFamily("epd_encoder_cache_entries", "Embeddings in the cache", value=stats.num_cached),
             GaugeMetricFamily("epd_encoder_queue_depth", "Images queued or being encoded", value=stats.num_pending),
-            GaugeMetricFamily("epd_encoder_outbound_bytes", "Embedding bytes of pushes in flight",
-                              value=stats.outbound_bytes),
+            GaugeMetricFamily(
+                "epd_encoder_outbound_bytes", "Embedding bytes of pushes in flight", value=stats.outbound_bytes
+            ),
         ]

@@ -107,7 +107,11 @@ class EncoderServer:
             epd_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
 
         grpc_server = await grpc_utils.start_server(
-            config.host, config.port, SERVICE_NAME, register, interceptors=[ErrorMappingInterceptor()],
+            config.host,
+            config.port,
+            SERVICE_NAME,
+            register,
+            interceptors=[ErrorMappingInterceptor()],
             security=config.security,
         )
         return cls(config, vision, grpc_server, batcher, pusher, cache)
@@ -164,8 +168,9 @@ async def start_encoder(
     try:
         if exporter is not None:
             host = config.metrics_host or config.host
-            server.metrics_http = await exporter.serve(host, config.metrics_port, server.stats,
-                                                       token=config.security.metrics_token)
+            server.metrics_http = await exporter.serve(
+                host, config.metrics_port, server.stats, token=config.security.metrics_token
+            )
         await server.become_ready()
     except BaseException:
         await server.stop(0)

@@ -95,8 +95,13 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             duration = time.perf_counter() - start
             self._metrics.on_request(status, duration)
             log_request(
-                log, "encode", request_id=request_id, status=status, items=len(request.items),
-                cache_hits=sum(outcome.cache_hit for outcome in outcomes), duration_ms=duration * 1000.0,
+                log,
+                "encode",
+                request_id=request_id,
+                status=status,
+                items=len(request.items),
+                cache_hits=sum(outcome.cache_hit for outcome in outcomes),
+                duration_ms=duration * 1000.0,
             )
 
     async def _encode_all(self, work: EncodeWork, deadline: float | None, remaining: float | None) -> list[ItemOutcome]:

@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from services.pd.core import EngineCore
-from services.pd.engine_stats import EngineStats
-from services.pd.errors import EngineError, ErrorKind
-from services.pd.outputs import Allocation, Event, Failed, Finished, RequestEvent
-from services.pd.request import MultiModalSpan, Request
+from services.pd.engine.core import EngineCore
+from services.pd.engine.engine_stats import EngineStats
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.outputs import Allocation, Event, Failed, Finished, RequestEvent
+from services.pd.engine.request import MultiModalSpan, Request
 
 T = TypeVar("T")
 
@@ -38,7 +38,7 @@ class EngineBridge:
         self.core = core
         self._thread_init = thread_init
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._listeners: dict[str, Callable[[Event], None]] = {}   # engine thread only
+        self._listeners: dict[str, Callable[[Event], None]] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="pd-engine", daemon=True)
         self._stopping = False
         # Written by the engine thread after every loop iteration, read by the
@@ -94,7 +94,7 @@ class EngineBridge:
         def command() -> None:
             try:
                 result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            except BaseException as exc:
                 loop.call_soon_threadsafe(resolve, False, exc)
             else:
                 loop.call_soon_threadsafe(resolve, True, result)
@@ -104,8 +104,9 @@ class EngineBridge:
         self._inbox.put(command)
         return await future
 
-    async def preallocate(self, request_id: str, spans: Sequence[MultiModalSpan], lease_s: float,
-                          prompt_token_ids: Sequence[int] = ()) -> list[Allocation]:
+    async def preallocate(
+        self, request_id: str, spans: Sequence[MultiModalSpan], lease_s: float, prompt_token_ids: Sequence[int] = ()
+    ) -> list[Allocation]:
         """``EngineCore.preallocate`` on the engine thread."""
         return await self.call(self.core.preallocate, request_id, list(spans), lease_s, list(prompt_token_ids))
 
@@ -156,7 +157,7 @@ class EngineBridge:
         while True:
             if not self._drain_inbox(timeout=self.core.sweep_interval_s if idle else 0.0):
                 break
-            self._has_work = self.core.has_work()   # a step hung after idling is a stall
+            self._has_work = self.core.has_work()  # a step hung after idling is a stall
             result = self.core.step()
             self._dispatch(result.events)
             idle = not result.executed
@@ -182,7 +183,7 @@ class EngineBridge:
         # Nobody awaits an abort: a failure in it is logged here, never allowed to end the loop.
         try:
             self.core.abort(request_id)
-        except Exception:  # noqa: BLE001 - the engine keeps serving
+        except Exception:
             log.exception("abort of a request failed")
 
     def _dispatch(self, events: list[RequestEvent]) -> None:

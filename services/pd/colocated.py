@@ -37,15 +37,15 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, tensors
-from services.common.logs import log_request
 from services.common.grids import grid_from_pb
+from services.common.logs import log_request
 from services.common.models.loaded_vision import LoadedVision
 from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
 from services.pd.convert import check_request_id
-from services.pd.bridge import EngineBridge
-from services.pd.errors import EngineError, ErrorKind
+from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.servicer import abort_with
 
 log = logging.getLogger(__name__)
@@ -241,8 +241,13 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
             await abort_with(context, error)
         finally:
             log_request(
-                log, "encode", request_id=grpc_utils.request_id_of(context), status=status, items=len(request.items),
-                colocated=True, duration_ms=(time.perf_counter() - start) * 1000,
+                log,
+                "encode",
+                request_id=grpc_utils.request_id_of(context),
+                status=status,
+                items=len(request.items),
+                colocated=True,
+                duration_ms=(time.perf_counter() - start) * 1000,
             )
         return epd_pb2.EncodeResponse(
             items=[

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.security import NO_SECURITY, InternalSecurity
+from services.pd.engine.step_budget import DEFAULT_MIN_PREFILL_TOKENS
 from services.pd.faults import NO_FAULTS, PdFaults
-from services.pd.step_budget import DEFAULT_MIN_PREFILL_TOKENS
 
 DEFAULT_METRICS_PORT = 9201
 """``epd pd``'s ``--metrics-port`` (``epd up`` gives PD j 9201 + j)."""
@@ -24,36 +24,36 @@ class PdConfig:
     # Prometheus /metrics port: 0 = a free one (tests), -1 = off. Off by default in code so
     # in-process servers never fight over a port; ``epd pd`` defaults to DEFAULT_METRICS_PORT.
     metrics_port: int = -1
-    metrics_host: str = ""              # "" = host
+    metrics_host: str = ""  # "" = host
     threads: int = 0
-    linear_backend: str = "auto"        # auto | torch | onednn (see services/pd/cpu_linear.py)
+    linear_backend: str = "auto"  # auto | torch | onednn (see services/pd/runner/cpu_linear.py)
     # KV cache
     block_size: int = 16
-    num_kv_blocks: int = 0              # 0 = size from memory (services/pd/kv_sizing.py)
-    kv_cache_memory_mb: int = 0         # 0 = 1024 on CPU; on CUDA, what gpu_memory_utilization leaves
+    num_kv_blocks: int = 0  # 0 = size from memory (services/pd/runner/kv_sizing.py)
+    kv_cache_memory_mb: int = 0  # 0 = 1024 on CPU; on CUDA, what gpu_memory_utilization leaves
     enable_prefix_caching: bool = True
-    # GPU engine (services/pd/kv_sizing.py, services/pd/decode_graphs.py)
+    # GPU engine (services/pd/runner/kv_sizing.py, services/pd/runner/decode_graphs.py)
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device this PD may fill (weights, activations, KV)
-    enforce_eager: bool = False          # CUDA: capture no graphs; decode-only steps run eagerly
+    enforce_eager: bool = False  # CUDA: capture no graphs; decode-only steps run eagerly
     # scheduling
-    max_num_batched_tokens: int = 2048    # hard cap of one step's tokens
-    # Inter-token latency each step's prefill is sized for (services/pd/step_budget.py):
+    max_num_batched_tokens: int = 2048  # hard cap of one step's tokens
+    # Inter-token latency each step's prefill is sized for (services/pd/engine/step_budget.py):
     # None = auto (a multiple of the measured decode-only step), 0 = off (the whole cap every step).
     target_itl_ms: float | None = None
-    min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS   # prefill every step may take whatever the target
+    min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # prefill every step may take whatever the target
     max_num_seqs: int = 64
-    max_model_len: int = 0              # 0 = the model's max_position_embeddings
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_waiting_requests: int = 1024
-    max_waiting_tokens: int = 262144    # prompt tokens of all waiting requests
+    max_waiting_tokens: int = 262144  # prompt tokens of all waiting requests
     waiting_retry_after_ms: int = 1000  # retry hint sent when the waiting queue is full
     # embedding hand-off
     embedding_cache_tokens: int = 65536
-    max_items_per_request: int = 64     # images (mm items) one Preallocate or Generate may carry
-    push_idle_timeout_s: float = 10.0   # a PushEmbedding stream that sends nothing this long is ended
+    max_items_per_request: int = 64  # images (mm items) one Preallocate or Generate may carry
+    push_idle_timeout_s: float = 10.0  # a PushEmbedding stream that sends nothing this long is ended
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
     lease_sweep_interval_s: float = 0.25
-    encoder: str = "remote"             # remote = encoder services push embeddings; local = colocated baseline
+    encoder: str = "remote"  # remote = encoder services push embeddings; local = colocated baseline
     # lifecycle
     warmup: bool = True
     grace_s: float = 30.0
@@ -64,7 +64,7 @@ class PdConfig:
     liveness_timeout_s: float = 300.0
     # internal transport: TLS/mTLS and the token check of this server (services/common/security.py)
     security: InternalSecurity = NO_SECURITY
-    faults: PdFaults = NO_FAULTS        # test-only fault injection (services/pd/faults.py); off by default
+    faults: PdFaults = NO_FAULTS  # test-only fault injection (services/pd/faults.py); off by default
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:

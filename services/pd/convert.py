@@ -14,12 +14,10 @@ import grpc
 
 from services.common.grids import grid_from_pb
 from services.common.pb import epd_pb2
-
-from services.pd.engine_stats import EngineStats
-from services.pd.errors import EngineError, ErrorKind
-from services.pd.outputs import Allocation, Finished, TokenDelta
-from services.pd.positions import rope_plan
-from services.pd.request import MultiModalSpan, Request, RequestStatus, SamplingParams
+from services.pd.engine.engine_stats import EngineStats
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.outputs import Allocation, Finished, TokenDelta
+from services.pd.engine.request import MultiModalSpan, Request, RequestStatus, SamplingParams, rope_plan
 
 STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -66,7 +64,10 @@ def check_prompt(prompt_token_ids: Sequence[int], *, vocab_size: int, max_model_
 
 
 def spans_from_pb(
-    items: Sequence[epd_pb2.MultiModalItem], prompt_len: int, *, max_items: int = MAX_ITEMS,
+    items: Sequence[epd_pb2.MultiModalItem],
+    prompt_len: int,
+    *,
+    max_items: int = MAX_ITEMS,
     uses_grids: bool | None = None,
 ) -> list[MultiModalSpan]:
     """Validates image items: not too many, well-formed hashes, inside the prompt, sorted, non-overlapping.
@@ -132,8 +133,13 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
 
 
 def request_from_pb(
-    message: epd_pb2.GenerateRequest, *, eos_token_id: int | None, vocab_size: int, max_model_len: int,
-    max_items: int = MAX_ITEMS, uses_grids: bool | None = None,
+    message: epd_pb2.GenerateRequest,
+    *,
+    eos_token_id: int | None,
+    vocab_size: int,
+    max_model_len: int,
+    max_items: int = MAX_ITEMS,
+    uses_grids: bool | None = None,
 ) -> Request:
     """Builds an engine ``Request`` from a validated ``GenerateRequest``.
 

@@ -29,8 +29,11 @@ from services.common.fault_spec import parse_fault_spec
 
 log = logging.getLogger(__name__)
 
-_INT_FIELDS = {"forward-raises-after": "forward_raises_after", "freeze-step-ms": "freeze_step_ms",
-               "freeze-after": "freeze_after"}
+_INT_FIELDS = {
+    "forward-raises-after": "forward_raises_after",
+    "freeze-step-ms": "freeze_step_ms",
+    "freeze-after": "freeze_after",
+}
 
 
 class InjectedFault(RuntimeError):
@@ -41,9 +44,9 @@ class InjectedFault(RuntimeError):
 class PdFaults:
     """Which faults the model runner injects; the default injects none."""
 
-    forward_raises_after: int | None = None   # index of the step whose forward raises
-    freeze_step_ms: int = 0                   # how long the frozen step stalls (0 = no freeze)
-    freeze_after: int | None = None           # index of the step that freezes (None = 0)
+    forward_raises_after: int | None = None  # index of the step whose forward raises
+    freeze_step_ms: int = 0  # how long the frozen step stalls (0 = no freeze)
+    freeze_after: int | None = None  # index of the step that freezes (None = 0)
 
     def __post_init__(self) -> None:
         for name in ("forward_raises_after", "freeze_after"):
@@ -89,8 +92,8 @@ class FaultyRunner:
     def __init__(self, runner: Any, faults: PdFaults) -> None:
         self.inner = runner
         self.faults = faults
-        self.num_steps = 0           # forwards attempted since installation
-        self.num_injected = 0        # faults that fired
+        self.num_steps = 0  # forwards attempted since installation
+        self.num_injected = 0  # faults that fired
         self._thawed = threading.Event()
 
     def execute(self, scheduler_output: Any, embeddings: Mapping[str, Any] | None = None) -> Any:

@@ -9,10 +9,10 @@ import logging
 from services.common import cli_args, grpc_utils, security
 from services.common.logs import setup_logging
 from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
+from services.pd.engine.step_budget import AUTO_TARGET_MULTIPLE, DEFAULT_MIN_PREFILL_TOKENS
 from services.pd.faults import PdFaults
-from services.pd.kv_sizing import KvCacheTooSmall
+from services.pd.runner.kv_sizing import KvCacheTooSmall
 from services.pd.server import start_pd
-from services.pd.step_budget import AUTO_TARGET_MULTIPLE, DEFAULT_MIN_PREFILL_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_common_flags(parser, port=50061, metrics_port=DEFAULT_METRICS_PORT)
     add = cli_args.add_flag
     add(parser, "--metrics-host", default="", help="address of the /metrics endpoint ('' = --host)")
-    add(parser, "--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
+    add(
+        parser,
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "torch", "onednn"],
         help="who runs the LM's linear layers: torch, or oneDNN for float32 on CPU (about 2x faster there; "
-             "batch rows are padded to buckets so its per-shape primitives stay bounded, see "
-             "services/pd/cpu_linear.py); auto = oneDNN for float32 on CPU when it works, else torch")
+        "batch rows are padded to buckets so its per-shape primitives stay bounded, see "
+        "services/pd/runner/cpu_linear.py); auto = oneDNN for float32 on CPU when it works, else torch",
+    )
     _add_cache_arguments(parser)
     _add_step_arguments(parser)
     _add_admission_arguments(parser)
@@ -51,39 +56,73 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """KV cache size and layout, and how the device runs it."""
     add = cli_args.add_flag
     add(parser, "--block-size", type=int, default=16, help="tokens per KV cache block")
-    add(parser, "--num-kv-blocks", type=int, default=0,
+    add(
+        parser,
+        "--num-kv-blocks",
+        type=int,
+        default=0,
         help="KV cache blocks, taken as given (0 = size from memory: --kv-cache-memory-mb, or on CUDA "
-             "--gpu-memory-utilization)")
-    add(parser, "--kv-cache-memory-mb", type=int, default=0,
+        "--gpu-memory-utilization)",
+    )
+    add(
+        parser,
+        "--kv-cache-memory-mb",
+        type=int,
+        default=0,
         help="memory for the KV cache when --num-kv-blocks is 0 (0 = 1024 on CPU; on CUDA, what "
-             "--gpu-memory-utilization leaves); start-up is refused when it cannot hold one --max-model-len request")
-    # GPU engine: services/pd/kv_sizing.py, services/pd/decode_graphs.py
-    add(parser, "--gpu-memory-utilization", type=float, default=0.9,
+        "--gpu-memory-utilization leaves); start-up is refused when it cannot hold one --max-model-len request",
+    )
+    # GPU engine: services/pd/runner/kv_sizing.py, services/pd/runner/decode_graphs.py
+    add(
+        parser,
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
         help="CUDA: share of the device's memory this PD may fill; after the weights and a profiling forward of "
-             "--max-num-batched-tokens tokens, the KV cache gets the rest of that share (as in vLLM)")
-    add(parser, "--enforce-eager", default=False,
+        "--max-num-batched-tokens tokens, the KV cache gets the rest of that share (as in vLLM)",
+    )
+    add(
+        parser,
+        "--enforce-eager",
+        default=False,
         help="CUDA: capture no CUDA graphs; decode-only steps run eagerly (graphs are captured at start-up for "
-             "padded batch sizes 1, 2, 4, 8, then every 16 up to --max-num-seqs)")
+        "padded batch sizes 1, 2, 4, 8, then every 16 up to --max-num-seqs)",
+    )
     add(parser, "--enable-prefix-caching", default=True, help="reuse KV blocks of identical prompt prefixes")
 
 
 def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """What one engine step may hold: its token cap, the prefill share, the running batch."""
     add = cli_args.add_flag
-    add(parser, "--max-num-batched-tokens", type=int, default=2048,
-        help="token budget of one engine step: a hard cap (--target-itl-ms may give prefill less of it)")
-    add(parser, "--target-itl-ms", type=parse_target_itl_ms, default="auto",
+    add(
+        parser,
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one engine step: a hard cap (--target-itl-ms may give prefill less of it)",
+    )
+    add(
+        parser,
+        "--target-itl-ms",
+        type=parse_target_itl_ms,
+        default="auto",
         help="inter-token latency PD keeps for decoding streams: while anything decodes, each step's prefill "
-             "chunk is sized from an online model of step time (fitted to the steps PD runs, seeded by the "
-             "warm-up) so that the step, plus engine-thread work since the last one (colocated: the vision "
-             "forward), stays within it; with nothing decoding prefill gets the whole --max-num-batched-tokens. "
-             f"auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step at the current batch; a number = "
-             "that many ms; 0 = off: every step may prefill up to --max-num-batched-tokens whatever decodes")
-    add(parser, "--min-prefill-tokens", type=int, default=DEFAULT_MIN_PREFILL_TOKENS,
+        "chunk is sized from an online model of step time (fitted to the steps PD runs, seeded by the "
+        "warm-up) so that the step, plus engine-thread work since the last one (colocated: the vision "
+        "forward), stays within it; with nothing decoding prefill gets the whole --max-num-batched-tokens. "
+        f"auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step at the current batch; a number = "
+        "that many ms; 0 = off: every step may prefill up to --max-num-batched-tokens whatever decodes",
+    )
+    add(
+        parser,
+        "--min-prefill-tokens",
+        type=int,
+        default=DEFAULT_MIN_PREFILL_TOKENS,
         help="prefill tokens every step may take whatever --target-itl-ms says, so a waiting prompt advances "
-             "under any decode load (its time to first token stays bounded); the price: a step may exceed the "
-             "target by the time of this many tokens. Larger = faster first tokens under load, spikier "
-             "inter-token latency")
+        "under any decode load (its time to first token stays bounded); the price: a step may exceed the "
+        "target by the time of this many tokens. Larger = faster first tokens under load, spikier "
+        "inter-token latency",
+    )
     add(parser, "--max-num-seqs", type=int, default=64, help="most requests running at once")
     add(parser, "--max-model-len", type=int, default=0, help="context length (0 = the model's)")
 
@@ -92,35 +131,68 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     """Limits on what PD accepts before any work: queues, images, reservations."""
     add = cli_args.add_flag
     add(parser, "--max-waiting-requests", type=int, default=1024, help="queued requests before Generate is refused")
-    add(parser, "--max-waiting-tokens", type=int, default=262144,
-        help="prompt tokens of all queued requests before Generate is refused")
+    add(
+        parser,
+        "--max-waiting-tokens",
+        type=int,
+        default=262144,
+        help="prompt tokens of all queued requests before Generate is refused",
+    )
     add(parser, "--embedding-cache-tokens", type=int, default=65536, help="image embedding cache capacity, in tokens")
     add(parser, "--default-lease-ms", type=int, default=30_000, help="how long a reservation waits for its push")
-    add(parser, "--max-items-per-request", type=int, default=64,
-        help="most images one Preallocate or Generate may carry (more: INVALID_ARGUMENT)")
-    add(parser, "--push-idle-timeout-s", type=float, default=10.0,
-        help="a PushEmbedding stream that sends nothing for this long is ended (DEADLINE_EXCEEDED)")
-
+    add(
+        parser,
+        "--max-items-per-request",
+        type=int,
+        default=64,
+        help="most images one Preallocate or Generate may carry (more: INVALID_ARGUMENT)",
+    )
+    add(
+        parser,
+        "--push-idle-timeout-s",
+        type=float,
+        default=10.0,
+        help="a PushEmbedding stream that sends nothing for this long is ended (DEADLINE_EXCEEDED)",
+    )
 
 
 def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
     """Start-up, where embeddings come from, shutdown, probes and test-only faults."""
     add = cli_args.add_flag
     add(parser, "--warmup", default=True, help="generate one token before reporting ready")
-    add(parser, "--encoder", default="remote", choices=["remote", "local"],
+    add(
+        parser,
+        "--encoder",
+        default="remote",
+        choices=["remote", "local"],
         help="where image embeddings come from: remote = encoder services push them; local = colocated "
-             "baseline: this PD loads the vision tower, serves epd.v1.Encoder on its own port and encodes "
-             "inside its step loop (blocking the batch like a monolithic engine)")
+        "baseline: this PD loads the vision tower, serves epd.v1.Encoder on its own port and encodes "
+        "inside its step loop (blocking the batch like a monolithic engine)",
+    )
     add(parser, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
-    add(parser, "--stall-timeout-s", type=float, default=60.0,
-        help="report not ready while the step loop is stuck this long with work pending (0 = off)")
-    add(parser, "--liveness-timeout-s", type=float, default=300.0,
+    add(
+        parser,
+        "--stall-timeout-s",
+        type=float,
+        default=60.0,
+        help="report not ready while the step loop is stuck this long with work pending (0 = off)",
+    )
+    add(
+        parser,
+        "--liveness-timeout-s",
+        type=float,
+        default=300.0,
         help="report not alive (health service '') once the step loop is stuck this long; a dead engine "
-             "thread is never alive and makes the process exit (0 = only a dead thread counts)")
-    add(parser, "--fault", default="",
+        "thread is never alive and makes the process exit (0 = only a dead thread counts)",
+    )
+    add(
+        parser,
+        "--fault",
+        default="",
         help="TEST ONLY: inject step-loop faults, comma-separated, each once, steps counted after warm-up: "
-             "forward-raises-after=N (the forward of step N raises), freeze-step-ms=M (a step stalls M ms), "
-             "freeze-after=N (which step stalls; default 0); '' = none")
+        "forward-raises-after=N (the forward of step N raises), freeze-step-ms=M (a step stalls M ms), "
+        "freeze-after=N (which step stalls; default 0); '' = none",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PdConfig:
@@ -192,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         grpc_utils.run_until_signal(main)
-    except KvCacheTooSmall as error:   # a sizing problem the user fixes with a flag: no traceback
+    except KvCacheTooSmall as error:  # a sizing problem the user fixes with a flag: no traceback
         log.error("pd cannot start: %s", error)
         return 2
     return 1 if failed else 0

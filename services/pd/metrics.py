@@ -18,10 +18,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from services.common.metrics_http import MetricDoc, MetricsHttpServer
 from services.pd.bridge import EngineBridge
-from services.pd.engine_stats import EngineStats
-from services.pd.errors import EngineError
-from services.pd.step_budget import PREDICTION_RATIO_BUCKETS, BudgetSnapshot
-from services.pd.step_stats import STEP_SECONDS_BUCKETS, StepSnapshot
+from services.pd.engine.engine_stats import EngineStats
+from services.pd.engine.errors import EngineError
+from services.pd.engine.step_budget import PREDICTION_RATIO_BUCKETS, BudgetSnapshot
+from services.pd.engine.step_stats import STEP_SECONDS_BUCKETS, StepSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -33,28 +33,64 @@ METRICS = (
     MetricDoc("epd_pd_waiting_requests", "gauge", (), "requests queued for admission (preempted ones included)"),
     MetricDoc("epd_pd_kv_blocks_used", "gauge", (), "KV cache blocks in use by requests or pins"),
     MetricDoc("epd_pd_kv_blocks_total", "gauge", (), "KV cache blocks in the pool"),
-    MetricDoc("epd_pd_prefix_cache_hit_tokens_total", "counter", (),
-              "prompt tokens served from the prefix cache at admission (a re-admission after preemption counts again)"),
-    MetricDoc("epd_pd_embedding_cache_tokens", "gauge", ("state",),
-              "image-embedding cache rows by state: reserved (waiting for a push), ready"),
+    MetricDoc(
+        "epd_pd_prefix_cache_hit_tokens_total",
+        "counter",
+        (),
+        "prompt tokens served from the prefix cache at admission (a re-admission after preemption counts again)",
+    ),
+    MetricDoc(
+        "epd_pd_embedding_cache_tokens",
+        "gauge",
+        ("state",),
+        "image-embedding cache rows by state: reserved (waiting for a push), ready",
+    ),
     MetricDoc("epd_pd_embedding_cache_capacity_tokens", "gauge", (), "image-embedding cache capacity in rows"),
-    MetricDoc("epd_pd_reservations_expired_total", "counter", (),
-              "Preallocate leases that ran out unused: one per image reservation, one per prefix-KV pin"),
+    MetricDoc(
+        "epd_pd_reservations_expired_total",
+        "counter",
+        (),
+        "Preallocate leases that ran out unused: one per image reservation, one per prefix-KV pin",
+    ),
     MetricDoc("epd_pd_step_seconds", "histogram", (), "duration of one engine step (schedule + model + update)"),
-    MetricDoc("epd_pd_step_phase_seconds_total", "counter", ("phase",),
-              "engine step time by phase: schedule, execute (model runner), update (accounting, detokenizing)"),
-    MetricDoc("epd_pd_prompt_tokens_total", "counter", (),
-              "prompt tokens of requests that got their first token (cached tokens included)"),
+    MetricDoc(
+        "epd_pd_step_phase_seconds_total",
+        "counter",
+        ("phase",),
+        "engine step time by phase: schedule, execute (model runner), update (accounting, detokenizing)",
+    ),
+    MetricDoc(
+        "epd_pd_prompt_tokens_total",
+        "counter",
+        (),
+        "prompt tokens of requests that got their first token (cached tokens included)",
+    ),
     MetricDoc("epd_pd_generation_tokens_total", "counter", (), "tokens sampled by the model"),
-    MetricDoc("epd_pd_step_budget_tokens", "gauge", (),
-              "prefill tokens the last step was allowed (--max-num-batched-tokens with nothing decoding)"),
-    MetricDoc("epd_pd_itl_target_seconds", "gauge", (),
-              "inter-token latency the step budget keeps (0 = off; auto: 0 until a step decoded)"),
-    MetricDoc("epd_pd_step_time_prediction_ratio", "histogram", (),
-              "a step's measured / predicted duration, 1 = exact (the step-time model the budget is sized with)"),
+    MetricDoc(
+        "epd_pd_step_budget_tokens",
+        "gauge",
+        (),
+        "prefill tokens the last step was allowed (--max-num-batched-tokens with nothing decoding)",
+    ),
+    MetricDoc(
+        "epd_pd_itl_target_seconds",
+        "gauge",
+        (),
+        "inter-token latency the step budget keeps (0 = off; auto: 0 until a step decoded)",
+    ),
+    MetricDoc(
+        "epd_pd_step_time_prediction_ratio",
+        "histogram",
+        (),
+        "a step's measured / predicted duration, 1 = exact (the step-time model the budget is sized with)",
+    ),
     MetricDoc("epd_pd_preemptions_total", "counter", (), "running requests preempted for lack of KV blocks"),
-    MetricDoc("epd_pd_engine_responsive", "gauge", (),
-              "1 when this scrape read the engine; 0 when it did not answer in time (values are the last read)"),
+    MetricDoc(
+        "epd_pd_engine_responsive",
+        "gauge",
+        (),
+        "1 when this scrape read the engine; 0 when it did not answer in time (values are the last read)",
+    ),
 )
 """Everything ``PdMetrics`` exports (the README table is made from it)."""
 
@@ -92,8 +128,9 @@ class PdMetrics:
         return []  # unchecked collector: families are built at collect time
 
     def collect(self) -> Iterable[Metric]:
-        yield GaugeMetricFamily("epd_pd_engine_responsive", "1 when this scrape read the engine",
-                                value=float(self._responsive))
+        yield GaugeMetricFamily(
+            "epd_pd_engine_responsive", "1 when this scrape read the engine", value=float(self._responsive)
+        )
         s = self._latest
         if s is None:
             return
@@ -101,48 +138,69 @@ class PdMetrics:
         yield GaugeMetricFamily("epd_pd_waiting_requests", "Requests queued for admission", value=s.num_waiting)
         yield GaugeMetricFamily("epd_pd_kv_blocks_used", "KV cache blocks in use", value=s.num_kv_blocks_used)
         yield GaugeMetricFamily("epd_pd_kv_blocks_total", "KV cache blocks in the pool", value=s.num_kv_blocks_total)
-        yield CounterMetricFamily("epd_pd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=s.num_prefix_hit_tokens)
-        tokens = GaugeMetricFamily("epd_pd_embedding_cache_tokens", "Image-embedding cache rows by state",
-                                   labels=["state"])
+        yield CounterMetricFamily(
+            "epd_pd_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            value=s.num_prefix_hit_tokens,
+        )
+        tokens = GaugeMetricFamily(
+            "epd_pd_embedding_cache_tokens", "Image-embedding cache rows by state", labels=["state"]
+        )
         tokens.add_metric(["reserved"], s.reserved_tokens)
         tokens.add_metric(["ready"], s.ready_tokens)
         yield tokens
-        yield GaugeMetricFamily("epd_pd_embedding_cache_capacity_tokens", "Image-embedding cache capacity in rows",
-                                value=s.capacity_tokens)
-        yield CounterMetricFamily("epd_pd_reservations_expired", "Preallocate leases that ran out unused",
-                                  value=s.num_expired_leases)
+        yield GaugeMetricFamily(
+            "epd_pd_embedding_cache_capacity_tokens", "Image-embedding cache capacity in rows", value=s.capacity_tokens
+        )
+        yield CounterMetricFamily(
+            "epd_pd_reservations_expired", "Preallocate leases that ran out unused", value=s.num_expired_leases
+        )
         yield from _step_families(s.steps)
         yield from _budget_families(s.budget)
-        yield CounterMetricFamily("epd_pd_preemptions", "Requests preempted for lack of KV blocks",
-                                  value=s.num_preemptions)
+        yield CounterMetricFamily(
+            "epd_pd_preemptions", "Requests preempted for lack of KV blocks", value=s.num_preemptions
+        )
 
 
 def _step_families(steps: StepSnapshot) -> Iterable[Metric]:
-    yield _histogram("epd_pd_step_seconds", "Duration of one engine step",
-                     STEP_SECONDS_BUCKETS, steps.bucket_counts, steps.sum_seconds)
+    yield _histogram(
+        "epd_pd_step_seconds",
+        "Duration of one engine step",
+        STEP_SECONDS_BUCKETS,
+        steps.bucket_counts,
+        steps.sum_seconds,
+    )
     phases = CounterMetricFamily("epd_pd_step_phase_seconds", "Engine step time by phase", labels=["phase"])
     for phase, seconds in steps.seconds.items():
         phases.add_metric([phase], seconds)
     yield phases
-    yield CounterMetricFamily("epd_pd_prompt_tokens", "Prompt tokens of requests that got their first token",
-                              value=steps.num_prompt_tokens)
-    yield CounterMetricFamily("epd_pd_generation_tokens", "Tokens sampled by the model",
-                              value=steps.num_generation_tokens)
+    yield CounterMetricFamily(
+        "epd_pd_prompt_tokens", "Prompt tokens of requests that got their first token", value=steps.num_prompt_tokens
+    )
+    yield CounterMetricFamily(
+        "epd_pd_generation_tokens", "Tokens sampled by the model", value=steps.num_generation_tokens
+    )
 
 
 def _budget_families(budget: BudgetSnapshot) -> Iterable[Metric]:
-    yield GaugeMetricFamily("epd_pd_step_budget_tokens", "Prefill tokens the last step was allowed",
-                            value=budget.prefill_budget_tokens)
-    yield GaugeMetricFamily("epd_pd_itl_target_seconds", "Inter-token latency the step budget keeps",
-                            value=budget.itl_target_s)
-    yield _histogram("epd_pd_step_time_prediction_ratio", "Measured / predicted step duration",
-                     PREDICTION_RATIO_BUCKETS, budget.ratio_bucket_counts, budget.ratio_sum)
+    yield GaugeMetricFamily(
+        "epd_pd_step_budget_tokens", "Prefill tokens the last step was allowed", value=budget.prefill_budget_tokens
+    )
+    yield GaugeMetricFamily(
+        "epd_pd_itl_target_seconds", "Inter-token latency the step budget keeps", value=budget.itl_target_s
+    )
+    yield _histogram(
+        "epd_pd_step_time_prediction_ratio",
+        "Measured / predicted step duration",
+        PREDICTION_RATIO_BUCKETS,
+        budget.ratio_bucket_counts,
+        budget.ratio_sum,
+    )
 
 
-def _histogram(name: str, documentation: str, bounds: Sequence[float], cumulative_counts: Sequence[int],
-               total: float) -> HistogramMetricFamily:
+def _histogram(
+    name: str, documentation: str, bounds: Sequence[float], cumulative_counts: Sequence[int], total: float
+) -> HistogramMetricFamily:
     """A histogram family from a snapshot's cumulative counts per bound (then +Inf) and sum."""
     labels = [repr(float(bound)) for bound in bounds] + ["+Inf"]
-    return HistogramMetricFamily(name, documentation, buckets=list(zip(labels, cumulative_counts)),
-                                 sum_value=total)
+    return HistogramMetricFamily(name, documentation, buckets=list(zip(labels, cumulative_counts)), sum_value=total)

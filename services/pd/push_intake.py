@@ -22,7 +22,7 @@ import torch
 from services.common import tensors
 from services.common.pb import epd_pb2
 from services.pd import convert
-from services.pd.errors import EngineError, ErrorKind
+from services.pd.engine.errors import EngineError, ErrorKind
 
 PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,12 +41,13 @@ def data_of(chunk: memoryview | epd_pb2.PushEmbeddingChunk) -> memoryview | byte
 class PushIntake:
     """Reads pushes for one PD; ``check_push(header) -> wanted`` asks the engine core."""
 
-    def __init__(self, hidden_size: int, idle_timeout_s: float,
-                 check_push: Callable[[epd_pb2.EmbeddingHeader], Awaitable[bool]]) -> None:
+    def __init__(
+        self, hidden_size: int, idle_timeout_s: float, check_push: Callable[[epd_pb2.EmbeddingHeader], Awaitable[bool]]
+    ) -> None:
         self._hidden_size = hidden_size
         self._idle_timeout_s = idle_timeout_s
         self._check_push = check_push
-        self._in_flight: set[str] = set()   # reservation ids with a push being received
+        self._in_flight: set[str] = set()  # reservation ids with a push being received
 
     async def receive(self, request_iterator: AsyncIterator[Any]) -> tuple[epd_pb2.EmbeddingHeader, Any | None]:
         """The header and the embedding tensor, or None for a repeat of a push that landed."""

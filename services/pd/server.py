@@ -21,25 +21,26 @@ from services.pd import faults
 from services.pd.bridge import EngineBridge
 from services.pd.colocated import Colocated
 from services.pd.config import PdConfig
-from services.pd.core import EngineCore
-from services.pd.decode_graphs import StaticDecodeConfig
-from services.pd.embedding_cache import EmbeddingCache
-from services.pd.engine_stats import EngineStats
-from services.pd.errors import EngineError, ErrorKind
-from services.pd.kv_cache import KVCacheManager
-from services.pd.kv_sizing import CudaMemoryReader, size_kv_cache
+from services.pd.engine.core import EngineCore
+from services.pd.engine.embedding_cache import EmbeddingCache
+from services.pd.engine.engine_stats import EngineStats
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.kv_cache import KVCacheManager
+from services.pd.engine.request import Request, SamplingParams
+from services.pd.engine.scheduler import Scheduler, SchedulerConfig
+from services.pd.engine.step_budget import BudgetConfig, StepBudget
 from services.pd.metrics import PdMetrics
-from services.pd.model_runner import ModelRunner
-from services.pd.request import Request, SamplingParams
-from services.pd.scheduler import Scheduler, SchedulerConfig
+from services.pd.runner.decode_graphs import StaticDecodeConfig
+from services.pd.runner.kv_sizing import CudaMemoryReader, size_kv_cache
+from services.pd.runner.model_runner import ModelRunner
 from services.pd.servicer import PrefillDecodeServicer
-from services.pd.step_budget import BudgetConfig, StepBudget
 from services.pd.step_calibration import calibrate_step_time, generate
 from services.pd.watchdog import Probe, watch_engine
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "epd.v1.PrefillDecode"
+
 
 @dataclass
 class PdServer:
@@ -74,7 +75,7 @@ class PdServer:
         grace = self.config.grace_s if grace is None else grace
         deadline = time.monotonic() + grace
         if self.watchdog is not None:
-            self.watchdog.cancel()   # it must not report ready again while stopping
+            self.watchdog.cancel()  # it must not report ready again while stopping
         if self.colocated is not None:
             await self.colocated.set_ready(self.grpc, False)
         await self.grpc.set_ready(False)
@@ -110,8 +111,10 @@ def _held(stats: EngineStats | None) -> str:
     """What keeps a drain from ending, for its log line."""
     if stats is None:
         return "unknown"
-    return (f"live={stats.num_live_requests} reservations={stats.num_reservations} "
-            f"kv_leases={stats.num_kv_leases} referenced_tokens={stats.referenced_tokens}")
+    return (
+        f"live={stats.num_live_requests} reservations={stats.num_reservations} "
+        f"kv_leases={stats.num_kv_leases} referenced_tokens={stats.referenced_tokens}"
+    )
 
 
 def _describe_target(config: PdConfig, measured_s: float) -> str:
@@ -139,19 +142,25 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     exact_float32(device, dtype)
-    memory = CudaMemoryReader(device) if device.type == "cuda" else None   # before the weights: what others use
+    memory = CudaMemoryReader(device) if device.type == "cuda" else None  # before the weights: what others use
     model = adapter.load_language_model(device, dtype)
     tokenizer = adapter.load_tokenizer()
     max_model_len = config.max_model_len or adapter.max_model_len
     sizing = size_kv_cache(config, model, device, dtype, max_model_len, memory)
     num_blocks = sizing.num_blocks
-    log.info("KV cache: %d blocks of %d = %d tokens (%s)", num_blocks, config.block_size, sizing.num_tokens,
-             sizing.source)
+    log.info(
+        "KV cache: %d blocks of %d = %d tokens (%s)", num_blocks, config.block_size, sizing.num_tokens, sizing.source
+    )
     runner = ModelRunner(
-        model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype,
+        model,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        device=device,
+        dtype=dtype,
         linear_backend=config.linear_backend,
-        static_decode=StaticDecodeConfig(cuda_graphs=not config.enforce_eager, max_num_seqs=config.max_num_seqs,
-                                         max_model_len=max_model_len),
+        static_decode=StaticDecodeConfig(
+            cuda_graphs=not config.enforce_eager, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len
+        ),
     )
     embedding_cache = EmbeddingCache(config.embedding_cache_tokens)
     kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
@@ -210,11 +219,12 @@ async def warm_up(engine: EngineBridge, eos_token_id: int | None, every_path: bo
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     if every_path:
         greedy = dataclasses.replace(greedy, max_tokens=3)
-        sampled = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=2, max_tokens=3,
-                                 ignore_eos=True)
+        sampled = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=2, max_tokens=3, ignore_eos=True)
         prompt = list(_WARM_UP_PROMPT)
-        await asyncio.gather(generate(engine, _warm_up_request(prompt, greedy, eos_token_id)),
-                             generate(engine, _warm_up_request(prompt[::-1], sampled, eos_token_id)))
+        await asyncio.gather(
+            generate(engine, _warm_up_request(prompt, greedy, eos_token_id)),
+            generate(engine, _warm_up_request(prompt[::-1], sampled, eos_token_id)),
+        )
         await generate(engine, _warm_up_request(prompt, greedy, eos_token_id))
     else:
         await generate(engine, _warm_up_request([1, 2, 3], greedy, eos_token_id))
@@ -222,8 +232,9 @@ async def warm_up(engine: EngineBridge, eos_token_id: int | None, every_path: bo
 
 
 def _warm_up_request(prompt: list[int], sampling: SamplingParams, eos_token_id: int | None) -> Request:
-    return Request(request_id=f"warmup-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling,
-                   eos_token_id=eos_token_id)
+    return Request(
+        request_id=f"warmup-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, eos_token_id=eos_token_id
+    )
 
 
 async def start_pd(config: PdConfig) -> PdServer:
@@ -246,19 +257,26 @@ async def start_pd(config: PdConfig) -> PdServer:
         if colocated is not None:
             colocated.register(grpc_server)  # epd.v1.Encoder on this same port
 
-    server = await grpc_utils.start_server(config.host, config.port, SERVICE_NAME, register, security=config.security,
-                                           max_receive_bytes=max_receive_bytes(config, facts["max_model_len"]))
+    server = await grpc_utils.start_server(
+        config.host,
+        config.port,
+        SERVICE_NAME,
+        register,
+        security=config.security,
+        max_receive_bytes=max_receive_bytes(config, facts["max_model_len"]),
+    )
     metrics_http = None
     try:
         if config.metrics_port >= 0:
-            metrics_http = await PdMetrics(engine).serve(config.metrics_host or config.host, config.metrics_port,
-                                                         token=config.security.metrics_token)
+            metrics_http = await PdMetrics(engine).serve(
+                config.metrics_host or config.host, config.metrics_port, token=config.security.metrics_token
+            )
         if config.warmup:
             await warm_up(engine, facts["eos_token_id"], every_path=facts["device"].startswith("cuda"))
         if colocated is not None:
             await colocated.become_ready(server, warm_up=config.warmup)
         target_itl = _describe_target(config, (await engine.stats()).budget.itl_target_s)
-    except (RuntimeError, EngineError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, RuntimeError, EngineError, OSError):
         if metrics_http is not None:
             await metrics_http.stop()
         await server.stop(0)
@@ -270,17 +288,28 @@ async def start_pd(config: PdConfig) -> PdServer:
     await server.set_ready(True)
     log.info(
         "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d cuda_graphs=%d target_itl=%s",
-        config.host, server.port, facts["model_id"], facts["device"], facts["dtype"], facts["num_kv_blocks"],
-        facts["num_cuda_graphs"], target_itl,
+        config.host,
+        server.port,
+        facts["model_id"],
+        facts["device"],
+        facts["dtype"],
+        facts["num_kv_blocks"],
+        facts["num_cuda_graphs"],
+        target_itl,
     )
-    pd = PdServer(grpc=server, engine=engine, config=config, colocated=colocated,
-                  servicer=servicer, metrics_http=metrics_http)
-    pd.watchdog = asyncio.create_task(watch_engine(
-        engine,
-        [Probe("ready", server.set_ready, config.stall_timeout_s),
-         Probe("alive", functools.partial(_set_alive, server), config.liveness_timeout_s)],
-        on_dead=pd.engine_dead.set,
-    ))
+    pd = PdServer(
+        grpc=server, engine=engine, config=config, colocated=colocated, servicer=servicer, metrics_http=metrics_http
+    )
+    pd.watchdog = asyncio.create_task(
+        watch_engine(
+            engine,
+            [
+                Probe("ready", server.set_ready, config.stall_timeout_s),
+                Probe("alive", functools.partial(_set_alive, server), config.liveness_timeout_s),
+            ],
+            on_dead=pd.engine_dead.set,
+        )
+    )
     return pd
 
 

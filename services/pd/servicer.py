@@ -13,10 +13,10 @@ from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
 from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
-from services.pd.errors import EngineError, ErrorKind
-from services.pd.outputs import Failed, Finished, TokenDelta
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.outputs import Failed, Finished, TokenDelta
+from services.pd.engine.request import RequestStatus
 from services.pd.push_intake import PushIntake
-from services.pd.request import RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,14 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     """
 
     def __init__(
-        self, engine: EngineBridge, config: PdConfig, *, eos_token_id: int | None, vocab_size: int,
-        max_model_len: int, uses_grids: bool | None = None,
+        self,
+        engine: EngineBridge,
+        config: PdConfig,
+        *,
+        eos_token_id: int | None,
+        vocab_size: int,
+        max_model_len: int,
+        uses_grids: bool | None = None,
     ):
         """``uses_grids``: the model's multimodal RoPE needs every image item's grid (True), takes
         none (False); None accepts either (servers without a model, such as the transfer bench)."""
@@ -73,16 +79,22 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             raise EngineError(ErrorKind.UNAVAILABLE, "this instance is shutting down; use another")
 
     async def Preallocate(self, request, context):
-        with AccessLine(log, "preallocate", level=logging.DEBUG, request_id=request_id_of(context),
-                        items=len(request.items)) as line:
+        with AccessLine(
+            log, "preallocate", level=logging.DEBUG, request_id=request_id_of(context), items=len(request.items)
+        ) as line:
             try:
                 self._check_admitting()
                 convert.check_request_id(request.request_id)
                 # Cheap checks first: the engine thread hashes the prompt's blocks.
-                convert.check_prompt(request.prompt_token_ids, vocab_size=self.vocab_size,
-                                     max_model_len=self.max_model_len)
-                spans = convert.spans_from_pb(request.items, len(request.prompt_token_ids),
-                                              max_items=self.config.max_items_per_request, uses_grids=self.uses_grids)
+                convert.check_prompt(
+                    request.prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+                )
+                spans = convert.spans_from_pb(
+                    request.items,
+                    len(request.prompt_token_ids),
+                    max_items=self.config.max_items_per_request,
+                    uses_grids=self.uses_grids,
+                )
                 lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
                 remaining = context.time_remaining()
                 if remaining is not None:
@@ -96,14 +108,26 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
 
     async def Generate(self, request, context) -> AsyncIterator[epd_pb2.GenerateResponse]:
         # One access line per call, whatever way it ends (status CANCELLED when the client goes away).
-        with AccessLine(log, "generate", request_id=request_id_of(context), status=None,
-                        prompt_tokens=len(request.prompt_token_ids), image_tokens=None, cached_tokens=None,
-                        completion_tokens=0, finish_reason=None, ttft_ms=None) as line:
+        with AccessLine(
+            log,
+            "generate",
+            request_id=request_id_of(context),
+            status=None,
+            prompt_tokens=len(request.prompt_token_ids),
+            image_tokens=None,
+            cached_tokens=None,
+            completion_tokens=0,
+            finish_reason=None,
+            ttft_ms=None,
+        ) as line:
             try:
                 self._check_admitting()
                 engine_request = convert.request_from_pb(
-                    request, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
-                    max_model_len=self.max_model_len, max_items=self.config.max_items_per_request,
+                    request,
+                    eos_token_id=self.eos_token_id,
+                    vocab_size=self.vocab_size,
+                    max_model_len=self.max_model_len,
+                    max_items=self.config.max_items_per_request,
                     uses_grids=self.uses_grids,
                 )
                 events = await self.engine.add_request(engine_request)

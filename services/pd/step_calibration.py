@@ -27,9 +27,9 @@ import uuid
 from dataclasses import dataclass
 
 from services.pd.bridge import EngineBridge
-from services.pd.core import EngineCore
-from services.pd.outputs import Failed, Finished
-from services.pd.request import Request, SamplingParams
+from services.pd.engine.core import EngineCore
+from services.pd.engine.outputs import Failed, Finished
+from services.pd.engine.request import Request, SamplingParams
 
 PROMPT_LENGTHS = (16, 64, 192)
 """Prompt tokens of the lone calibration requests (three prefill sizes)."""
@@ -44,7 +44,7 @@ NUM_PASSES = 2
 TIMEOUT_S = 300.0
 """Longest one calibration request may take (a very slow device)."""
 
-_FIRST_TOKEN_ID = 10   # token ids 10..249: inside any real vocabulary, away from the usual special ids
+_FIRST_TOKEN_ID = 10  # token ids 10..249: inside any real vocabulary, away from the usual special ids
 _NUM_TOKEN_IDS = 240
 
 
@@ -68,14 +68,16 @@ class CalibrationPlan:
 
 def calibration_prompt(index: int, length: int) -> list[int]:
     """A prompt of ``length`` ids whose first ids differ from every other ``index``'s."""
-    return [_FIRST_TOKEN_ID + (index * 37 + position * 11 + position * position) % _NUM_TOKEN_IDS
-            for position in range(length)]
+    return [
+        _FIRST_TOKEN_ID + (index * 37 + position * 11 + position * position) % _NUM_TOKEN_IDS
+        for position in range(length)
+    ]
 
 
 async def calibrate_step_time(engine: EngineBridge, eos_token_id: int | None) -> None:
     """Runs the calibration requests to their end; raises RuntimeError if one fails."""
     plan = await engine.call(CalibrationPlan.for_core, engine.core)
-    index = 0   # of the next prompt: every calibration prompt differs from the others
+    index = 0  # of the next prompt: every calibration prompt differs from the others
     for _ in range(NUM_PASSES):
         for length in plan.prompt_lengths:
             await generate(engine, _request(calibration_prompt(index, length), eos_token_id))

@@ -37,9 +37,9 @@ def check_interval(timeout_s: float) -> float:
 class Probe:
     """One health status the watchdog keeps: ``set_status(ok)`` when ``ok`` changes."""
 
-    name: str                 # for logs: "ready" / "alive"
+    name: str  # for logs: "ready" / "alive"
     set_status: SetStatus
-    timeout_s: float          # stuck this long (with work pending) = not ok; 0 = only a dead thread counts
+    timeout_s: float  # stuck this long (with work pending) = not ok; 0 = only a dead thread counts
 
 
 async def watch_engine(
@@ -68,8 +68,9 @@ async def watch_engine(
                 on_dead()
 
 
-async def watch_readiness(engine: EngineBridge, set_ready: SetStatus, timeout_s: float,
-                          interval_s: float | None = None) -> None:
+async def watch_readiness(
+    engine: EngineBridge, set_ready: SetStatus, timeout_s: float, interval_s: float | None = None
+) -> None:
     """Readiness only (see the module docstring)."""
     await watch_engine(engine, [Probe("ready", set_ready, timeout_s)], interval_s=interval_s)
 

@@ -142,8 +142,9 @@ async def completions(request: Request) -> Response:
         if len(prompt_input) != 1:
             raise RequestError("Only one prompt per request is supported.", "prompt")
         prompt_input = prompt_input[0]
-    prompt = await state.text_pool.run(state.preprocessor.completion_prompt, prompt_input,
-                                       deadline=trace.started + timeout_s)
+    prompt = await state.text_pool.run(
+        state.preprocessor.completion_prompt, prompt_input, deadline=trace.started + timeout_s
+    )
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl")
 
@@ -161,15 +162,25 @@ async def _generate(
     """One job per choice (``n``), all under the request's one deadline."""
     config = state.config
     max_tokens = resolve_max_tokens(
-        requested_max_tokens(body), len(prompt.token_ids), state.max_model_len,
-        limit=config.max_tokens_limit, default=config.default_max_tokens,
+        requested_max_tokens(body),
+        len(prompt.token_ids),
+        state.max_model_len,
+        limit=config.max_tokens_limit,
+        default=config.default_max_tokens,
     )
     request_id = new_request_id(id_prefix)
     line = access_line(request)
     if line is not None:
-        line.update(request_id=request_id, model=state.served_model_name, stream=bool(body.stream),
-                    images=len(prompt.images), prompt_tokens=len(prompt.token_ids), completion_tokens=0,
-                    ttft_ms=None, outcome="ok")
+        line.update(
+            request_id=request_id,
+            model=state.served_model_name,
+            stream=bool(body.stream),
+            images=len(prompt.images),
+            prompt_tokens=len(prompt.token_ids),
+            completion_tokens=0,
+            ttft_ms=None,
+            outcome="ok",
+        )
     sampling = sampling_params(body, max_tokens)
     jobs = [
         Job(
@@ -182,14 +193,20 @@ async def _generate(
         for index in range(body.n or 1)
     ]
     state.metrics.images.inc(len(prompt.images))
-    meta = ResponseMeta(request_id, state.served_model_name, state.decode_token, len(prompt.images),
-                        return_token_ids=body.return_token_ids)
+    meta = ResponseMeta(
+        request_id,
+        state.served_model_name,
+        state.decode_token,
+        len(prompt.images),
+        return_token_ids=body.return_token_ids,
+    )
     formatter = formatter_cls(meta)
     want_logprobs = requested_logprobs(body) is not None
     # A client that streams sees tokens as they come; one that does not sees
     # nothing until the end, so its jobs may restart on another PD mid-way.
-    choices = [Choice(_observed(state, job, request.url.path, buffered=not body.stream, line=line), job.trace)
-               for job in jobs]
+    choices = [
+        Choice(_observed(state, job, request.url.path, buffered=not body.stream, line=line), job.trace) for job in jobs
+    ]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
@@ -240,9 +257,18 @@ async def _observed(
         log.debug(
             "request %s %s: %s %s prompt=%d images=%d ready=%d encoder_hits=%d completion=%d pd=%s attempts=%d "
             "first_token_ms=%s total_ms=%.1f",
-            job.request_id, endpoint, outcome, error_code or "", len(job.prompt.token_ids), len(job.prompt.images),
-            trace.num_images_ready, trace.num_encoder_cache_hits, num_tokens, trace.pd_address,
-            trace.num_pd_attempts, None if trace.first_token_ms is None else round(trace.first_token_ms, 1),
+            job.request_id,
+            endpoint,
+            outcome,
+            error_code or "",
+            len(job.prompt.token_ids),
+            len(job.prompt.images),
+            trace.num_images_ready,
+            trace.num_encoder_cache_hits,
+            num_tokens,
+            trace.pd_address,
+            trace.num_pd_attempts,
+            None if trace.first_token_ms is None else round(trace.first_token_ms, 1),
             (time.monotonic() - trace.started) * 1000,
         )
 
@@ -310,9 +336,13 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         processor = await asyncio.to_thread(adapter.load_processor)
         max_model_len = min(config.max_model_len or adapter.max_model_len, adapter.max_model_len)
         preprocessor = Preprocessor(
-            adapter, processor,
-            max_images=config.max_images_per_request, max_image_pixels=config.max_image_pixels,
-            max_request_pixels=config.max_request_pixels, max_model_len=max_model_len, faults=config.faults,
+            adapter,
+            processor,
+            max_images=config.max_images_per_request,
+            max_image_pixels=config.max_image_pixels,
+            max_request_pixels=config.max_request_pixels,
+            max_model_len=max_model_len,
+            faults=config.faults,
         )
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
@@ -320,25 +350,43 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         pool = backends or Backends.connect(config)
         await pool.start()
         metrics.watch_instances(lambda: [*pool.pds, *pool.encoders])
-        pipeline = Pipeline(pool, lease_ms=config.lease_ms, pd_attempts=config.pd_attempts,
-                            encoder_attempts=config.encoder_attempts, metrics=metrics)
+        pipeline = Pipeline(
+            pool,
+            lease_ms=config.lease_ms,
+            pd_attempts=config.pd_attempts,
+            encoder_attempts=config.encoder_attempts,
+            metrics=metrics,
+        )
         media = fetcher
         if media is None and config.allowed_media_domains:
-            media = MediaFetcher(MediaPolicy(config.allowed_media_domains, config.media_timeout_s,
-                                             config.max_media_bytes))
+            media = MediaFetcher(
+                MediaPolicy(config.allowed_media_domains, config.media_timeout_s, config.max_media_bytes)
+            )
         text_pool = WorkPool("text", config.preprocess_threads, config.text_queue)
         image_pool = WorkPool("image", config.image_threads, config.image_queue)
         app.state.proxy = ProxyState(
-            config=config, adapter=adapter, preprocessor=preprocessor, backends=pool, pipeline=pipeline,
-            text_pool=text_pool, image_pool=image_pool, metrics=metrics, fetcher=media,
+            config=config,
+            adapter=adapter,
+            preprocessor=preprocessor,
+            backends=pool,
+            pipeline=pipeline,
+            text_pool=text_pool,
+            image_pool=image_pool,
+            metrics=metrics,
+            fetcher=media,
             served_model_name=config.served_model_name or default_served_name(config.model, adapter.model_id),
             max_model_len=max_model_len,
             created=int(time.time()),
             guard=InternalsGuard(config.api_key, config.security.token, require_token=config.security.metrics_auth),
         )
-        log.info("proxy serving %s: PDs %s, encoders %s (policies %s / %s)", app.state.proxy.served_model_name,
-                 [p.address for p in pool.pds], [e.address for e in pool.encoders],
-                 config.pd_policy, config.encoder_policy)
+        log.info(
+            "proxy serving %s: PDs %s, encoders %s (policies %s / %s)",
+            app.state.proxy.served_model_name,
+            [p.address for p in pool.pds],
+            [e.address for e in pool.encoders],
+            config.pd_policy,
+            config.encoder_policy,
+        )
         try:
             yield
         finally:
@@ -365,8 +413,14 @@ def create_app(
     """
     metrics_ = ProxyMetrics()
     # /openapi.json describes the API (services/proxy/openapi.py); no HTML docs pages.
-    app = FastAPI(title="EPD proxy", version="1", openapi_url="/openapi.json", docs_url=None, redoc_url=None,
-                  lifespan=_lifespan(config, backends, fetcher, metrics_))
+    app = FastAPI(
+        title="EPD proxy",
+        version="1",
+        openapi_url="/openapi.json",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=_lifespan(config, backends, fetcher, metrics_),
+    )
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])

@@ -65,11 +65,14 @@ class Backends:
 
         def pool(kind: str, targets, client_cls) -> Pool:
             return Pool(
-                kind, targets,
+                kind,
+                targets,
                 lambda address: client_cls(
                     address, grpc_utils.aio_channel(address, config.security), breaker=breaker()
                 ),
-                resolver=resolver, on_added=monitor.watch, on_removed=removed,
+                resolver=resolver,
+                on_added=monitor.watch,
+                on_removed=removed,
             )
 
         return cls(
@@ -130,8 +133,9 @@ class Backends:
     def pd_candidates(self, exclude: Collection[str] = ()) -> list[PdClient]:
         """Routable PDs not in ``exclude``, best first, then those probing (``last_resort``); may be empty."""
         pds = [p for p in self.pds if p.address not in exclude]
-        return (self.pd_policy.rank([p for p in pds if p.routable()])
-                + self.pd_policy.rank([p for p in pds if not p.routable() and p.last_resort()]))
+        return self.pd_policy.rank([p for p in pds if p.routable()]) + self.pd_policy.rank(
+            [p for p in pds if not p.routable() and p.last_resort()]
+        )
 
     def encoder_candidates(
         self, mm_hash: str, exclude: Collection[str] = (), pd_address: str | None = None
@@ -145,11 +149,13 @@ class Backends:
         """
         pd_addresses = {p.address for p in self.pds}
         usable = [
-            e for e in self.encoders
+            e
+            for e in self.encoders
             if e.address not in exclude and (e.address not in pd_addresses or e.address == pd_address)
         ]
-        ranked = (self.encoder_policy.rank([e for e in usable if e.routable()], mm_hash)
-                  + self.encoder_policy.rank([e for e in usable if not e.routable() and e.last_resort()], mm_hash))
+        ranked = self.encoder_policy.rank([e for e in usable if e.routable()], mm_hash) + self.encoder_policy.rank(
+            [e for e in usable if not e.routable() and e.last_resort()], mm_hash
+        )
         return sorted(ranked, key=lambda e: e.address != pd_address)  # stable: keeps the policy's order
 
     def health_report(self) -> dict[str, dict[str, bool]]:

@@ -21,46 +21,46 @@ class ProxyConfig:
     decoding, image count before decoding any).
     """
 
-    model: str = ""                              # checkpoint dir or hub id ("" = built-in tiny); processor only
+    model: str = ""  # checkpoint dir or hub id ("" = built-in tiny); processor only
     host: str = "127.0.0.1"
-    port: int = 8000                             # 0 = pick a free port
+    port: int = 8000  # 0 = pick a free port
     # Each entry: ip:port (one instance), name:port (every address the name resolves
     # to, re-resolved every dns_refresh_s), or a gRPC target with a scheme.
     pd_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
     encoder_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
-    served_model_name: str | None = None         # name in /v1/models and requests; None = adapter.model_id
-    request_timeout_s: float = 300.0             # end-to-end deadline of one request, propagated to every RPC;
-                                                 # X-Request-Timeout may shorten it per request
+    served_model_name: str | None = None  # name in /v1/models and requests; None = adapter.model_id
+    request_timeout_s: float = 300.0  # end-to-end deadline of one request, propagated to every RPC;
+    # X-Request-Timeout may shorten it per request
     max_body_bytes: int = 32 * MIB
     max_images_per_request: int = 8
-    max_image_pixels: int = 4096 * 4096          # width × height, read from the header before decoding
-    max_request_pixels: int = 2 * 4096 * 4096    # all images of one request together, from their headers
-    max_model_len: int = 0                       # prompt + completion cap; 0 = the model's (match PD's flag)
-    max_tokens_limit: int = 16384                # largest max_tokens a client may ask for
-    default_max_tokens: int = 1024               # when the client does not say (also capped by context room)
-    lease_ms: int = 0                            # Preallocate lease; 0 = PD default (always <= the deadline)
-    preprocess_threads: int = 2                  # text work (chat template, tokenization), off the event loop
-    text_queue: int = 64                         # text jobs waiting for a thread beyond which requests get 503
-    image_threads: int = 2                       # image work (decode, hash, image processor), its own pool
-    image_queue: int = 64                        # requests' image jobs waiting beyond which requests get 503
-    max_n: int = 8                               # most choices (n) in one request
+    max_image_pixels: int = 4096 * 4096  # width × height, read from the header before decoding
+    max_request_pixels: int = 2 * 4096 * 4096  # all images of one request together, from their headers
+    max_model_len: int = 0  # prompt + completion cap; 0 = the model's (match PD's flag)
+    max_tokens_limit: int = 16384  # largest max_tokens a client may ask for
+    default_max_tokens: int = 1024  # when the client does not say (also capped by context room)
+    lease_ms: int = 0  # Preallocate lease; 0 = PD default (always <= the deadline)
+    preprocess_threads: int = 2  # text work (chat template, tokenization), off the event loop
+    text_queue: int = 64  # text jobs waiting for a thread beyond which requests get 503
+    image_threads: int = 2  # image work (decode, hash, image processor), its own pool
+    image_queue: int = 64  # requests' image jobs waiting beyond which requests get 503
+    max_n: int = 8  # most choices (n) in one request
     # routing and failure handling
-    pd_policy: str = "least-loaded"              # see routing.PD_POLICIES
-    encoder_policy: str = "rendezvous"           # see routing.ENCODER_POLICIES
-    encoder_saturation: int = 16                 # images in flight beyond which an encoder's affinity yields
-    pd_attempts: int = 3                         # PDs one request may try (before its first byte)
-    encoder_attempts: int = 3                    # encoders one image may try
-    breaker_failures: int = 3                    # consecutive failures that open an instance's breaker
-    breaker_open_s: float = 2.0                  # how long an open breaker keeps traffic away before a probe
-    load_poll_s: float = 0.5                     # GetLoad polling period (0 = own in-flight counts only)
-    dns_refresh_s: float = 5.0                   # re-resolution period of named targets
+    pd_policy: str = "least-loaded"  # see routing.PD_POLICIES
+    encoder_policy: str = "rendezvous"  # see routing.ENCODER_POLICIES
+    encoder_saturation: int = 16  # images in flight beyond which an encoder's affinity yields
+    pd_attempts: int = 3  # PDs one request may try (before its first byte)
+    encoder_attempts: int = 3  # encoders one image may try
+    breaker_failures: int = 3  # consecutive failures that open an instance's breaker
+    breaker_open_s: float = 2.0  # how long an open breaker keeps traffic away before a probe
+    load_poll_s: float = 0.5  # GetLoad polling period (0 = own in-flight counts only)
+    dns_refresh_s: float = 5.0  # re-resolution period of named targets
     # access and remote media
     api_key: str | None = field(default=None, repr=False)  # required as "Authorization: Bearer <key>" when set
     # https image URLs may come from these hosts ("*.x" = its subdomains); () = data URLs only
     allowed_media_domains: tuple[str, ...] = ()
-    media_timeout_s: float = 10.0                # one remote image fetch (also capped by the request deadline)
-    max_media_bytes: int = 16 * MIB              # largest remote image
-    faults: ProxyFaults = NO_FAULTS              # test-only fault injection (services/proxy/faults.py); off by default
+    media_timeout_s: float = 10.0  # one remote image fetch (also capped by the request deadline)
+    max_media_bytes: int = 16 * MIB  # largest remote image
+    faults: ProxyFaults = NO_FAULTS  # test-only fault injection (services/proxy/faults.py); off by default
     # internal transport to encoders and PDs: TLS/mTLS and the token (services/common/security.py)
     security: InternalSecurity = NO_SECURITY
 

@@ -104,8 +104,8 @@ class Pool:
         self._resolver = resolver
         self._on_added = on_added
         self._on_removed = on_removed
-        self._by_target: dict[str, list[str]] = {}   # spec -> addresses last resolved
-        self._instances: dict[str, Instance] = {}     # address -> instance (listed ones)
+        self._by_target: dict[str, list[str]] = {}  # spec -> addresses last resolved
+        self._instances: dict[str, Instance] = {}  # address -> instance (listed ones)
         self._retired: list[Instance] = []
 
     @property
@@ -124,8 +124,12 @@ class Pool:
         try:
             resolved = prefer_one_family(await self._resolver(target.host, target.port))
         except (OSError, ValueError) as error:
-            log.warning("%s target %s did not resolve (%s); keeping its previous addresses",
-                        self.kind, target.spec, type(error).__name__)
+            log.warning(
+                "%s target %s did not resolve (%s); keeping its previous addresses",
+                self.kind,
+                target.spec,
+                type(error).__name__,
+            )
             return self._by_target.get(target.spec, [])
         return [join_host_port(address, target.port) for address in resolved]
 

@@ -172,32 +172,66 @@ class InvalidTimeoutError(RequestError):
 
 def no_backend(kind: str) -> ApiError:
     """Nothing of ``kind`` is routable (all not ready, breakers open, or all tried)."""
-    return ApiError(503, f"No {kind} instance is available; retry later.", "server_error", "backend_unavailable",
-                    retry_after_s=DEFAULT_RETRY_AFTER_S)
+    return ApiError(
+        503,
+        f"No {kind} instance is available; retry later.",
+        "server_error",
+        "backend_unavailable",
+        retry_after_s=DEFAULT_RETRY_AFTER_S,
+    )
 
 
 def invalid_api_key() -> ApiError:
-    return ApiError(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(
+        401,
+        "Invalid or missing API key.",
+        "invalid_request_error",
+        "invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def model_not_found(param: str = "model") -> ApiError:
-    return ApiError(404, "The requested model does not exist on this server.", "invalid_request_error", "model_not_found", param)
+    return ApiError(
+        404, "The requested model does not exist on this server.", "invalid_request_error", "model_not_found", param
+    )
 
 
 def body_too_large(limit: int) -> ApiError:
-    return ApiError(413, f"Request body exceeds the limit of {limit} bytes.", "invalid_request_error", "request_too_large")
+    return ApiError(
+        413, f"Request body exceeds the limit of {limit} bytes.", "invalid_request_error", "request_too_large"
+    )
 
 
 # One row per gRPC status the backends use: (HTTP status, OpenAI type, code, message).
 # Messages are fixed so that a backend's details (which could quote input) never
 # reach the client.
 _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_request", "The request was rejected by the model server as invalid."),
+    grpc.StatusCode.INVALID_ARGUMENT: (
+        400,
+        "invalid_request_error",
+        "invalid_request",
+        "The request was rejected by the model server as invalid.",
+    ),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "server_error", "overloaded", "The server is at capacity; retry later."),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "backend_unavailable", "No backend instance is available; retry later."),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout", "The request did not finish before its deadline."),
-    grpc.StatusCode.FAILED_PRECONDITION: (500, "server_error", "internal_error", "An image embedding could not be delivered."),
+    grpc.StatusCode.UNAVAILABLE: (
+        503,
+        "server_error",
+        "backend_unavailable",
+        "No backend instance is available; retry later.",
+    ),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (
+        504,
+        "server_error",
+        "timeout",
+        "The request did not finish before its deadline.",
+    ),
+    grpc.StatusCode.FAILED_PRECONDITION: (
+        500,
+        "server_error",
+        "internal_error",
+        "An image embedding could not be delivered.",
+    ),
     grpc.StatusCode.NOT_FOUND: (500, "server_error", "internal_error", "The model server lost track of the request."),
     grpc.StatusCode.CANCELLED: (500, "server_error", "cancelled", "The request was cancelled by a backend."),
 }

@@ -76,12 +76,34 @@ async def read_body(request: Request, limit: int) -> bytes:
 # Pydantic error types whose message is built from the schema only (limits,
 # expected types, allowed literals, JSON syntax positions), never from the input.
 # Others (e.g. ``union_tag_invalid``, which quotes the tag sent) get a generic message.
-_SAFE_MESSAGE_TYPES = frozenset({
-    "missing", "json_invalid", "json_type", "model_type", "model_attributes_type", "dict_type", "list_type",
-    "string_type", "int_type", "float_type", "bool_type", "int_from_float", "finite_number", "literal_error",
-    "greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
-    "string_too_short", "string_too_long", "union_tag_not_found", "none_required",
-})
+_SAFE_MESSAGE_TYPES = frozenset(
+    {
+        "missing",
+        "json_invalid",
+        "json_type",
+        "model_type",
+        "model_attributes_type",
+        "dict_type",
+        "list_type",
+        "string_type",
+        "int_type",
+        "float_type",
+        "bool_type",
+        "int_from_float",
+        "finite_number",
+        "literal_error",
+        "greater_than",
+        "greater_than_equal",
+        "less_than",
+        "less_than_equal",
+        "too_short",
+        "too_long",
+        "string_too_short",
+        "string_too_long",
+        "union_tag_not_found",
+        "none_required",
+    }
+)
 
 
 def describe_validation_error(errors: list) -> tuple[str, str | None]:
@@ -192,4 +214,3 @@ class EventStreamResponse(Response):
             async for chunk in self.events:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-

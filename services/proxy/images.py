@@ -47,7 +47,7 @@ def data_url_payload(url: str) -> bytes:
 def _data_url_payload(url: str) -> bytes:
     if not url.startswith(_DATA_PREFIX):
         raise InvalidImageUrlError("Only data: URLs with base64 image payloads are supported.", "image_url")
-    header, sep, payload = url[len(_DATA_PREFIX):].partition(",")
+    header, sep, payload = url[len(_DATA_PREFIX) :].partition(",")
     if not sep:
         raise InvalidImageUrlError("Malformed data URL: missing ','.", "image_url")
     params = [p.strip().lower() for p in header.split(";")]

@@ -45,17 +45,19 @@ class Outcome(enum.IntEnum):
     """How a call ended, as far as the instance's health is concerned."""
 
     SUCCESS = 0
-    NEUTRAL = 1   # the caller's fault or choice (bad input, deadline, overload, cancellation)
-    FAILURE = 2   # the instance is broken or unreachable
+    NEUTRAL = 1  # the caller's fault or choice (bad input, deadline, overload, cancellation)
+    FAILURE = 2  # the instance is broken or unreachable
 
 
-_FAILURE_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.UNIMPLEMENTED,
-})
+_FAILURE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 def outcome_of(code: grpc.StatusCode) -> Outcome:
@@ -84,8 +86,9 @@ class CircuitBreaker:
     probe never holds the slot for a whole generation.
     """
 
-    def __init__(self, threshold: int = 3, open_s: float = 2.0, max_open_s: float = 30.0,
-                 clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, threshold: int = 3, open_s: float = 2.0, max_open_s: float = 30.0, clock: Clock = time.monotonic
+    ) -> None:
         if threshold < 1 or open_s <= 0 or max_open_s < open_s:
             raise ValueError("threshold >= 1 and 0 < open_s <= max_open_s are required")
         self.threshold = threshold
@@ -152,17 +155,23 @@ class Instance:
     kind = ""
     service_name = ""
 
-    def __init__(self, address: str, channel: grpc.aio.Channel, *,
-                 breaker: CircuitBreaker | None = None, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        address: str,
+        channel: grpc.aio.Channel,
+        *,
+        breaker: CircuitBreaker | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.address = address
         self.channel = channel
         self.breaker = breaker or CircuitBreaker(clock=clock)
         self.readiness = Readiness.UNKNOWN
         self.num_outstanding = 0
-        self.load: object | None = None       # last GetLoad reply (PdLoad / EncoderLoad)
-        self.load_baseline = 0                 # num_outstanding when that reply was taken
-        self.busy_until = 0.0                  # RESOURCE_EXHAUSTED retry-after hint
-        self.retired = False                   # gone from DNS: no new calls; closed when idle
+        self.load: object | None = None  # last GetLoad reply (PdLoad / EncoderLoad)
+        self.load_baseline = 0  # num_outstanding when that reply was taken
+        self.busy_until = 0.0  # RESOURCE_EXHAUSTED retry-after hint
+        self.retired = False  # gone from DNS: no new calls; closed when idle
         self._clock = clock
         self.health_stub = health_pb2_grpc.HealthStub(channel)
 
@@ -181,8 +190,7 @@ class Instance:
 
     def healthy(self) -> bool:
         """What ``/health`` reports: SERVING and the breaker not open (a probe in flight counts as healthy)."""
-        return (not self.retired and self.readiness is Readiness.READY
-                and self.breaker.state is not BreakerState.OPEN)
+        return not self.retired and self.readiness is Readiness.READY and self.breaker.state is not BreakerState.OPEN
 
     def is_busy(self) -> bool:
         return self._clock() < self.busy_until

@@ -22,9 +22,9 @@ class Trace:
     started: float = field(default_factory=time.monotonic)
     preprocess_ms: float = 0.0
     preallocate_ms: float | None = None
-    encode_ms: float | None = None          # wall time of the slowest Encode call
-    first_token_ms: float | None = None     # arrival -> first PD message
-    num_images_ready: int = 0               # already on PD at Preallocate (no encode)
+    encode_ms: float | None = None  # wall time of the slowest Encode call
+    first_token_ms: float | None = None  # arrival -> first PD message
+    num_images_ready: int = 0  # already on PD at Preallocate (no encode)
     num_encoder_cache_hits: int = 0
     num_pd_attempts: int = 0
     num_encoder_retries: int = 0
@@ -38,7 +38,7 @@ class Job:
     request_id: str
     prompt: Prompt
     sampling: epd_pb2.SamplingParams
-    deadline: float                          # time.monotonic() value
+    deadline: float  # time.monotonic() value
     trace: Trace = field(default_factory=Trace)
 
     def attempt_id(self, number: int) -> str:

@@ -20,54 +20,132 @@ def _addresses(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the proxy flags (each also read from ``EPD_<FLAG>``)."""
     add = cli_args.add_flag
-    add(parser, "--model", default="", help="checkpoint directory, preset name or hub id (LLaVA, Qwen2-VL, Qwen2.5-VL); only its processor is loaded (default: the built-in tiny model)")
+    add(
+        parser,
+        "--model",
+        default="",
+        help="checkpoint directory, preset name or hub id (LLaVA, Qwen2-VL, Qwen2.5-VL); only its processor is loaded (default: the built-in tiny model)",
+    )
     add(parser, "--host", default="127.0.0.1", help="HTTP address to listen on")
     add(parser, "--port", type=int, default=8000, help="HTTP port (0 = pick a free one)")
-    add(parser, "--pd", default="127.0.0.1:50061",
-        help="comma-separated PD gRPC addresses; a host name stands for every address it resolves to")
-    add(parser, "--encoder", default="127.0.0.1:50051",
-        help="comma-separated encoder gRPC addresses, names as for --pd ('' = text only)")
+    add(
+        parser,
+        "--pd",
+        default="127.0.0.1:50061",
+        help="comma-separated PD gRPC addresses; a host name stands for every address it resolves to",
+    )
+    add(
+        parser,
+        "--encoder",
+        default="127.0.0.1:50051",
+        help="comma-separated encoder gRPC addresses, names as for --pd ('' = text only)",
+    )
     add(parser, "--served-model-name", default="", help="model name clients use (default: the checkpoint's id)")
-    add(parser, "--request-timeout", type=float, default=300.0,
-        help="end-to-end deadline of one request, seconds (X-Request-Timeout may shorten it)")
+    add(
+        parser,
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="end-to-end deadline of one request, seconds (X-Request-Timeout may shorten it)",
+    )
     add(parser, "--max-body-mb", type=float, default=32.0, help="largest request body, MiB")
     add(parser, "--max-images", type=int, default=8, help="most images in one request")
-    add(parser, "--max-image-pixels", type=int, default=4096 * 4096, help="largest width x height of one image (checked before decoding)")
-    add(parser, "--max-request-pixels", type=int, default=2 * 4096 * 4096,
-        help="largest width x height of all images of one request together (checked before decoding any)")
+    add(
+        parser,
+        "--max-image-pixels",
+        type=int,
+        default=4096 * 4096,
+        help="largest width x height of one image (checked before decoding)",
+    )
+    add(
+        parser,
+        "--max-request-pixels",
+        type=int,
+        default=2 * 4096 * 4096,
+        help="largest width x height of all images of one request together (checked before decoding any)",
+    )
     add(parser, "--max-model-len", type=int, default=0, help="prompt + completion tokens (0 = the model's; match PD's)")
     add(parser, "--max-tokens-limit", type=int, default=16384, help="largest max_tokens a client may ask for")
     add(parser, "--default-max-tokens", type=int, default=1024, help="max_tokens when the client does not set it")
     add(parser, "--lease-ms", type=int, default=0, help="Preallocate lease (0 = PD's default)")
-    add(parser, "--preprocess-threads", type=int, default=2,
-        help="threads for text work (chat template, tokenization); images have their own (--image-threads)")
-    add(parser, "--text-queue", type=int, default=64,
-        help="text jobs that may wait for a thread; beyond it requests get 503 + Retry-After")
+    add(
+        parser,
+        "--preprocess-threads",
+        type=int,
+        default=2,
+        help="threads for text work (chat template, tokenization); images have their own (--image-threads)",
+    )
+    add(
+        parser,
+        "--text-queue",
+        type=int,
+        default=64,
+        help="text jobs that may wait for a thread; beyond it requests get 503 + Retry-After",
+    )
     add(parser, "--image-threads", type=int, default=2, help="threads for image decoding, hashing and processing")
-    add(parser, "--image-queue", type=int, default=64,
-        help="requests whose images may wait for an image thread; beyond it they get 503 + Retry-After")
+    add(
+        parser,
+        "--image-queue",
+        type=int,
+        default=64,
+        help="requests whose images may wait for an image thread; beyond it they get 503 + Retry-After",
+    )
     add(parser, "--max-n", type=int, default=8, help="most choices (n) in one request")
     add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")
-    add(parser, "--encoder-policy", default="rendezvous", choices=list(ENCODER_POLICIES),
-        help="how an encoder is chosen for an image (rendezvous = cache affinity on the image hash)")
-    add(parser, "--encoder-saturation", type=int, default=16,
-        help="images in flight on an encoder beyond which its rendezvous images go to the least-loaded one")
+    add(
+        parser,
+        "--encoder-policy",
+        default="rendezvous",
+        choices=list(ENCODER_POLICIES),
+        help="how an encoder is chosen for an image (rendezvous = cache affinity on the image hash)",
+    )
+    add(
+        parser,
+        "--encoder-saturation",
+        type=int,
+        default=16,
+        help="images in flight on an encoder beyond which its rendezvous images go to the least-loaded one",
+    )
     add(parser, "--pd-attempts", type=int, default=3, help="PDs one request may try before its first byte")
     add(parser, "--encoder-attempts", type=int, default=3, help="encoders one image may try")
-    add(parser, "--breaker-failures", type=int, default=3, help="consecutive failures that open an instance's circuit breaker")
-    add(parser, "--breaker-open-s", type=float, default=2.0, help="seconds an open breaker keeps traffic away before a probe")
+    add(
+        parser,
+        "--breaker-failures",
+        type=int,
+        default=3,
+        help="consecutive failures that open an instance's circuit breaker",
+    )
+    add(
+        parser,
+        "--breaker-open-s",
+        type=float,
+        default=2.0,
+        help="seconds an open breaker keeps traffic away before a probe",
+    )
     add(parser, "--load-poll-s", type=float, default=0.5, help="GetLoad polling period (0 = off)")
     add(parser, "--dns-refresh-s", type=float, default=5.0, help="re-resolution period of named backends")
-    add(parser, "--api-key", default="",
+    add(
+        parser,
+        "--api-key",
+        default="",
         help="require 'Authorization: Bearer <key>' on /v1/* and /metrics; /health then names no backend to "
-             "callers without it ('' = open; prefer the env variable)")
-    add(parser, "--allowed-media-domains", default="",
-        help="comma-separated hosts whose https image URLs may be fetched ('*.example.com' = subdomains; '' = data URLs only)")
+        "callers without it ('' = open; prefer the env variable)",
+    )
+    add(
+        parser,
+        "--allowed-media-domains",
+        default="",
+        help="comma-separated hosts whose https image URLs may be fetched ('*.example.com' = subdomains; '' = data URLs only)",
+    )
     add(parser, "--media-timeout", type=float, default=10.0, help="timeout of one remote image fetch, seconds")
     add(parser, "--max-media-mb", type=float, default=16.0, help="largest remote image, MiB")
     add(parser, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
-    add(parser, "--fault", default="",
-        help="TEST ONLY: inject faults: slow-decode-ms=N (every image decode sleeps N ms first); '' = none")
+    add(
+        parser,
+        "--fault",
+        default="",
+        help="TEST ONLY: inject faults: slow-decode-ms=N (every image decode sleeps N ms first); '' = none",
+    )
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     cli_args.add_log_json_flag(parser)
     security.add_arguments(parser, grpc_server=False)

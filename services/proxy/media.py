@@ -75,14 +75,19 @@ def _refused(reason: str) -> ImageUrlNotAllowedError:
 class MediaFetcher:
     """Fetches allow-listed https images (see the module docstring for the checks)."""
 
-    def __init__(self, policy: MediaPolicy, *, resolver: Resolver = system_resolver,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        policy: MediaPolicy,
+        *,
+        resolver: Resolver = system_resolver,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.policy = policy
         self._resolver = resolver
         self._client = httpx.AsyncClient(
             transport=transport,
-            trust_env=False,                 # no HTTP(S)_PROXY: the proxy would bypass every address check
-            follow_redirects=False,          # redirects are checked by hand
+            trust_env=False,  # no HTTP(S)_PROXY: the proxy would bypass every address check
+            follow_redirects=False,  # redirects are checked by hand
             limits=httpx.Limits(max_keepalive_connections=0),
             headers={"User-Agent": "epd-proxy", "Accept": "image/*", "Accept-Encoding": "identity"},
         )
@@ -130,8 +135,7 @@ class MediaFetcher:
             address = await self._pinned_address(url)
             pinned = url.copy_with(host=address)
             headers = {"Host": url.netloc.decode("ascii")}
-            request = self._client.build_request("GET", pinned, headers=headers,
-                                                 extensions={"sni_hostname": url.host})
+            request = self._client.build_request("GET", pinned, headers=headers, extensions={"sni_hostname": url.host})
             try:
                 response = await self._client.send(request, stream=True)
             except httpx.HTTPError:

@@ -20,25 +20,54 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 METRICS = (
-    MetricDoc("epd_proxy_requests_total", "counter", ("endpoint", "status"),
-              "finished generation requests by HTTP status (a stream counts with the status its headers carried)"),
+    MetricDoc(
+        "epd_proxy_requests_total",
+        "counter",
+        ("endpoint", "status"),
+        "finished generation requests by HTTP status (a stream counts with the status its headers carried)",
+    ),
     MetricDoc("epd_proxy_requests_in_flight", "gauge", ("endpoint",), "generation requests being served"),
-    MetricDoc("epd_proxy_time_to_first_token_seconds", "histogram", ("endpoint",),
-              "arrival to the first token from PD"),
-    MetricDoc("epd_proxy_inter_token_latency_seconds", "histogram", ("endpoint",),
-              "gap between consecutive tokens of a streamed response, one sample per token"),
-    MetricDoc("epd_proxy_request_duration_seconds", "histogram", ("endpoint",),
-              "arrival to last byte of a successful request (end-to-end latency)"),
+    MetricDoc(
+        "epd_proxy_time_to_first_token_seconds", "histogram", ("endpoint",), "arrival to the first token from PD"
+    ),
+    MetricDoc(
+        "epd_proxy_inter_token_latency_seconds",
+        "histogram",
+        ("endpoint",),
+        "gap between consecutive tokens of a streamed response, one sample per token",
+    ),
+    MetricDoc(
+        "epd_proxy_request_duration_seconds",
+        "histogram",
+        ("endpoint",),
+        "arrival to last byte of a successful request (end-to-end latency)",
+    ),
     MetricDoc("epd_proxy_images_total", "counter", (), "images accepted in requests"),
-    MetricDoc("epd_proxy_backend_requests_total", "counter", ("kind", "address", "status"),
-              "PD attempts and Encode calls by instance and outcome (OK, a gRPC status name, CANCELLED)"),
-    MetricDoc("epd_proxy_retries_total", "counter", ("kind", "code"),
-              "calls moved to another instance, by the status that caused it"),
-    MetricDoc("epd_proxy_image_sources_total", "counter", ("source",),
-              "where image embeddings came from: pd_cache (READY on PD), encoder_cache, encoded"),
+    MetricDoc(
+        "epd_proxy_backend_requests_total",
+        "counter",
+        ("kind", "address", "status"),
+        "PD attempts and Encode calls by instance and outcome (OK, a gRPC status name, CANCELLED)",
+    ),
+    MetricDoc(
+        "epd_proxy_retries_total",
+        "counter",
+        ("kind", "code"),
+        "calls moved to another instance, by the status that caused it",
+    ),
+    MetricDoc(
+        "epd_proxy_image_sources_total",
+        "counter",
+        ("source",),
+        "where image embeddings came from: pd_cache (READY on PD), encoder_cache, encoded",
+    ),
     MetricDoc("epd_proxy_instance_ready", "gauge", ("kind", "address"), "1 when the instance's health says SERVING"),
-    MetricDoc("epd_proxy_instance_breaker_state", "gauge", ("kind", "address"),
-              "circuit breaker: 0 closed, 1 half-open, 2 open"),
+    MetricDoc(
+        "epd_proxy_instance_breaker_state",
+        "gauge",
+        ("kind", "address"),
+        "circuit breaker: 0 closed, 1 half-open, 2 open",
+    ),
     MetricDoc("epd_proxy_instance_outstanding", "gauge", ("kind", "address"), "this proxy's calls in flight"),
 )
 """Everything ``ProxyMetrics`` exports; ``endpoint`` is /v1/chat/completions or /v1/completions."""
@@ -56,21 +85,32 @@ class ProxyMetrics:
             "epd_proxy_requests_in_flight", "Requests being served", ["endpoint"], registry=self.registry
         )
         self.first_token = Histogram(
-            "epd_proxy_time_to_first_token_seconds", "Arrival to first token", ["endpoint"],
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "epd_proxy_time_to_first_token_seconds",
+            "Arrival to first token",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.inter_token = Histogram(
-            "epd_proxy_inter_token_latency_seconds", "Gap between consecutive streamed tokens", ["endpoint"],
-            buckets=_TOKEN_GAP_BUCKETS, registry=self.registry,
+            "epd_proxy_inter_token_latency_seconds",
+            "Gap between consecutive streamed tokens",
+            ["endpoint"],
+            buckets=_TOKEN_GAP_BUCKETS,
+            registry=self.registry,
         )
         self.duration = Histogram(
-            "epd_proxy_request_duration_seconds", "Arrival to completion of successful requests", ["endpoint"],
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "epd_proxy_request_duration_seconds",
+            "Arrival to completion of successful requests",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.images = Counter("epd_proxy_images", "Images accepted", registry=self.registry)
         self.backend_requests = Counter(
-            "epd_proxy_backend_requests", "PD attempts and Encode calls by instance and outcome",
-            ["kind", "address", "status"], registry=self.registry,
+            "epd_proxy_backend_requests",
+            "PD attempts and Encode calls by instance and outcome",
+            ["kind", "address", "status"],
+            registry=self.registry,
         )
         self.retries = Counter(
             "epd_proxy_retries", "Calls moved to another instance", ["kind", "code"], registry=self.registry

@@ -58,8 +58,12 @@ class AccessLogMiddleware:
         method = scope.get("method", "")
         client_id = next((value for name, value in scope.get("headers", ()) if name == b"x-request-id"), None)
         line = AccessLine(
-            log, "http", request_id=None, client_request_id=safe_request_id(client_id),
-            method=method if method in _METHODS else "other", route=path if path in _LOGGED_ROUTES else "other",
+            log,
+            "http",
+            request_id=None,
+            client_request_id=safe_request_id(client_id),
+            method=method if method in _METHODS else "other",
+            route=path if path in _LOGGED_ROUTES else "other",
             status=None,
         )
         scope.setdefault("state", {})[ACCESS_LINE] = line

@@ -28,8 +28,14 @@ log = logging.getLogger(__name__)
 class Monitor:
     """One health-watch task and one load-poll task per watched instance."""
 
-    def __init__(self, *, load_interval_s: float = 0.5, retry_s: float = 0.2, max_retry_s: float = 2.0,
-                 rpc_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        load_interval_s: float = 0.5,
+        retry_s: float = 0.2,
+        max_retry_s: float = 2.0,
+        rpc_timeout_s: float = 2.0,
+    ) -> None:
         self.load_interval_s = load_interval_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s

@@ -25,23 +25,26 @@ _REF = "#/components/schemas/{model}"
 _ERROR = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {
-        "type": "object",
-        "required": ["message", "type", "param", "code"],
-        "properties": {
-            "message": {"type": "string", "maxLength": MAX_MESSAGE_CHARS},
-            "type": {"type": "string"},
-            "param": {"type": ["string", "null"], "maxLength": MAX_PARAM_CHARS},
-            "code": {"type": ["string", "null"]},
-        },
-    }},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string", "maxLength": MAX_MESSAGE_CHARS},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"], "maxLength": MAX_PARAM_CHARS},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
 
 _USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {name: {"type": "integer", "minimum": 0}
-                   for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "properties": {
+        name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
 }
 _FINISH_REASON = {"enum": ["stop", "length"]}
 # One server-sent event (OpenAPI < 3.2: ``schema`` describes each event of a stream).
@@ -58,31 +61,56 @@ def _completion(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
             "object": {"const": object_name},
             "created": {"type": "integer"},
             "model": {"type": "string"},
-            "choices": {"type": "array", "minItems": 1, "items": {
-                "type": "object",
-                "required": ["index", "finish_reason", *choice],
-                "properties": {"index": {"type": "integer", "minimum": 0}, "finish_reason": _FINISH_REASON,
-                               **choice},
-            }},
+            "choices": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["index", "finish_reason", *choice],
+                    "properties": {
+                        "index": {"type": "integer", "minimum": 0},
+                        "finish_reason": _FINISH_REASON,
+                        **choice,
+                    },
+                },
+            },
             "usage": {"$ref": _REF.format(model="Usage")},
         },
     }
 
 
-_CHAT_COMPLETION = _completion("chat.completion", {"message": {
-    "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
-}})
+_CHAT_COMPLETION = _completion(
+    "chat.completion",
+    {
+        "message": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+        }
+    },
+)
 _TEXT_COMPLETION = _completion("text_completion", {"text": {"type": "string"}})
 
 _MODEL_LIST = {
     "type": "object",
     "required": ["object", "data"],
-    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-        "type": "object", "required": ["id", "object", "created", "owned_by"],
-        "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                       "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}},
-    }}},
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "object", "created", "owned_by"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "object": {"const": "model"},
+                    "created": {"type": "integer"},
+                    "owned_by": {"type": "string"},
+                    "max_model_len": {"type": "integer"},
+                },
+            },
+        },
+    },
 }
 _HEALTH = {
     "type": "object",
@@ -116,8 +144,13 @@ def _limits(config: ProxyConfig) -> dict[str, dict[str, Any]]:
         "max_completion_tokens": tokens,
         "n": _nullable({"type": "integer", "minimum": 1, "maximum": config.max_n}),
         "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]},
-        "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_STRINGS,
-                                     "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}),
+        "stop_token_ids": _nullable(
+            {
+                "type": "array",
+                "maxItems": MAX_STOP_STRINGS,
+                "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
+            }
+        ),
         "presence_penalty": _nullable({"const": 0}),
         "frequency_penalty": _nullable({"const": 0}),
         "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
@@ -127,8 +160,14 @@ def _limits(config: ProxyConfig) -> dict[str, dict[str, Any]]:
         "echo": {"const": False},
         "suffix": _nullable({"const": ""}),
         "best_of": _nullable({"const": 1}),
-        "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": token_id, "minItems": 1},
-                             _one({"type": "string"}), _one({"type": "array", "items": token_id, "minItems": 1})]},
+        "prompt": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": token_id, "minItems": 1},
+                _one({"type": "string"}),
+                _one({"type": "array", "items": token_id, "minItems": 1}),
+            ]
+        },
     }
 
 
@@ -152,8 +191,7 @@ def _ref(name: str) -> dict[str, Any]:
 
 
 def _errors(*statuses: str) -> dict[str, Any]:
-    return {status: {"description": _ERROR_STATUSES[status], "content": _json(_ref("Error"))}
-            for status in statuses}
+    return {status: {"description": _ERROR_STATUSES[status], "content": _json(_ref("Error"))} for status in statuses}
 
 
 def _generation(model: type[BaseModel], response: str) -> dict[str, Any]:
@@ -189,7 +227,8 @@ def openapi_document(app: FastAPI, config: ProxyConfig) -> dict[str, Any]:
     paths["/v1/chat/completions"]["post"].update(_generation(ChatCompletionRequest, "ChatCompletion"))
     paths["/v1/completions"]["post"].update(_generation(CompletionRequest, "TextCompletion"))
     paths["/v1/models"]["get"]["responses"] = {
-        "200": {"description": "The served model", "content": _json(_MODEL_LIST)}, **_errors("401"),
+        "200": {"description": "The served model", "content": _json(_MODEL_LIST)},
+        **_errors("401"),
     }
     paths["/health"]["get"]["responses"] = {
         "200": {"description": "A PD (and an encoder, if configured) is ready", "content": _json(_HEALTH)},

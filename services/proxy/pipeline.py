@@ -82,7 +82,7 @@ class _Attempt:
         self.encode_tasks: list[asyncio.Task] = []
         self._pending_encodes: set[asyncio.Task] = set()
         self.first: epd_pb2.GenerateResponse | None = None  # set by start()
-        self.finished = False    # PD sent its final message
+        self.finished = False  # PD sent its final message
         self.started_rpc = False
         self.outcome = Outcome.NEUTRAL
         self.status = "CANCELLED"  # for metrics: OK, a gRPC code name, or CANCELLED
@@ -316,10 +316,14 @@ class Pipeline:
         request = epd_pb2.EncodeRequest(
             request_id=attempt.request_id,
             pd_address=attempt.pd.address,
-            items=[epd_pb2.EncodeItem(
-                mm_hash=image.mm_hash, reservation_id=reservation_id, pixel_values=tensors.to_pb(image.pixel_values),
-                grid=grid_to_pb(image.patch_grid),
-            )],
+            items=[
+                epd_pb2.EncodeItem(
+                    mm_hash=image.mm_hash,
+                    reservation_id=reservation_id,
+                    pixel_values=tensors.to_pb(image.pixel_values),
+                    grid=grid_to_pb(image.patch_grid),
+                )
+            ],
         )
         tried: list[str] = []
         last: BackendError | None = None
@@ -359,7 +363,9 @@ class Pipeline:
         raise last
 
     def _note_retry(self, instance: Instance, code: grpc.StatusCode, request_id: str) -> None:
-        log.info("request %s: %s %s answered %s; trying another", request_id, instance.kind, instance.address, code.name)
+        log.info(
+            "request %s: %s %s answered %s; trying another", request_id, instance.kind, instance.address, code.name
+        )
         self.metrics.retries.labels(instance.kind, code.name).inc()
 
     def _to_api_error(self, error: grpc.aio.AioRpcError, request_id: str, what: str = "pd") -> ApiError:

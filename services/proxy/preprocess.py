@@ -47,9 +47,9 @@ class ImageItem:
     """One image of a prompt: where its placeholder span is and what the encoder needs."""
 
     mm_hash: str
-    offset: int                  # first placeholder position in Prompt.token_ids
-    num_tokens: int              # placeholder count == embedding rows
-    pixel_values: torch.Tensor   # float32 from the checkpoint's image processor: [3, H, W], or patches (see grids)
+    offset: int  # first placeholder position in Prompt.token_ids
+    num_tokens: int  # placeholder count == embedding rows
+    pixel_values: torch.Tensor  # float32 from the checkpoint's image processor: [3, H, W], or patches (see grids)
     # Dynamic-resolution models only (else None): the patch grid goes to the
     # encoder, the same grid in LM tokens (t*h*w == num_tokens) to PD.
     patch_grid: tuple[int, int, int] | None = None
@@ -144,8 +144,8 @@ class ProcessedImage:
     """One image after the image stage: its decoded pixels are gone, only what PD and the encoder need is kept."""
 
     mm_hash: str
-    num_tokens: int              # placeholder count for its size
-    pixel_values: torch.Tensor   # from the checkpoint's image processor (models.ProcessedImage)
+    num_tokens: int  # placeholder count for its size
+    pixel_values: torch.Tensor  # from the checkpoint's image processor (models.ProcessedImage)
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
 
@@ -166,9 +166,17 @@ class Preprocessor:
     be used concurrently), image work is not.
     """
 
-    def __init__(self, adapter: Adapter, processor: Any, *, max_images: int, max_image_pixels: int,
-                 max_request_pixels: int | None = None, max_model_len: int | None = None,
-                 faults: ProxyFaults = NO_FAULTS) -> None:
+    def __init__(
+        self,
+        adapter: Adapter,
+        processor: Any,
+        *,
+        max_images: int,
+        max_image_pixels: int,
+        max_request_pixels: int | None = None,
+        max_model_len: int | None = None,
+        faults: ProxyFaults = NO_FAULTS,
+    ) -> None:
         self.adapter = adapter
         self.faults = faults  # test-only (services/proxy/faults.py)
         self.processor = processor
@@ -187,7 +195,9 @@ class Preprocessor:
                 f"The request has {num_images} images; at most {self.max_images} are allowed.", "messages"
             )
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], sources: Sequence[str | bytes] | None = None) -> Prompt:
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], sources: Sequence[str | bytes] | None = None
+    ) -> Prompt:
         """Validated OpenAI chat messages -> ``Prompt``: both stages in this thread.
 
         ``sources``: one per image in prompt order, a data URL or fetched
@@ -245,11 +255,18 @@ class Preprocessor:
 
     def assemble(self, token_ids: Sequence[int], images: Sequence[ProcessedImage]) -> Prompt:
         """Expands each image token of ``token_ids`` into its image's span."""
-        expanded, offsets = expand_placeholders(token_ids, self.adapter.image_token_id,
-                                                [image.num_tokens for image in images])
+        expanded, offsets = expand_placeholders(
+            token_ids, self.adapter.image_token_id, [image.num_tokens for image in images]
+        )
         items = tuple(
-            ImageItem(mm_hash=image.mm_hash, offset=offset, num_tokens=image.num_tokens,
-                      pixel_values=image.pixel_values, patch_grid=image.patch_grid, token_grid=image.token_grid)
+            ImageItem(
+                mm_hash=image.mm_hash,
+                offset=offset,
+                num_tokens=image.num_tokens,
+                pixel_values=image.pixel_values,
+                patch_grid=image.patch_grid,
+                token_grid=image.token_grid,
+            )
             for image, offset in zip(images, offsets)
         )
         return Prompt(token_ids=expanded, images=items)

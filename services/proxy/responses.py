@@ -77,9 +77,9 @@ class ResponseMeta:
 
     response_id: str
     model: str
-    decode_token: Callable[[int], str]   # token id -> its text (for logprobs)
+    decode_token: Callable[[int], str]  # token id -> its text (for logprobs)
     num_images: int = 0
-    return_token_ids: bool = False       # extension: each choice also carries "token_ids"
+    return_token_ids: bool = False  # extension: each choice also carries "token_ids"
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -98,22 +98,40 @@ class ChatFormatter:
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-               with_usage: bool = False) -> dict[str, Any]:
-        chunk = {"id": self.meta.response_id, "object": self.object_name, "created": self.meta.created,
-                 "model": self.meta.model, "choices": choices}
+    def _chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, with_usage: bool = False
+    ) -> dict[str, Any]:
+        chunk = {
+            "id": self.meta.response_id,
+            "object": self.object_name,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+        }
         if with_usage:
             chunk["usage"] = usage
         return chunk
 
     def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
-        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}], with_usage=with_usage)
+        return self._chunk(
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            with_usage=with_usage,
+        )
 
-    def delta_chunk(self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, with_usage: bool,
-                    token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice = {"index": index, "delta": {"content": text}, "finish_reason": None,
-                  "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
+    def delta_chunk(
+        self,
+        index: int,
+        text: str,
+        logprobs: list[epd_pb2.TokenLogprob] | None,
+        with_usage: bool,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": {"content": text},
+            "finish_reason": None,
+            "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
+        }
         return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
 
     def _with_ids(self, choice: dict[str, Any], token_ids: list[int] | None) -> dict[str, Any]:
@@ -122,24 +140,33 @@ class ChatFormatter:
         return choice
 
     def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
-        return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}],
-                           with_usage=with_usage)
+        return self._chunk(
+            [{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}], with_usage=with_usage
+        )
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._chunk([], usage=usage, with_usage=True)
 
-    def choice(self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str,
-               token_ids: list[int]) -> dict[str, Any]:
+    def choice(
+        self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, token_ids: list[int]
+    ) -> dict[str, Any]:
         """One entry of a whole response's ``choices``."""
-        choice = {"index": index, "message": {"role": "assistant", "content": text},
-                  "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
-                  "finish_reason": reason}
+        choice = {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
+            "finish_reason": reason,
+        }
         return self._with_ids(choice, token_ids)
 
     def full(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {
-            "id": self.meta.response_id, "object": "chat.completion", "created": self.meta.created,
-            "model": self.meta.model, "choices": choices, "usage": usage,
+            "id": self.meta.response_id,
+            "object": "chat.completion",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+            "usage": usage,
         }
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -147,11 +174,15 @@ class ChatFormatter:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def logprobs(self, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
-        return {"content": [
-            {**self._entry(e.token_id, e.logprob),
-             "top_logprobs": [self._entry(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
-            for e in entries
-        ]}
+        return {
+            "content": [
+                {
+                    **self._entry(e.token_id, e.logprob),
+                    "top_logprobs": [self._entry(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)],
+                }
+                for e in entries
+            ]
+        }
 
 
 class CompletionFormatter(ChatFormatter):
@@ -162,26 +193,46 @@ class CompletionFormatter(ChatFormatter):
     def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
         return None  # text completions have no role chunk
 
-    def delta_chunk(self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, with_usage: bool,
-                    token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice = {"index": index, "text": text, "finish_reason": None,
-                  "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
+    def delta_chunk(
+        self,
+        index: int,
+        text: str,
+        logprobs: list[epd_pb2.TokenLogprob] | None,
+        with_usage: bool,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "text": text,
+            "finish_reason": None,
+            "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
+        }
         return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
 
     def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
-        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": reason}],
-                           with_usage=with_usage)
+        return self._chunk(
+            [{"index": index, "text": "", "logprobs": None, "finish_reason": reason}], with_usage=with_usage
+        )
 
-    def choice(self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str,
-               token_ids: list[int]) -> dict[str, Any]:
-        choice = {"index": index, "text": text, "finish_reason": reason,
-                  "logprobs": self.logprobs(logprobs) if logprobs is not None else None}
+    def choice(
+        self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, token_ids: list[int]
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "text": text,
+            "finish_reason": reason,
+            "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
+        }
         return self._with_ids(choice, token_ids)
 
     def full(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {
-            "id": self.meta.response_id, "object": "text_completion", "created": self.meta.created,
-            "model": self.meta.model, "choices": choices, "usage": usage,
+            "id": self.meta.response_id,
+            "object": "text_completion",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+            "usage": usage,
         }
 
     def logprobs(self, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
@@ -207,7 +258,9 @@ def _finish_reason(message: epd_pb2.GenerateResponse) -> str:
         raise internal_error("The model server sent an unknown finish reason.") from None
 
 
-def combined_usage(finals: Sequence[epd_pb2.GenerateResponse], traces: Sequence[Trace], num_images: int) -> dict[str, Any]:
+def combined_usage(
+    finals: Sequence[epd_pb2.GenerateResponse], traces: Sequence[Trace], num_images: int
+) -> dict[str, Any]:
     """Usage of a whole response: the prompt counted once, completions summed over the choices."""
     usage = usage_dict(finals[0].usage, traces[0], num_images)
     if len(finals) > 1:
@@ -273,8 +326,9 @@ async def _events(
             ids_wanted = formatter.meta.return_token_ids and message.token_ids
             if message.text or (want_logprobs and message.logprobs) or ids_wanted:
                 logprobs = list(message.logprobs) if want_logprobs else None
-                yield sse_event(formatter.delta_chunk(index, message.text, logprobs, include_usage,
-                                                      list(message.token_ids)))
+                yield sse_event(
+                    formatter.delta_chunk(index, message.text, logprobs, include_usage, list(message.token_ids))
+                )
             if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
                 yield sse_event(formatter.finish_chunk(index, _finish_reason(message), include_usage))
                 finals[index] = message
@@ -331,8 +385,9 @@ async def collect(choices: Sequence[Choice], formatter: ChatFormatter, *, want_l
     if any(final is None for final in finals):
         raise internal_error("The model server ended the stream without a result.")
     entries = [
-        formatter.choice(i, "".join(texts[i]), logprobs[i] if want_logprobs else None, _finish_reason(finals[i]),
-                         token_ids[i])
+        formatter.choice(
+            i, "".join(texts[i]), logprobs[i] if want_logprobs else None, _finish_reason(finals[i]), token_ids[i]
+        )
         for i in range(n)
     ]
     return formatter.full(entries, combined_usage(finals, [c.trace for c in choices], formatter.meta.num_images))

@@ -8,7 +8,7 @@ from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _Sa
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-MIN_FLOAT32 = 1.1754943508222875e-38   # smallest normal float32
+MIN_FLOAT32 = 1.1754943508222875e-38  # smallest normal float32
 
 
 def check_supported(body: _SamplingFields, max_n: int = 1) -> None:

@@ -60,9 +60,9 @@ class _SamplingFields(_Body):
     top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # extension (vLLM): <= 0 disables
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None      # extension
-    ignore_eos: bool = False                     # extension
-    return_token_ids: bool = False               # extension: choices carry the generated token ids
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    return_token_ids: bool = False  # extension: choices carry the generated token ids
     n: int | None = Field(default=None, ge=1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -102,6 +102,7 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
     return frozenset(names)
 
 
-FIELD_NAMES = _field_names(ImageUrl, TextPart, ImagePart, ChatMessage, StreamOptions, ChatCompletionRequest,
-                           CompletionRequest)
+FIELD_NAMES = _field_names(
+    ImageUrl, TextPart, ImagePart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest
+)
 """Every field name of the request schemas: the only strings an error location may repeat."""

@@ -111,5 +111,6 @@ class TextLimit:
         if self.max_chars is not None and num_chars > self.max_chars:
             raise PromptTooLongError(
                 f"The prompt has {num_chars} characters, more than a {self.max_model_len}-token context "
-                f"can hold with this tokenizer.", param,
+                f"can hold with this tokenizer.",
+                param,
             )

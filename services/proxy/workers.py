@@ -51,8 +51,13 @@ class WorkPool:
     def _admit(self) -> None:
         with self._lock:
             if self._num_admitted >= self.capacity:
-                raise ApiError(503, f"The proxy's {self.name} preprocessing queue is full; retry later.",
-                               "server_error", "overloaded", retry_after_s=self._retry_after_s)
+                raise ApiError(
+                    503,
+                    f"The proxy's {self.name} preprocessing queue is full; retry later.",
+                    "server_error",
+                    "overloaded",
+                    retry_after_s=self._retry_after_s,
+                )
             self._num_admitted += 1
 
     def _release(self, _future: Any) -> None:

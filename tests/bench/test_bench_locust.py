@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cluster_support import InProcessCluster
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust is not installed")
@@ -35,14 +34,40 @@ def cluster(tiny_model_dir):
 def test_headless_locust_run_has_no_failures_and_reports_ttft_and_itl(cluster, tmp_path):
     host = cluster.base_url.removesuffix("/v1")
     command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "5", "-r", "5", "-t", "5s",
-        "--host", host, "--image-size", "32", "--max-tokens", "6", "--think-time", "0.1",
-        "--csv", str(tmp_path / "run"), "--stop-timeout", "10",
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "-u",
+        "5",
+        "-r",
+        "5",
+        "-t",
+        "5s",
+        "--host",
+        host,
+        "--image-size",
+        "32",
+        "--max-tokens",
+        "6",
+        "--think-time",
+        "0.1",
+        "--csv",
+        str(tmp_path / "run"),
+        "--stop-timeout",
+        "10",
     ]
     # One user of each kind; other settings from the environment must not leak in.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "LOCUST_"))}
-    env.update(EPD_LOAD_TEXT_WEIGHT="1", EPD_LOAD_IMAGE_WEIGHT="1", EPD_LOAD_REPEAT_WEIGHT="1",
-               EPD_LOAD_DISCONNECT_WEIGHT="1", EPD_LOAD_INVALID_WEIGHT="1")
+    env.update(
+        EPD_LOAD_TEXT_WEIGHT="1",
+        EPD_LOAD_IMAGE_WEIGHT="1",
+        EPD_LOAD_REPEAT_WEIGHT="1",
+        EPD_LOAD_DISCONNECT_WEIGHT="1",
+        EPD_LOAD_INVALID_WEIGHT="1",
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]

@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
-from services.bench._serve_analysis import (
+from services.bench.serve.analysis import (
     analyze,
     evaluate_targets,
     ratios_to_disagg,
     target_rate,
 )
-from services.bench._serve_stats import Slo
+from services.bench.serve.stats import Slo
 
 
 def summary(throughput, text_itl_p99, text_ttft_mean, p99_ttft=100.0, p99_tpot=10.0, repeated=None, first=None):
     groups = {
-        "all": {"num_requests": 10, "ttft": {"mean": text_ttft_mean, "p99": p99_ttft}, "tpot": {"p99": p99_tpot},
-                "itl": {"p99": text_itl_p99}, "e2e": {"mean": 1.0}},
+        "all": {
+            "num_requests": 10,
+            "ttft": {"mean": text_ttft_mean, "p99": p99_ttft},
+            "tpot": {"p99": p99_tpot},
+            "itl": {"p99": text_itl_p99},
+            "e2e": {"mean": 1.0},
+        },
         "text": {"num_requests": 9, "ttft": {"mean": text_ttft_mean}, "itl": {"p99": text_itl_p99}},
     }
     if repeated is not None:
         groups["repeated"] = {"num_requests": 5, "ttft": {"mean": repeated}}
         groups["first_seen"] = {"num_requests": 5, "ttft": {"mean": first}}
-    return {"num_failed": 0, "request_throughput": throughput, "output_token_throughput": throughput * 64,
-            "groups": groups}
+    return {
+        "num_failed": 0,
+        "request_throughput": throughput,
+        "output_token_throughput": throughput * 64,
+        "groups": groups,
+    }
 
 
 SLO = Slo(ttft_ms=200.0, tpot_ms=20.0)
@@ -57,9 +66,9 @@ def test_mixed_targets_met_and_missed():
     by_rate = by_rate_mixed()
     result = analyze("mixed", by_rate, SLO)
     targets = {t["name"]: t for t in result["targets"]}
-    assert targets["p99 ITL of text requests, (c) / (a)"]["met"] is True          # 25/120
-    assert targets["p99 ITL of text requests, (c) / (b)"]["met"] is True          # 25/60
-    assert targets["mean TTFT of text requests, (c) / (a)"]["met"] is False       # 60/90 > 0.5
+    assert targets["p99 ITL of text requests, (c) / (a)"]["met"] is True  # 25/120
+    assert targets["p99 ITL of text requests, (c) / (b)"]["met"] is True  # 25/60
+    assert targets["mean TTFT of text requests, (c) / (a)"]["met"] is False  # 60/90 > 0.5
     assert targets["mean TTFT of text requests, (c) / (a)"]["value"] == round(60 / 90, 4)
     good = result["goodput"]
     assert good["colocated"]["rate"] == 1.0 and good["disagg"]["rate"] == 2.0 and good["disagg"]["lower_bound"]
@@ -75,8 +84,10 @@ def test_targets_without_a_configuration_are_not_measured():
 
 
 def test_repeat_target_compares_repeated_with_first_seen_images():
-    by_rate = {"disagg": {1.0: summary(1.0, 20.0, 30.0, repeated=40.0, first=100.0)},
-               "colocated": {1.0: summary(1.0, 20.0, 30.0, repeated=80.0, first=100.0)}}
+    by_rate = {
+        "disagg": {1.0: summary(1.0, 20.0, 30.0, repeated=40.0, first=100.0)},
+        "colocated": {1.0: summary(1.0, 20.0, 30.0, repeated=80.0, first=100.0)},
+    }
     targets = {t.name: t for t in evaluate_targets("repeat", by_rate, {}, 1.0)}
     assert targets["mean TTFT repeated / first-seen images, (c)"].met is True
     assert targets["mean TTFT repeated / first-seen images, (a)"].met is False

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.bench import serve
+from services.bench.serve import command as serve
 from services.cli import build_parser
 
 

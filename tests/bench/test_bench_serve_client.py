@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from services.bench._serve_client import Targets, run_schedule
-from services.bench._serve_workload import RequestSpec
+from services.bench.serve.client import Targets, run_schedule
+from services.bench.serve.workload import RequestSpec
 
 
 def sse(payload) -> bytes:
@@ -40,7 +40,9 @@ class FakeSseProxy:
         if self.num_arrived >= self.hold_until:
             self.all_arrived.set()
         await asyncio.wait_for(self.all_arrived.wait(), timeout=10)
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
         case = json.loads(await reader.readexactly(length))["case"]
         if case == "http500":
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
@@ -77,8 +79,9 @@ async def test_tokens_are_timestamped_per_chunk_and_counted_from_token_ids():
 async def test_failures_get_short_reasons_without_content():
     cases = ["http500", "error_event", "no_done"]
     async with FakeSseProxy() as url:
-        records = await run_schedule([url] , [spec(i) for i in range(3)],
-                                     [json.dumps({"case": c}).encode() for c in cases], [0.0, 0.0, 0.0])
+        records = await run_schedule(
+            [url], [spec(i) for i in range(3)], [json.dumps({"case": c}).encode() for c in cases], [0.0, 0.0, 0.0]
+        )
     assert [r.error for r in records] == ["HTTP 500", "stream error: overloaded", "stream ended without [DONE]"]
     assert not any(r.ok for r in records)
 
@@ -92,8 +95,9 @@ async def test_requests_leave_on_schedule_without_waiting_for_earlier_ones():
     # The fake answers nothing until all three requests are in: a client that
     # waited for one response before sending the next would never finish.
     async with FakeSseProxy(hold_until=3) as url:
-        records = await run_schedule([url], [spec(i) for i in range(3)],
-                                     [json.dumps({"case": "ok"}).encode()] * 3, [0.0, 0.01, 0.02])
+        records = await run_schedule(
+            [url], [spec(i) for i in range(3)], [json.dumps({"case": "ok"}).encode()] * 3, [0.0, 0.01, 0.02]
+        )
     assert all(r.ok for r in records), [r.error for r in records]
     assert [round(r.scheduled_s, 2) for r in records] == [0.0, 0.01, 0.02]
     assert [r.index for r in records] == [0, 1, 2]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench._serve_layout import LayoutConfig, build_topologies, split_cores
-from services.bench._serve_procs import Cluster, ServiceArgs, child_env
+from services.bench.serve.layout import LayoutConfig, build_topologies, split_cores
+from services.bench.serve.procs import Cluster, ServiceArgs, child_env
 
 
 def test_split_cores_is_contiguous_and_even_with_extra_cores_last():
@@ -58,7 +58,11 @@ def test_shared_placement_pins_encoders_over_one_pd_per_core():
     assert disagg["encoder-0"].cores == (0, 1) and disagg["encoder-0"].threads == 1
     two = build_topologies(LayoutConfig(cores=(0, 1), encoders=2, encoder_placement="shared"), ("disagg",))["disagg"]
     assert [(p.name, p.cores, p.threads) for p in two.servers] == [
-        ("encoder-0", (0,), 1), ("encoder-1", (1,), 1), ("pd-0", (0,), 1), ("pd-1", (1,), 1)]
+        ("encoder-0", (0,), 1),
+        ("encoder-1", (1,), 1),
+        ("pd-0", (0,), 1),
+        ("pd-1", (1,), 1),
+    ]
     assert "encoders over the PD cores" in two.label
     assert any("time-slices" in note for note in two.notes)
 
@@ -87,7 +91,7 @@ def test_command_lines_carry_placement_and_routing(tmp_path):
     argv = {c.spec.name: c.argv for c in cluster.children}
     pd_address = next(c.address for c in cluster.children if c.spec.name == "pd-0")
     assert argv["pd-0"][0] == "pd" and argv["pd-0"][-2:] == ["--max-num-seqs", "8"]
-    assert ["--encoder", "local"] == argv["pd-0"][argv["pd-0"].index("--encoder"):][:2]
+    assert argv["pd-0"][argv["pd-0"].index("--encoder") :][:2] == ["--encoder", "local"]
     assert argv["pd-0"][argv["pd-0"].index("--threads") + 1] == "2"
     proxy = argv["proxy-0"]
     assert proxy[proxy.index("--pd") + 1] == pd_address == proxy[proxy.index("--encoder") + 1]

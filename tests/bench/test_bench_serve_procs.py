@@ -11,10 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.bench._serve_layout import LayoutConfig, build_topologies
-from services.bench._serve_output import build_results, write_outputs
-from services.bench._serve_procs import Cluster, ServiceArgs, proxy_ready
-from services.bench._serve_runner import Runner, RunPlan
+from services.bench.serve.layout import LayoutConfig, build_topologies
+from services.bench.serve.output import build_results, write_outputs
+from services.bench.serve.procs import Cluster, ServiceArgs, proxy_ready
+from services.bench.serve.runner import Runner, RunPlan
 
 CORE = min(os.sched_getaffinity(0))
 
@@ -39,7 +39,9 @@ def test_a_process_that_exits_during_start_up_is_reported(tmp_path):
 
 
 def test_start_up_timeout_then_bounded_stop_kills_what_ignores_sigterm(tmp_path):
-    script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
     cluster = cluster_running(tmp_path, script)
     cluster.start()
     try:
@@ -93,8 +95,19 @@ def test_proxy_ready_needs_every_backend_ready(health_server):
 
 def test_a_configuration_that_fails_is_reported_and_the_others_still_run(tmp_path):
     topologies = build_topologies(LayoutConfig(cores=(CORE,)), ("colocated", "replicas"))
-    plan = RunPlan(workload="text", num_requests=2, max_tokens=4, prompt_words=4, seed=0, image_size=32,
-                   rates=(1.0,), slo_ttft_ms=100.0, slo_tpot_ms=10.0, progress=False, startup_timeout_s=30)
+    plan = RunPlan(
+        workload="text",
+        num_requests=2,
+        max_tokens=4,
+        prompt_words=4,
+        seed=0,
+        image_size=32,
+        rates=(1.0,),
+        slo_ttft_ms=100.0,
+        slo_tpot_ms=10.0,
+        progress=False,
+        startup_timeout_s=30,
+    )
     attempted = []
 
     def failing_cluster(topology, service, log_dir):
@@ -107,9 +120,14 @@ def test_a_configuration_that_fails_is_reported_and_the_others_still_run(tmp_pat
     runner.run()
     assert attempted == ["colocated", "replicas"]
     assert all("exited with code 4" in result.error for result in runner.results.values())
-    context = {"command": "test", "machine": {"cpu": "x", "num_cpus": 1, "cores": [CORE], "platform": "p",
-                                              "torch": "t"},
-               "load_average": {}, "model": {"path": "m", "image_size": 32}, "service_args": {}, "plan": {}}
+    context = {
+        "command": "test",
+        "machine": {"cpu": "x", "num_cpus": 1, "cores": [CORE], "platform": "p", "torch": "t"},
+        "load_average": {},
+        "model": {"path": "m", "image_size": 32},
+        "service_args": {},
+        "plan": {},
+    }
     results = build_results(runner, context)
     assert results["configs"]["colocated"]["error"] and results["analysis"]["target_rate"] is None
     write_outputs(tmp_path, runner, context, plots=False)

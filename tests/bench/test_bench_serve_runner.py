@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.bench._serve_layout import LayoutConfig, build_topologies
-from services.bench._serve_procs import ServiceArgs
-from services.bench._serve_runner import Runner, RunPlan
+from services.bench.serve.layout import LayoutConfig, build_topologies
+from services.bench.serve.procs import ServiceArgs
+from services.bench.serve.runner import Runner, RunPlan
 
 
 class FakeStreamingProxy:
@@ -92,9 +92,21 @@ class FakeClusterDouble:
 
 
 def make_runner(tmp_path, proxy, *, rates=(), slo=(0.0, 0.0), dead=(), workload="text", configs=("colocated",)):
-    plan = RunPlan(workload=workload, num_requests=4, max_tokens=3, prompt_words=3, seed=0, image_size=16,
-                   rates=rates, rate_multipliers=(0.5, 1.0), slo_ttft_ms=slo[0], slo_tpot_ms=slo[1],
-                   calibration_requests=1, burst_requests=4, progress=False)
+    plan = RunPlan(
+        workload=workload,
+        num_requests=4,
+        max_tokens=3,
+        prompt_words=3,
+        seed=0,
+        image_size=16,
+        rates=rates,
+        rate_multipliers=(0.5, 1.0),
+        slo_ttft_ms=slo[0],
+        slo_tpot_ms=slo[1],
+        calibration_requests=1,
+        burst_requests=4,
+        progress=False,
+    )
     doubles = []
 
     def factory(topology, service, log_dir):

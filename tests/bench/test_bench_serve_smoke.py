@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from services.bench._serve_workload import make_requests
+from services.bench.serve.workload import make_requests
 
 pytestmark = pytest.mark.e2e
 
@@ -38,12 +38,42 @@ def test_bench_serve_writes_json_markdown_and_plots(tiny_model_dir, tmp_path):
     if len(cores) < 2:
         pytest.skip("the disaggregated layout needs two cores")
     command = [
-        sys.executable, "-m", "services.cli", "bench", "serve", "--model", str(tiny_model_dir),
-        "--workload", "mixed", "--configs", "colocated,disagg", "--rates", "6",
-        "--num-requests", "6", "--max-tokens", "4", "--prompt-words", "8", "--seed", str(seed),
-        "--calibration-requests", "1", "--startup-timeout", "120", "--request-timeout", "60",
-        "--cores", ",".join(map(str, cores)), "--encoders", "1", "--pds", "1",
-        "--out", str(out), "--no-progress",
+        sys.executable,
+        "-m",
+        "services.cli",
+        "bench",
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--workload",
+        "mixed",
+        "--configs",
+        "colocated,disagg",
+        "--rates",
+        "6",
+        "--num-requests",
+        "6",
+        "--max-tokens",
+        "4",
+        "--prompt-words",
+        "8",
+        "--seed",
+        str(seed),
+        "--calibration-requests",
+        "1",
+        "--startup-timeout",
+        "120",
+        "--request-timeout",
+        "60",
+        "--cores",
+        ",".join(map(str, cores)),
+        "--encoders",
+        "1",
+        "--pds",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)

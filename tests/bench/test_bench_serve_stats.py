@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.bench._serve_stats import (
+from services.bench.serve.stats import (
     RequestRecord,
     Slo,
     goodput,
@@ -22,9 +22,18 @@ from services.bench._serve_stats import (
 
 
 def record(index=0, kind="text", times=(0.1, 0.2, 0.3), end=0.35, start=0.0, image_class=None, error=None, prompt=10):
-    return RequestRecord(index=index, kind=kind, num_images=0 if kind == "text" else 1, image_class=image_class,
-                         scheduled_s=start, start_s=start, token_times_s=list(times), end_s=end,
-                         prompt_tokens=prompt, error=error)
+    return RequestRecord(
+        index=index,
+        kind=kind,
+        num_images=0 if kind == "text" else 1,
+        image_class=image_class,
+        scheduled_s=start,
+        start_s=start,
+        token_times_s=list(times),
+        end_s=end,
+        prompt_tokens=prompt,
+        error=error,
+    )
 
 
 def test_percentile_interpolates_like_numpy_linear():
@@ -94,8 +103,11 @@ def test_first_seen_and_repeated_groups_only_when_something_repeats():
 
 
 def summary_with(p99_ttft_ms, p99_tpot_ms, failed=0, throughput=1.0):
-    return {"num_failed": failed, "request_throughput": throughput,
-            "groups": {"all": {"ttft": {"p99": p99_ttft_ms}, "tpot": {"p99": p99_tpot_ms}}}}
+    return {
+        "num_failed": failed,
+        "request_throughput": throughput,
+        "groups": {"all": {"ttft": {"p99": p99_ttft_ms}, "tpot": {"p99": p99_tpot_ms}}},
+    }
 
 
 def test_meets_slo_needs_both_percentiles_and_no_failure():
@@ -109,8 +121,12 @@ def test_meets_slo_needs_both_percentiles_and_no_failure():
 
 def test_goodput_is_the_highest_rate_below_which_every_rate_meets_the_slo():
     slo = Slo(ttft_ms=100, tpot_ms=10)
-    runs = {1.0: summary_with(50, 5), 2.0: summary_with(80, 8), 4.0: summary_with(300, 9),
-            8.0: summary_with(90, 9)}  # a noisy pass above a failure does not count
+    runs = {
+        1.0: summary_with(50, 5),
+        2.0: summary_with(80, 8),
+        4.0: summary_with(300, 9),
+        8.0: summary_with(90, 9),
+    }  # a noisy pass above a failure does not count
     result = goodput(runs, slo)
     assert result["rate"] == 2.0
     assert result["lower_bound"] is False
@@ -131,8 +147,11 @@ def test_ratio_nearest_rate_and_saturation():
     assert nearest_rate([0.5, 1.0, 2.0, 4.0], 3.0) == 4.0
     with pytest.raises(ValueError):
         nearest_rate([], 1.0)
-    runs = {1.0: summary_with(1, 1, throughput=0.9), 2.0: summary_with(1, 1, throughput=1.6),
-            4.0: summary_with(1, 1, throughput=1.5)}
+    runs = {
+        1.0: summary_with(1, 1, throughput=0.9),
+        2.0: summary_with(1, 1, throughput=1.6),
+        4.0: summary_with(1, 1, throughput=1.5),
+    }
     assert saturation_rate(runs) == 1.6
     assert saturation_rate({}) is None
     assert math.isclose(saturation_rate({1.0: summary_with(1, 1, throughput=2.0)}), 2.0)

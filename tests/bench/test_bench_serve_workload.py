@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from services.bench._serve_workload import (
+from services.bench.serve.workload import (
     WORKLOADS,
     chat_body,
     encode_bodies,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from services.bench._soak_report import OUTCOMES, locust_outcomes, markdown, rss_bytes
+from services.bench.soak.report import OUTCOMES, locust_outcomes, markdown, rss_bytes
 
 STATS_HEADER = "Type,Name,Request Count,Failure Count\n"
 
@@ -12,19 +12,39 @@ STATS_HEADER = "Type,Name,Request Count,Failure Count\n"
 def _results(*, failed: int = 0, rss_end: int = 102, held: int = 0, restarted: tuple[str, ...] = ()) -> dict:
     outcomes = {**dict.fromkeys(OUTCOMES, 1), "failed": failed}
     outcomes["sent"] = sum(outcomes.values())
-    soak = {"name": "soak", "seconds": 60, "outcomes": outcomes, "faults": [], "restarted": list(restarted),
-            "rss_start": {"pd-0": 100, "proxy": 50}, "rss_end": {"pd-0": rss_end, "proxy": 50}}
-    faults = {"name": "faults", "seconds": 30, "outcomes": outcomes, "restarted": ["pd-1"], "rss_start": {},
-              "rss_end": {}, "faults": [{"fault": "SIGKILL pd-1", "exit_code": -9, "recovered_s": 0.2,
-                                         "rejoined_s": 12.0}]}
-    return {"model": "/models/tiny-v1", "topology": "2E+2PD", "phases": [faults, soak], "max_rss_drift": 0.05,
-            "quiescent": {"pd-0": {"reserved_tokens": held, "kv_blocks_used": 0}, "encoder-0": {"pending": 0}}}
+    soak = {
+        "name": "soak",
+        "seconds": 60,
+        "outcomes": outcomes,
+        "faults": [],
+        "restarted": list(restarted),
+        "rss_start": {"pd-0": 100, "proxy": 50},
+        "rss_end": {"pd-0": rss_end, "proxy": 50},
+    }
+    faults = {
+        "name": "faults",
+        "seconds": 30,
+        "outcomes": outcomes,
+        "restarted": ["pd-1"],
+        "rss_start": {},
+        "rss_end": {},
+        "faults": [{"fault": "SIGKILL pd-1", "exit_code": -9, "recovered_s": 0.2, "rejoined_s": 12.0}],
+    }
+    return {
+        "model": "/models/tiny-v1",
+        "topology": "2E+2PD",
+        "phases": [faults, soak],
+        "max_rss_drift": 0.05,
+        "quiescent": {"pd-0": {"reserved_tokens": held, "kv_blocks_used": 0}, "encoder-0": {"pending": 0}},
+    }
 
 
 def test_outcomes_are_read_from_the_locustfile_outcome_rows(tmp_path):
     stats = tmp_path / "run_stats.csv"
-    stats.write_text(STATS_HEADER + "POST,chat text,9,0\nOUTCOME,succeeded,7,0\nOUTCOME,failed,2,0\n"
-                     "OUTCOME,unknown,5,0\n,Aggregated,18,0\n")
+    stats.write_text(
+        STATS_HEADER + "POST,chat text,9,0\nOUTCOME,succeeded,7,0\nOUTCOME,failed,2,0\n"
+        "OUTCOME,unknown,5,0\n,Aggregated,18,0\n"
+    )
     counts = locust_outcomes(stats)
     assert counts["succeeded"] == 7 and counts["failed"] == 2 and counts["rejected"] == 0
     assert counts["sent"] == 9

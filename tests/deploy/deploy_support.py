@@ -79,5 +79,3 @@ def parse_epd_args(argv: list[str]):
     from services.cli import build_parser
 
     return build_parser(argv).parse_args(argv)
-
-

@@ -29,19 +29,42 @@ from deploy_support import (
 SERVERS = ("pd", "encoder", "proxy")
 MONITORING = ("prometheus", "grafana")
 
-PLANNED_METRICS = frozenset({
-    "epd_proxy_requests_total", "epd_proxy_time_to_first_token_seconds", "epd_proxy_inter_token_latency_seconds",
-    "epd_proxy_request_duration_seconds", "epd_proxy_requests_in_flight",
-    "epd_encoder_images_total", "epd_encoder_cache_hits_total", "epd_encoder_cache_misses_total",
-    "epd_encoder_cache_bytes", "epd_encoder_batch_size", "epd_encoder_queue_depth", "epd_encoder_encode_seconds",
-    "epd_encoder_push_seconds", "epd_encoder_push_bytes_total", "epd_encoder_dropped_images_total",
-    "epd_encoder_rejected_images_total",
-    "epd_pd_running_requests", "epd_pd_waiting_requests", "epd_pd_kv_blocks_used", "epd_pd_kv_blocks_total",
-    "epd_pd_prefix_cache_hit_tokens_total", "epd_pd_embedding_cache_tokens", "epd_pd_reservations_expired_total",
-    "epd_pd_step_seconds", "epd_pd_prompt_tokens_total", "epd_pd_generation_tokens_total",
-    "epd_pd_step_phase_seconds_total", "epd_pd_preemptions_total", "epd_pd_engine_responsive",
-    "epd_pd_step_budget_tokens", "epd_pd_itl_target_seconds", "epd_pd_step_time_prediction_ratio",
-})
+PLANNED_METRICS = frozenset(
+    {
+        "epd_proxy_requests_total",
+        "epd_proxy_time_to_first_token_seconds",
+        "epd_proxy_inter_token_latency_seconds",
+        "epd_proxy_request_duration_seconds",
+        "epd_proxy_requests_in_flight",
+        "epd_encoder_images_total",
+        "epd_encoder_cache_hits_total",
+        "epd_encoder_cache_misses_total",
+        "epd_encoder_cache_bytes",
+        "epd_encoder_batch_size",
+        "epd_encoder_queue_depth",
+        "epd_encoder_encode_seconds",
+        "epd_encoder_push_seconds",
+        "epd_encoder_push_bytes_total",
+        "epd_encoder_dropped_images_total",
+        "epd_encoder_rejected_images_total",
+        "epd_pd_running_requests",
+        "epd_pd_waiting_requests",
+        "epd_pd_kv_blocks_used",
+        "epd_pd_kv_blocks_total",
+        "epd_pd_prefix_cache_hit_tokens_total",
+        "epd_pd_embedding_cache_tokens",
+        "epd_pd_reservations_expired_total",
+        "epd_pd_step_seconds",
+        "epd_pd_prompt_tokens_total",
+        "epd_pd_generation_tokens_total",
+        "epd_pd_step_phase_seconds_total",
+        "epd_pd_preemptions_total",
+        "epd_pd_engine_responsive",
+        "epd_pd_step_budget_tokens",
+        "epd_pd_itl_target_seconds",
+        "epd_pd_step_time_prediction_ratio",
+    }
+)
 """The metric names the dashboard is drawn for (histograms without _bucket/_sum/_count)."""
 
 
@@ -99,16 +122,28 @@ def test_start_order_and_health_checks(services):
     assert services["pd"]["depends_on"] == {"model": one_shot}
     assert services["encoder"]["depends_on"] == {"model": one_shot}
     assert services["proxy"]["depends_on"] == {
-        "pd": {"condition": "service_healthy"}, "encoder": {"condition": "service_healthy"},
+        "pd": {"condition": "service_healthy"},
+        "encoder": {"condition": "service_healthy"},
     }
     for name in ("pd", "encoder"):
         command, test = services[name]["command"], services[name]["healthcheck"]["test"]
         assert test == [
-            "CMD", "epd", "health", "--address", f"127.0.0.1:{flag(command, '--port')}",
-            "--service", READY_SERVICE[name],
+            "CMD",
+            "epd",
+            "health",
+            "--address",
+            f"127.0.0.1:{flag(command, '--port')}",
+            "--service",
+            READY_SERVICE[name],
         ]
     port = flag(services["proxy"]["command"], "--port")
-    assert services["proxy"]["healthcheck"]["test"] == ["CMD", "epd", "health", "--http", f"http://127.0.0.1:{port}/health"]
+    assert services["proxy"]["healthcheck"]["test"] == [
+        "CMD",
+        "epd",
+        "health",
+        "--http",
+        f"http://127.0.0.1:{port}/health",
+    ]
 
 
 def test_stop_grace_period_outlasts_each_servers_drain(services):
@@ -124,10 +159,7 @@ def test_prometheus_scrapes_every_metrics_port(services):
 
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = {
-        (name, sd["port"])
-        for job in config["scrape_configs"]
-        for sd in job["dns_sd_configs"]
-        for name in sd["names"]
+        (name, sd["port"]) for job in config["scrape_configs"] for sd in job["dns_sd_configs"] for name in sd["names"]
     }
     assert targets == {
         ("proxy", int(flag(services["proxy"]["command"], "--port"))),

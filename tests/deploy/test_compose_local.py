@@ -119,8 +119,12 @@ def _start(host: SingleHost, name: str, service: dict, tmp: Path) -> Running:
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            host.container_command(service), env=host.environment(service, tmp / "cache"),
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+            host.container_command(service),
+            env=host.environment(service, tmp / "cache"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=REPO,
         )
     return Running(name, process, log)
 
@@ -166,14 +170,22 @@ def _start_waves(services: dict, wanted: list[str]) -> list[list[str]]:
 def _chat_with_image(base_url: str) -> None:
     with httpx.Client(base_url=base_url, timeout=60) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
-        reply = client.post("/v1/chat/completions", json={
-            "model": model,
-            "max_tokens": 4,
-            "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "What is in this picture?"},
-                {"type": "image_url", "image_url": {"url": data_url(make_image(seed=3, size=(40, 32)))}},
-            ]}],
-        })
+        reply = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": model,
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is in this picture?"},
+                            {"type": "image_url", "image_url": {"url": data_url(make_image(seed=3, size=(40, 32)))}},
+                        ],
+                    }
+                ],
+            },
+        )
     assert reply.status_code == 200, reply.text[:500]
     choice = reply.json()["choices"][0]
     assert choice["finish_reason"] in ("length", "stop")

@@ -20,8 +20,12 @@ READY = "epd.v1.Encoder"
 async def _health(*args: str) -> tuple[int, str]:
     """Runs the check as a process, as a container runtime does; returns (exit code, output)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.common.healthcheck", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-m",
+        "services.common.healthcheck",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     output, _ = await asyncio.wait_for(process.communicate(), timeout=30)
     return process.returncode, output.decode()
@@ -75,7 +79,7 @@ def test_epd_health_subcommand_runs_the_same_check():
 class _StatusHandler(http.server.BaseHTTPRequestHandler):
     """Answers GET /<code> with that HTTP status."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         self.send_response(int(self.path.strip("/")))
         self.send_header("Content-Length", "0")
         self.end_headers()

@@ -39,9 +39,14 @@ def _ports(container: dict) -> dict[str, int]:
 def test_the_expected_objects_and_no_namespace(docs):
     assert set(docs) == {
         ("ConfigMap", "epd-config"),
-        ("Deployment", "pd"), ("Deployment", "encoder"), ("Deployment", "proxy"),
-        ("Service", "pd-headless"), ("Service", "encoder-headless"), ("Service", "proxy"),
-        ("NetworkPolicy", "encoder-ingress"), ("NetworkPolicy", "pd-ingress"),
+        ("Deployment", "pd"),
+        ("Deployment", "encoder"),
+        ("Deployment", "proxy"),
+        ("Service", "pd-headless"),
+        ("Service", "encoder-headless"),
+        ("Service", "proxy"),
+        ("NetworkPolicy", "encoder-ingress"),
+        ("NetworkPolicy", "pd-ingress"),
     }
     for doc in docs.values():
         assert doc["apiVersion"] in ("v1", "apps/v1", "networking.k8s.io/v1")

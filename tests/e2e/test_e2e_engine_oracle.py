@@ -22,7 +22,7 @@ import pytest
 from cluster_support import InProcessCluster
 from oracle_support import Oracle, make_image, user_message
 
-from services.pd.engine_stats import EngineStats
+from services.pd.engine.engine_stats import EngineStats
 
 MAX_TOKENS = 16
 LONG_TEXT = " ".join(f"Fact {i}: the quick brown fox number {i} jumps over lazy dog {i * 7}." for i in range(12))
@@ -66,7 +66,10 @@ def _chat(cluster: InProcessCluster, messages: list[dict]):
     """One greedy, non-streaming chat completion: (token ids, usage)."""
     with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=300) as client:
         reply = client.chat.completions.create(
-            model=client.models.list().data[0].id, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+            model=client.models.list().data[0].id,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
             extra_body={"return_token_ids": True},
         )
     return reply.choices[0].model_extra["token_ids"], reply.usage
@@ -132,25 +135,29 @@ def _num_prompt_tokens(oracle: Oracle, messages: list[dict], images: list) -> in
     return len(oracle.prompt_ids(messages, images))
 
 
-@pytest.mark.parametrize(("model", "with_image"), [("tiny", False), ("tiny", True), (QWEN, True)],
-                         ids=["text", "image", "qwen-image"], indirect=["model"])
+@pytest.mark.parametrize(
+    ("model", "with_image"),
+    [("tiny", False), ("tiny", True), (QWEN, True)],
+    ids=["text", "image", "qwen-image"],
+    indirect=["model"],
+)
 def test_repeated_long_prompt_hits_the_prefix_cache(start_cluster, oracle, model, with_image):
     # Room for one image only: the image's embedding is evicted before the
     # repeat, which then must be served from the KV prefix cache alone.
     cluster = start_cluster(embedding_cache_tokens=16)
-    size = (48, 48) if model == "tiny" else (64, 64)    # Qwen: 64x64 is 16 tokens, the whole cache
+    size = (48, 48) if model == "tiny" else (64, 64)  # Qwen: 64x64 is 16 tokens, the whole cache
     images = [make_image(77, size)] if with_image else []
     question = "Summarise the facts above in three short sentences, and mention every number you saw there."
     messages = [{"role": "system", "content": LONG_TEXT}, user_message(question, images)]
     expected = oracle.generate(messages, images, MAX_TOKENS)
     first, first_usage = _chat(cluster, messages)
     if with_image:
-        _chat(cluster, [user_message("Another picture.", [make_image(78)])])   # evicts the first image
+        _chat(cluster, [user_message("Another picture.", [make_image(78)])])  # evicts the first image
     repeat, repeat_usage = _chat(cluster, messages)
     assert first == repeat == expected
     assert first_usage.prompt_tokens_details.cached_tokens == 0
     cached = repeat_usage.prompt_tokens_details.cached_tokens
     assert cached % 16 == 0 and repeat_usage.prompt_tokens - 16 <= cached < repeat_usage.prompt_tokens
     if with_image:
-        assert repeat_usage.model_extra["epd"]["num_images_ready"] == 1   # from cached KV: nothing encoded
+        assert repeat_usage.model_extra["epd"]["num_images_ready"] == 1  # from cached KV: nothing encoded
     assert _pd_stats(cluster).num_prefix_hit_tokens == cached

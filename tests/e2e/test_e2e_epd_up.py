@@ -31,9 +31,20 @@ def test_epd_up_serves_two_images_and_stops_cleanly(tmp_path):
     proxy_port, encoder_port, pd_port = free_ports(3)
     env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     command = [
-        sys.executable, "-m", "services.cli", "up",
-        "--port", str(proxy_port), "--encoder-base-port", str(encoder_port), "--pd-base-port", str(pd_port),
-        "--threads", "1", "--log-level", "warning",
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--port",
+        str(proxy_port),
+        "--encoder-base-port",
+        str(encoder_port),
+        "--pd-base-port",
+        str(pd_port),
+        "--threads",
+        "1",
+        "--log-level",
+        "warning",
     ]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

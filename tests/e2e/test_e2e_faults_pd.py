@@ -32,10 +32,10 @@ from services.pd.faults import PdFaults
 from services.pd.main import add_arguments, config_from_args
 from services.pd.server import start_pd
 
-RAISE_AT_STEP = 3                 # a lone request of MAX_TOKENS tokens runs >= MAX_TOKENS steps
-FREEZE_MS = 60_000                # ended early by thaw(); a failing test still ends
+RAISE_AT_STEP = 3  # a lone request of MAX_TOKENS tokens runs >= MAX_TOKENS steps
+FREEZE_MS = 60_000  # ended early by thaw(); a failing test still ends
 STALL_TIMEOUT_S = 0.3
-WAIT_S = 30.0                     # bound of every wait loop
+WAIT_S = 30.0  # bound of every wait loop
 
 
 def _wait_for(predicate, what: str) -> None:
@@ -48,7 +48,8 @@ def _wait_for(predicate, what: str) -> None:
 def _health(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="epd.v1.PrefillDecode"), timeout=5)
+            health_pb2.HealthCheckRequest(service="epd.v1.PrefillDecode"), timeout=5
+        )
     return reply.status
 
 
@@ -74,8 +75,7 @@ def setup(tiny_model_dir):
         proxies["raise"] = ProxyOnly(model_dir, [raising.address], cluster.encoder_addresses).start()
         # Load polling off: the proxy must not touch the frozen engine, so only the
         # watchdog can notice the stall.
-        proxies["freeze"] = ProxyOnly(model_dir, [frozen.address, cluster.pd_addresses[0]], [],
-                                      load_poll_s=0).start()
+        proxies["freeze"] = ProxyOnly(model_dir, [frozen.address, cluster.pd_addresses[0]], [], load_poll_s=0).start()
         yield cluster, raising, frozen, proxies
     finally:
         for pd in cluster.pds[1:]:
@@ -103,11 +103,11 @@ def test_a_raising_forward_fails_its_batch_cleanly_and_pd_keeps_serving(setup, o
     image = make_image(500)
     messages = [user_message("Describe the picture.", [image])]
     with pytest.raises(openai.InternalServerError) as failure:
-        chat(client, messages)           # the only request: it is in the batch whose forward raises
+        chat(client, messages)  # the only request: it is in the batch whose forward raises
     assert failure.value.status_code == 500
     assert failure.value.body["code"] == "internal_error"
     assert raising.engine.core.runner.num_injected == 1
-    assert cluster.leaks() == {}         # its KV blocks, embedding reference and reservation are gone
+    assert cluster.leaks() == {}  # its KV blocks, embedding reference and reservation are gone
 
     # The same image again (its embedding or KV prefix may be reused) and others, concurrently.
     cases = [messages, [user_message("Just text.", [])], [user_message("Another.", [make_image(501)])]]
@@ -126,16 +126,21 @@ def test_a_frozen_step_loop_turns_pd_not_ready_and_traffic_moves_to_the_other_pd
     # One request straight to the PD: nothing else reaches its engine, which was idle.
     with grpc.insecure_channel(frozen.address) as channel:
         stub = epd_pb2_grpc.PrefillDecodeStub(channel)
-        request = epd_pb2.GenerateRequest(request_id="frozen-0", prompt_token_ids=[1, 2, 3, 4],
-                                          sampling=epd_pb2.SamplingParams(temperature=0.0, max_tokens=4))
+        request = epd_pb2.GenerateRequest(
+            request_id="frozen-0",
+            prompt_token_ids=[1, 2, 3, 4],
+            sampling=epd_pb2.SamplingParams(temperature=0.0, max_tokens=4),
+        )
         stuck: list[epd_pb2.GenerateResponse] = []
         reader = threading.Thread(target=lambda: stuck.extend(stub.Generate(request, timeout=WAIT_S)))
         reader.start()
         try:
             _wait_for(lambda: _health(frozen.address) == not_serving, "the watchdog to report NOT_SERVING")
             proxy_health = f"http://127.0.0.1:{proxies['freeze'].port}/health"
-            _wait_for(lambda: not httpx.get(proxy_health).json()["pd"][frozen.address],
-                      "the proxy to see the frozen PD as not ready")
+            _wait_for(
+                lambda: not httpx.get(proxy_health).json()["pd"][frozen.address],
+                "the proxy to see the frozen PD as not ready",
+            )
             client = client_for(proxies["freeze"], timeout=WAIT_S)
             cases = [[user_message(f"While frozen {i}.", [])] for i in range(4)]
             expected = [oracle.generate(m, [], MAX_TOKENS) for m in cases]

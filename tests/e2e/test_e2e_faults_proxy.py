@@ -50,7 +50,7 @@ def test_a_slow_decode_within_the_deadline_still_gives_the_exact_answer(cluster,
     messages = [user_message("Describe the picture.", [image])]
     tokens, epd = chat(client_for(cluster), messages)
     assert tokens == oracle.generate(messages, [image], MAX_TOKENS)
-    assert epd["timings_ms"]["preprocess"] >= SLOW_DECODE_MS   # the fault really delayed it
+    assert epd["timings_ms"]["preprocess"] >= SLOW_DECODE_MS  # the fault really delayed it
     assert cluster.leaks() == {}
 
 

@@ -39,7 +39,6 @@ def clusters(tiny_model_dir):
             cluster.stop()
 
 
-
 CASES = [
     ("Tell me about cats.", []),
     ("What is in this picture?", [make_image(600)]),

@@ -56,7 +56,6 @@ def setup(tiny_model_dir):
         cluster.stop()
 
 
-
 def _status_of(client: openai.OpenAI, messages: list[dict]) -> int:
     try:
         chat(client, messages)

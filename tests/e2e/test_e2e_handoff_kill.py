@@ -29,8 +29,22 @@ PUSH_LATE_MS = 1500
 
 def _start_encoder(model_dir: str, port: int) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "services.cli", "encoder", "--model", model_dir, "--port", str(port),
-        "--metrics-port", "-1", "--threads", "1", "--log-level", "warning", "--fault", f"push-late-ms={PUSH_LATE_MS}",
+        sys.executable,
+        "-m",
+        "services.cli",
+        "encoder",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--metrics-port",
+        "-1",
+        "--threads",
+        "1",
+        "--log-level",
+        "warning",
+        "--fault",
+        f"push-late-ms={PUSH_LATE_MS}",
     ]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -62,7 +76,7 @@ async def _outbound_bytes(address: str) -> int:
     async with grpc_utils.aio_channel(address) as channel:
         try:
             load = await epd_pb2_grpc.EncoderStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=1)
-        except Exception:  # noqa: BLE001 - a dead encoder holds nothing
+        except Exception:
             return 0
     return load.outbound_bytes
 

@@ -47,5 +47,3 @@ def chat(client: openai.OpenAI, messages: list[dict], max_tokens: int = MAX_TOKE
         extra_body={"return_token_ids": True},
     )
     return reply.choices[0].model_extra["token_ids"], (reply.usage.model_extra or {}).get("epd", {})
-
-

@@ -55,8 +55,13 @@ def _model(client) -> str:
 
 
 def _chat(client, messages, stream: bool):
-    kwargs = dict(model=_model(client), messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                  extra_body={"return_token_ids": True})
+    kwargs = dict(
+        model=_model(client),
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     if not stream:
         reply = client.chat.completions.create(**kwargs)
         choice = reply.choices[0]
@@ -77,8 +82,10 @@ CASES = {
     "one_image": ("What is in this picture?", [make_image(1)]),
     "three_images": ("Compare these pictures.", [make_image(2), make_image(3, (64, 30)), make_image(4, (20, 50))]),
     # Dynamic resolution: each keeps its aspect ratio and gets its own grid and token count.
-    "wide_tall_square": ("Compare these pictures.",
-                         [make_image(5, (96, 32)), make_image(6, (32, 80)), make_image(7, (64, 64))]),
+    "wide_tall_square": (
+        "Compare these pictures.",
+        [make_image(5, (96, 32)), make_image(6, (32, 80)), make_image(7, (64, 64))],
+    ),
 }
 RUNS = {
     "llava": ["text_only", "one_image", "three_images"],
@@ -90,8 +97,9 @@ RUNS = {
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
-@pytest.mark.parametrize(("cluster", "case"), [(setup, case) for setup, cases in RUNS.items() for case in cases],
-                         indirect=["cluster"])
+@pytest.mark.parametrize(
+    ("cluster", "case"), [(setup, case) for setup, cases in RUNS.items() for case in cases], indirect=["cluster"]
+)
 def test_greedy_tokens_equal_generate(client, oracle, case, stream):
     text, images = CASES[case]
     messages = [user_message(text, images)]
@@ -104,8 +112,9 @@ def test_greedy_tokens_equal_generate(client, oracle, case, stream):
     assert usage.prompt_tokens > 0
 
 
-@pytest.mark.parametrize(("cluster", "count"), [("llava", 8), ("qwen2.5", 16), ("qwen2.5-colocated", 16)],
-                         indirect=["cluster"])
+@pytest.mark.parametrize(
+    ("cluster", "count"), [("llava", 8), ("qwen2.5", 16), ("qwen2.5-colocated", 16)], indirect=["cluster"]
+)
 def test_concurrent_mixed_requests(client, oracle, count):
     requests = []
     for i in range(count):
@@ -138,7 +147,7 @@ def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
     from services.common.models import count_parameters
 
     full = oracle.model
-    if hasattr(full.model, "visual"):   # Qwen: tower + merger
+    if hasattr(full.model, "visual"):  # Qwen: tower + merger
         vision_half = count_parameters(full.model.visual)
     else:
         vision_half = count_parameters(full.model.vision_tower) + count_parameters(full.model.multi_modal_projector)
@@ -158,7 +167,7 @@ def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
 
 @pytest.mark.parametrize("cluster", ["qwen2.5"], indirect=True)
 def test_an_image_the_processor_refuses_is_a_400_and_serving_goes_on(client, oracle):
-    thin = make_image(9, (1, 250))     # aspect ratio above Qwen's 200:1
+    thin = make_image(9, (1, 250))  # aspect ratio above Qwen's 200:1
     with pytest.raises(openai.BadRequestError) as refused:
         _chat(client, [user_message("What is this?", [thin])], stream=False)
     assert refused.value.body["code"] == "invalid_image" and "aspect ratio" in refused.value.body["message"]

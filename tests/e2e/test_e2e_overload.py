@@ -38,11 +38,11 @@ pytestmark = pytest.mark.e2e
 
 PD_LIMITS = {"max_num_seqs": 2, "max_waiting_requests": 2, "waiting_retry_after_ms": 500}
 MAX_TOKENS = 24
-CAPACITY_CLIENTS = 4            # = running + waiting slots of the PD
+CAPACITY_CLIENTS = 4  # = running + waiting slots of the PD
 CAPACITY_S = 2.0
-BURST_S = 6.0                   # arrivals at twice the measured rate for this long
+BURST_S = 6.0  # arrivals at twice the measured rate for this long
 HEALTH_EVERY_S = 0.25
-CLIENT_TIMEOUT_S = 30.0         # a request still open after this has hung
+CLIENT_TIMEOUT_S = 30.0  # a request still open after this has hung
 RECOVERY_LIMIT_S = 30.0
 NUM_ABORTING_CLIENTS = 60
 ABORT_CONCURRENCY = 16
@@ -59,8 +59,11 @@ def cluster(tiny_model_dir):
 @pytest.fixture
 def roomy_cluster(tiny_model_dir):
     """Room for every aborting client at once: they are admitted, then leave."""
-    cluster = InProcessCluster(str(tiny_model_dir), pd={"max_num_seqs": 8, "max_waiting_requests": 64},
-                               proxy={"request_timeout_s": CLIENT_TIMEOUT_S})
+    cluster = InProcessCluster(
+        str(tiny_model_dir),
+        pd={"max_num_seqs": 8, "max_waiting_requests": 64},
+        proxy={"request_timeout_s": CLIENT_TIMEOUT_S},
+    )
     cluster.start()
     yield cluster
     cluster.stop()
@@ -72,8 +75,12 @@ def chat_body(index: int, *, stream: bool = False, max_tokens: int = MAX_TOKENS)
     if index % 4 == 0:
         image = {"type": "image_url", "image_url": {"url": data_url(make_image(index, (32, 32)))}}
         content = [image, {"type": "text", "text": content}]
-    return {"model": "tiny", "max_tokens": max_tokens, "stream": stream,
-            "messages": [{"role": "user", "content": content}]}
+    return {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "messages": [{"role": "user", "content": content}],
+    }
 
 
 @dataclass
@@ -110,12 +117,17 @@ async def send(client: httpx.AsyncClient, body: dict, outcomes: Outcomes) -> Non
 
 def _is_clean_refusal(response: httpx.Response) -> bool:
     error = response.json().get("error", {})
-    return (int(response.headers.get("retry-after", "0")) >= 1 and len(response.content) <= 1024
-            and error.get("type") == "server_error" and error.get("code") == "overloaded")
+    return (
+        int(response.headers.get("retry-after", "0")) >= 1
+        and len(response.content) <= 1024
+        and error.get("type") == "server_error"
+        and error.get("code") == "overloaded"
+    )
 
 
-async def sample_health(cluster: InProcessCluster, client: httpx.AsyncClient, stop: asyncio.Event,
-                        samples: collections.Counter) -> None:
+async def sample_health(
+    cluster: InProcessCluster, client: httpx.AsyncClient, stop: asyncio.Event, samples: collections.Counter
+) -> None:
     """Every HEALTH_EVERY_S until ``stop``: PD and encoder readiness (gRPC) and the proxy's /health."""
     while not stop.is_set():
         checks = [check_health(a, "epd.v1.PrefillDecode", timeout=5) for a in cluster.pd_addresses]
@@ -173,12 +185,18 @@ async def overload(cluster: InProcessCluster) -> dict:
         await sampler
     rejected = outcomes.seconds["rejected"]
     return {
-        "capacity_rps": round(capacity, 1), "offered_rps": round(2 * capacity, 1), "burst_s": BURST_S,
-        "sent": len(tasks), "succeeded": outcomes.count("succeeded"), "rejected": len(rejected),
-        "failed": outcomes.count("failed"), "problems": outcomes.problems[:5],
+        "capacity_rps": round(capacity, 1),
+        "offered_rps": round(2 * capacity, 1),
+        "burst_s": BURST_S,
+        "sent": len(tasks),
+        "succeeded": outcomes.count("succeeded"),
+        "rejected": len(rejected),
+        "failed": outcomes.count("failed"),
+        "problems": outcomes.problems[:5],
         "rejected_p50_ms": round(statistics.median(rejected) * 1000, 1) if rejected else None,
         "succeeded_p50_ms": round(statistics.median(outcomes.seconds["succeeded"]) * 1000, 1),
-        "recovery_s": round(recovery_s, 3), "health_samples": dict(samples),
+        "recovery_s": round(recovery_s, 3),
+        "health_samples": dict(samples),
     }
 
 
@@ -203,16 +221,16 @@ def test_twice_capacity_is_shed_with_503s_while_health_stays_serving(cluster, ca
 async def stream_then_leave(client: httpx.AsyncClient, index: int, rng: random.Random, ends: collections.Counter):
     """A streaming request that goes away at a random point."""
     body = chat_body(index, stream=True, max_tokens=256)
-    if rng.random() < 0.5:   # at any moment: preprocessing, Preallocate, encoding, queued, streaming
+    if rng.random() < 0.5:  # at any moment: preprocessing, Preallocate, encoding, queued, streaming
         try:
             await asyncio.wait_for(_read_all(client, body), timeout=rng.uniform(0.0, 0.5))
             ends["finished before leaving"] += 1
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ends["left after a delay"] += 1
         return
     num_events = rng.randint(1, 12)
     async with client.stream("POST", "/chat/completions", json=body) as response:
-        if response.status_code != 200:   # refused at the door: a clean 503 is the only allowed refusal
+        if response.status_code != 200:  # refused at the door: a clean 503 is the only allowed refusal
             await response.aread()
             assert response.status_code == 503 and _is_clean_refusal(response), response.text
             ends["refused"] += 1
@@ -222,7 +240,7 @@ async def stream_then_leave(client: httpx.AsyncClient, index: int, rng: random.R
                 num_events -= 1
                 if num_events == 0:
                     ends["left mid-stream"] += 1
-                    return   # leaving the block closes the connection
+                    return  # leaving the block closes the connection
     ends["finished before leaving"] += 1
 
 
@@ -242,9 +260,10 @@ async def abort_storm(cluster: InProcessCluster) -> collections.Counter:
             await stream_then_leave(client, index, random.Random(seed), ends)
 
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S) as client:
-        await asyncio.gather(*(client_run(client, 200_000 + i, rng.randrange(2**32))
-                               for i in range(NUM_ABORTING_CLIENTS)))
-        response = await client.post("/chat/completions", json=chat_body(4))   # still serving, with an image
+        await asyncio.gather(
+            *(client_run(client, 200_000 + i, rng.randrange(2**32)) for i in range(NUM_ABORTING_CLIENTS))
+        )
+        response = await client.post("/chat/completions", json=chat_body(4))  # still serving, with an image
         assert response.status_code == 200, response.text
     return ends
 

@@ -46,15 +46,15 @@ from services.proxy.config import ProxyConfig
 
 pytestmark = pytest.mark.e2e
 
-GRACE_S = 30                 # the victim's --grace
-EXIT_MARGIN_S = 15           # how much longer than its grace the victim may take to exit
-MAX_TOKENS = 160             # per request: well under a second of decode on the tiny model
-PUSH_LATE_MS = 1500          # the encoder's delay before each push
+GRACE_S = 30  # the victim's --grace
+EXIT_MARGIN_S = 15  # how much longer than its grace the victim may take to exit
+MAX_TOKENS = 160  # per request: well under a second of decode on the tiny model
+PUSH_LATE_MS = 1500  # the encoder's delay before each push
 CONCURRENCY = 4
-WARM_REQUESTS = 2            # completed before the SIGTERM may be sent
-MAX_BEFORE = 40              # requests sent while waiting for the moment to send it
-NUM_AFTER = 8                # requests sent after it
-SECRET = "quokka-7391"       # in every prompt; never in a log line
+WARM_REQUESTS = 2  # completed before the SIGTERM may be sent
+MAX_BEFORE = 40  # requests sent while waiting for the moment to send it
+NUM_AFTER = 8  # requests sent after it
+SECRET = "quokka-7391"  # in every prompt; never in a log line
 
 
 class VictimPd:
@@ -63,10 +63,25 @@ class VictimPd:
     def __init__(self, model_dir: str, port: int, tmp_path) -> None:
         self.address = f"127.0.0.1:{port}"
         self.stderr_path = tmp_path / "pd.stderr.jsonl"
-        self._stdout = open(tmp_path / "pd.stdout", "wb")
-        self._stderr = open(self.stderr_path, "wb")
-        command = [sys.executable, "-m", "services.cli", "pd", "--model", model_dir, "--port", str(port),
-                   "--metrics-port", "-1", "--threads", "1", "--grace", str(GRACE_S), "--log-json"]
+        self._stdout = open(tmp_path / "pd.stdout", "wb")  # noqa: SIM115 - closed in stop()
+        self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in stop()
+        command = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "pd",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--metrics-port",
+            "-1",
+            "--threads",
+            "1",
+            "--grace",
+            str(GRACE_S),
+            "--log-json",
+        ]
         self.process = subprocess.Popen(command, stdout=self._stdout, stderr=self._stderr, start_new_session=True)
 
     def log_entries(self) -> list[dict]:
@@ -97,8 +112,12 @@ def run_one(client: openai.OpenAI, index: int) -> Outcome:
     images = [make_image(1000 + index, (32, 32))] if index % 2 else []
     try:
         stream = client.chat.completions.create(
-            model="tiny", messages=[user_message(f"Describe {SECRET} number {index}.", images)],
-            max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body={"return_token_ids": True},
+            model="tiny",
+            messages=[user_message(f"Describe {SECRET} number {index}.", images)],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
             extra_headers={"X-Request-Timeout": "60"},
         )
         for chunk in stream:
@@ -133,13 +152,24 @@ def test_sigterm_to_a_pd_under_load_drains_it(tiny_model_dir, tmp_path, caplog):
     victim = VictimPd(model_dir, free_ports(1)[0], tmp_path)
     survivors = proxy = None
     try:
-        survivors = InProcessCluster(model_dir, num_encoders=1, num_pds=1, with_proxy=False,
-                                     encoder={"faults": Faults.parse(f"push-late-ms={PUSH_LATE_MS}")}).start()
+        survivors = InProcessCluster(
+            model_dir,
+            num_encoders=1,
+            num_pds=1,
+            with_proxy=False,
+            encoder={"faults": Faults.parse(f"push-late-ms={PUSH_LATE_MS}")},
+        ).start()
         (survivor_address,) = survivors.pd_addresses
-        proxy = ProxyThread(ProxyConfig(
-            model=model_dir, port=0, pd_addresses=(victim.address, survivor_address),
-            encoder_addresses=tuple(survivors.encoder_addresses), request_timeout_s=60, load_poll_s=0.2,
-        ))
+        proxy = ProxyThread(
+            ProxyConfig(
+                model=model_dir,
+                port=0,
+                pd_addresses=(victim.address, survivor_address),
+                encoder_addresses=tuple(survivors.encoder_addresses),
+                request_timeout_s=60,
+                load_poll_s=0.2,
+            )
+        )
         asyncio.run(grpc_utils.wait_healthy(victim.address, PD_SERVICE, timeout=120))
 
         outcomes: list[Outcome] = []
@@ -157,10 +187,13 @@ def test_sigterm_to_a_pd_under_load_drains_it(tiny_model_dir, tmp_path, caplog):
                 slots.release()
 
         watcher = threading.Thread(
-            target=sigterm_when_a_push_is_pending, args=(victim, lambda: len(outcomes), killed, give_up))
+            target=sigterm_when_a_push_is_pending, args=(victim, lambda: len(outcomes), killed, give_up)
+        )
         watcher.start()
-        with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=90) as client, \
-                ThreadPoolExecutor(CONCURRENCY) as pool:
+        with (
+            openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=90) as client,
+            ThreadPoolExecutor(CONCURRENCY) as pool,
+        ):
             index = 0
             while not killed and index < MAX_BEFORE:
                 slots.acquire()
@@ -170,8 +203,11 @@ def test_sigterm_to_a_pd_under_load_drains_it(tiny_model_dir, tmp_path, caplog):
             watcher.join()
             assert killed, "the victim never held a pending push"
             exited: dict[str, float] = {}
-            waiter = threading.Thread(target=lambda: exited.update(
-                code=victim.process.wait(timeout=GRACE_S + EXIT_MARGIN_S), at=time.monotonic()))
+            waiter = threading.Thread(
+                target=lambda: exited.update(
+                    code=victim.process.wait(timeout=GRACE_S + EXIT_MARGIN_S), at=time.monotonic()
+                )
+            )
             waiter.start()
             for _ in range(NUM_AFTER):
                 slots.acquire()
@@ -186,12 +222,12 @@ def test_sigterm_to_a_pd_under_load_drains_it(tiny_model_dir, tmp_path, caplog):
         assert all(o.num_tokens == MAX_TOKENS for o in outcomes)
         # The victim exited cleanly, and because its work was done, not because the grace ran out.
         assert exit_code == 0
-        entries = victim.log_entries()                      # --log-json: every line is a JSON object
+        entries = victim.log_entries()  # --log-json: every line is a JSON object
         assert any(e["msg"].startswith("drained in") for e in entries)
         assert not any("grace period over" in e["msg"] for e in entries)
         assert not any(SECRET in json.dumps(e) for e in entries)
 
-        def pd_of_each_request() -> dict[str, str]:   # request id -> PD address, from the proxy's access lines
+        def pd_of_each_request() -> dict[str, str]:  # request id -> PD address, from the proxy's access lines
             return {r.request_id: r.pd for r in caplog.records if getattr(r, "event", None) == "http"}
 
         # A line is written just after its response ended, so the last ones may trail the client.
@@ -199,12 +235,12 @@ def test_sigterm_to_a_pd_under_load_drains_it(tiny_model_dir, tmp_path, caplog):
         served_by = pd_of_each_request()
         in_flight = [o for o in outcomes if o.sent < killed["monotonic"] < o.done]
         after = [o for o in outcomes if o.sent > killed["monotonic"]]
-        assert len(after) >= NUM_AFTER   # (one more when a send raced the SIGTERM)
-        assert all(served_by[o.response_id] == survivor_address for o in after)   # new work went elsewhere
+        assert len(after) >= NUM_AFTER  # (one more when a send raced the SIGTERM)
+        assert all(served_by[o.response_id] == survivor_address for o in after)  # new work went elsewhere
         assert any(served_by[o.response_id] == victim.address for o in in_flight)
         victim_ok = [e for e in entries if e.get("event") == "generate" and e["status"] == "OK"]
         finished_in_drain = [e for e in victim_ok if e["ts"] > killed["wall"]]
-        assert any(e["image_tokens"] for e in finished_in_drain)   # its push arrived after the SIGTERM
+        assert any(e["image_tokens"] for e in finished_in_drain)  # its push arrived after the SIGTERM
         assert all(e["completion_tokens"] == MAX_TOKENS for e in victim_ok)
         after_ids = {o.response_id for o in after}
         assert not any(e["request_id"].split("-r")[0] in after_ids for e in victim_ok)
@@ -214,10 +250,12 @@ def test_sigterm_to_a_pd_under_load_drains_it(tiny_model_dir, tmp_path, caplog):
         assert proxy.num_outstanding() == 0
         health = proxy.app.state.proxy.backends.health_report()["pd"]
         assert health == {victim.address: False, survivor_address: True}
-        print(f"\nmust-show (drain): {len(outcomes)} requests, all complete; {len(in_flight)} in flight at the "
-              f"SIGTERM, {len(finished_in_drain)} finished by the draining PD, {len(after)} sent after it all "
-              f"served by the other PD; the PD exited {exit_code} {exit_s:.1f}s after the SIGTERM "
-              f"(grace {GRACE_S}s)")
+        print(
+            f"\nmust-show (drain): {len(outcomes)} requests, all complete; {len(in_flight)} in flight at the "
+            f"SIGTERM, {len(finished_in_drain)} finished by the draining PD, {len(after)} sent after it all "
+            f"served by the other PD; the PD exited {exit_code} {exit_s:.1f}s after the SIGTERM "
+            f"(grace {GRACE_S}s)"
+        )
     finally:
         if proxy is not None:
             proxy.stop()
@@ -241,8 +279,12 @@ def _image_request(adapter, request_id: str, mm_hash: str, max_tokens: int):
     prompt = [5, 5, 5] + [adapter.image_token_id] * 16 + [6, 6, 6]
     items = [epd_pb2.MultiModalItem(mm_hash=mm_hash, offset=3, num_tokens=16)]
     preallocate = epd_pb2.PreallocateRequest(request_id=request_id, prompt_token_ids=prompt, items=items)
-    generate = epd_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, mm_items=items,
-                                       sampling=epd_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    generate = epd_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        mm_items=items,
+        sampling=epd_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+    )
     return preallocate, generate
 
 
@@ -251,9 +293,16 @@ def _push(request_id: str, reservation_id: str, mm_hash: str, hidden_size: int):
 
     embedding = torch.randn(16, hidden_size)
     data = tensor_bytes(embedding)
-    yield epd_pb2.PushEmbeddingChunk(header=epd_pb2.EmbeddingHeader(
-        request_id=request_id, reservation_id=reservation_id, mm_hash=mm_hash, dtype=dtype_to_pb(embedding.dtype),
-        shape=list(embedding.shape), num_bytes=len(data)))
+    yield epd_pb2.PushEmbeddingChunk(
+        header=epd_pb2.EmbeddingHeader(
+            request_id=request_id,
+            reservation_id=reservation_id,
+            mm_hash=mm_hash,
+            dtype=dtype_to_pb(embedding.dtype),
+            shape=list(embedding.shape),
+            num_bytes=len(data),
+        )
+    )
     for chunk in iter_chunks(data, 1 << 20):
         yield epd_pb2.PushEmbeddingChunk(data=chunk)
 
@@ -305,12 +354,12 @@ def test_a_drain_that_outlasts_its_grace_stops_the_pd_anyway(two_pds, caplog):
         stub = epd_pb2_grpc.PrefillDecodeStub(channel)
         preallocate, generate = _image_request(adapter, "stuck", "c" * 64, max_tokens=4)
         stub.Preallocate(preallocate, timeout=30)
-        call = stub.Generate(generate, timeout=60)   # waits for a push that never comes
+        call = stub.Generate(generate, timeout=60)  # waits for a push that never comes
         _wait_until(lambda: cluster.run(pd.stats()).num_live_requests == 1, "Generate not admitted")
         cluster.run(pd.stop(grace=0.5))
         assert _code(lambda: list(call)) in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     assert any("grace period over" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
-    assert not cluster.run(grpc_utils.check_health(address, "", timeout=0.5))   # the server is gone
+    assert not cluster.run(grpc_utils.check_health(address, "", timeout=0.5))  # the server is gone
 
 
 async def test_a_starting_pd_is_not_serving_until_warmed_up(tiny_model_dir, monkeypatch):
@@ -322,17 +371,18 @@ async def test_a_starting_pd_is_not_serving_until_warmed_up(tiny_model_dir, monk
     async def held_warm_up(engine, eos_token_id, **options):
         await real_warm_up(engine, eos_token_id, **options)
         warmed.set()
-        await release.wait()   # start-up stays here until the test has looked
+        await release.wait()  # start-up stays here until the test has looked
 
     monkeypatch.setattr(pd_server, "warm_up", held_warm_up)
     port = free_ports(1)[0]
     address = f"127.0.0.1:{port}"
-    starting = asyncio.create_task(pd_server.start_pd(
-        pd_config(str(tiny_model_dir), host="127.0.0.1", port=port, metrics_port=-1)))
+    starting = asyncio.create_task(
+        pd_server.start_pd(pd_config(str(tiny_model_dir), host="127.0.0.1", port=port, metrics_port=-1))
+    )
     try:
         await asyncio.wait_for(warmed.wait(), 120)
-        assert await grpc_utils.check_health(address, "")              # alive: the port answers
-        assert not await grpc_utils.check_health(address, PD_SERVICE)   # but not ready
+        assert await grpc_utils.check_health(address, "")  # alive: the port answers
+        assert not await grpc_utils.check_health(address, PD_SERVICE)  # but not ready
     finally:
         release.set()
         pd = await asyncio.wait_for(starting, 60)

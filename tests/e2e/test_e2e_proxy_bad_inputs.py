@@ -21,7 +21,7 @@ from PIL import Image
 SECRET = "zq-secret-7781"
 API_KEY = "test-key-1"
 MAX_ERROR_BYTES = 1024
-ALLOWED = ("localhost", "127.0.0.1", "169.254.169.254", "10.0.0.1")   # allowed by name, refused by address
+ALLOWED = ("localhost", "127.0.0.1", "169.254.169.254", "10.0.0.1")  # allowed by name, refused by address
 
 
 def b64_url(data: bytes, media_type: str = "image/png") -> str:
@@ -36,11 +36,14 @@ def encoded(image: Image.Image, fmt: str) -> bytes:
 
 def png_claiming(width: int, height: int) -> bytes:
     """A tiny PNG whose header claims ``width`` x ``height`` (a decompression bomb's calling card)."""
+
     def chunk(kind: bytes, payload: bytes) -> bytes:
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 GOOD = data_url(make_image(3, (32, 32)))
@@ -90,9 +93,18 @@ CASES = [
     ("stop_too_long", {"json": chat(SECRET, stop=SECRET * 100)}, 400, "invalid_request"),
     ("user_too_long", {"json": chat(SECRET, user=SECRET * 100)}, 400, "invalid_request"),
     ("logit_bias_unsupported", {"json": chat(SECRET, logit_bias={SECRET: 5})}, 400, "unsupported_parameter"),
-    ("response_format_json", {"json": chat(SECRET, response_format={"type": "json_object"})}, 400, "unsupported_parameter"),
-    ("tools_unsupported", {"json": chat(SECRET, tools=[{"type": "function", "function": {"name": SECRET}}])},
-     400, "unsupported_parameter"),
+    (
+        "response_format_json",
+        {"json": chat(SECRET, response_format={"type": "json_object"})},
+        400,
+        "unsupported_parameter",
+    ),
+    (
+        "tools_unsupported",
+        {"json": chat(SECRET, tools=[{"type": "function", "function": {"name": SECRET}}])},
+        400,
+        "unsupported_parameter",
+    ),
     ("unknown_model", {"json": chat(SECRET, model=SECRET)}, 404, "model_not_found"),
     ("image_token_in_text", {"json": chat(f"<image> {SECRET}")}, 400, "invalid_image_placeholder"),
     ("prompt_too_long", {"json": chat("cat " * 3000 + SECRET)}, 400, "context_length_exceeded"),
@@ -100,40 +112,104 @@ CASES = [
     ("oversize_body", {"json": chat(SECRET + "x" * 300_000)}, 413, "request_too_large"),
     ("too_many_images", {"json": chat(SECRET, *[image(GOOD)] * 5)}, 400, "too_many_images"),
     ("bad_base64", {"json": chat(SECRET, image("data:image/png;base64,@@" + SECRET))}, 400, "invalid_image_base64"),
-    ("base64_missing_padding", {"json": chat(SECRET, image("data:image/png;base64,aGVsbG8"))}, 400, "invalid_image_base64"),
-    ("base64_with_whitespace", {"json": chat(SECRET, image("data:image/png;base64,aGVs bG8="))}, 400, "invalid_image_base64"),
+    (
+        "base64_missing_padding",
+        {"json": chat(SECRET, image("data:image/png;base64,aGVsbG8"))},
+        400,
+        "invalid_image_base64",
+    ),
+    (
+        "base64_with_whitespace",
+        {"json": chat(SECRET, image("data:image/png;base64,aGVs bG8="))},
+        400,
+        "invalid_image_base64",
+    ),
     ("data_url_not_image", {"json": chat(SECRET, image(b64_url(b"hello", "text/plain")))}, 400, "invalid_image_url"),
     ("data_url_not_base64", {"json": chat(SECRET, image("data:image/png," + SECRET))}, 400, "invalid_image_url"),
-    ("not_an_image", {"json": chat(SECRET, image(b64_url(b"%PDF-1.4 " + SECRET.encode() * 10)))}, 400,
-     "unsupported_image_format"),
-    ("bmp_not_allowed", {"json": chat(SECRET, image(b64_url(encoded(make_image(5), "BMP"), "image/bmp")))}, 400,
-     "unsupported_image_format"),
+    (
+        "not_an_image",
+        {"json": chat(SECRET, image(b64_url(b"%PDF-1.4 " + SECRET.encode() * 10)))},
+        400,
+        "unsupported_image_format",
+    ),
+    (
+        "bmp_not_allowed",
+        {"json": chat(SECRET, image(b64_url(encoded(make_image(5), "BMP"), "image/bmp")))},
+        400,
+        "unsupported_image_format",
+    ),
     ("truncated_image", {"json": chat(SECRET, image(b64_url(TRUNCATED)))}, 400, "invalid_image_data"),
-    ("decompression_bomb", {"json": chat(SECRET, image(b64_url(png_claiming(50_000, 50_000))))}, 400, "image_too_large"),
-    ("over_pixel_cap", {"json": chat(SECRET, image(b64_url(encoded(Image.new("L", (1000, 1000)), "PNG"))))}, 400,
-     "image_too_large"),
+    (
+        "decompression_bomb",
+        {"json": chat(SECRET, image(b64_url(png_claiming(50_000, 50_000))))},
+        400,
+        "image_too_large",
+    ),
+    (
+        "over_pixel_cap",
+        {"json": chat(SECRET, image(b64_url(encoded(Image.new("L", (1000, 1000)), "PNG"))))},
+        400,
+        "image_too_large",
+    ),
     ("scheme_http", {"json": chat(SECRET, image(f"http://localhost/{SECRET}.png"))}, 400, "image_url_not_allowed"),
     ("scheme_ftp", {"json": chat(SECRET, image(f"ftp://localhost/{SECRET}.png"))}, 400, "image_url_not_allowed"),
     ("scheme_file", {"json": chat(SECRET, image(f"file:///etc/{SECRET}"))}, 400, "image_url_not_allowed"),
     ("scheme_javascript", {"json": chat(SECRET, image(f"javascript:alert('{SECRET}')"))}, 400, "image_url_not_allowed"),
-    ("domain_not_allowed", {"json": chat(SECRET, image(f"https://example.com/{SECRET}.png"))}, 400,
-     "image_url_not_allowed"),
-    ("credentials_in_url", {"json": chat(SECRET, image(f"https://{SECRET}:pw@localhost/a.png"))}, 400,
-     "image_url_not_allowed"),
-    ("loopback_by_name", {"json": chat(SECRET, image(f"https://localhost/{SECRET}.png"))}, 400, "image_url_not_allowed"),
-    ("loopback_literal", {"json": chat(SECRET, image(f"https://127.0.0.1:1/{SECRET}.png"))}, 400,
-     "image_url_not_allowed"),
-    ("link_local_metadata", {"json": chat(SECRET, image(f"https://169.254.169.254/latest/{SECRET}"))}, 400,
-     "image_url_not_allowed"),
+    (
+        "domain_not_allowed",
+        {"json": chat(SECRET, image(f"https://example.com/{SECRET}.png"))},
+        400,
+        "image_url_not_allowed",
+    ),
+    (
+        "credentials_in_url",
+        {"json": chat(SECRET, image(f"https://{SECRET}:pw@localhost/a.png"))},
+        400,
+        "image_url_not_allowed",
+    ),
+    (
+        "loopback_by_name",
+        {"json": chat(SECRET, image(f"https://localhost/{SECRET}.png"))},
+        400,
+        "image_url_not_allowed",
+    ),
+    (
+        "loopback_literal",
+        {"json": chat(SECRET, image(f"https://127.0.0.1:1/{SECRET}.png"))},
+        400,
+        "image_url_not_allowed",
+    ),
+    (
+        "link_local_metadata",
+        {"json": chat(SECRET, image(f"https://169.254.169.254/latest/{SECRET}"))},
+        400,
+        "image_url_not_allowed",
+    ),
     ("private_address", {"json": chat(SECRET, image(f"https://10.0.0.1/{SECRET}.png"))}, 400, "image_url_not_allowed"),
-    ("completion_token_ids_out_of_range", {"path": "/completions", "json": {"prompt": [10**6], "max_tokens": 2}},
-     400, "invalid_request"),
-    ("completion_prompt_empty", {"path": "/completions", "json": {"prompt": [], "max_tokens": 2}}, 400,
-     "invalid_request"),
-    ("completion_echo_unsupported", {"path": "/completions", "json": {"prompt": SECRET, "echo": True}}, 400,
-     "unsupported_parameter"),
-    ("request_timeout_not_a_number", {"json": chat(SECRET), "headers": {"X-Request-Timeout": SECRET}}, 400,
-     "invalid_request_timeout"),
+    (
+        "completion_token_ids_out_of_range",
+        {"path": "/completions", "json": {"prompt": [10**6], "max_tokens": 2}},
+        400,
+        "invalid_request",
+    ),
+    (
+        "completion_prompt_empty",
+        {"path": "/completions", "json": {"prompt": [], "max_tokens": 2}},
+        400,
+        "invalid_request",
+    ),
+    (
+        "completion_echo_unsupported",
+        {"path": "/completions", "json": {"prompt": SECRET, "echo": True}},
+        400,
+        "unsupported_parameter",
+    ),
+    (
+        "request_timeout_not_a_number",
+        {"json": chat(SECRET), "headers": {"X-Request-Timeout": SECRET}},
+        400,
+        "invalid_request_timeout",
+    ),
     ("api_key_missing", {"json": chat(SECRET), "headers": {"Authorization": ""}}, 401, "invalid_api_key"),
     ("api_key_wrong", {"json": chat(SECRET), "headers": {"Authorization": f"Bearer {SECRET}"}}, 401, "invalid_api_key"),
 ]
@@ -141,10 +217,16 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    cluster = InProcessCluster(str(tiny_model_dir), proxy={
-        "max_body_bytes": 256 * 1024, "max_images_per_request": 4, "max_image_pixels": 512 * 512,
-        "api_key": API_KEY, "allowed_media_domains": ALLOWED,
-    }).start()
+    cluster = InProcessCluster(
+        str(tiny_model_dir),
+        proxy={
+            "max_body_bytes": 256 * 1024,
+            "max_images_per_request": 4,
+            "max_image_pixels": 512 * 512,
+            "api_key": API_KEY,
+            "allowed_media_domains": ALLOWED,
+        },
+    ).start()
     yield cluster
     cluster.stop()
 
@@ -182,7 +264,7 @@ def test_bad_input_is_a_bounded_openai_error(client, request_spec, status, code)
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
     assert error["type"] == "invalid_request_error"
     assert SECRET not in reply.text and "aGVsbG8" not in reply.text and "@@" not in reply.text
-    assert backend_calls(client) == before                    # refused before any PD or encoder work
+    assert backend_calls(client) == before  # refused before any PD or encoder work
 
 
 def test_cluster_still_serves_and_nothing_leaked(cluster, client):

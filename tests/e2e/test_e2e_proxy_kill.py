@@ -36,12 +36,10 @@ pytestmark = pytest.mark.e2e
 NUM_REQUESTS = 200
 CONCURRENCY = 8
 MAX_TOKENS = 8
-KILL_ENCODER_AFTER = 50       # completed requests
+KILL_ENCODER_AFTER = 50  # completed requests
 KILL_PD_AFTER = 110
-REQUEST_TIMEOUT_S = 15        # X-Request-Timeout of every request
-CLIENT_TIMEOUT_S = 30         # a request still open after this has hung
-
-
+REQUEST_TIMEOUT_S = 15  # X-Request-Timeout of every request
+CLIENT_TIMEOUT_S = 30  # a request still open after this has hung
 
 
 class Service:
@@ -50,9 +48,24 @@ class Service:
     def __init__(self, kind: str, model_dir: str, port: int, log_path) -> None:
         self.kind = kind
         self.address = f"127.0.0.1:{port}"
-        self.log = open(log_path, "wb")
-        command = [sys.executable, "-m", "services.cli", kind, "--model", model_dir, "--port", str(port),
-                   "--metrics-port", "-1", "--threads", "1", "--log-level", "warning", "--no-warmup"]
+        self.log = open(log_path, "wb")  # noqa: SIM115 - the child writes it until killed
+        command = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            kind,
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--metrics-port",
+            "-1",
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+            "--no-warmup",
+        ]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
@@ -113,8 +126,14 @@ def messages_of(index: int) -> tuple[list[dict], list]:
 def run_one(client: openai.OpenAI, model: str, index: int) -> Outcome:
     outcome = Outcome(index, sent=time.monotonic())
     messages, _ = messages_of(index)
-    kwargs = dict(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                  extra_body={"return_token_ids": True}, extra_headers={"X-Request-Timeout": str(REQUEST_TIMEOUT_S)})
+    kwargs = dict(
+        model=model,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+        extra_headers={"X-Request-Timeout": str(REQUEST_TIMEOUT_S)},
+    )
     try:
         if index % 2:
             token_ids = []
@@ -125,7 +144,7 @@ def run_one(client: openai.OpenAI, model: str, index: int) -> Outcome:
         else:
             reply = client.chat.completions.create(**kwargs)
             outcome.token_ids = reply.choices[0].model_extra["token_ids"]
-    except openai.APIError as error:   # status errors and in-stream error events
+    except openai.APIError as error:  # status errors and in-stream error events
         outcome.error = error
     outcome.done = time.monotonic()
     return outcome
@@ -143,8 +162,10 @@ def is_clean_openai_error(error: object) -> bool:
 def test_sigkill_an_encoder_then_a_pd_mid_run(tiny_model_dir, tmp_path):
     model_dir = str(tiny_model_dir)
     encoder_port, pd_port = free_ports(2)
-    victims = {"encoder": Service("encoder", model_dir, encoder_port, tmp_path / "encoder.log"),
-               "pd": Service("pd", model_dir, pd_port, tmp_path / "pd.log")}
+    victims = {
+        "encoder": Service("encoder", model_dir, encoder_port, tmp_path / "encoder.log"),
+        "pd": Service("pd", model_dir, pd_port, tmp_path / "pd.log"),
+    }
     survivors = proxy = None
     try:
         # While the victims start: the survivors, the expected tokens, and the
@@ -159,10 +180,17 @@ def test_sigkill_an_encoder_then_a_pd_mid_run(tiny_model_dir, tmp_path):
                 expected[key] = oracle.generate(messages, images, MAX_TOKENS)
         encoder_addresses = (victims["encoder"].address, *survivors.encoder_addresses)
         pd_addresses = (victims["pd"].address, *survivors.pd_addresses)
-        proxy = ProxyThread(ProxyConfig(
-            model=model_dir, port=0, pd_addresses=pd_addresses, encoder_addresses=encoder_addresses,
-            request_timeout_s=REQUEST_TIMEOUT_S, breaker_open_s=1.0, load_poll_s=0.2,
-        ))
+        proxy = ProxyThread(
+            ProxyConfig(
+                model=model_dir,
+                port=0,
+                pd_addresses=pd_addresses,
+                encoder_addresses=encoder_addresses,
+                request_timeout_s=REQUEST_TIMEOUT_S,
+                breaker_open_s=1.0,
+                load_poll_s=0.2,
+            )
+        )
         asyncio.run(wait_all_ready(list(victims.values()), timeout=120))
         wait_proxy_sees_all(proxy.url, 4)
 
@@ -182,8 +210,9 @@ def test_sigkill_an_encoder_then_a_pd_mid_run(tiny_model_dir, tmp_path):
             return outcome
 
         started = time.monotonic()
-        with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0,
-                           timeout=CLIENT_TIMEOUT_S) as client:
+        with openai.OpenAI(
+            base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
+        ) as client:
             model = client.models.list().data[0].id
             with ThreadPoolExecutor(CONCURRENCY) as pool:
                 outcomes = list(pool.map(lambda i: run_and_count(client, model, i), range(NUM_REQUESTS)))
@@ -192,25 +221,27 @@ def test_sigkill_an_encoder_then_a_pd_mid_run(tiny_model_dir, tmp_path):
         assert set(kills) == {"encoder", "pd"}
         successes = [o for o in outcomes if o.error is None]
         failures = [o for o in outcomes if o.error is not None]
-        for outcome in successes:                     # correct completions, token for token
+        for outcome in successes:  # correct completions, token for token
             key = REQUESTS[outcome.index][0], tuple(REQUESTS[outcome.index][1])
             assert outcome.token_ids == expected[key], outcome.index
-        for outcome in failures:                      # clean errors, only for requests caught by a kill
+        for outcome in failures:  # clean errors, only for requests caught by a kill
             assert is_clean_openai_error(outcome.error), repr(outcome.error)
             assert any(outcome.sent <= at <= outcome.done for at in kills.values()), outcome.index
-        assert all(o.done - o.sent < CLIENT_TIMEOUT_S for o in outcomes)   # nothing hung
+        assert all(o.done - o.sent < CLIENT_TIMEOUT_S for o in outcomes)  # nothing hung
         assert len(successes) >= 0.95 * NUM_REQUESTS
         after_both = [o for o in outcomes if o.sent > kills["pd"]]
-        assert after_both and all(o.error is None for o in after_both)     # survivors carry on
+        assert after_both and all(o.error is None for o in after_both)  # survivors carry on
 
         health = httpx.get(proxy.url + "/health").json()
         assert health["pd"] == {victims["pd"].address: False, survivors.pd_addresses[0]: True}
         assert health["encoder"] == {victims["encoder"].address: False, survivors.encoder_addresses[0]: True}
-        assert survivors.leaks() == {}                # nothing left running, reserved or referenced
-        print(f"\nmust-show 2: {len(successes)}/{NUM_REQUESTS} succeeded ({len(successes) / NUM_REQUESTS:.1%}) "
-              f"in {elapsed:.1f}s; {len(failures)} clean errors "
-              f"{sorted({getattr(o.error, 'status_code', None) or type(o.error).__name__ for o in failures}, key=str)}; "
-              f"{len(after_both)} requests sent after both kills all succeeded")
+        assert survivors.leaks() == {}  # nothing left running, reserved or referenced
+        print(
+            f"\nmust-show 2: {len(successes)}/{NUM_REQUESTS} succeeded ({len(successes) / NUM_REQUESTS:.1%}) "
+            f"in {elapsed:.1f}s; {len(failures)} clean errors "
+            f"{sorted({getattr(o.error, 'status_code', None) or type(o.error).__name__ for o in failures}, key=str)}; "
+            f"{len(after_both)} requests sent after both kills all succeeded"
+        )
     finally:
         if proxy is not None:
             proxy.stop()

@@ -59,8 +59,15 @@ def plan(seed: int = 0) -> list[Planned]:
                 seeds.append(next_seed)
                 next_seed += 1
         used.extend(s for s in seeds if s not in used)
-        requests.append(Planned(index, f"Request {index}: say something about {rng.choice(['cats', 'boats', 'rain'])}.",
-                                seeds, greedy=rng.random() < 0.75, stream=rng.random() < 0.5))
+        requests.append(
+            Planned(
+                index,
+                f"Request {index}: say something about {rng.choice(['cats', 'boats', 'rain'])}.",
+                seeds,
+                greedy=rng.random() < 0.75,
+                stream=rng.random() < 0.5,
+            )
+        )
     return requests
 
 
@@ -80,8 +87,9 @@ def cluster(tiny_model_dir):
 
 
 def run_one(client: openai.OpenAI, model: str, request: Planned) -> None:
-    kwargs = dict(model=model, messages=messages_of(request), max_tokens=MAX_TOKENS,
-                  extra_body={"return_token_ids": True})
+    kwargs = dict(
+        model=model, messages=messages_of(request), max_tokens=MAX_TOKENS, extra_body={"return_token_ids": True}
+    )
     kwargs.update(temperature=0) if request.greedy else kwargs.update(temperature=0.9, seed=request.index)
     request.sent = time.monotonic()
     if request.stream:
@@ -141,7 +149,7 @@ def test_two_encoders_two_pds_mixed_traffic(cluster, tiny_model_dir):
     with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=60) as client:
         model = client.models.list().data[0].id
         with ThreadPoolExecutor(CONCURRENCY) as pool:
-            list(pool.map(lambda r: run_one(client, model, r), requests))   # raises on any failed request
+            list(pool.map(lambda r: run_one(client, model, r), requests))  # raises on any failed request
 
     t1 = time.monotonic()
     # Every request finished normally; greedy ones equal generate() token for token.
@@ -158,10 +166,12 @@ def test_two_encoders_two_pds_mixed_traffic(cluster, tiny_model_dir):
     metrics_text = httpx.get(cluster.base_url.removesuffix("/v1") + "/metrics").text
     shares = pd_share(metrics_text)
     total = sum(shares.values())
-    print(f"\nmust-show 1: {len(requests)} requests in {t1 - t0:.1f}s at concurrency {CONCURRENCY} "
-          f"({sum(r.greedy for r in requests)} greedy checked against "
-          f"generate()), {num_images} images; repeated-image cache hit rate {hits}/{repeats} = {hit_rate:.1%}; "
-          f"PD spread " + ", ".join(f"{a}: {n:.0f} ({n / total:.0%})" for a, n in sorted(shares.items())))
+    print(
+        f"\nmust-show 1: {len(requests)} requests in {t1 - t0:.1f}s at concurrency {CONCURRENCY} "
+        f"({sum(r.greedy for r in requests)} greedy checked against "
+        f"generate()), {num_images} images; repeated-image cache hit rate {hits}/{repeats} = {hit_rate:.1%}; "
+        f"PD spread " + ", ".join(f"{a}: {n:.0f} ({n / total:.0%})" for a, n in sorted(shares.items()))
+    )
     assert repeats >= 20 and hit_rate >= 0.9
     assert len(shares) == 2 and min(shares.values()) >= 0.25 * total
     assert cluster.leaks() == {}

@@ -27,7 +27,6 @@ def cluster(tiny_model_dir):
     cluster.stop()
 
 
-
 @pytest.fixture
 def client(cluster):
     with openai.OpenAI(base_url=cluster.base_url, api_key=API_KEY, max_retries=0, timeout=60) as client:
@@ -69,8 +68,13 @@ def stream_chat(client, **kwargs) -> tuple[dict[int, str], dict[int, list[int]],
 def test_chat_greedy_with_usage_user_and_response_format(client, model, oracle):
     expected = oracle.generate(MESSAGES, [], MAX_TOKENS)
     reply = client.chat.completions.create(
-        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, user="user-1234",
-        response_format={"type": "text"}, **IDS,
+        model=model,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        user="user-1234",
+        response_format={"type": "text"},
+        **IDS,
     )
     assert ids_of(reply.choices[0]) == expected
     assert reply.choices[0].message.content == oracle.decode(expected)
@@ -79,8 +83,15 @@ def test_chat_greedy_with_usage_user_and_response_format(client, model, oracle):
     assert {"image_tokens", "timings_ms"} <= set(reply.usage.model_extra["epd"])
 
     texts, ids, finish, usage, chunks = stream_chat(
-        client, model=model, messages=MESSAGES, max_completion_tokens=MAX_TOKENS, temperature=0, user="user-1234",
-        response_format={"type": "text"}, stream_options={"include_usage": True}, **IDS,
+        client,
+        model=model,
+        messages=MESSAGES,
+        max_completion_tokens=MAX_TOKENS,
+        temperature=0,
+        user="user-1234",
+        response_format={"type": "text"},
+        stream_options={"include_usage": True},
+        **IDS,
     )
     assert ids[0] == expected and texts[0] == oracle.decode(expected)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -100,8 +111,9 @@ def test_chat_with_images_stream_and_not(client, model, oracle):
 
 
 def test_max_completion_tokens_limits_the_output(client, model):
-    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=3, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
 
 
@@ -112,42 +124,56 @@ def test_temperature_and_seed_are_reproducible(client, model):
     _, streamed, _, _, _ = stream_chat(client, **kwargs)
     assert first == second == streamed[0]
     others = {tuple(ids_of(client.chat.completions.create(**{**kwargs, "seed": s}).choices[0])) for s in range(5)}
-    assert len(others | {tuple(first)}) > 1                   # the seed matters
+    assert len(others | {tuple(first)}) > 1  # the seed matters
 
 
 def test_a_tiny_top_p_is_greedy(client, model, oracle):
     expected = oracle.generate(MESSAGES, [], MAX_TOKENS)
-    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0,
-                                           top_p=1e-6, seed=7, **IDS)
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1e-6, seed=7, **IDS
+    )
     assert ids_of(reply.choices[0]) == expected
 
 
 def test_stop_string_cuts_the_output(client, model, oracle):
     full = oracle.decode(oracle.generate(MESSAGES, [], MAX_TOKENS))
-    stop = full[len(full) // 2: len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     want = full[: full.find(stop)]
-    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
-                                           stop=[stop, "unlikely-stop-string"])
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stop=[stop, "unlikely-stop-string"]
+    )
     assert reply.choices[0].message.content == want and reply.choices[0].finish_reason == "stop"
-    texts, _, finish, _, _ = stream_chat(client, model=model, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                         temperature=0, stop=stop)
+    texts, _, finish, _, _ = stream_chat(
+        client, model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stop=stop
+    )
     assert texts[0] == want and finish[0] == "stop"
 
 
 def test_chat_logprobs_and_top_logprobs(client, model, oracle):
     expected = oracle.generate(MESSAGES, [], MAX_TOKENS)
-    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
-                                           logprobs=True, top_logprobs=3)
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == len(expected)
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
-        assert math.isclose(entry.logprob, max(t.logprob for t in entry.top_logprobs), abs_tol=1e-4)   # greedy
+        assert math.isclose(entry.logprob, max(t.logprob for t in entry.top_logprobs), abs_tol=1e-4)  # greedy
         assert entry.bytes == list(entry.token.encode())
     streamed = [
-        entry for chunk in client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                          temperature=0, logprobs=True, top_logprobs=2, stream=True)
-        for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content
+        entry
+        for chunk in client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+        for choice in chunk.choices
+        if choice.logprobs
+        for entry in choice.logprobs.content
     ]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert all(len(e.top_logprobs) == 2 for e in streamed)
@@ -155,31 +181,42 @@ def test_chat_logprobs_and_top_logprobs(client, model, oracle):
 
 def test_n_choices_stream_and_not(client, model, oracle):
     expected = oracle.generate(MESSAGES, [], MAX_TOKENS)
-    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
-                                           n=3, **IDS)
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, n=3, **IDS
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2]
-    assert all(ids_of(c) == expected for c in reply.choices)   # greedy: every choice is the oracle's
+    assert all(ids_of(c) == expected for c in reply.choices)  # greedy: every choice is the oracle's
     assert reply.usage.completion_tokens == 3 * len(expected)
     sampled = dict(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, seed=99, n=2, **IDS)
     texts, ids, finish, usage, _ = stream_chat(client, stream_options={"include_usage": True}, **sampled)
     assert sorted(ids) == [0, 1] and sorted(finish) == [0, 1]
     again = client.chat.completions.create(**sampled)
-    assert [ids_of(c) for c in again.choices] == [ids[0], ids[1]]     # reproducible per choice
+    assert [ids_of(c) for c in again.choices] == [ids[0], ids[1]]  # reproducible per choice
     assert usage.completion_tokens == len(ids[0]) + len(ids[1])
 
 
 def test_completions_endpoint_features(client, model, oracle):
     prompt = "Once upon a time"
-    reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
-                                      user="u", **IDS)
+    reply = client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2, user="u", **IDS
+    )
     choice = reply.choices[0]
     assert len(choice.model_extra["token_ids"]) == reply.usage.completion_tokens
     assert len(choice.logprobs.tokens) == reply.usage.completion_tokens
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
     assert "".join(choice.logprobs.tokens) == choice.text or choice.finish_reason == "stop"
 
-    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, n=2,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     by_index: dict[int, str] = {}
     for chunk in chunks:
         for c in chunk.choices:
@@ -187,8 +224,7 @@ def test_completions_endpoint_features(client, model, oracle):
     assert by_index == {0: choice.text, 1: choice.text}
     assert chunks[-1].usage.completion_tokens == 2 * reply.usage.completion_tokens
 
-    token_prompt = client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0,
-                                             stop=["\n"])
+    token_prompt = client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, stop=["\n"])
     assert token_prompt.usage.prompt_tokens == 4
 
 
@@ -198,19 +234,22 @@ def test_error_classes(client, model, cluster):
     assert bad.value.status_code == 400 and bad.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
-    with openai.OpenAI(base_url=cluster.base_url, api_key="wrong", max_retries=0) as stranger:
-        with pytest.raises(openai.AuthenticationError):
-            stranger.models.list()
+    with (
+        openai.OpenAI(base_url=cluster.base_url, api_key="wrong", max_retries=0) as stranger,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        stranger.models.list()
     with pytest.raises(openai.APIStatusError) as timeout:
-        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
-                                       extra_headers={"X-Request-Timeout": "0.000001"})
+        client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=4, extra_headers={"X-Request-Timeout": "0.000001"}
+        )
     assert timeout.value.status_code == 504
 
     # The only PD drains: 503 with Retry-After, then service resumes by itself.
     cluster.run(cluster.pds[0].grpc.set_ready(False))
     try:
         with pytest.raises(openai.InternalServerError) as unavailable:
-            for _ in range(100):   # until the proxy's health watch has seen it
+            for _ in range(100):  # until the proxy's health watch has seen it
                 client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
         assert unavailable.value.status_code == 503
         assert unavailable.value.response.headers["retry-after"] == "1"

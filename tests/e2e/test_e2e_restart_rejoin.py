@@ -65,32 +65,45 @@ def _idle(service: ServiceProcess) -> dict[str, int]:
 def test_killed_instances_restart_on_their_port_and_rejoin(tiny_model_dir, tmp_path, oracle) -> None:
     model_dir = str(tiny_model_dir)
     encoder_port, pd_port = free_ports(2)
-    victims = [ServiceProcess("encoder", model_dir, encoder_port, tmp_path / "encoder.log"),
-               ServiceProcess("pd", model_dir, pd_port, tmp_path / "pd.log")]
+    victims = [
+        ServiceProcess("encoder", model_dir, encoder_port, tmp_path / "encoder.log"),
+        ServiceProcess("pd", model_dir, pd_port, tmp_path / "pd.log"),
+    ]
     for victim in victims:
         victim.start()
     survivors = proxy = traffic = None
     try:
         survivors = InProcessCluster(model_dir, with_proxy=False).start()
-        proxy = ProxyOnly(model_dir, [victims[1].address, *survivors.pd_addresses],
-                          [victims[0].address, *survivors.encoder_addresses],
-                          request_timeout_s=15, breaker_open_s=1.0, load_poll_s=0.2).start()
+        proxy = ProxyOnly(
+            model_dir,
+            [victims[1].address, *survivors.pd_addresses],
+            [victims[0].address, *survivors.encoder_addresses],
+            request_timeout_s=15,
+            breaker_open_s=1.0,
+            load_poll_s=0.2,
+        ).start()
         view = ProxyView(f"http://127.0.0.1:{proxy.port}")
         for victim in victims:
             victim.wait_ready()
-        wait_until(lambda: all(all(group.values()) for group in (view.health()["pd"], view.health()["encoder"])),
-                   60, "the proxy to see all four instances ready")
+        wait_until(
+            lambda: all(all(group.values()) for group in (view.health()["pd"], view.health()["encoder"])),
+            60,
+            "the proxy to see all four instances ready",
+        )
 
         traffic = Traffic(view.base_url, _body, concurrency=2, pause_s=0.2, max_requests=2000, max_run_s=300).start()
         wait_until(lambda: traffic.num_ok() >= 5, 60, "traffic to flow")
-        recoveries = kill_and_rejoin(victims, view, traffic, timeout_s=120)   # both at once
+        recoveries = kill_and_rejoin(victims, view, traffic, timeout_s=120)  # both at once
         outcomes = traffic.stop()
         traffic = None
 
         failed = [o for o in outcomes if not o.ok]
-        print("\nrestart and rejoin:\n  " + "\n  ".join(r.line() for r in recoveries)
-              + f"\n  {len(outcomes)} requests, {len(outcomes) - len(failed)} succeeded, "
-              f"failed: {sorted((o.status, (o.error or {}).get('code')) for o in failed)}")
+        print(
+            "\nrestart and rejoin:\n  "
+            + "\n  ".join(r.line() for r in recoveries)
+            + f"\n  {len(outcomes)} requests, {len(outcomes) - len(failed)} succeeded, "
+            f"failed: {sorted((o.status, (o.error or {}).get('code')) for o in failed)}"
+        )
         assert all(o.status is not None for o in outcomes), "a request got no answer (hung or connection lost)"
         for outcome in failed:  # clean errors, and only for requests in flight at a kill
             assert outcome.status >= 500 and outcome.error and {"message", "type", "code"} <= set(outcome.error)

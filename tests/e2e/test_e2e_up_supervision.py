@@ -36,9 +36,9 @@ pytestmark = pytest.mark.e2e
 NUM_REQUESTS = 48
 CONCURRENCY = 4
 MAX_TOKENS = 6
-KILL_ENCODER_AFTER = 12      # completed requests
+KILL_ENCODER_AFTER = 12  # completed requests
 KILL_PD_AFTER = 24
-BACK_WITHIN_S = 60.0         # must-show bound for a killed service to be ready again
+BACK_WITHIN_S = 60.0  # must-show bound for a killed service to be ready again
 REQUEST_TIMEOUT_S = 20
 
 
@@ -66,8 +66,9 @@ class Launcher:
     """A running ``epd up`` and everything it has printed (read on a thread so the pipe never fills)."""
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.lines: list[tuple[float, str]] = []
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -118,11 +119,36 @@ def cluster(tiny_model_dir, tmp_path_factory):
     proxy_port, launcher_metrics = (free_port_range(1) for _ in range(2))
     encoder_base, pd_base, encoder_metrics, pd_metrics = (free_port_range(2) for _ in range(4))
     command = [
-        sys.executable, "-m", "services.cli", "up", "--model", str(tiny_model_dir), "--encoders", "2", "--pds", "2",
-        "--port", str(proxy_port), "--encoder-base-port", str(encoder_base), "--pd-base-port", str(pd_base),
-        "--encoder-metrics-base-port", str(encoder_metrics), "--pd-metrics-base-port", str(pd_metrics),
-        "--launcher-metrics-port", str(launcher_metrics), "--threads", "1", "--log-level", "warning",
-        "--max-restarts", "2", "--restart-backoff-s", "0.2",
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--model",
+        str(tiny_model_dir),
+        "--encoders",
+        "2",
+        "--pds",
+        "2",
+        "--port",
+        str(proxy_port),
+        "--encoder-base-port",
+        str(encoder_base),
+        "--pd-base-port",
+        str(pd_base),
+        "--encoder-metrics-base-port",
+        str(encoder_metrics),
+        "--pd-metrics-base-port",
+        str(pd_metrics),
+        "--launcher-metrics-port",
+        str(launcher_metrics),
+        "--threads",
+        "1",
+        "--log-level",
+        "warning",
+        "--max-restarts",
+        "2",
+        "--restart-backoff-s",
+        "0.2",
     ]
     env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path_factory.mktemp("cache")), "PYTHONUNBUFFERED": "1"}
     env.pop("EPD_INTERNAL_TOKEN", None)
@@ -139,10 +165,10 @@ def cluster(tiny_model_dir, tmp_path_factory):
 class Outcome:
     index: int
     streamed: bool
-    status: int | None = None     # HTTP status; None = no answer at all
-    finished: bool = False        # a finish_reason arrived
-    error_event: bool = False     # a stream ended with an OpenAI error event
-    done: bool = False            # a stream's data: [DONE]
+    status: int | None = None  # HTTP status; None = no answer at all
+    finished: bool = False  # a finish_reason arrived
+    error_event: bool = False  # a stream ended with an OpenAI error event
+    done: bool = False  # a stream's data: [DONE]
     error_code: str | None = None
 
     @property
@@ -161,8 +187,13 @@ def body_of(index: int) -> dict:
     images = [make_image(index % 7 + 1)] if index % 3 else []  # two thirds carry an image, some repeated
     content = [{"type": "text", "text": f"Request {index}: what is shown?"}]
     content += [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in images]
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": index % 2 == 1}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": index % 2 == 1,
+    }
 
 
 def send(client: httpx.Client, index: int) -> Outcome:
@@ -185,7 +216,7 @@ def send(client: httpx.Client, index: int) -> Outcome:
             for line in reply.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     outcome.done = True
                     continue
@@ -206,8 +237,10 @@ def _kill(pid: int) -> float:
 
 def _restarts(cluster: Cluster) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{cluster.launcher_metrics}/metrics", timeout=5).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'epd_launcher_restarts_total\{service="([^"]+)"\} (\S+)', text)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'epd_launcher_restarts_total\{service="([^"]+)"\} (\S+)', text)
+    }
 
 
 def test_a_killed_encoder_and_pd_are_restarted_while_the_cluster_keeps_serving(cluster):
@@ -227,19 +260,25 @@ def test_a_killed_encoder_and_pd_are_restarted_while_the_cluster_keeps_serving(c
             elif count == KILL_PD_AFTER and "pd-0" not in kills:
                 kills["pd-0"] = _kill(launcher.pid_of("pd-0"))
 
-    with httpx.Client(base_url=cluster.base_url, timeout=REQUEST_TIMEOUT_S + 10) as client, \
-            ThreadPoolExecutor(CONCURRENCY) as pool:
+    with (
+        httpx.Client(base_url=cluster.base_url, timeout=REQUEST_TIMEOUT_S + 10) as client,
+        ThreadPoolExecutor(CONCURRENCY) as pool,
+    ):
         list(pool.map(lambda i: one(client, i), range(NUM_REQUESTS)))
 
     assert set(kills) == {"encoder-0", "pd-0"}
-    back = {name: launcher.wait_for(rf"{name}\s+ready again", BACK_WITHIN_S, after=killed)[0] - killed
-            for name, killed in kills.items()}
+    back = {
+        name: launcher.wait_for(rf"{name}\s+ready again", BACK_WITHIN_S, after=killed)[0] - killed
+        for name, killed in kills.items()
+    }
     ok = [o for o in completed if o.ok]
     failed = [o for o in completed if not o.ok]
     lost = [o for o in failed if not o.clean_failure]
-    print(f"{len(ok)}/{len(completed)} succeeded; failed cleanly: "
-          f"{[(o.index, o.status, o.error_code, o.streamed) for o in failed]}; "
-          f"back and ready after kill: " + ", ".join(f"{name} {s:.1f}s" for name, s in back.items()))
+    print(
+        f"{len(ok)}/{len(completed)} succeeded; failed cleanly: "
+        f"{[(o.index, o.status, o.error_code, o.streamed) for o in failed]}; "
+        f"back and ready after kill: " + ", ".join(f"{name} {s:.1f}s" for name, s in back.items())
+    )
     assert len(completed) == NUM_REQUESTS
     assert lost == [], f"requests that ended without a clean error: {lost}"
     assert len(ok) >= 0.95 * NUM_REQUESTS
@@ -283,5 +322,5 @@ def test_a_crash_looping_service_stops_epd_up_naming_it(cluster):
     message = launcher.wait_for(r"encoder-1 is crash-looping: it exited with code 1 after 2 restarts", 5)[1]
     assert message is not None
     output = launcher.output()
-    tail = output[output.index("encoder-1 is crash-looping"):]
+    tail = output[output.index("encoder-1 is crash-looping") :]
     assert "| " in tail and "bind" in tail  # its last output lines, with the reason

@@ -63,8 +63,12 @@ def scrape(url: str) -> Scrape:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     cluster = InProcessCluster(
-        str(tiny_model_dir), num_encoders=1, num_pds=2,
-        pd={"metrics_port": 0}, encoder={"metrics_port": 0}, proxy={"pd_policy": "round-robin"},
+        str(tiny_model_dir),
+        num_encoders=1,
+        num_pds=2,
+        pd={"metrics_port": 0},
+        encoder={"metrics_port": 0},
+        proxy={"pd_policy": "round-robin"},
     ).start()
     try:
         yield cluster
@@ -103,20 +107,31 @@ def _send_traffic(cluster) -> dict[str, int]:
         seen["streamed_gaps"] += usage.completion_tokens - 1 if streamed else 0
 
     reply = client.chat.completions.create(
-        model=model, max_tokens=MAX_TOKENS, temperature=0,
+        model=model,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
         messages=[{"role": "user", "content": "Say something."}],
     )
     count(reply.usage, streamed=False)
     for streamed in (True, True, False):
         if streamed:
-            chunks = list(client.chat.completions.create(
-                model=model, max_tokens=MAX_TOKENS, temperature=0, messages=[image_message],
-                stream=True, stream_options={"include_usage": True},
-            ))
+            chunks = list(
+                client.chat.completions.create(
+                    model=model,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    messages=[image_message],
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             count(chunks[-1].usage, streamed=True)
         else:
             reply = client.chat.completions.create(
-                model=model, max_tokens=MAX_TOKENS, temperature=0, messages=[image_message],
+                model=model,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                messages=[image_message],
             )
             count(reply.usage, streamed=False)
     return seen
@@ -127,9 +142,15 @@ def _expire_one_reservation(cluster) -> None:
     with grpc.insecure_channel(cluster.pd_addresses[0]) as channel:
         stub = epd_pb2_grpc.PrefillDecodeStub(channel)
         item = epd_pb2.MultiModalItem(mm_hash=uuid.uuid4().hex * 2, offset=1, num_tokens=4)
-        reply = stub.Preallocate(epd_pb2.PreallocateRequest(
-            request_id=f"metrics-{uuid.uuid4().hex}", prompt_token_ids=[1] * 8, items=[item], lease_ms=1,
-        ), timeout=30)
+        reply = stub.Preallocate(
+            epd_pb2.PreallocateRequest(
+                request_id=f"metrics-{uuid.uuid4().hex}",
+                prompt_token_ids=[1] * 8,
+                items=[item],
+                lease_ms=1,
+            ),
+            timeout=30,
+        )
     assert reply.items[0].state == epd_pb2.ItemAllocation.RESERVED
 
 
@@ -193,14 +214,18 @@ def test_every_documented_metric_is_exported_with_plausible_values(cluster):
     assert now("encoder", "epd_encoder_cache_bytes") == pushed / (hits + misses)  # one embedding cached
     assert now("encoder", "epd_encoder_cache_entries") == 1
     assert now("encoder", "epd_encoder_queue_depth") == 0 and now("encoder", "epd_encoder_outbound_bytes") == 0
-    assert grew("encoder", "epd_encoder_failed_images_total") == grew("encoder", "epd_encoder_rejected_images_total") == 0
+    assert (
+        grew("encoder", "epd_encoder_failed_images_total") == grew("encoder", "epd_encoder_rejected_images_total") == 0
+    )
 
     # PD: token counters match the usage the responses carried; idle gauges; the expired lease counted.
     assert grew("pd", "epd_pd_prompt_tokens_total") == seen["prompt"]
     assert grew("pd", "epd_pd_generation_tokens_total") == seen["completion"]
     assert grew("pd", "epd_pd_prefix_cache_hit_tokens_total") == seen["cached"] > 0
     assert grew("pd", "epd_pd_step_seconds_count") >= seen["requests"] * MAX_TOKENS / 2
-    assert grew("pd", "epd_pd_step_seconds_sum") > 0 and grew("pd", "epd_pd_step_phase_seconds_total", phase="execute") > 0
+    assert (
+        grew("pd", "epd_pd_step_seconds_sum") > 0 and grew("pd", "epd_pd_step_phase_seconds_total", phase="execute") > 0
+    )
     assert grew("pd", "epd_pd_reservations_expired_total") == 1
     assert now("pd", "epd_pd_running_requests") == now("pd", "epd_pd_waiting_requests") == 0
     assert now("pd", "epd_pd_kv_blocks_used") == 0 and now("pd", "epd_pd_kv_blocks_total") > 0

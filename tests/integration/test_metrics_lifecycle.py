@@ -57,9 +57,7 @@ async def test_pd_with_a_taken_metrics_port_fails_to_start_and_leaves_nothing_ru
     assert _threads("pd-engine") == engines_before
 
 
-async def test_encoder_with_a_taken_metrics_port_fails_to_start_and_leaves_nothing_running(
-    tiny_model_dir, taken_port
-):
+async def test_encoder_with_a_taken_metrics_port_fails_to_start_and_leaves_nothing_running(tiny_model_dir, taken_port):
     workers_before = _threads("encoder-batcher")
     with pytest.raises(OSError):
         await start_encoder(encoder_config(str(tiny_model_dir), port=0, metrics_port=taken_port, warmup=False))
@@ -88,8 +86,12 @@ async def test_pd_scrape_serves_the_last_values_when_the_engine_does_not_answer(
         served = _values(reply.text)
         # The warm-up: one token, then the step-time calibration's requests.
         calibration = step_calibration
-        warm_up_tokens = 1 + calibration.NUM_PASSES * (len(calibration.PROMPT_LENGTHS) + calibration.BATCH_SIZE) \
+        warm_up_tokens = (
+            1
+            + calibration.NUM_PASSES
+            * (len(calibration.PROMPT_LENGTHS) + calibration.BATCH_SIZE)
             * calibration.NUM_OUTPUT_TOKENS
+        )
         assert served["epd_pd_engine_responsive"] == 1 and served["epd_pd_generation_tokens_total"] == warm_up_tokens
 
         metrics = PdMetrics(pd.engine, snapshot_timeout_s=0.05)
@@ -118,8 +120,13 @@ async def test_pd_metrics_behind_the_internal_token(tiny_model_dir):
     from services.common.security import InternalSecurity
 
     token = "pd-metrics-token-0123456789"
-    config = PdConfig(model=str(tiny_model_dir), port=0, metrics_port=0, warmup=False,
-                      security=InternalSecurity(token=token, metrics_auth=True))
+    config = PdConfig(
+        model=str(tiny_model_dir),
+        port=0,
+        metrics_port=0,
+        warmup=False,
+        security=InternalSecurity(token=token, metrics_auth=True),
+    )
     pd = await start_pd(config)
     try:
         url = f"http://127.0.0.1:{pd.metrics_http.port}/metrics"

@@ -24,8 +24,8 @@ from services.encoder.config import EncoderConfig
 from services.encoder.metrics import PrometheusEncoderMetrics
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
-from services.pd.outputs import ModelRunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
-from services.pd.step_stats import STEP_SECONDS_BUCKETS, StepStats
+from services.pd.engine.outputs import ModelRunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
+from services.pd.engine.step_stats import STEP_SECONDS_BUCKETS, StepStats
 from services.proxy.metrics import TokenGaps
 
 # ----------------------------------------------------------------- HTTP endpoint
@@ -189,13 +189,13 @@ def _observed(histogram: Histogram) -> tuple[float, float]:
 def test_token_gaps_split_a_message_gap_over_its_tokens():
     histogram, clock = _histogram(), _Clock()
     gaps = TokenGaps(histogram, clock)
-    gaps.add(1)          # the first token starts the clock
+    gaps.add(1)  # the first token starts the clock
     clock.now = 0.1
     gaps.add(1)
     clock.now = 0.1
-    gaps.add(0)          # a message without tokens changes nothing
+    gaps.add(0)  # a message without tokens changes nothing
     clock.now = 0.5
-    gaps.add(2)          # 0.4 s for two tokens: two samples of 0.2
+    gaps.add(2)  # 0.4 s for two tokens: two samples of 0.2
     count, total = _observed(histogram)
     assert count == 3 and total == pytest.approx(0.5)
 
@@ -210,18 +210,25 @@ def test_disabled_token_gaps_observe_nothing():
 
 
 def _chunk(request_id: str, start: int, num: int, outputs: int) -> ScheduledChunk:
-    return ScheduledChunk(request_id=request_id, token_ids=[1] * num, start_pos=start, block_ids=[0],
-                          num_output_tokens=outputs)
+    return ScheduledChunk(
+        request_id=request_id, token_ids=[1] * num, start_pos=start, block_ids=[0], num_output_tokens=outputs
+    )
 
 
 def test_step_stats_count_prompts_once_and_every_sampled_token():
     stats = StepStats()
     # Step 1: request a prefills 8 of 12 prompt tokens (no sample); b's 5-token prompt ends and samples.
-    stats.record(SchedulerOutput(chunks=[_chunk("a", 0, 8, 0), _chunk("b", 0, 5, 0)]),
-                 ModelRunnerOutput(sampled={"b": SampledToken(7)}), 0.002)
+    stats.record(
+        SchedulerOutput(chunks=[_chunk("a", 0, 8, 0), _chunk("b", 0, 5, 0)]),
+        ModelRunnerOutput(sampled={"b": SampledToken(7)}),
+        0.002,
+    )
     # Step 2: a's prompt ends at 12 (4 of them came from the prefix cache earlier); b decodes.
-    stats.record(SchedulerOutput(chunks=[_chunk("a", 8, 4, 0), _chunk("b", 5, 1, 1)]),
-                 ModelRunnerOutput(sampled={"a": SampledToken(3), "b": SampledToken(4)}), 0.3)
+    stats.record(
+        SchedulerOutput(chunks=[_chunk("a", 8, 4, 0), _chunk("b", 5, 1, 1)]),
+        ModelRunnerOutput(sampled={"a": SampledToken(3), "b": SampledToken(4)}),
+        0.3,
+    )
     snap = stats.snapshot()
     assert snap.num_steps == 2 and snap.num_prompt_tokens == 5 + 12 and snap.num_generation_tokens == 3
     assert snap.sum_seconds == pytest.approx(0.302)
@@ -287,19 +294,33 @@ def test_up_gives_each_server_its_own_metrics_port(monkeypatch):
     assert _metrics_port(spawned["encoder-0"]) == "-1" and _metrics_port(spawned["pd-0"]) == "7000"
 
 
-@pytest.mark.parametrize("argv", [
-    ["--encoders", "11"],                                     # encoder gRPC 50051..50061 meets PD 50061
-    ["--encoder-metrics-base-port", "9201"],                  # encoder and PD metrics on one port
-    ["--pds", "2", "--pd-metrics-base-port", "8000"],         # PD metrics on the proxy's port
-    ["--launcher-metrics-port", "9101"],                      # the launcher's metrics on encoder 0's
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--encoders", "11"],  # encoder gRPC 50051..50061 meets PD 50061
+        ["--encoder-metrics-base-port", "9201"],  # encoder and PD metrics on one port
+        ["--pds", "2", "--pd-metrics-base-port", "8000"],  # PD metrics on the proxy's port
+        ["--launcher-metrics-port", "9101"],  # the launcher's metrics on encoder 0's
+    ],
+)
 def test_up_refuses_ports_that_collide(argv, capsys):
     assert launcher.run(_parse(launcher.add_arguments, argv)) == 2
     assert "same port" in capsys.readouterr().err
 
 
 def test_up_ports_do_not_collide_when_metrics_are_off():
-    args = _parse(launcher.add_arguments, ["--encoders", "150", "--encoder-metrics-base-port", "-1",
-                                           "--pd-base-port", "60000", "--launcher-metrics-port", "-1"])
+    args = _parse(
+        launcher.add_arguments,
+        [
+            "--encoders",
+            "150",
+            "--encoder-metrics-base-port",
+            "-1",
+            "--pd-base-port",
+            "60000",
+            "--launcher-metrics-port",
+            "-1",
+        ],
+    )
     ports = launcher._listening_ports(args)
     assert len(ports) == len(set(ports)) == 1 + 150 + 1 + 1  # proxy, encoders, PD, PD metrics

@@ -42,8 +42,9 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,28 @@ class Authority:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         cert = (
-            x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(_name(name))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .sign(key, hashes.SHA256())
         )
         return cls(key, cert)
@@ -78,13 +94,23 @@ class Authority:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         cert = (
-            x509.CertificateBuilder().subject_name(_name(name)).issuer_name(self.cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .sign(self.key, hashes.SHA256())
         )
@@ -123,12 +149,15 @@ def _echo_double_handler() -> grpc.GenericRpcHandler:
         async for chunk in requests:
             yield chunk
 
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(unary),
-        "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
-        "ClientStream": grpc.stream_unary_rpc_method_handler(client_stream),
-        "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
+            "ClientStream": grpc.stream_unary_rpc_method_handler(client_stream),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
+        },
+    )
 
 
 async def start_double(security: InternalSecurity) -> grpc_utils.GrpcServer:
@@ -159,15 +188,19 @@ EXPECTED = [b"x", b"y", b"y", b"abcd", b"ab", b"cd"]
 async def codes_of_each_arity(channel: grpc.aio.Channel) -> set[grpc.StatusCode]:
     """The status of one call of each arity (the streaming-request ones write nothing)."""
     codes = set()
-    for call in (channel.unary_unary(f"/{SERVICE}/Unary")(b"x", timeout=5),
-                 channel.unary_stream(f"/{SERVICE}/ServerStream")(b"y", timeout=5)):
+    for call in (
+        channel.unary_unary(f"/{SERVICE}/Unary")(b"x", timeout=5),
+        channel.unary_stream(f"/{SERVICE}/ServerStream")(b"y", timeout=5),
+    ):
         codes.add(await call.code())
     # A write racing the server's refusal can turn its status into a local
     # "INTERNAL: Internal error from Core" (grpc/grpc#36066, see the encoder's
     # pusher); the refusal itself happens on the call's headers, so these calls
     # only open the stream and read its status.
-    for call in (channel.stream_unary(f"/{SERVICE}/ClientStream")(timeout=5),
-                 channel.stream_stream(f"/{SERVICE}/Bidi")(timeout=5)):
+    for call in (
+        channel.stream_unary(f"/{SERVICE}/ClientStream")(timeout=5),
+        channel.stream_stream(f"/{SERVICE}/Bidi")(timeout=5),
+    ):
         codes.add(await call.code())
     return codes
 
@@ -311,8 +344,13 @@ async def test_mtls_and_token_together(ca):
 async def _health(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     """``epd health`` as a process, as a container runtime runs it."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.common.healthcheck", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+        sys.executable,
+        "-m",
+        "services.common.healthcheck",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
     )
     output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
     return process.returncode, output.decode()
@@ -374,8 +412,10 @@ def test_cluster_serves_through_the_proxy_with_internal_security_on(tiny_model_d
 
         async def refused_outsider() -> set[grpc.StatusCode]:
             codes = set()
-            for address, stub_cls in ((cluster.pd_addresses[0], epd_pb2_grpc.PrefillDecodeStub),
-                                      (cluster.encoder_addresses[0], epd_pb2_grpc.EncoderStub)):
+            for address, stub_cls in (
+                (cluster.pd_addresses[0], epd_pb2_grpc.PrefillDecodeStub),
+                (cluster.encoder_addresses[0], epd_pb2_grpc.EncoderStub),
+            ):
                 async with grpc_utils.aio_channel(address) as channel:
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await stub_cls(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)

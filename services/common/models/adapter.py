@@ -23,8 +23,20 @@ from .vision_io import PixelLayout
 
 # Image-processor attributes that change the pixels a picture becomes (for mm_hash).
 PIXEL_SETTINGS = (
-    "do_convert_rgb", "do_resize", "size", "resample", "default_to_square", "do_center_crop", "crop_size",
-    "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std", "do_pad", "pad_size",
+    "do_convert_rgb",
+    "do_resize",
+    "size",
+    "resample",
+    "default_to_square",
+    "do_center_crop",
+    "crop_size",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "do_pad",
+    "pad_size",
 )
 
 
@@ -46,8 +58,8 @@ class ProcessedImage:
     and ``token_grid`` = the same in LM tokens (``t * h * w == num_tokens``).
     """
 
-    pixel_values: torch.Tensor   # float32, contiguous
-    num_tokens: int              # placeholder tokens == embedding rows
+    pixel_values: torch.Tensor  # float32, contiguous
+    num_tokens: int  # placeholder tokens == embedding rows
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
 

@@ -64,13 +64,25 @@ def _siglip(preset: Preset) -> bool:
 
 def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
     """A llava-1.5-style config (second-to-last vision layer; CLIP's CLS dropped) for ``preset``."""
-    return _llava_config(preset, len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE))
+    return _llava_config(
+        preset,
+        len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+    )
 
 
-def _llava_config(preset: Preset, num_tokens: int, *, bos_token_id: int | None, eos_token_id: int | None,
-                  pad_token_id: int | None, image_token_id: int) -> LlavaConfig:
+def _llava_config(
+    preset: Preset,
+    num_tokens: int,
+    *,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+    pad_token_id: int | None,
+    image_token_id: int,
+) -> LlavaConfig:
     text = preset.text
     text_config = LlamaConfig(
         vocab_size=max(num_tokens, preset.lm_vocab_size),
@@ -103,8 +115,9 @@ def num_parameters(preset: Preset) -> int:
 
     The LM's vocabulary is taken at ``lm_vocab_size`` or the tokenizer's target size.
     """
-    config = _llava_config(preset, preset.tokenizer_vocab_size, bos_token_id=None, eos_token_id=None,
-                           pad_token_id=None, image_token_id=0)
+    config = _llava_config(
+        preset, preset.tokenizer_vocab_size, bos_token_id=None, eos_token_id=None, pad_token_id=None, image_token_id=0
+    )
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(config)
     return sum(parameter.numel() for parameter in model.parameters())
@@ -145,15 +158,18 @@ def _write_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Callab
 
 
 def _write_llava_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Callable[[str], None]) -> None:
-    device, dtype = build_device(preset)   # first: a machine that cannot build it is told at once
+    device, dtype = build_device(preset)  # first: a machine that cannot build it is told at once
     progress(f"training tokenizer ({preset.tokenizer_vocab_size} tokens)")
     tokenizer = build_hf_tokenizer(preset.tokenizer_vocab_size, preset.corpus_lines, seed)
     config = llava_config(preset, tokenizer)
     progress(f"initialising weights on {device} in {str(dtype).removeprefix('torch.')}")
     with torch.device("meta"):
         # float32 is the default; naming it would add a "dtype" entry to config.json.
-        model = (LlavaForConditionalGeneration(config) if dtype == torch.float32
-                 else LlavaForConditionalGeneration._from_config(config, dtype=dtype))
+        model = (
+            LlavaForConditionalGeneration(config)
+            if dtype == torch.float32
+            else LlavaForConditionalGeneration._from_config(config, dtype=dtype)
+        )
     # Built only to be saved: initialise_vlm writes every parameter, and the
     # non-persistent buffers that to_empty leaves unset are never saved.
     model = model.to_empty(device=device)
@@ -178,7 +194,8 @@ def build_device(preset: Preset) -> tuple[torch.device, torch.dtype]:
         raise ValueError(
             f"the {preset.name} preset is built on a CUDA device in bfloat16 ({num_parameters(preset) / 1e9:.2f}B "
             f"parameters, about {2 * num_parameters(preset) / 1e9:.0f} GB; in float32 they do not fit a CPU "
-            "machine's memory), and this machine has no CUDA device: build it on a GPU machine")
+            "machine's memory), and this machine has no CUDA device: build it on a GPU machine"
+        )
     return torch.device("cuda"), torch.bfloat16
 
 

@@ -28,8 +28,16 @@ from transformers import (
 from .chat_template import QWEN_VL_CHAT_TEMPLATE
 from .init_weights import initialise_vlm
 from .presets import CLIP_MEAN, CLIP_STD, Preset, QwenVisionShape
-from .tokenizer import ENDOFTEXT, IM_END, IMAGE_PAD, QWEN_SPECIAL_TOKENS, VIDEO_PAD, VISION_END, VISION_START
-from .tokenizer import build_qwen_tokenizer
+from .tokenizer import (
+    ENDOFTEXT,
+    IM_END,
+    IMAGE_PAD,
+    QWEN_SPECIAL_TOKENS,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    build_qwen_tokenizer,
+)
 
 # Per family: config class, model class, processor class name (as processor_config.json names it).
 _FAMILIES = {
@@ -50,11 +58,18 @@ def _vision_config(preset: Preset) -> dict:
     )
     if preset.family == "qwen2_vl":
         # Qwen2-VL names the tower's width embed_dim and the merger's output hidden_size.
-        return dict(common, embed_dim=vision.hidden_size, hidden_size=preset.text.hidden_size,
-                    mlp_ratio=vision.intermediate_size // vision.hidden_size)
+        return dict(
+            common,
+            embed_dim=vision.hidden_size,
+            hidden_size=preset.text.hidden_size,
+            mlp_ratio=vision.intermediate_size // vision.hidden_size,
+        )
     return dict(
-        common, hidden_size=vision.hidden_size, intermediate_size=vision.intermediate_size,
-        out_hidden_size=preset.text.hidden_size, window_size=vision.window_size,
+        common,
+        hidden_size=vision.hidden_size,
+        intermediate_size=vision.intermediate_size,
+        out_hidden_size=preset.text.hidden_size,
+        window_size=vision.window_size,
         fullatt_block_indexes=list(vision.full_attention_layers),
     )
 
@@ -72,8 +87,11 @@ def qwen_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> Qwen2_5_V
         num_attention_heads=text.num_heads,
         num_key_value_heads=text.num_kv_heads,
         max_position_embeddings=text.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": text.rope_theta,
-                         "mrope_section": list(text.mrope_section)},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": text.rope_theta,
+            "mrope_section": list(text.mrope_section),
+        },
         bos_token_id=None,
         eos_token_id=ids[IM_END],
         pad_token_id=ids[ENDOFTEXT],

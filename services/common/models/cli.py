@@ -13,16 +13,32 @@ from services.common import cli_args
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.models import PRESETS
 
-    cli_args.add_flag(parser, "--preset", default="tiny", choices=sorted(PRESETS),
-                      help="model shapes: tiny (tests, seconds) or bench (ViT-B/16 + ~125M LM) LLaVA; "
-                           "llava-siglip-tiny (SigLIP tower); qwen2.5-vl-tiny, qwen2-vl-tiny (tests) or "
-                           "qwen2.5-vl-bench (bench-sized Qwen2.5-VL); llava-1.5-7b-random (LLaVA-1.5-7B shapes, "
-                           "7.06B parameters; built with --device cuda in bfloat16, ~14 GB)")
-    cli_args.add_flag(parser, "--device", default="",
-                      help="where the weights are made: cpu for every preset but llava-1.5-7b-random (float32, "
-                           "byte-identical per seed), cuda for it (bfloat16); '' = the preset's")
-    cli_args.add_flag(parser, "--out", default="", help="output directory (default: the model cache, $EPD_CACHE_DIR/models/<preset>-v1)")
-    cli_args.add_flag(parser, "--seed", type=int, default=0, help="random seed; the same seed gives byte-identical weights")
+    cli_args.add_flag(
+        parser,
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="model shapes: tiny (tests, seconds) or bench (ViT-B/16 + ~125M LM) LLaVA; "
+        "llava-siglip-tiny (SigLIP tower); qwen2.5-vl-tiny, qwen2-vl-tiny (tests) or "
+        "qwen2.5-vl-bench (bench-sized Qwen2.5-VL); llava-1.5-7b-random (LLaVA-1.5-7B shapes, "
+        "7.06B parameters; built with --device cuda in bfloat16, ~14 GB)",
+    )
+    cli_args.add_flag(
+        parser,
+        "--device",
+        default="",
+        help="where the weights are made: cpu for every preset but llava-1.5-7b-random (float32, "
+        "byte-identical per seed), cuda for it (bfloat16); '' = the preset's",
+    )
+    cli_args.add_flag(
+        parser,
+        "--out",
+        default="",
+        help="output directory (default: the model cache, $EPD_CACHE_DIR/models/<preset>-v1)",
+    )
+    cli_args.add_flag(
+        parser, "--seed", type=int, default=0, help="random seed; the same seed gives byte-identical weights"
+    )
     cli_args.add_flag(parser, "--force", default=False, help="replace an existing checkpoint in --out")
 
 
@@ -36,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         build_device(preset)
-    except ValueError as error:   # e.g. the 7B preset on a machine without CUDA
+    except ValueError as error:  # e.g. the 7B preset on a machine without CUDA
         print(f"cannot build {preset.name}: {error}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else default_model_dir(args.preset)
@@ -47,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     path = build_checkpoint(
         args.preset, out, seed=args.seed, overwrite=args.force, progress=lambda msg: print(f"  {msg}", flush=True)
     )
-    print(f"built {args.preset} checkpoint at {path} in {time.monotonic() - started:.1f}s "
-          "(random weights: its text is gibberish by design)")
+    print(
+        f"built {args.preset} checkpoint at {path} in {time.monotonic() - started:.1f}s "
+        "(random weights: its text is gibberish by design)"
+    )
     return 0

@@ -88,7 +88,11 @@ class LlavaAdapter(ModelAdapter):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(self.config.text_config), dtype=dtype)
         tied = self.config.tie_word_embeddings or self.config.text_config.tie_word_embeddings
         load_part(
-            model, self._weights(), {"": Part.LANGUAGE_MODEL}, torch.device(device), dtype,
+            model,
+            self._weights(),
+            {"": Part.LANGUAGE_MODEL},
+            torch.device(device),
+            dtype,
             derive=functools.partial(tied_head, tied=tied),
         )
         return model.eval().requires_grad_(False)

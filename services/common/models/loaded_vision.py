@@ -77,8 +77,9 @@ class LoadedVision:
         for batch_size in sorted(batch_sizes):
             for out in self.encode([(self.sample_pixels, self.sample_grid)] * batch_size):
                 if tuple(out.shape) != want:
-                    raise RuntimeError(f"vision module produced shape {list(out.shape)} for a blank image, "
-                                       f"expected {list(want)}")
+                    raise RuntimeError(
+                        f"vision module produced shape {list(out.shape)} for a blank image, expected {list(want)}"
+                    )
 
 
 def embeddings_to_host(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:

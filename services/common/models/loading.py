@@ -191,4 +191,3 @@ def load_part(
     module.load_state_dict(state, strict=True, assign=True)
     module.to(device)  # only the non-persistent buffers (RoPE, position ids) still live on CPU
     logger.debug("loaded %d tensors into %s", len(state), type(module).__name__)
-

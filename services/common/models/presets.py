@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 """Per-channel pixel mean of CLIP (and of Qwen2-VL's towers, which reuse it)."""
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -100,9 +99,7 @@ class Preset:
 
 TINY = Preset(
     name="tiny",
-    vision=VisionShape(
-        hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, image_size=32, patch_size=8
-    ),
+    vision=VisionShape(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, image_size=32, patch_size=8),
     text=TextShape(
         hidden_size=64,
         num_layers=2,
@@ -134,16 +131,21 @@ BENCH = Preset(
     context_strength=1.2,
 )
 
-LLAVA_SIGLIP_TINY = replace(
-    TINY, name="llava-siglip-tiny", vision=replace(TINY.vision, kind="siglip")
-)
+LLAVA_SIGLIP_TINY = replace(TINY, name="llava-siglip-tiny", vision=replace(TINY.vision, kind="siglip"))
 
 # Qwen's tiny LM rotates fast (small rope_theta) so that every position axis
 # visibly changes the output: a wrong height/width position fails the oracle.
 _QWEN_TINY_TEXT = replace(TINY.text, rope_theta=100.0, mrope_section=(2, 3, 3))
 _QWEN_TINY_VISION = QwenVisionShape(
-    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, patch_size=8,
-    min_pixels=16 * 16 * 4, max_pixels=16 * 16 * 64, window_size=32, full_attention_layers=(1,),
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=64,
+    patch_size=8,
+    min_pixels=16 * 16 * 4,
+    max_pixels=16 * 16 * 64,
+    window_size=32,
+    full_attention_layers=(1,),
 )
 
 QWEN2_5_VL_TINY = Preset(
@@ -160,7 +162,9 @@ QWEN2_5_VL_TINY = Preset(
 )
 
 QWEN2_VL_TINY = replace(
-    QWEN2_5_VL_TINY, name="qwen2-vl-tiny", family="qwen2_vl",
+    QWEN2_5_VL_TINY,
+    name="qwen2-vl-tiny",
+    family="qwen2_vl",
     vision=replace(_QWEN_TINY_VISION, window_size=0, full_attention_layers=()),
 )
 
@@ -169,8 +173,15 @@ QWEN2_5_VL_BENCH = Preset(
     # ViT-B-sized tower with Qwen2.5-VL's 14-pixel patches and 112-pixel windows;
     # a 336x336 image becomes 144 tokens (bench's LLaVA: 196), at most 256.
     vision=QwenVisionShape(
-        hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072, patch_size=14,
-        min_pixels=56 * 56, max_pixels=28 * 28 * 256, window_size=112, full_attention_layers=(3, 7, 11),
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        intermediate_size=3072,
+        patch_size=14,
+        min_pixels=56 * 56,
+        max_pixels=28 * 28 * 256,
+        window_size=112,
+        full_attention_layers=(3, 7, 11),
     ),
     text=replace(BENCH.text, rope_theta=1000000.0, mrope_section=(8, 12, 12)),
     tokenizer_vocab_size=8192,
@@ -192,7 +203,7 @@ LLAVA_15_7B = Preset(
         intermediate_size=11008,
         max_position_embeddings=4096,
     ),
-    tokenizer_vocab_size=8192,   # a real BPE like bench's; the LM's other rows are never sampled
+    tokenizer_vocab_size=8192,  # a real BPE like bench's; the LM's other rows are never sampled
     corpus_lines=20000,
     context_strength=1.2,
     lm_vocab_size=32064,
@@ -200,9 +211,9 @@ LLAVA_15_7B = Preset(
 )
 
 # Read-only view: presets are looked up, never registered at runtime.
-PRESETS: MappingProxyType[str, Preset] = MappingProxyType({p.name: p for p in (
-    TINY, BENCH, LLAVA_SIGLIP_TINY, QWEN2_5_VL_TINY, QWEN2_VL_TINY, QWEN2_5_VL_BENCH, LLAVA_15_7B)})
-
+PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
+    {p.name: p for p in (TINY, BENCH, LLAVA_SIGLIP_TINY, QWEN2_5_VL_TINY, QWEN2_VL_TINY, QWEN2_5_VL_BENCH, LLAVA_15_7B)}
+)
 
 
 def get_preset(name: str) -> Preset:

@@ -6,7 +6,7 @@ An image keeps its aspect ratio: the processor resizes it to a multiple of
 merge_size**2`` for its patch grid ``(t, h, w)``. The vision half (tower with
 window attention on 2.5, patch merger) takes the flattened patches of any
 number of images of any grids in one packed forward. The LM half is the text
-decoder + head; it rotates by 3-D positions (``services/pd/positions.py``).
+decoder + head; it rotates by 3-D positions (``services/pd/engine/positions.py``).
 """
 
 from __future__ import annotations
@@ -62,10 +62,16 @@ class _TextCausalLM:
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
-    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
-                **kwargs: Any) -> CausalLMOutputWithPast:
-        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                            position_ids=position_ids, **kwargs).last_hidden_state
+    def forward(
+        self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None, **kwargs: Any
+    ) -> CausalLMOutputWithPast:
+        hidden = self.model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **kwargs,
+        ).last_hidden_state
         return CausalLMOutputWithPast(logits=self.lm_head(hidden))
 
 
@@ -179,7 +185,7 @@ class QwenVLAdapter(ModelAdapter):
         t, h, w = (int(n) for n in out["image_grid_thw"][0])
         merge = self.merge_size
         return ProcessedImage(
-            pixel_values=out["pixel_values"].to(torch.float32).contiguous(),   # [t*h*w, C*T*P*P]
+            pixel_values=out["pixel_values"].to(torch.float32).contiguous(),  # [t*h*w, C*T*P*P]
             num_tokens=t * h * w // (merge * merge),
             patch_grid=(t, h, w),
             token_grid=(t, h // merge, w // merge),
@@ -213,8 +219,14 @@ class QwenVLAdapter(ModelAdapter):
     def load_vision(self, device: torch.device, dtype: torch.dtype) -> QwenVisionEncoder:
         with init_empty_weights():
             encoder = QwenVisionEncoder(self._parts.tower, copy.deepcopy(self.config.vision_config))
-        load_part(encoder, self._weights(), {"visual": Part.VISION_TOWER}, torch.device(device), dtype,
-                  splitter=split_qwen_key)
+        load_part(
+            encoder,
+            self._weights(),
+            {"visual": Part.VISION_TOWER},
+            torch.device(device),
+            dtype,
+            splitter=split_qwen_key,
+        )
         return encoder.eval().requires_grad_(False)
 
     def load_language_model(self, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
@@ -223,8 +235,13 @@ class QwenVLAdapter(ModelAdapter):
             model = self._parts.lm._from_config(text_config, dtype=dtype)
         tied = self.config.tie_word_embeddings or getattr(text_config, "tie_word_embeddings", False)
         load_part(
-            model, self._weights(), {"": Part.LANGUAGE_MODEL}, torch.device(device), dtype,
-            derive=functools.partial(tied_head, tied=tied), splitter=split_qwen_key,
+            model,
+            self._weights(),
+            {"": Part.LANGUAGE_MODEL},
+            torch.device(device),
+            dtype,
+            derive=functools.partial(tied_head, tied=tied),
+            splitter=split_qwen_key,
         )
         return model.eval().requires_grad_(False)
 

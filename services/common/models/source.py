@@ -38,7 +38,7 @@ class CheckpointSource:
 
         try:
             return Path(snapshot_download(self.name, allow_patterns=list(patterns), local_files_only=True))
-        except Exception:  # noqa: BLE001 - not cached: fall through to the hub
+        except Exception:
             pass
         try:
             return Path(snapshot_download(self.name, allow_patterns=list(patterns)))

@@ -93,14 +93,14 @@ def encode_images(
         if packs_grids(module):
             pixels = torch.cat([p for p, _ in images]).to(device=device, dtype=dtype)
             grids = torch.tensor([list(g) for _, g in images], dtype=torch.long, device=device)
-            out = module(pixels, grids)                                    # [sum tokens, hidden]
+            out = module(pixels, grids)  # [sum tokens, hidden]
             merge = module.spatial_merge_size
             sizes = [t * h * w // (merge * merge) for t, h, w in (g for _, g in images)]
             if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != sum(sizes):
                 raise RuntimeError("vision module returned an unexpected output shape")
             return list(out.split(sizes))
         pixels = torch.stack([p for p, _ in images]).to(device=device, dtype=dtype)  # [N, 3, H, W]
-        out = module(pixels)                                                        # [N, tokens, hidden]
+        out = module(pixels)  # [N, tokens, hidden]
         if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != len(images):
             raise RuntimeError("vision module returned an unexpected output shape")
         return list(out.unbind(0))

@@ -20,11 +20,11 @@ import pytest
 import torch
 from cluster_support import InProcessCluster
 
-from services.pd.engine_stats import EngineStats
 from services.common import grpc_utils, tensors
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd.colocated import ColocatedEncoder, ColocatedItem
-from services.pd.errors import EngineError, ErrorKind
+from services.pd.engine.engine_stats import EngineStats
+from services.pd.engine.errors import EngineError, ErrorKind
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,8 @@ async def preallocate(pd, request_id: str, mm_hash: str) -> str:
     async with grpc_utils.aio_channel(pd.address) as channel:
         reply = await epd_pb2_grpc.PrefillDecodeStub(channel).Preallocate(
             epd_pb2.PreallocateRequest(
-                request_id=request_id, prompt_token_ids=[1] * n,
+                request_id=request_id,
+                prompt_token_ids=[1] * n,
                 items=[epd_pb2.MultiModalItem(mm_hash=mm_hash, offset=0, num_tokens=n)],
             ),
             timeout=5,
@@ -66,7 +67,8 @@ async def preallocate(pd, request_id: str, mm_hash: str) -> str:
 
 async def encode(pd, request_id: str, items: list[tuple[str, str, torch.Tensor]], timeout: float = 10):
     request = epd_pb2.EncodeRequest(
-        request_id=request_id, pd_address=pd.address,
+        request_id=request_id,
+        pd_address=pd.address,
         items=[epd_pb2.EncodeItem(mm_hash=h, reservation_id=r, pixel_values=tensors.to_pb(p)) for h, r, p in items],
     )
     async with grpc_utils.aio_channel(pd.address) as channel:
@@ -168,8 +170,9 @@ def test_cancelled_call_is_skipped_and_queued_images_share_one_forward(cluster, 
     start = encoder.num_images_encoded
     gate, held = _block_engine(cluster, pd)
     calls = [
-        asyncio.run_coroutine_threadsafe(encode(pd, f"req-shared-{i}", [(hashes[i], rids[i], pixels(pd, 10 + i))]),
-                                         cluster.loop)
+        asyncio.run_coroutine_threadsafe(
+            encode(pd, f"req-shared-{i}", [(hashes[i], rids[i], pixels(pd, 10 + i))]), cluster.loop
+        )
         for i in range(3)
     ]
     _wait_pending(encoder, 3)

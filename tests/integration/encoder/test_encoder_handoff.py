@@ -17,12 +17,12 @@ import pytest
 import torch
 from cluster_support import InProcessCluster
 
-from services.pd.engine_stats import EngineStats
 from services.common import grpc_utils, tensors
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.encoder.config import EncoderConfig
 from services.encoder.faults import Faults
 from services.encoder.server import load_vision, start_encoder
+from services.pd.engine.engine_stats import EngineStats
 
 FAULTS = {
     "good": Faults(),
@@ -38,8 +38,9 @@ class Handoff:
     """A PD plus one encoder per fault kind, and gRPC helpers that run on the cluster's loop."""
 
     def __init__(self, model_dir: str) -> None:
-        self.cluster = InProcessCluster(model_dir, num_encoders=0, with_proxy=False,
-                                        pd={"lease_sweep_interval_s": 0.05})
+        self.cluster = InProcessCluster(
+            model_dir, num_encoders=0, with_proxy=False, pd={"lease_sweep_interval_s": 0.05}
+        )
         self.cluster.start()
         self.vision = load_vision(EncoderConfig(model=model_dir, device="cpu"))
         self.encoders = {}
@@ -50,14 +51,18 @@ class Handoff:
         self.pd_address = self.cluster.pd_addresses[0]
 
     def pixels(self, seed: int) -> torch.Tensor:
-        return self.vision.sample_pixels + torch.randn(self.vision.sample_pixels.shape, generator=torch.Generator().manual_seed(seed))
+        return self.vision.sample_pixels + torch.randn(
+            self.vision.sample_pixels.shape, generator=torch.Generator().manual_seed(seed)
+        )
 
     async def preallocate(self, request_id: str, mm_hash: str, lease_ms: int = 0) -> str:
         n = self.vision.num_tokens
         async with grpc_utils.aio_channel(self.pd_address) as channel:
             reply = await epd_pb2_grpc.PrefillDecodeStub(channel).Preallocate(
                 epd_pb2.PreallocateRequest(
-                    request_id=request_id, prompt_token_ids=[1] * n, lease_ms=lease_ms,
+                    request_id=request_id,
+                    prompt_token_ids=[1] * n,
+                    lease_ms=lease_ms,
                     items=[epd_pb2.MultiModalItem(mm_hash=mm_hash, offset=0, num_tokens=n)],
                 ),
                 timeout=5,
@@ -65,12 +70,17 @@ class Handoff:
         assert reply.items[0].state == epd_pb2.ItemAllocation.RESERVED
         return reply.items[0].reservation_id
 
-    async def encode(self, encoder: str, request_id: str, mm_hash: str, reservation_id: str,
-                     seed: int, timeout: float = 10) -> epd_pb2.EncodeResponse:
+    async def encode(
+        self, encoder: str, request_id: str, mm_hash: str, reservation_id: str, seed: int, timeout: float = 10
+    ) -> epd_pb2.EncodeResponse:
         request = epd_pb2.EncodeRequest(
-            request_id=request_id, pd_address=self.pd_address,
-            items=[epd_pb2.EncodeItem(mm_hash=mm_hash, reservation_id=reservation_id,
-                                      pixel_values=tensors.to_pb(self.pixels(seed)))],
+            request_id=request_id,
+            pd_address=self.pd_address,
+            items=[
+                epd_pb2.EncodeItem(
+                    mm_hash=mm_hash, reservation_id=reservation_id, pixel_values=tensors.to_pb(self.pixels(seed))
+                )
+            ],
         )
         async with grpc_utils.aio_channel(self.encoders[encoder].address) as channel:
             return await epd_pb2_grpc.EncoderStub(channel).Encode(request, timeout=timeout)
@@ -136,7 +146,7 @@ def test_push_after_the_lease_is_rejected(h: Handoff) -> None:
     rid = h.cluster.run(h.preallocate("req-late", mm_hash, lease_ms=150))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         h.cluster.run(h.encode("late", "req-late", mm_hash, rid, seed=3))
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED   # a timeout (the proxy's 504), not a 500
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # a timeout (the proxy's 504), not a 500
     stats = h.pd_stats()
     assert stats.num_reservations == 0 and stats.reserved_tokens == 0
 
@@ -152,10 +162,15 @@ def test_generate_after_the_lease_ran_out_is_a_timeout(h: Handoff) -> None:
     async def generate() -> None:
         n = h.vision.num_tokens
         async with grpc_utils.aio_channel(h.pd_address) as channel:
-            call = epd_pb2_grpc.PrefillDecodeStub(channel).Generate(epd_pb2.GenerateRequest(
-                request_id="req-slow", prompt_token_ids=[1] * n,
-                mm_items=[epd_pb2.MultiModalItem(mm_hash=mm_hash, offset=0, num_tokens=n)],
-                sampling=epd_pb2.SamplingParams(temperature=0.0, max_tokens=2)), timeout=5)
+            call = epd_pb2_grpc.PrefillDecodeStub(channel).Generate(
+                epd_pb2.GenerateRequest(
+                    request_id="req-slow",
+                    prompt_token_ids=[1] * n,
+                    mm_items=[epd_pb2.MultiModalItem(mm_hash=mm_hash, offset=0, num_tokens=n)],
+                    sampling=epd_pb2.SamplingParams(temperature=0.0, max_tokens=2),
+                ),
+                timeout=5,
+            )
             async for _ in call:
                 pass
 

@@ -99,14 +99,19 @@ class FakePdServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 chunks.append(message.data)
         metadata = dict(context.invocation_metadata())
         payload = b"".join(chunks)
-        self.pushes.append(ReceivedPush(header, [len(c) for c in chunks], payload, metadata.get(grpc_utils.REQUEST_ID_KEY, "")))
+        self.pushes.append(
+            ReceivedPush(header, [len(c) for c in chunks], payload, metadata.get(grpc_utils.REQUEST_ID_KEY, ""))
+        )
         return epd_pb2.PushEmbeddingResponse(num_bytes=len(payload))
 
 
 async def start_fake_pd(port: int = 0) -> tuple[grpc_utils.GrpcServer, FakePdServicer]:
     servicer = FakePdServicer()
     server = await grpc_utils.start_server(
-        "127.0.0.1", port, "epd.v1.PrefillDecode", lambda s: epd_pb2_grpc.add_PrefillDecodeServicer_to_server(servicer, s)
+        "127.0.0.1",
+        port,
+        "epd.v1.PrefillDecode",
+        lambda s: epd_pb2_grpc.add_PrefillDecodeServicer_to_server(servicer, s),
     )
     return server, servicer
 

@@ -18,7 +18,7 @@ def test_bench_engine_runs_every_system_and_the_prefix_cache_experiment(tiny_mod
     results = report["results"]
     assert set(results) == {"engine", "engine_torch_linear", "generate_batch", "generate", "static"}
     for name, result in results.items():
-        assert result["num_tokens"] == 8 * 16, name          # every request generated exactly --output-len
+        assert result["num_tokens"] == 8 * 16, name  # every request generated exactly --output-len
         assert len(result["seconds"]) == 2 and result["tokens_per_s"] > 0
     [first_pair, second_pair] = report["prefix_cache_ttft"]
     for pair in (first_pair, second_pair):
@@ -33,13 +33,33 @@ def test_bench_engine_runs_every_system_and_the_prefix_cache_experiment(tiny_mod
 
 def test_bench_engine_runs_every_system_on_the_asked_device_and_dtype(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
-    argv = ["bench", "engine", "--model", str(tiny_model_dir), "--quick", "--device", "cpu", "--dtype", "bfloat16",
-            "--skip", "generate", "--skip", "engine_torch_linear", "--skip", "ttft", "--json", str(out)]
+    argv = [
+        "bench",
+        "engine",
+        "--model",
+        str(tiny_model_dir),
+        "--quick",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "--skip",
+        "generate",
+        "--skip",
+        "engine_torch_linear",
+        "--skip",
+        "ttft",
+        "--json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["machine"]["device"] == "cpu" and report["machine"]["dtype"] == "bfloat16"
     assert {name: result["num_tokens"] for name, result in report["results"].items()} == {
-        "engine": 8 * 16, "generate_batch": 8 * 16, "static": 8 * 16}
+        "engine": 8 * 16,
+        "generate_batch": 8 * 16,
+        "static": 8 * 16,
+    }
 
 
 def test_bench_engine_refuses_a_device_this_machine_lacks(tiny_model_dir, monkeypatch):

@@ -73,6 +73,7 @@ def _wait_for(predicate, timeout=15.0, what="condition"):
 
 # -- READY from the KV prefix cache --------------------------------------------
 
+
 def test_preallocate_answers_ready_from_cached_kv_after_the_embedding_is_gone(stub, adapter):
     mm_hash = uuid.uuid4().hex * 2
     # 3 text tokens, 16 image rows, 20 text tokens: blocks 0-1 (32 tokens) cover the image.
@@ -93,7 +94,7 @@ def test_preallocate_answers_ready_from_cached_kv_after_the_embedding_is_gone(st
     repeat = new_request_id()
     [ready] = _preallocate(stub, repeat, prompt, items).items
     assert ready.state == epd_pb2.ItemAllocation.READY
-    with pytest.raises(grpc.RpcError) as info:   # a KV pin is never a push target
+    with pytest.raises(grpc.RpcError) as info:  # a KV pin is never a push target
         stub.PushEmbedding(push_chunks(repeat, ready.reservation_id, mm_hash, torch.randn(16, adapter.hidden_size)))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     token_ids, final = _generate(stub, _request(repeat, prompt, items))
@@ -106,39 +107,44 @@ def test_a_kv_pin_is_released_by_abort_before_generate(stub, adapter, cluster):
     items = [epd_pb2.MultiModalItem(mm_hash=uuid.uuid4().hex * 2, offset=3, num_tokens=16)]
     first = new_request_id()
     [reserved] = _preallocate(stub, first, prompt, items).items
-    stub.PushEmbedding(push_chunks(first, reserved.reservation_id, items[0].mm_hash, torch.randn(16, adapter.hidden_size)))
+    stub.PushEmbedding(
+        push_chunks(first, reserved.reservation_id, items[0].mm_hash, torch.randn(16, adapter.hidden_size))
+    )
     _generate(stub, _request(first, prompt, items, max_tokens=1))
     repeat = new_request_id()
     [ready] = _preallocate(stub, repeat, prompt, items).items
     assert ready.state == epd_pb2.ItemAllocation.READY
     assert cluster.run(cluster.pds[0].stats()).num_kv_blocks_pinned == 2
-    stub.Abort(epd_pb2.AbortRequest(request_id=repeat))   # the stub fixture checks the pin is gone
+    stub.Abort(epd_pb2.AbortRequest(request_id=repeat))  # the stub fixture checks the pin is gone
 
 
 # -- the waiting-queue bound ---------------------------------------------------
 
+
 def test_waiting_token_bound_answers_resource_exhausted_with_retry_after(stub, cluster):
     running = stub.Generate(_request(new_request_id(), [1, 2, 3], max_tokens=1000, ignore_eos=True), timeout=60)
-    next(running)                                   # holds the only running slot
-    queued = stub.Generate(_request(new_request_id(), list(range(1, 31)), ignore_eos=True), timeout=60)   # 30 wait
+    next(running)  # holds the only running slot
+    queued = stub.Generate(_request(new_request_id(), list(range(1, 31)), ignore_eos=True), timeout=60)  # 30 wait
     _wait_for(lambda: cluster.run(cluster.pds[0].stats()).num_waiting == 1, what="a queued request")
-    with pytest.raises(grpc.RpcError) as info:     # 30 + 20 > 48 waiting tokens
+    with pytest.raises(grpc.RpcError) as info:  # 30 + 20 > 48 waiting tokens
         list(stub.Generate(_request(new_request_id(), list(range(1, 21))), timeout=10))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert int(dict(info.value.trailing_metadata())[RETRY_AFTER_KEY]) == 250
-    with pytest.raises(grpc.RpcError) as info:     # could never wait here, even alone
+    with pytest.raises(grpc.RpcError) as info:  # could never wait here, even alone
         list(stub.Generate(_request(new_request_id(), list(range(1, MAX_WAITING_TOKENS + 2))), timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     running.cancel()
-    assert len([t for m in queued for t in m.token_ids]) == 8   # the queued one runs to the end
+    assert len([t for m in queued for t in m.token_ids]) == 8  # the queued one runs to the end
 
 
 # -- the readiness watchdog ----------------------------------------------------
 
+
 def _ready_status(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="epd.v1.PrefillDecode"), timeout=5)
+            health_pb2.HealthCheckRequest(service="epd.v1.PrefillDecode"), timeout=5
+        )
     return reply.status
 
 
@@ -149,7 +155,7 @@ def test_frozen_step_loop_reports_not_serving_then_recovers(stub, cluster):
     address = cluster.pd_addresses[0]
     _wait_for(lambda: _ready_status(address) == serving, what="SERVING")
     stream = stub.Generate(_request(new_request_id(), [1, 2, 3], max_tokens=1000, ignore_eos=True), timeout=60)
-    next(stream)                                   # work is pending
+    next(stream)  # work is pending
     release = threading.Event()
     engine = cluster.pds[0].engine
     frozen = asyncio.run_coroutine_threadsafe(engine.call(release.wait, 30), cluster.loop)

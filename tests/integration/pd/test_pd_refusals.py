@@ -26,12 +26,13 @@ NUM_TOKENS = 16
 @pytest.fixture(scope="module")
 def pd_cluster(tiny_model_dir):
     cluster = InProcessCluster(
-        str(tiny_model_dir), num_encoders=0, with_proxy=False,
+        str(tiny_model_dir),
+        num_encoders=0,
+        with_proxy=False,
         pd={"embedding_cache_tokens": 64, "push_idle_timeout_s": IDLE_TIMEOUT_S, "max_items_per_request": MAX_ITEMS},
     ).start()
     yield cluster
     cluster.stop()
-
 
 
 def _code(call) -> grpc.StatusCode:
@@ -48,15 +49,17 @@ def _image_request(adapter, mm_hash: str, num_tokens: int = NUM_TOKENS):
 def _reserve(stub, adapter, mm_hash: str, lease_ms: int = 0):
     request_id = new_request_id()
     prompt, items = _image_request(adapter, mm_hash)
-    reply = stub.Preallocate(epd_pb2.PreallocateRequest(
-        request_id=request_id, prompt_token_ids=prompt, items=items, lease_ms=lease_ms))
+    reply = stub.Preallocate(
+        epd_pb2.PreallocateRequest(request_id=request_id, prompt_token_ids=prompt, items=items, lease_ms=lease_ms)
+    )
     assert reply.items[0].state == epd_pb2.ItemAllocation.RESERVED
     return request_id, reply.items[0].reservation_id, prompt, items
 
 
 def _generate(stub, request_id, prompt, items):
-    request = epd_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, mm_items=items,
-                                      sampling=greedy(4, ignore_eos=True))
+    request = epd_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, mm_items=items, sampling=greedy(4, ignore_eos=True)
+    )
     return run_generate(stub, request)
 
 
@@ -66,6 +69,7 @@ def _stats(pd_cluster):
 
 # -- 1: poisoning -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_embedding_is_refused_and_the_reservation_stays_open(stub, adapter, pd_cluster, bad):
     mm_hash = ("1" if bad != bad else "2") * 64
@@ -74,7 +78,7 @@ def test_a_non_finite_embedding_is_refused_and_the_reservation_stays_open(stub, 
     poisoned[3, 5] = bad
     push = push_chunks(request_id, reservation_id, mm_hash, poisoned)
     assert _code(lambda: stub.PushEmbedding(push)) == grpc.StatusCode.INVALID_ARGUMENT
-    assert _stats(pd_cluster).reserved_tokens == NUM_TOKENS          # nothing landed; still waiting for a push
+    assert _stats(pd_cluster).reserved_tokens == NUM_TOKENS  # nothing landed; still waiting for a push
     stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, torch.randn(NUM_TOKENS, adapter.hidden_size)))
     token_ids, _, _ = _generate(stub, request_id, prompt, items)
     assert len(token_ids) == 4
@@ -82,12 +86,14 @@ def test_a_non_finite_embedding_is_refused_and_the_reservation_stays_open(stub, 
 
 # -- 2: limits before work ------------------------------------------------------
 
+
 def test_preallocate_refuses_a_prompt_longer_than_the_context(stub, adapter, pd_cluster):
     max_model_len = pd_cluster.pds[0].servicer.max_model_len
     prompt = [5] * 3 + [adapter.image_token_id] * NUM_TOKENS + [6] * max_model_len
     items = [epd_pb2.MultiModalItem(mm_hash="3" * 64, offset=3, num_tokens=NUM_TOKENS)]
-    call = lambda: stub.Preallocate(epd_pb2.PreallocateRequest(  # noqa: E731
-        request_id=new_request_id(), prompt_token_ids=prompt, items=items))
+    call = lambda: stub.Preallocate(
+        epd_pb2.PreallocateRequest(request_id=new_request_id(), prompt_token_ids=prompt, items=items)
+    )
     assert _code(call) == grpc.StatusCode.INVALID_ARGUMENT
     assert _stats(pd_cluster).num_reservations == 0
 
@@ -96,8 +102,9 @@ def test_preallocate_and_generate_refuse_too_many_items(stub, adapter, pd_cluste
     num_items = MAX_ITEMS + 1
     prompt = [adapter.image_token_id] * num_items + [6]
     items = [epd_pb2.MultiModalItem(mm_hash=f"{i:064x}", offset=i, num_tokens=1) for i in range(num_items)]
-    preallocate = lambda: stub.Preallocate(epd_pb2.PreallocateRequest(  # noqa: E731
-        request_id=new_request_id(), prompt_token_ids=prompt, items=items))
+    preallocate = lambda: stub.Preallocate(
+        epd_pb2.PreallocateRequest(request_id=new_request_id(), prompt_token_ids=prompt, items=items)
+    )
     assert _code(preallocate) == grpc.StatusCode.INVALID_ARGUMENT
     assert _code(lambda: _generate(stub, new_request_id(), prompt, items)) == grpc.StatusCode.INVALID_ARGUMENT
     assert _stats(pd_cluster).num_reservations == 0
@@ -111,6 +118,7 @@ def test_a_message_bigger_than_any_legitimate_one_is_refused_by_the_transport(st
 
 
 # -- 6: one push in flight per reservation, and an idle timeout ------------------
+
 
 def _stalled_push(request_id, reservation_id, mm_hash, embedding, release: threading.Event):
     """A push that sends its header and first chunk, then waits for ``release``."""
@@ -128,7 +136,7 @@ def test_a_second_push_to_a_reservation_in_flight_is_refused(stub, adapter):
     release = threading.Event()
     first = stub.PushEmbedding.future(_stalled_push(request_id, reservation_id, mm_hash, embedding, release))
     time.sleep(0.2)
-    second = lambda: stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, embedding))  # noqa: E731
+    second = lambda: stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, embedding))
     assert _code(second) == grpc.StatusCode.FAILED_PRECONDITION
     release.set()
     assert first.result(timeout=10).num_bytes == embedding.numel() * 4
@@ -145,11 +153,12 @@ def test_a_push_that_stops_sending_is_ended(stub, adapter, pd_cluster):
         assert _code(lambda: stub.PushEmbedding(stalled, timeout=10)) == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         release.set()
-    assert _stats(pd_cluster).reserved_tokens == NUM_TOKENS           # the reservation still waits for a push
+    assert _stats(pd_cluster).reserved_tokens == NUM_TOKENS  # the reservation still waits for a push
     stub.Abort(epd_pb2.AbortRequest(request_id=request_id))
 
 
 # -- 7: a span that disagrees with the cached entry -----------------------------
+
 
 def test_generate_with_a_span_length_other_than_the_cached_entry_fails_alone(stub, adapter):
     mm_hash = "6" * 64
@@ -159,8 +168,8 @@ def test_generate_with_a_span_length_other_than_the_cached_entry_fails_alone(stu
     bystander = threading.Thread(target=lambda: results.append(_generate(stub, request_id, prompt, items)))
     bystander.start()
     short_prompt, short_items = _image_request(adapter, mm_hash, num_tokens=NUM_TOKENS - 4)
-    for _ in range(3):   # and again: nothing is poisoned by it
-        call = lambda: _generate(stub, new_request_id(), short_prompt, short_items)  # noqa: E731
+    for _ in range(3):  # and again: nothing is poisoned by it
+        call = lambda: _generate(stub, new_request_id(), short_prompt, short_items)
         assert _code(call) == grpc.StatusCode.INVALID_ARGUMENT
     bystander.join(30)
     assert len(results[0][0]) == 4
@@ -168,13 +177,14 @@ def test_generate_with_a_span_length_other_than_the_cached_entry_fails_alone(stu
 
 # -- 12: a repeated push, and a push after the lease ------------------------------
 
+
 def test_a_repeat_of_a_push_that_landed_is_acknowledged(stub, adapter):
     mm_hash = "7" * 64
     request_id, reservation_id, prompt, items = _reserve(stub, adapter, mm_hash)
     embedding = torch.randn(NUM_TOKENS, adapter.hidden_size)
     stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, embedding))
     again = stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, torch.zeros_like(embedding)))
-    assert again.num_bytes == embedding.numel() * 4                    # e.g. an Encode retried on another encoder
+    assert again.num_bytes == embedding.numel() * 4  # e.g. an Encode retried on another encoder
     first = _generate(stub, request_id, prompt, items)[0]
     # The repeat carried nothing new: the same image, with the first push's rows, answers the same.
     other, other_reservation, _, _ = _reserve(stub, adapter, "8" * 64)
@@ -188,12 +198,13 @@ def test_a_push_after_the_lease_is_a_timeout(stub, adapter, pd_cluster):
     request_id, reservation_id, _, _ = _reserve(stub, adapter, mm_hash, lease_ms=100)
     time.sleep(0.2)
     embedding = torch.randn(NUM_TOKENS, adapter.hidden_size)
-    push = lambda: stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, embedding))  # noqa: E731
-    assert _code(push) == grpc.StatusCode.DEADLINE_EXCEEDED            # the proxy answers 504, not 500
+    push = lambda: stub.PushEmbedding(push_chunks(request_id, reservation_id, mm_hash, embedding))
+    assert _code(push) == grpc.StatusCode.DEADLINE_EXCEEDED  # the proxy answers 504, not 500
     stub.Abort(epd_pb2.AbortRequest(request_id=request_id))
 
 
 # -- 8: the engine thread -------------------------------------------------------
+
 
 def test_a_failing_abort_does_not_stop_the_engine(stub, pd_cluster, monkeypatch):
     core = pd_cluster.pds[0].engine.core
@@ -206,8 +217,9 @@ def test_a_failing_abort_does_not_stop_the_engine(stub, pd_cluster, monkeypatch)
     time.sleep(0.2)
     monkeypatch.undo()
     assert pd_cluster.pds[0].engine.is_alive
-    request = epd_pb2.GenerateRequest(request_id=new_request_id(), prompt_token_ids=[1, 2, 3],
-                                      sampling=greedy(2, ignore_eos=True))
+    request = epd_pb2.GenerateRequest(
+        request_id=new_request_id(), prompt_token_ids=[1, 2, 3], sampling=greedy(2, ignore_eos=True)
+    )
     assert len(run_generate(stub, request)[0]) == 2
 
 

@@ -34,7 +34,6 @@ def pd_cluster(tiny_model_dir):
     cluster.stop()
 
 
-
 def _generate(stub, request_id, prompt, items=(), sampling=None, timeout=60):
     """Runs Generate to the end; returns (token_ids, text, final message)."""
     request = epd_pb2.GenerateRequest(
@@ -55,6 +54,7 @@ def _code(call):
 
 
 # -- the happy path -------------------------------------------------------
+
 
 def test_health_reports_ready_and_alive(pd_cluster):
     with grpc.insecure_channel(pd_cluster.pd_addresses[0]) as channel:
@@ -126,6 +126,7 @@ def test_get_load_reports_capacity(stub):
 
 # -- invalid input ----------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -136,17 +137,31 @@ def test_get_load_reports_capacity(stub):
         lambda r: r.mm_items.add(mm_hash="not-a-hash", offset=0, num_tokens=1),
         lambda r: r.mm_items.add(mm_hash=HASH_A, offset=2, num_tokens=50),
         lambda r: r.mm_items.add(mm_hash=HASH_A, offset=0, num_tokens=0),
-        lambda r: (r.mm_items.add(mm_hash=HASH_A, offset=1, num_tokens=2),
-                   r.mm_items.add(mm_hash=HASH_B, offset=2, num_tokens=1)),
+        lambda r: (
+            r.mm_items.add(mm_hash=HASH_A, offset=1, num_tokens=2),
+            r.mm_items.add(mm_hash=HASH_B, offset=2, num_tokens=1),
+        ),
         lambda r: setattr(r.sampling, "temperature", -1.0),
         lambda r: setattr(r.sampling, "top_p", 0.0),
         lambda r: setattr(r.sampling, "logprobs", 50),
         lambda r: r.sampling.stop.append(""),
         lambda r: r.prompt_token_ids.extend([1] * 5000),
     ],
-    ids=["no-id", "long-id", "empty-prompt", "oov-token", "bad-hash", "span-past-end", "empty-span",
-         "overlapping-spans", "negative-temperature", "zero-top-p", "too-many-logprobs", "empty-stop",
-         "prompt-too-long"],
+    ids=[
+        "no-id",
+        "long-id",
+        "empty-prompt",
+        "oov-token",
+        "bad-hash",
+        "span-past-end",
+        "empty-span",
+        "overlapping-spans",
+        "negative-temperature",
+        "zero-top-p",
+        "too-many-logprobs",
+        "empty-stop",
+        "prompt-too-long",
+    ],
 )
 def test_invalid_generate_is_rejected(stub, change):
     request = epd_pb2.GenerateRequest(request_id=new_request_id(), prompt_token_ids=[1, 2, 3, 4], sampling=greedy())
@@ -157,7 +172,7 @@ def test_invalid_generate_is_rejected(stub, change):
 def test_image_without_reservation_is_a_failed_precondition(stub, adapter):
     prompt, offset = _image_prompt(adapter, 16)
     items = [epd_pb2.MultiModalItem(mm_hash="c" * 64, offset=offset, num_tokens=16)]
-    call = lambda: _generate(stub, new_request_id(), prompt, items)  # noqa: E731
+    call = lambda: _generate(stub, new_request_id(), prompt, items)
     assert _code(call) == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -173,6 +188,7 @@ def test_duplicate_running_request_id_is_rejected(stub):
 
 
 # -- the push protocol ---------------------------------------------------------
+
 
 @pytest.fixture
 def reservation(stub, adapter):

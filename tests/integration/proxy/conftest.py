@@ -37,7 +37,9 @@ async def cluster_factory(tiny_model_dir):
             lifespan = app.router.lifespan_context(app)
             await lifespan.__aenter__()
             stack.append(("lifespan", lifespan))
-            cluster.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=10)
+            cluster.client = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=10
+            )
         stack.append(("client", cluster.client))
         return cluster
 
@@ -60,5 +62,3 @@ async def cluster_factory(tiny_model_dir):
             assert all(pd.num_active == 0 for pd in thing.pds), "a Generate stream was left open"
             for server in thing.servers:
                 await server.stop(0)
-
-

@@ -54,22 +54,22 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
         self.preallocates: list[epd_pb2.PreallocateRequest] = []
         self.generates: list[epd_pb2.GenerateRequest] = []
         self.aborts: list[str] = []
-        self.request_ids_seen: list[str] = []     # from gRPC metadata
-        self.filled: set[str] = set()             # reservation ids pushed by FakeEncoder
-        self.ready_hashes: set[str] = set()       # answer READY for these
+        self.request_ids_seen: list[str] = []  # from gRPC metadata
+        self.filled: set[str] = set()  # reservation ids pushed by FakeEncoder
+        self.ready_hashes: set[str] = set()  # answer READY for these
         self.preallocate_failure: Failure | None = None
-        self.generate_failure: Failure | None = None      # before the first message
-        self.fail_after_first: Failure | None = None      # after the first message
-        self.hold_first_token = asyncio.Event()           # cleared = Generate waits before its first token
+        self.generate_failure: Failure | None = None  # before the first message
+        self.fail_after_first: Failure | None = None  # after the first message
+        self.hold_first_token = asyncio.Event()  # cleared = Generate waits before its first token
         self.hold_first_token.set()
-        self.hold_after_first = asyncio.Event()           # cleared = Generate pauses after its first message
+        self.hold_after_first = asyncio.Event()  # cleared = Generate pauses after its first message
         self.hold_after_first.set()
         self.pieces = ["Hello", " world", "!"]
         self.finish_reason = epd_pb2.FINISH_REASON_STOP
-        self.num_active = 0                               # Generate calls in progress
+        self.num_active = 0  # Generate calls in progress
         self.generate_cancelled = 0
-        self.deadlines: list[float | None] = []           # time_remaining() seen by each Generate
-        self.load = epd_pb2.PdLoad()                      # what GetLoad answers
+        self.deadlines: list[float | None] = []  # time_remaining() seen by each Generate
+        self.load = epd_pb2.PdLoad()  # what GetLoad answers
         self._filled_changed = asyncio.Event()
 
     def fill(self, reservation_id: str) -> None:
@@ -83,10 +83,16 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
             await self.preallocate_failure.raise_in(context)
         items = []
         for index, item in enumerate(request.items):
-            state = epd_pb2.ItemAllocation.READY if item.mm_hash in self.ready_hashes else epd_pb2.ItemAllocation.RESERVED
-            items.append(epd_pb2.ItemAllocation(
-                mm_hash=item.mm_hash, state=state, reservation_id=f"{request.request_id}/res{index}",
-            ))
+            state = (
+                epd_pb2.ItemAllocation.READY if item.mm_hash in self.ready_hashes else epd_pb2.ItemAllocation.RESERVED
+            )
+            items.append(
+                epd_pb2.ItemAllocation(
+                    mm_hash=item.mm_hash,
+                    state=state,
+                    reservation_id=f"{request.request_id}/res{index}",
+                )
+            )
         return epd_pb2.PreallocateResponse(items=items, lease_ms=request.lease_ms)
 
     def _reserved_ids(self, request_id: str) -> set[str]:
@@ -106,7 +112,7 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
             if self.generate_failure is not None:
                 await self.generate_failure.raise_in(context)
             needed = self._reserved_ids(request.request_id)
-            while not needed <= self.filled:          # wait for the encoder's pushes
+            while not needed <= self.filled:  # wait for the encoder's pushes
                 self._filled_changed.clear()
                 await self._filled_changed.wait()
             await self.hold_first_token.wait()
@@ -145,13 +151,13 @@ class FakeEncoder(epd_pb2_grpc.EncoderServicer):
         self.address = ""
         self.pds_by_address = pds_by_address
         self.encodes: list[epd_pb2.EncodeRequest] = []
-        self.failure: Failure | None = None               # every call fails
-        self.next_failures: list[Failure] = []            # the next calls fail, one each
+        self.failure: Failure | None = None  # every call fails
+        self.next_failures: list[Failure] = []  # the next calls fail, one each
         self.delay_s = 0.0
         self.cancelled = 0
-        self.cache_hits: set[str] = set()                 # mm_hashes to report as cache hits
-        self.push_failures: dict[str, Failure] = {}       # PD address -> how pushes to it fail
-        self.deadlines: list[float | None] = []           # time_remaining() seen by each Encode
+        self.cache_hits: set[str] = set()  # mm_hashes to report as cache hits
+        self.push_failures: dict[str, Failure] = {}  # PD address -> how pushes to it fail
+        self.deadlines: list[float | None] = []  # time_remaining() seen by each Encode
 
     async def Encode(self, request, context):
         self.encodes.append(request)
@@ -172,10 +178,12 @@ class FakeEncoder(epd_pb2_grpc.EncoderServicer):
         for item in request.items:
             assert item.pixel_values.dtype == epd_pb2.DTYPE_FLOAT32 and len(item.pixel_values.shape) == 3
             pd.fill(item.reservation_id)
-        return epd_pb2.EncodeResponse(items=[
-            epd_pb2.EncodeItemResult(mm_hash=i.mm_hash, encode_ms=1.0, cache_hit=i.mm_hash in self.cache_hits)
-            for i in request.items
-        ])
+        return epd_pb2.EncodeResponse(
+            items=[
+                epd_pb2.EncodeItemResult(mm_hash=i.mm_hash, encode_ms=1.0, cache_hit=i.mm_hash in self.cache_hits)
+                for i in request.items
+            ]
+        )
 
 
 @dataclass

@@ -66,20 +66,20 @@ async def test_a_not_ready_pd_gets_no_traffic_until_it_recovers(cluster_factory)
     await wait_until(lambda: instance(cluster, pd0.address).readiness is Readiness.READY)
     for _ in range(4):
         assert (await post(cluster)).status_code == 200
-    assert pd0.generates                                       # back in rotation, no proxy restart
+    assert pd0.generates  # back in rotation, no proxy restart
 
 
 async def test_a_dead_pd_is_failed_over_and_a_restarted_one_used_again(cluster_factory):
     cluster = await cluster_factory(num_pds=2)
     pd0, pd1 = cluster.pds
     port = cluster.servers[0].port
-    await cluster.servers[0].stop(0)                           # the process is gone
-    for _ in range(4):                                         # even before health notices
+    await cluster.servers[0].stop(0)  # the process is gone
+    for _ in range(4):  # even before health notices
         assert (await post(cluster)).status_code == 200
     await wait_until(lambda: instance(cluster, pd0.address).readiness is Readiness.NOT_READY)
     health = (await cluster.client.get("/health")).json()
     assert health["pd"] == {pd0.address: False, pd1.address: True}
-    cluster.servers[0] = await serve_pd(pd0, port=port)         # same address, back up
+    cluster.servers[0] = await serve_pd(pd0, port=port)  # same address, back up
     await wait_until(lambda: instance(cluster, pd0.address).readiness is Readiness.READY)
     before = len(pd0.generates)
     for _ in range(4):
@@ -91,7 +91,7 @@ async def test_unavailable_at_admission_retries_with_a_fresh_id(cluster_factory)
     cluster = await cluster_factory(num_pds=2)
     pd0, pd1 = cluster.pds
     pd0.generate_failure = Failure(S.UNAVAILABLE)
-    pd1.load = epd_pb2.PdLoad(num_running=50)                   # so pd0 is always tried first
+    pd1.load = epd_pb2.PdLoad(num_running=50)  # so pd0 is always tried first
     await wait_until(lambda: instance(cluster, pd1.address).load is not None)
     reply = await post(cluster)
     assert reply.status_code == 200, reply.text
@@ -106,7 +106,7 @@ async def test_unavailable_at_admission_retries_with_a_fresh_id(cluster_factory)
 async def test_get_load_steers_requests_away_from_a_busy_pd(cluster_factory):
     cluster = await cluster_factory(num_pds=2)
     pd0, pd1 = cluster.pds
-    pd0.load = epd_pb2.PdLoad(num_running=10, num_waiting=5)    # another proxy's work
+    pd0.load = epd_pb2.PdLoad(num_running=10, num_waiting=5)  # another proxy's work
     await wait_until(lambda: instance(cluster, pd0.address).others_load() == 15)
     for _ in range(6):
         assert (await post(cluster)).status_code == 200
@@ -116,7 +116,7 @@ async def test_get_load_steers_requests_away_from_a_busy_pd(cluster_factory):
 async def test_breaker_opens_after_repeated_failures_then_a_probe_closes_it(cluster_factory):
     cluster = await cluster_factory(num_pds=2, breaker_failures=2, breaker_open_s=0.3)
     pd0, pd1 = cluster.pds
-    pd0.generate_failure = Failure(S.INTERNAL)                  # not retried: the client sees 500s
+    pd0.generate_failure = Failure(S.INTERNAL)  # not retried: the client sees 500s
     statuses = []
     while len(pd0.generates) < 2:
         statuses.append((await post(cluster)).status_code)
@@ -125,9 +125,9 @@ async def test_breaker_opens_after_repeated_failures_then_a_probe_closes_it(clus
     assert breaker.state is BreakerState.OPEN
     for _ in range(6):
         assert (await post(cluster)).status_code == 200
-    assert len(pd0.generates) == 2                              # no traffic while open
+    assert len(pd0.generates) == 2  # no traffic while open
     pd0.generate_failure = None
-    await asyncio.sleep(0.35)                                   # half-open: one probe may go
+    await asyncio.sleep(0.35)  # half-open: one probe may go
     while len(pd0.generates) == 2:
         assert (await post(cluster)).status_code == 200
     assert breaker.state is BreakerState.CLOSED
@@ -139,13 +139,13 @@ async def test_a_buffered_request_restarts_on_another_pd_after_a_mid_stream_outa
     pd0.fail_after_first = Failure(S.UNAVAILABLE)
     pd1.load = epd_pb2.PdLoad(num_running=50)
     await wait_until(lambda: instance(cluster, pd1.address).load is not None)
-    reply = await post(cluster)                                 # not streaming: nothing sent yet
+    reply = await post(cluster)  # not streaming: nothing sent yet
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"] == "Hello world!"
     assert pd1.generates[-1].request_id == reply.json()["id"] + "-r1"
     assert pd0.aborts == [reply.json()["id"]]
 
-    streamed = await post(cluster, {**TEXT, "stream": True})   # streaming: the first byte went out
+    streamed = await post(cluster, {**TEXT, "stream": True})  # streaming: the first byte went out
     assert streamed.status_code == 200
     assert '"code":"backend_unavailable"' in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
     assert '"finish_reason":"stop"' not in streamed.text
@@ -164,7 +164,7 @@ async def test_a_failed_image_moves_to_the_next_encoder(cluster_factory, code):
     assert len(owner.encodes) == 1 and len(other.encodes) == 1
     assert owner.encodes[0].items[0].reservation_id == other.encodes[0].items[0].reservation_id
     if code == S.RESOURCE_EXHAUSTED:
-        assert instance(cluster, owner.address).is_busy()      # its images go elsewhere for a while
+        assert instance(cluster, owner.address).is_busy()  # its images go elsewhere for a while
 
 
 async def test_every_encoder_failing_is_a_clean_error_after_bounded_attempts(cluster_factory):
@@ -173,7 +173,7 @@ async def test_every_encoder_failing_is_a_clean_error_after_bounded_attempts(clu
         encoder.failure = Failure(S.INTERNAL)
     reply = await post(cluster, {"messages": [image_message(png_data_url())]})
     assert reply.status_code == 500 and reply.json()["error"]["code"] == "internal_error"
-    assert sum(len(e.encodes) for e in cluster.encoders) == 2   # each encoder once
+    assert sum(len(e.encodes) for e in cluster.encoders) == 2  # each encoder once
     assert cluster.pd.aborts
 
 
@@ -225,7 +225,7 @@ async def test_x_request_timeout_is_the_deadline_of_every_hop(cluster_factory):
     reply = await post(cluster, {"messages": [image_message(png_data_url())]}, headers={"X-Request-Timeout": "2.5"})
     assert reply.status_code == 200
     assert 1.5 < cluster.pd.deadlines[-1] <= 2.5 and 1.5 < cluster.encoder.deadlines[-1] <= 2.5
-    await post(cluster, headers={"X-Request-Timeout": "3600"})   # may only shorten the server's limit
+    await post(cluster, headers={"X-Request-Timeout": "3600"})  # may only shorten the server's limit
     # gRPC sends a timeout of 10 s or more in 100 ms units, rounded up: 10.0 can arrive as 10.1.
     assert cluster.pd.deadlines[-1] <= 10.1
 
@@ -257,7 +257,7 @@ async def test_n_choices_run_one_pd_request_each(cluster_factory):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["message"]["content"] == "Hello world!" for c in body["choices"])
     ids = sorted(g.request_id for g in cluster.pd.generates)
-    assert ids == [body["id"], body["id"] + "-n1", body["id"] + "-n2"]          # fresh id per choice
+    assert ids == [body["id"], body["id"] + "-n1", body["id"] + "-n2"]  # fresh id per choice
     assert sorted(g.sampling.seed for g in cluster.pd.generates) == [5, 6, 7]
     assert body["usage"]["completion_tokens"] == 9 and body["usage"]["epd"]["num_choices"] == 3
 
@@ -312,8 +312,12 @@ async def test_a_dns_name_with_two_addresses_is_two_instances_that_follow_dns(ti
     async def resolver(host: str, port: int) -> list[str]:
         return list(table[host])
 
-    config = ProxyConfig(model=str(tiny_model_dir), pd_addresses=(f"pd.test:{server_a.port}",),
-                         encoder_addresses=(), request_timeout_s=10.0)
+    config = ProxyConfig(
+        model=str(tiny_model_dir),
+        pd_addresses=(f"pd.test:{server_a.port}",),
+        encoder_addresses=(),
+        request_timeout_s=10.0,
+    )
     pool = Backends.connect(config, resolver=resolver)
     app = create_app(config, backends=pool)
     lifespan = app.router.lifespan_context(app)
@@ -324,7 +328,7 @@ async def test_a_dns_name_with_two_addresses_is_two_instances_that_follow_dns(ti
         for _ in range(4):
             assert (await client.post("/v1/chat/completions", json=TEXT)).status_code == 200
         assert pd_a.generates and pd_b.generates
-        table["pd.test"] = ["127.0.0.3"]                         # one replica went away
+        table["pd.test"] = ["127.0.0.3"]  # one replica went away
         await pool.pd_pool.refresh()
         before = len(pd_a.generates)
         for _ in range(4):

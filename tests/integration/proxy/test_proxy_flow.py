@@ -17,7 +17,7 @@ TEXT = {"model": "tiny-llava", "messages": [{"role": "user", "content": "Say hel
 def sse_payloads(body: str) -> list:
     events = [e for e in body.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
-    return [e[len("data: "):] if e == "data: [DONE]" else json.loads(e[len("data: "):]) for e in events]
+    return [e[len("data: ") :] if e == "data: [DONE]" else json.loads(e[len("data: ") :]) for e in events]
 
 
 async def test_text_request_goes_straight_to_generate(cluster_factory):
@@ -35,12 +35,12 @@ async def test_text_request_goes_straight_to_generate(cluster_factory):
     assert pd.preallocates == [] and cluster.encoder.encodes == []
     [generate] = pd.generates
     assert generate.request_id == body["id"]
-    assert pd.request_ids_seen == [body["id"]]           # propagated in gRPC metadata
+    assert pd.request_ids_seen == [body["id"]]  # propagated in gRPC metadata
     assert generate.mm_items == [] and len(generate.prompt_token_ids) > 3
     sampling = generate.sampling
     assert sampling.HasField("temperature") and sampling.temperature == 0.0
     assert sampling.seed == 7 and list(sampling.stop) == ["x"] and sampling.max_tokens == 8
-    assert pd.aborts == []                                 # clean finish: nothing to release
+    assert pd.aborts == []  # clean finish: nothing to release
 
 
 async def test_image_request_preallocates_then_encodes_and_generates(cluster_factory):
@@ -52,7 +52,7 @@ async def test_image_request_preallocates_then_encodes_and_generates(cluster_fac
     pd, encoder = cluster.pd, cluster.encoder
     [pre] = pd.preallocates
     [generate] = pd.generates
-    encodes = encoder.encodes                                # one Encode call per image, in parallel
+    encodes = encoder.encodes  # one Encode call per image, in parallel
     request_id = reply.json()["id"]
     assert pre.request_id == generate.request_id == request_id
     assert {e.request_id for e in encodes} == {request_id}
@@ -64,7 +64,7 @@ async def test_image_request_preallocates_then_encodes_and_generates(cluster_fac
     image_token_ids = {generate.prompt_token_ids[i.offset] for i in pre.items}
     assert len(image_token_ids) == 1
     for item in pre.items:
-        span = generate.prompt_token_ids[item.offset:item.offset + item.num_tokens]
+        span = generate.prompt_token_ids[item.offset : item.offset + item.num_tokens]
         assert set(span) == image_token_ids
     # Encode carries the reservations Preallocate granted and the PD to push to.
     assert {e.pd_address for e in encodes} == {pd.address}
@@ -115,14 +115,14 @@ async def test_images_spread_over_encoders_with_affinity(cluster_factory):
     assert (await cluster.client.post("/v1/chat/completions", json=request)).status_code == 200
     placement = {i.mm_hash: e.address for e in cluster.encoders for call in e.encodes for i in call.items}
     assert len(placement) == 6
-    assert sum(len(e.encodes) for e in cluster.encoders) == 6           # one call per image, in parallel
-    for mm_hash, address in placement.items():                          # each on its rendezvous owner
+    assert sum(len(e.encodes) for e in cluster.encoders) == 6  # one call per image, in parallel
+    for mm_hash, address in placement.items():  # each on its rendezvous owner
         assert address == max(cluster.encoders, key=lambda e: rendezvous_weight(e.address, mm_hash)).address
     for encoder in cluster.encoders:
         encoder.encodes.clear()
     assert (await cluster.client.post("/v1/chat/completions", json=request)).status_code == 200
     again = {i.mm_hash: e.address for e in cluster.encoders for call in e.encodes for i in call.items}
-    assert again == placement                            # same image, same encoder
+    assert again == placement  # same image, same encoder
 
 
 async def test_streaming_chunks_and_done(cluster_factory):

@@ -66,7 +66,9 @@ async def test_invalid_requests_are_openai_400s_without_backend_work(cluster_fac
 
 async def test_malformed_json_is_400(cluster_factory):
     cluster = await cluster_factory()
-    reply = await cluster.client.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    reply = await cluster.client.post(
+        "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
     assert_openai_error(reply, 400, "invalid_request")
 
 
@@ -123,7 +125,7 @@ async def test_models_health_and_metrics(cluster_factory):
     assert (await post(cluster, TEXT)).status_code == 200
     metrics = (await cluster.client.get("/metrics")).text
     assert 'epd_proxy_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in metrics
-    await cluster.servers[0].set_ready(False)                 # the only PD drains
+    await cluster.servers[0].set_ready(False)  # the only PD drains
     await wait_until_async(lambda: cluster.client.get("/health"), lambda r: r.status_code == 503)
     health = await cluster.client.get("/health")
     assert health.json()["pd"] == {cluster.pd.address: False}
@@ -157,7 +159,7 @@ async def test_stream_client_disconnect_before_first_token_cancels_and_aborts(cl
 
     task = asyncio.create_task(consume())
     await wait_until(lambda: pd.num_active == 1)
-    task.cancel()                                            # the client goes away
+    task.cancel()  # the client goes away
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_until(lambda: pd.num_active == 0 and pd.aborts)
@@ -173,7 +175,7 @@ async def test_stream_client_disconnect_mid_stream_cancels_and_aborts(cluster_fa
         assert reply.status_code == 200
         async for line in reply.aiter_lines():
             if '"Hello"' in line:
-                break                                        # got the first token; now leave
+                break  # got the first token; now leave
     await wait_until(lambda: pd.num_active == 0 and pd.aborts)
     assert pd.aborts == [pd.generates[0].request_id]
     assert pd.generate_cancelled == 1
@@ -186,7 +188,7 @@ async def test_non_stream_client_disconnect_cancels_and_aborts(cluster_factory):
     request = cluster.client.post("/v1/chat/completions", json=TEXT)
     task = asyncio.create_task(request)
     await wait_until(lambda: pd.num_active == 1)
-    task.cancel()                                            # closes the connection
+    task.cancel()  # closes the connection
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_until(lambda: pd.num_active == 0 and pd.aborts)
@@ -209,7 +211,11 @@ async def test_openai_client_non_stream_and_stream(cluster_factory):
         assert completion.usage.model_extra["epd"]["num_images"] == 1
 
         stream = await client.chat.completions.create(
-            model="tiny-llava", messages=messages, max_tokens=5, stream=True, stream_options={"include_usage": True},
+            model="tiny-llava",
+            messages=messages,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         chunks = [chunk async for chunk in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
@@ -269,7 +275,7 @@ async def test_allowed_https_image_is_fetched_pinned_and_encoded(cluster_factory
         inline = await post(cluster, {"messages": [image_message(png_data_url((200, 30, 30)))]})
         assert inline.status_code == 200
         first, second = cluster.pd.preallocates
-        assert first.items[0].mm_hash == second.items[0].mm_hash   # same pixels, same hash, however sent
+        assert first.items[0].mm_hash == second.items[0].mm_hash  # same pixels, same hash, however sent
         refused = await post(cluster, {"messages": [image_message(f"https://evil.example.net/{SECRET}.png")]})
         assert_openai_error(refused, 400, "image_url_not_allowed")
         assert len(requests) == 1 and len(cluster.pd.preallocates) == 2

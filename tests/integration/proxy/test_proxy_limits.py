@@ -43,8 +43,9 @@ async def test_a_30_mb_body_over_the_limit_is_413_from_its_content_length(cluste
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
         started = time.monotonic()
         try:
-            reply = await client.post("/v1/chat/completions", content=body,
-                                      headers={"Content-Type": "application/json"})
+            reply = await client.post(
+                "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+            )
         except httpx.WriteError:  # the server may answer and close before the client finished writing
             reply = None
         elapsed = time.monotonic() - started
@@ -68,9 +69,14 @@ async def test_text_requests_are_served_while_every_image_thread_is_busy(cluster
 
     preprocessor.chat_images = held
     try:
-        images = [asyncio.create_task(cluster.client.post(
-            "/v1/chat/completions", json={"messages": [image_message(png_data_url((i, 2, 3)))], "max_tokens": 2}))
-            for i in range(3)]
+        images = [
+            asyncio.create_task(
+                cluster.client.post(
+                    "/v1/chat/completions", json={"messages": [image_message(png_data_url((i, 2, 3)))], "max_tokens": 2}
+                )
+            )
+            for i in range(3)
+        ]
         await asyncio.to_thread(busy.wait, 30)
         for _ in range(3):  # while the image thread is held and two image requests queue behind it
             reply = await cluster.client.post("/v1/chat/completions", json=TEXT, headers={"X-Request-Timeout": "5"})

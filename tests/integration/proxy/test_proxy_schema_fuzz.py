@@ -18,6 +18,7 @@ import json
 import httpx
 import pytest
 import schemathesis
+from cluster_support import InProcessCluster
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
@@ -28,13 +29,16 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from cluster_support import InProcessCluster
-
 MAX_ERROR_BYTES = 1024
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+]
 GENERATION = ("/v1/chat/completions", "/v1/completions")
-EXAMPLES = 40   # per endpoint and mode (300 each found nothing that 40 did not)
+EXAMPLES = 40  # per endpoint and mode (300 each found nothing that 40 did not)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +72,14 @@ def fuzz(schema, path: str, method: str, mode: GenerationMode, max_examples: int
     """Runs ``max_examples`` generated requests (derandomized) and returns their status counts."""
     statuses: collections.Counter = collections.Counter()
 
-    @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=schema[path][method].as_strategy(generation_mode=mode))
     def run(case):
         response = case.call(timeout=60)
@@ -104,10 +114,14 @@ def test_a_top_p_below_float32_range_is_served(cluster):
 
 
 def test_the_document_describes_every_route(cluster, schema):
-    operations = {(op.method.upper(), op.path) for op in
-                  (result.ok() for result in schema.get_all_operations())}
-    assert operations == {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-                          ("GET", "/health"), ("GET", "/metrics")}
+    operations = {(op.method.upper(), op.path) for op in (result.ok() for result in schema.get_all_operations())}
+    assert operations == {
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+    }
     document = httpx.get(f"http://127.0.0.1:{cluster.port}/openapi.json").json()
     chat = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert chat["max_tokens"]["anyOf"][0]["maximum"] == 8 and chat["n"]["anyOf"][0]["maximum"] == 2   # this server's
+    assert chat["max_tokens"]["anyOf"][0]["maximum"] == 8 and chat["n"]["anyOf"][0]["maximum"] == 2  # this server's

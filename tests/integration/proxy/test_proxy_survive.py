@@ -40,7 +40,7 @@ async def test_a_probe_settles_at_its_first_token_not_at_the_end_of_its_stream(c
     cluster = await cluster_factory(breaker_failures=2, breaker_open_s=0.2)
     pd = cluster.pd
     breaker = await _half_open_breaker(cluster, pd)
-    pd.hold_after_first.clear()                      # the probe streams its first token, then stalls
+    pd.hold_after_first.clear()  # the probe streams its first token, then stalls
     probe = asyncio.create_task(cluster.client.post("/v1/chat/completions", json={**TEXT, "stream": True}))
     await wait_until(lambda: pd.num_active == 1 and breaker.state is BreakerState.CLOSED)
     health = await cluster.client.get("/health")
@@ -55,13 +55,13 @@ async def test_a_single_pd_cluster_keeps_serving_while_a_probe_waits_for_its_fir
     cluster = await cluster_factory(breaker_failures=2, breaker_open_s=0.2)
     pd = cluster.pd
     breaker = await _half_open_breaker(cluster, pd)
-    pd.hold_first_token.clear()                      # the probe gets no first token yet
+    pd.hold_first_token.clear()  # the probe gets no first token yet
     probe = asyncio.create_task(cluster.client.post("/v1/chat/completions", json=TEXT))
     await wait_until(lambda: pd.num_active == 1 and breaker.probing)
     health = await cluster.client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     other = asyncio.create_task(cluster.client.post("/v1/chat/completions", json=TEXT))
-    await wait_until(lambda: pd.num_active == 2)    # sent to the probing PD, not answered 503
+    await wait_until(lambda: pd.num_active == 2)  # sent to the probing PD, not answered 503
     pd.hold_first_token.set()
     assert (await probe).status_code == 200 and (await other).status_code == 200
     assert breaker.state is BreakerState.CLOSED
@@ -76,7 +76,7 @@ async def test_push_failures_to_one_pd_are_charged_to_it_not_to_the_encoders(clu
     for shade in range(8):
         body = {"messages": [image_message(png_data_url((shade, 10, 20)))], "max_tokens": 2}
         statuses.append((await cluster.client.post("/v1/chat/completions", json=body)).status_code)
-    assert statuses == [200] * 8                     # each moved to the reachable PD
+    assert statuses == [200] * 8  # each moved to the reachable PD
     for encoder in cluster.encoders:
         assert _instance(cluster, encoder.address).breaker.state is BreakerState.CLOSED
     assert _instance(cluster, cut_off.address).breaker.state is not BreakerState.CLOSED
@@ -87,7 +87,7 @@ async def test_push_failures_to_one_pd_are_charged_to_it_not_to_the_encoders(clu
 
 async def test_an_encoder_failing_on_its_own_is_still_charged(cluster_factory):
     cluster = await cluster_factory(num_encoders=1, breaker_failures=2)
-    cluster.encoder.failure = Failure(S.INTERNAL)    # no failed-hop trailer: the encoder's own fault
+    cluster.encoder.failure = Failure(S.INTERNAL)  # no failed-hop trailer: the encoder's own fault
     body = {"messages": [image_message(png_data_url())], "max_tokens": 2}
     for _ in range(2):
         assert (await cluster.client.post("/v1/chat/completions", json=body)).status_code == 500

@@ -63,9 +63,16 @@ def _whole_image_digest(img, settings, model_id) -> str:
     import json
 
     digest = hashlib.sha256()
-    for part in (b"epd-mm-v1\0", model_id.encode(), b"\0",
-                 json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str).encode(), b"\0",
-                 f"{img.width}x{img.height}".encode(), b"\0", img.tobytes()):
+    for part in (
+        b"epd-mm-v1\0",
+        model_id.encode(),
+        b"\0",
+        json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str).encode(),
+        b"\0",
+        f"{img.width}x{img.height}".encode(),
+        b"\0",
+        img.tobytes(),
+    ):
         digest.update(part)
     return digest.hexdigest()
 
@@ -74,8 +81,9 @@ def test_strip_hashing_gives_the_whole_image_digest():
     import torch
 
     for width, height in ((8, 6), (1500, 701), (3, 400_000)):  # strips of one row, many rows, ragged end
-        pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(width),
-                               dtype=torch.uint8)
+        pixels = torch.randint(
+            0, 256, (height, width, 3), generator=torch.Generator().manual_seed(width), dtype=torch.uint8
+        )
         img = Image.fromarray(pixels.numpy(), "RGB")
         assert mm_hash(img, SETTINGS, "m") == _whole_image_digest(img, SETTINGS, "m")
 

@@ -55,8 +55,10 @@ def test_safe_request_id(value, expected):
 
 
 def test_text_line_is_key_value_and_quotes_anything_unusual():
-    line = format_fields("generate", {"request_id": "r-1", "status": "OK", "ms": 12.345, "stream": True,
-                                      "pd": None, "odd": 'two words\n"x"'})
+    line = format_fields(
+        "generate",
+        {"request_id": "r-1", "status": "OK", "ms": 12.345, "stream": True, "pd": None, "odd": 'two words\n"x"'},
+    )
     assert line == 'generate request_id=r-1 status=OK ms=12.3 stream=true pd=- odd="two words\\n\\"x\\""'
     assert "\n" not in line  # a value can never start a forged log line
 
@@ -78,8 +80,14 @@ def test_log_request_respects_level(capture):
 
 def test_json_formatter_puts_fields_at_top_level():
     record = logging.LogRecord("svc.mod", logging.INFO, __file__, 1, "generate request_id=r-3", (), None)
-    record.__dict__.update(event="generate", request_id="r-3", status="OK", ttft_ms=1.23456, completion_tokens=7,
-                           color_message="uvicorn's copy")
+    record.__dict__.update(
+        event="generate",
+        request_id="r-3",
+        status="OK",
+        ttft_ms=1.23456,
+        completion_tokens=7,
+        color_message="uvicorn's copy",
+    )
     entry = json.loads(logs._JsonFormatter("pd").format(record))
     assert entry["service"] == "pd" and entry["level"] == "info" and entry["logger"] == "svc.mod"
     assert entry["msg"] == "generate"

@@ -36,9 +36,11 @@ def _readme_rows() -> set[tuple[str, str, str, tuple[str, ...]]]:
 
 
 def test_the_readme_metric_table_matches_every_services_metric_docs():
-    declared = {(service, doc.name, doc.type, tuple(doc.labels))
-                for service, docs in (("proxy", PROXY_METRICS), ("encoder", ENCODER_METRICS), ("pd", PD_METRICS))
-                for doc in docs}
+    declared = {
+        (service, doc.name, doc.type, tuple(doc.labels))
+        for service, docs in (("proxy", PROXY_METRICS), ("encoder", ENCODER_METRICS), ("pd", PD_METRICS))
+        for doc in docs
+    }
     documented = _readme_rows()
     assert declared - documented == set(), "declared in METRICS but missing from the README table"
     assert documented - declared == set(), "in the README table but not declared in METRICS"

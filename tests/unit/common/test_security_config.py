@@ -29,8 +29,15 @@ def parse(argv: list[str], *, grpc_server: bool = True) -> argparse.Namespace:
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("EPD_INTERNAL_TOKEN", "EPD_INTERNAL_TOKEN_FILE", "EPD_TLS_CERT", "EPD_TLS_KEY", "EPD_TLS_CA",
-                 "EPD_TLS_SERVER_NAME", "EPD_GRPC_REFLECTION"):
+    for name in (
+        "EPD_INTERNAL_TOKEN",
+        "EPD_INTERNAL_TOKEN_FILE",
+        "EPD_TLS_CERT",
+        "EPD_TLS_KEY",
+        "EPD_TLS_CA",
+        "EPD_TLS_SERVER_NAME",
+        "EPD_GRPC_REFLECTION",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -42,26 +49,32 @@ def test_default_is_plaintext_without_token_or_reflection():
     assert NO_SECURITY.channel_options() == ()
 
 
-@pytest.mark.parametrize("token, problem", [
-    ("short", "at least 16"),
-    ("has a space in it, long enough", "printable ASCII"),
-    ("non-ascii-é-token-long-enough", "printable ASCII"),
-    ("tab\tseparated-long-enough-token", "printable ASCII"),
-])
+@pytest.mark.parametrize(
+    "token, problem",
+    [
+        ("short", "at least 16"),
+        ("has a space in it, long enough", "printable ASCII"),
+        ("non-ascii-é-token-long-enough", "printable ASCII"),
+        ("tab\tseparated-long-enough-token", "printable ASCII"),
+    ],
+)
 def test_weak_or_unsendable_tokens_are_refused_without_echoing_them(token, problem):
     with pytest.raises(ValueError, match=problem) as info:
         InternalSecurity(token=token)
     assert token not in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs, problem", [
-    ({"tls_cert": PEM_CERT}, "go together"),
-    ({"tls_key": PEM_KEY}, "go together"),
-    ({"tls_ca": PEM_CERT}, "need --tls-cert"),
-    ({"tls_server_name": "pd.internal"}, "need --tls-cert"),
-    ({"tls_cert": b"not pem", "tls_key": PEM_KEY}, "--tls-cert is not PEM"),
-    ({"tls_cert": PEM_CERT, "tls_key": PEM_KEY, "tls_ca": b"junk"}, "--tls-ca is not PEM"),
-])
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"tls_cert": PEM_CERT}, "go together"),
+        ({"tls_key": PEM_KEY}, "go together"),
+        ({"tls_ca": PEM_CERT}, "need --tls-cert"),
+        ({"tls_server_name": "pd.internal"}, "need --tls-cert"),
+        ({"tls_cert": b"not pem", "tls_key": PEM_KEY}, "--tls-cert is not PEM"),
+        ({"tls_cert": PEM_CERT, "tls_key": PEM_KEY, "tls_ca": b"junk"}, "--tls-ca is not PEM"),
+    ],
+)
 def test_inconsistent_tls_settings_are_refused(kwargs, problem):
     with pytest.raises(ValueError, match=problem):
         InternalSecurity(**kwargs)
@@ -82,26 +95,33 @@ def test_server_name_becomes_a_channel_option():
 
 def test_token_makes_one_client_interceptor_per_arity_and_a_server_check():
     config = InternalSecurity(token=TOKEN)
-    kinds = (grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-             grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor)
+    kinds = (
+        grpc.aio.UnaryUnaryClientInterceptor,
+        grpc.aio.UnaryStreamClientInterceptor,
+        grpc.aio.StreamUnaryClientInterceptor,
+        grpc.aio.StreamStreamClientInterceptor,
+    )
     interceptors = config.client_interceptors()
     assert [sum(isinstance(i, kind) for i in interceptors) for kind in kinds] == [1, 1, 1, 1]
     assert [type(i) for i in config.server_interceptors()] == [TokenCheckInterceptor]
 
 
 # -- the comparison -------------------------------------------------------------
-@pytest.mark.parametrize("metadata, ok", [
-    ((("authorization", f"Bearer {TOKEN}"),), True),
-    ((("x-request-id", "r1"), ("authorization", f"Bearer {TOKEN}")), True),
-    ((("authorization", f"Bearer {TOKEN}".encode()),), True),
-    (None, False),
-    ((), False),
-    ((("authorization", TOKEN),), False),                  # no scheme
-    ((("authorization", f"Bearer {TOKEN}x"),), False),      # longer
-    ((("authorization", f"Bearer {TOKEN[:-1]}"),), False),  # prefix
-    ((("authorization", "Bearer é"),), False),               # non-ASCII does not raise
-    ((("x-token", f"Bearer {TOKEN}"),), False),             # other key
-])
+@pytest.mark.parametrize(
+    "metadata, ok",
+    [
+        ((("authorization", f"Bearer {TOKEN}"),), True),
+        ((("x-request-id", "r1"), ("authorization", f"Bearer {TOKEN}")), True),
+        ((("authorization", f"Bearer {TOKEN}".encode()),), True),
+        (None, False),
+        ((), False),
+        ((("authorization", TOKEN),), False),  # no scheme
+        ((("authorization", f"Bearer {TOKEN}x"),), False),  # longer
+        ((("authorization", f"Bearer {TOKEN[:-1]}"),), False),  # prefix
+        ((("authorization", "Bearer é"),), False),  # non-ASCII does not raise
+        ((("x-token", f"Bearer {TOKEN}"),), False),  # other key
+    ],
+)
 def test_authorized_needs_exactly_the_bearer_token(metadata, ok):
     assert TokenCheckInterceptor(TOKEN).authorized(metadata) is ok
 
@@ -112,14 +132,25 @@ def test_flags_read_files_and_stay_off_by_default(tmp_path: Path, clean_env):
     (tmp_path / "token").write_text(TOKEN + "\n")
     (tmp_path / "cert.pem").write_bytes(PEM_CERT)
     (tmp_path / "key.pem").write_bytes(PEM_KEY)
-    args = parse([
-        "--internal-token-file", str(tmp_path / "token"),
-        "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem"),
-        "--tls-ca", str(tmp_path / "cert.pem"), "--tls-server-name", "pd.internal", "--grpc-reflection",
-    ])
+    args = parse(
+        [
+            "--internal-token-file",
+            str(tmp_path / "token"),
+            "--tls-cert",
+            str(tmp_path / "cert.pem"),
+            "--tls-key",
+            str(tmp_path / "key.pem"),
+            "--tls-ca",
+            str(tmp_path / "cert.pem"),
+            "--tls-server-name",
+            "pd.internal",
+            "--grpc-reflection",
+        ]
+    )
     config = security.from_args(args, environ={})
-    assert config == InternalSecurity(token=TOKEN, tls_cert=PEM_CERT, tls_key=PEM_KEY, tls_ca=PEM_CERT,
-                                      tls_server_name="pd.internal", reflection=True)
+    assert config == InternalSecurity(
+        token=TOKEN, tls_cert=PEM_CERT, tls_key=PEM_KEY, tls_ca=PEM_CERT, tls_server_name="pd.internal", reflection=True
+    )
 
 
 def test_token_from_the_environment(clean_env):
@@ -134,12 +165,15 @@ def test_flags_default_to_their_env_variables(tmp_path: Path, monkeypatch, clean
     assert config.token == TOKEN and config.reflection
 
 
-@pytest.mark.parametrize("setup, problem", [
-    ("both", "not both"),
-    ("empty", "is empty"),
-    ("missing", "cannot read --internal-token-file"),
-    ("missing-cert", "cannot read --tls-cert"),
-])
+@pytest.mark.parametrize(
+    "setup, problem",
+    [
+        ("both", "not both"),
+        ("empty", "is empty"),
+        ("missing", "cannot read --internal-token-file"),
+        ("missing-cert", "cannot read --tls-cert"),
+    ],
+)
 def test_bad_token_or_file_settings_are_usage_errors(tmp_path: Path, clean_env, setup, problem):
     token_file = tmp_path / "token"
     token_file.write_text("" if setup == "empty" else TOKEN)
@@ -164,7 +198,12 @@ def test_proxy_side_flags_have_no_reflection(clean_env):
 def test_forward_argv_passes_only_what_was_set(clean_env):
     args = parse(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--grpc-reflection"])
     assert security.forward_argv(args, grpc_server=True) == [
-        "--tls-cert", "c.pem", "--tls-key", "k.pem", "--grpc-reflection"]
+        "--tls-cert",
+        "c.pem",
+        "--tls-key",
+        "k.pem",
+        "--grpc-reflection",
+    ]
     assert security.forward_argv(args, grpc_server=False) == ["--tls-cert", "c.pem", "--tls-key", "k.pem"]
     assert security.forward_argv(parse([]), grpc_server=True) == []
 
@@ -172,14 +211,15 @@ def test_forward_argv_passes_only_what_was_set(clean_env):
 def test_epd_up_passes_the_flags_to_every_service(monkeypatch, clean_env):
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
-    args = parser.parse_args(["--internal-token-file", "t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a",
-                              "--grpc-reflection"])
+    args = parser.parse_args(
+        ["--internal-token-file", "t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a", "--grpc-reflection"]
+    )
     spawned = {spec.name: list(spec.argv) for spec in launcher.service_specs(args)}
     flags = ["--internal-token-file", "t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a"]
     assert set(spawned) == {"encoder-0", "pd-0", "proxy"}
     for name, argv in spawned.items():
-        tail = argv[argv.index("--internal-token-file"):]
-        assert tail[:len(flags)] == flags, name
+        tail = argv[argv.index("--internal-token-file") :]
+        assert tail[: len(flags)] == flags, name
         assert ("--grpc-reflection" in argv) == (name != "proxy")
 
 
@@ -193,8 +233,18 @@ def test_every_service_takes_the_same_flags_into_its_config(tmp_path: Path, clea
     (tmp_path / "key.pem").write_bytes(PEM_KEY)
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
-    args = parser.parse_args(["--internal-token-file", str(tmp_path / "token"), "--tls-cert", str(tmp_path / "cert.pem"),
-                              "--tls-key", str(tmp_path / "key.pem"), "--tls-ca", str(tmp_path / "cert.pem")])
+    args = parser.parse_args(
+        [
+            "--internal-token-file",
+            str(tmp_path / "token"),
+            "--tls-cert",
+            str(tmp_path / "cert.pem"),
+            "--tls-key",
+            str(tmp_path / "key.pem"),
+            "--tls-ca",
+            str(tmp_path / "cert.pem"),
+        ]
+    )
     assert main.config_from_args(args).security.describe() == "mtls+token"
 
 

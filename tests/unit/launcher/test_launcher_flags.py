@@ -12,8 +12,13 @@ from services.common import security
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("EPD_INTERNAL_TOKEN", "EPD_INTERNAL_TOKEN_FILE", "EPD_METRICS_REQUIRE_TOKEN",
-                 "EPD_AUTO_INTERNAL_TOKEN", "EPD_METRICS_HOST"):
+    for name in (
+        "EPD_INTERNAL_TOKEN",
+        "EPD_INTERNAL_TOKEN_FILE",
+        "EPD_METRICS_REQUIRE_TOKEN",
+        "EPD_AUTO_INTERNAL_TOKEN",
+        "EPD_METRICS_HOST",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -63,8 +68,9 @@ def test_metrics_endpoints_listen_on_loopback_whatever_the_host(clean_env):
 
 
 def test_restart_flags_build_the_policy_and_bad_ones_are_usage_errors(clean_env, capsys):
-    policy = launcher.restart_policy(_args(["--max-restarts", "2", "--restart-window-s", "30",
-                                            "--restart-backoff-s", "0.5"]))
+    policy = launcher.restart_policy(
+        _args(["--max-restarts", "2", "--restart-window-s", "30", "--restart-backoff-s", "0.5"])
+    )
     assert (policy.max_restarts, policy.window_s, policy.backoff_s) == (2, 30.0, 0.5)
     assert launcher.run(_args(["--max-restarts", "-1"])) == 2
     assert "max_restarts" in capsys.readouterr().err

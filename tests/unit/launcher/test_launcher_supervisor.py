@@ -40,10 +40,10 @@ def test_restarts_older_than_the_window_are_forgotten():
     history = CrashHistory(RestartPolicy(max_restarts=2, window_s=10, backoff_s=1.0))
     assert history.on_exit(0) == 1.0
     assert history.on_exit(5) == 2.0
-    assert history.on_exit(9) is None               # a third exit within 10 s: crash loop
+    assert history.on_exit(9) is None  # a third exit within 10 s: crash loop
     fresh = CrashHistory(RestartPolicy(max_restarts=2, window_s=10, backoff_s=1.0))
     assert fresh.on_exit(0) == 1.0 and fresh.on_exit(5) == 2.0
-    assert fresh.on_exit(16) == 1.0                 # both earlier restarts left the window
+    assert fresh.on_exit(16) == 1.0  # both earlier restarts left the window
 
 
 def test_zero_restarts_means_any_exit_stops_the_cluster():
@@ -73,8 +73,9 @@ class StandIns:
 
     def spawn(self, spec: ServiceSpec):
         script = self.scripts.get(spec.name, spec.argv[0])
-        process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.num_spawned[spec.name] = self.num_spawned.get(spec.name, 0) + 1
         return process, OutputTail(process.stdout, self.sink)
 
@@ -101,8 +102,13 @@ def _metric(supervisor: Supervisor, name: str, service: str) -> float:
 async def test_a_killed_child_is_restarted_and_the_others_keep_running():
     stand_ins, said = StandIns(), []
     policy = RestartPolicy(max_restarts=3, window_s=60, backoff_s=0.05)
-    supervisor = Supervisor(_specs(("encoder-0", RUN_FOREVER), ("pd-0", RUN_FOREVER)), policy,
-                            is_ready=alive, spawn=stand_ins.spawn, say=said.append)
+    supervisor = Supervisor(
+        _specs(("encoder-0", RUN_FOREVER), ("pd-0", RUN_FOREVER)),
+        policy,
+        is_ready=alive,
+        spawn=stand_ins.spawn,
+        say=said.append,
+    )
     stop = asyncio.Event()
     try:
         supervisor.start_all()
@@ -111,8 +117,10 @@ async def test_a_killed_child_is_restarted_and_the_others_keep_running():
         pd_pid, old_pid = pd.pid, encoder.pid
         task = asyncio.create_task(supervisor.supervise(stop))
         os.kill(old_pid, signal.SIGKILL)
-        await _until(lambda: encoder.pid != old_pid and _metric(supervisor, "epd_launcher_service_up", "encoder-0"),
-                     "the restarted encoder")
+        await _until(
+            lambda: encoder.pid != old_pid and _metric(supervisor, "epd_launcher_service_up", "encoder-0"),
+            "the restarted encoder",
+        )
         stop.set()
         assert await task is None
         assert stand_ins.num_spawned == {"encoder-0": 2, "pd-0": 1} and pd.pid == pd_pid
@@ -127,8 +135,13 @@ async def test_a_killed_child_is_restarted_and_the_others_keep_running():
 async def test_a_crash_looping_child_ends_supervision_naming_it_with_its_last_lines():
     stand_ins = StandIns()
     policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.01)
-    supervisor = Supervisor(_specs(("encoder-0", RUN_FOREVER), ("proxy", RUN_FOREVER)), policy,
-                            is_ready=alive, spawn=stand_ins.spawn, say=lambda _: None)
+    supervisor = Supervisor(
+        _specs(("encoder-0", RUN_FOREVER), ("proxy", RUN_FOREVER)),
+        policy,
+        is_ready=alive,
+        spawn=stand_ins.spawn,
+        say=lambda _: None,
+    )
     stop = asyncio.Event()
     try:
         supervisor.start_all()
@@ -144,20 +157,25 @@ async def test_a_crash_looping_child_ends_supervision_naming_it_with_its_last_li
     message = crash.message()
     assert message.startswith("encoder-0 is crash-looping: it exited with code 3 after 2 restarts")
     assert "| boom: port in use" in message
-    assert stand_ins.num_spawned["proxy"] == 1   # the others were never touched
+    assert stand_ins.num_spawned["proxy"] == 1  # the others were never touched
     assert b"boom: port in use" in stand_ins.sink.getvalue()  # output is forwarded as it comes
 
 
 async def test_a_restarted_child_that_never_becomes_ready_is_killed_and_ends_in_a_crash_loop():
     stand_ins, said = StandIns(), []
 
-    async def only_first_start_ready(spec):   # a restart wedges in start-up (alive, never ready)
+    async def only_first_start_ready(spec):  # a restart wedges in start-up (alive, never ready)
         return stand_ins.num_spawned[spec.name] == 1
 
     policy = RestartPolicy(max_restarts=1, window_s=60, backoff_s=0.01)
-    supervisor = Supervisor(_specs(("pd-0", RUN_FOREVER), ("proxy", RUN_FOREVER)), policy,
-                            is_ready=only_first_start_ready, spawn=stand_ins.spawn, say=said.append,
-                            ready_timeout_s=0.3)
+    supervisor = Supervisor(
+        _specs(("pd-0", RUN_FOREVER), ("proxy", RUN_FOREVER)),
+        policy,
+        is_ready=only_first_start_ready,
+        spawn=stand_ins.spawn,
+        say=said.append,
+        ready_timeout_s=0.3,
+    )
     stop = asyncio.Event()
     try:
         supervisor.start_all()
@@ -165,7 +183,7 @@ async def test_a_restarted_child_that_never_becomes_ready_is_killed_and_ends_in_
         os.kill(supervisor.children[0].pid, signal.SIGKILL)
         crash = await asyncio.wait_for(supervisor.supervise(stop), 60)
         wedged = supervisor.children[0].process
-        assert wedged.wait(timeout=10) == -signal.SIGKILL   # killed by supervision, not left running
+        assert wedged.wait(timeout=10) == -signal.SIGKILL  # killed by supervision, not left running
     finally:
         supervisor.stop_all(grace_s=5)
     assert crash is not None and crash.name == "pd-0" and crash.num_restarts == 1
@@ -187,7 +205,7 @@ async def test_a_child_that_exits_during_start_up_aborts_with_its_output():
         with pytest.raises(StartupFailed, match="pd-0 exited with code 3 during start-up") as failed:
             await supervisor.wait_ready(30, asyncio.Event())
         assert "boom: port in use" in str(failed.value)
-        assert stand_ins.num_spawned == {"pd-0": 1}   # never restarted before the cluster was up
+        assert stand_ins.num_spawned == {"pd-0": 1}  # never restarted before the cluster was up
     finally:
         supervisor.stop_all(grace_s=5)
 
@@ -198,8 +216,9 @@ async def test_a_start_up_that_takes_too_long_is_reported():
     async def never_ready(spec):
         return False
 
-    supervisor = Supervisor(_specs(("proxy", RUN_FOREVER)), RestartPolicy(), is_ready=never_ready,
-                            spawn=stand_ins.spawn)
+    supervisor = Supervisor(
+        _specs(("proxy", RUN_FOREVER)), RestartPolicy(), is_ready=never_ready, spawn=stand_ins.spawn
+    )
     try:
         supervisor.start_all()
         with pytest.raises(StartupFailed, match="not ready after 0s: proxy"):

@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 
 def _checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
     with safe_open(directory / "model.safetensors", framework="pt") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}
+        return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - safe_open is no dict
 
 
 def _copy_with_tensors(source: Path, target: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> Path:
@@ -167,8 +167,10 @@ def test_other_key_layouts_load_the_same_weights(models_tiny_dir, models_tiny_fu
     with torch.no_grad():
         torch.testing.assert_close(encoder(pixel_values), _reference_image_features(full, pixel_values), rtol=0, atol=0)
     for name, param in lm.state_dict().items():
-        reference = full.lm_head.weight if name == "lm_head.weight" else full.model.language_model.get_parameter(
-            name.removeprefix("model.")
+        reference = (
+            full.lm_head.weight
+            if name == "lm_head.weight"
+            else full.model.language_model.get_parameter(name.removeprefix("model."))
         )
         assert torch.equal(param, reference), name
 
@@ -198,12 +200,16 @@ def test_missing_tensors_are_named_in_the_error(models_tiny_dir: Path, tmp_path:
 
 def test_split_checkpoint_key_covers_both_layouts():
     assert split_checkpoint_key("model.language_model.layers.0.mlp.up_proj.weight") == (
-        Part.LANGUAGE_MODEL, "model.layers.0.mlp.up_proj.weight")
+        Part.LANGUAGE_MODEL,
+        "model.layers.0.mlp.up_proj.weight",
+    )
     assert split_checkpoint_key("language_model.model.norm.weight") == (Part.LANGUAGE_MODEL, "model.norm.weight")
     assert split_checkpoint_key("language_model.lm_head.weight") == (Part.LANGUAGE_MODEL, "lm_head.weight")
     assert split_checkpoint_key("lm_head.weight") == (Part.LANGUAGE_MODEL, "lm_head.weight")
     assert split_checkpoint_key("model.vision_tower.encoder.layers.0.fc1.bias") == (
-        Part.VISION_TOWER, "encoder.layers.0.fc1.bias")
+        Part.VISION_TOWER,
+        "encoder.layers.0.fc1.bias",
+    )
     assert split_checkpoint_key("multi_modal_projector.linear_1.weight") == (Part.PROJECTOR, "linear_1.weight")
     assert split_checkpoint_key("image_newline") is None
 

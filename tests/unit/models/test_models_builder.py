@@ -140,13 +140,26 @@ def test_llava_15_7b_preset_has_llava_15_7b_shapes():
     from services.common.models.builder import _llava_config, build_device, num_parameters
 
     preset = get_preset("llava-1.5-7b-random")
-    config = _llava_config(preset, preset.tokenizer_vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-                           image_token_id=4)
+    config = _llava_config(
+        preset, preset.tokenizer_vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=3, image_token_id=4
+    )
     text, vision = config.text_config, config.vision_config
-    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads,
-            text.intermediate_size, text.vocab_size) == (4096, 32, 32, 32, 11008, 32064)
-    assert (vision.hidden_size, vision.num_hidden_layers, vision.num_attention_heads, vision.intermediate_size,
-            vision.image_size, vision.patch_size) == (1024, 24, 16, 4096, 336, 14)
+    assert (
+        text.hidden_size,
+        text.num_hidden_layers,
+        text.num_attention_heads,
+        text.num_key_value_heads,
+        text.intermediate_size,
+        text.vocab_size,
+    ) == (4096, 32, 32, 32, 11008, 32064)
+    assert (
+        vision.hidden_size,
+        vision.num_hidden_layers,
+        vision.num_attention_heads,
+        vision.intermediate_size,
+        vision.image_size,
+        vision.patch_size,
+    ) == (1024, 24, 16, 4096, 336, 14)
     assert config.image_seq_length == preset.num_image_tokens == 576
-    assert num_parameters(preset) == 7_063_427_072                    # LLaVA-1.5-7B's 7.06B
+    assert num_parameters(preset) == 7_063_427_072  # LLaVA-1.5-7B's 7.06B
     assert build_device(get_preset("tiny")) == (torch.device("cpu"), torch.float32)

@@ -47,8 +47,14 @@ def _generate(full, prompts, eos_token_id):
     for input_ids, pixel_values in prompts:
         images = {} if pixel_values is None else {"pixel_values": pixel_values}
         out = full.generate(
-            input_ids=input_ids, **images, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=eos_token_id,
+            input_ids=input_ids,
+            **images,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=eos_token_id,
         )
         outputs.append((out.sequences[0], torch.cat(out.logits)))
     return outputs
@@ -84,8 +90,10 @@ def test_greedy_choices_survive_batching(models_tiny_dir: Path, models_tiny_full
     top2 = torch.cat([logits for _, logits in oracle]).topk(2, dim=-1).values
     gaps = top2[:, 0] - top2[:, 1]
     flips = sum(int((b.argmax(-1) != logits.argmax(-1)).sum()) for b, (_, logits) in zip(batched, oracle))
-    print(f"\ngreedy: steps={len(gaps)} min_gap={gaps.min():.4g} median_gap={gaps.median():.4g} "
-          f"max_abs_logit_diff={max_diff:.3g} ratio={gaps.min() / max(max_diff, 1e-12):.3g} flips={flips}")
+    print(
+        f"\ngreedy: steps={len(gaps)} min_gap={gaps.min():.4g} median_gap={gaps.median():.4g} "
+        f"max_abs_logit_diff={max_diff:.3g} ratio={gaps.min() / max(max_diff, 1e-12):.3g} flips={flips}"
+    )
     assert flips == 0
     assert gaps.min() > 50 * max_diff
 
@@ -94,8 +102,9 @@ def test_greedy_choices_survive_batching(models_tiny_dir: Path, models_tiny_full
     assert not set(generated.flatten().tolist()) & special_ids  # never </s> or <image>
     successors = successor_cycle(len(tokenizer), special_ids, seed=0)
     previous = torch.stack([sequence[-NEW_TOKENS - 1 : -1] for sequence, _ in oracle])
-    follows_bigram = torch.tensor([[successors.get(int(p)) == int(g) for p, g in zip(*rows)]
-                                   for rows in zip(previous, generated)])
+    follows_bigram = torch.tensor(
+        [[successors.get(int(p)) == int(g) for p, g in zip(*rows)] for rows in zip(previous, generated)]
+    )
     context_share = 1 - follows_bigram.float().mean().item()
     print(f"greedy: share of tokens chosen by context rather than the bigram backbone={context_share:.2f}")
     assert context_share > 0.05

@@ -3,7 +3,7 @@
 As ``test_models_greedy.py`` does for LLaVA: random prompts with 0-3 images
 of different grids go through ``generate()`` on the full model, and through
 the split halves in one right-padded batch with 3-D positions from
-``services.pd.positions``. The top-2 logit gap must dwarf their numerical
+``services.pd.engine.positions``. The top-2 logit gap must dwarf their numerical
 difference (so the engine's batched math agrees token for token), and both
 the images and their positions must change the greedy text (so an oracle test
 catches a wrong position or a wrong embedding).
@@ -18,21 +18,39 @@ import torch
 from oracle_support import make_image, user_message
 
 from services.common.models import encode_images, load_adapter
-from services.pd.positions import build_plan
-from services.pd.request import MultiModalSpan
+from services.pd.engine.positions import build_plan
+from services.pd.engine.request import MultiModalSpan
 
 NUM_PROMPTS = 16
 NEW_TOKENS = 8
 CPU = torch.device("cpu")
-WORDS = "the cat sat on a mat red blue image describe what where when left right top".split()
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "red",
+    "blue",
+    "image",
+    "describe",
+    "what",
+    "where",
+    "when",
+    "left",
+    "right",
+    "top",
+]
 
 
 def _cases(seed: int) -> list[tuple[list[dict], list]]:
     rng = random.Random(seed)
     cases = []
     for i in range(NUM_PROMPTS):
-        images = [make_image(100 + 3 * i + k, (rng.choice([32, 48, 64, 96]), rng.choice([24, 48, 80])))
-                  for k in range(i % 4)]
+        images = [
+            make_image(100 + 3 * i + k, (rng.choice([32, 48, 64, 96]), rng.choice([24, 48, 80]))) for k in range(i % 4)
+        ]
         cases.append(([user_message(" ".join(rng.choices(WORDS, k=rng.randint(2, 12))), images)], images))
     return cases
 
@@ -65,7 +83,8 @@ def _split_half_logits(adapter, oracle, cases, sequences, mrope: bool) -> list[t
                 grids = [tuple(int(n) for n in g) for g in inputs["image_grid_thw"]]
                 pixels = inputs["pixel_values"].split([t * h * w for t, h, w in grids])
                 rows[sequence == adapter.image_token_id] = torch.cat(
-                    encode_images(vision, list(zip(pixels, grids)), CPU, torch.float32))
+                    encode_images(vision, list(zip(pixels, grids)), CPU, torch.float32)
+                )
                 token_grids = [(t, h // merge, w // merge) for t, h, w in grids]
             plan = build_plan(_spans(sequence, adapter.image_token_id, token_grids), len(sequence) - NEW_TOKENS)
             if plan is not None and mrope:
@@ -86,8 +105,14 @@ def test_greedy_choices_survive_batching_and_depend_on_positions(build_model, or
     reference = []
     for messages, images in cases:
         inputs = oracle.inputs(messages, images)
-        out = oracle.model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True)
+        out = oracle.model.generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         reference.append((out.sequences[0], torch.cat(out.logits)))
     sequences = [sequence for sequence, _ in reference]
     batched = _split_half_logits(adapter, oracle, cases, sequences, mrope=True)
@@ -96,14 +121,19 @@ def test_greedy_choices_survive_batching_and_depend_on_positions(build_model, or
     top2 = torch.cat([logits for _, logits in reference]).topk(2, dim=-1).values
     gaps = top2[:, 0] - top2[:, 1]
     flips = sum(int((b.argmax(-1) != logits.argmax(-1)).sum()) for b, (_, logits) in zip(batched, reference))
-    print(f"\n{preset}: steps={len(gaps)} min_gap={gaps.min():.4g} max_abs_logit_diff={max_diff:.3g} "
-          f"ratio={gaps.min() / max(max_diff, 1e-12):.3g} flips={flips}")
+    print(
+        f"\n{preset}: steps={len(gaps)} min_gap={gaps.min():.4g} max_abs_logit_diff={max_diff:.3g} "
+        f"ratio={gaps.min() / max(max_diff, 1e-12):.3g} flips={flips}"
+    )
     assert flips == 0
     assert gaps.min() > 50 * max_diff
 
     # 1-D positions for the image prompts: the greedy text must change on some of them.
     flat = _split_half_logits(adapter, oracle, cases, sequences, mrope=False)
-    changed = sum(bool((f.argmax(-1) != logits.argmax(-1)).any())
-                  for f, (_, logits), (_, images) in zip(flat, reference, cases) if images)
+    changed = sum(
+        bool((f.argmax(-1) != logits.argmax(-1)).any())
+        for f, (_, logits), (_, images) in zip(flat, reference, cases)
+        if images
+    )
     print(f"{preset}: image prompts whose greedy text changes under 1-D positions: {changed}")
     assert changed >= 3

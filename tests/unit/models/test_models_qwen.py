@@ -32,12 +32,19 @@ QWEN_PRESETS = ["qwen2.5-vl-tiny", "qwen2-vl-tiny"]
 def test_checkpoint_is_a_real_hub_style_checkpoint(build_model, preset):
     directory = build_model(preset)
     model = AutoModelForImageTextToText.from_pretrained(directory)
-    assert type(model).__name__ == {"qwen2.5-vl-tiny": "Qwen2_5_VLForConditionalGeneration",
-                                    "qwen2-vl-tiny": "Qwen2VLForConditionalGeneration"}[preset]
+    assert (
+        type(model).__name__
+        == {
+            "qwen2.5-vl-tiny": "Qwen2_5_VLForConditionalGeneration",
+            "qwen2-vl-tiny": "Qwen2VLForConditionalGeneration",
+        }[preset]
+    )
     tokenizer = AutoTokenizer.from_pretrained(directory)
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert "<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>" in rendered
     assert rendered.endswith("<|im_start|>assistant\n")
     processor_config = json.loads((directory / "processor_config.json").read_text())
@@ -81,13 +88,16 @@ def test_halves_hold_exactly_their_weights_and_compute_what_the_whole_does(build
     assert count_parameters(vision) == count_parameters(full.model.visual)
     assert count_parameters(vision) + count_parameters(lm) == count_parameters(full)
     image_processor = adapter.load_processor().image_processor
-    images = [adapter.process_image(image_processor, make_image(k, size))
-              for k, size in enumerate([(96, 32), (32, 80), (64, 64)])]
+    images = [
+        adapter.process_image(image_processor, make_image(k, size))
+        for k, size in enumerate([(96, 32), (32, 80), (64, 64)])
+    ]
     # One packed forward over three grids equals transformers' image features.
     ours = encode_images(vision, [(i.pixel_values, i.patch_grid) for i in images], CPU, torch.float32)
     with torch.no_grad():
         reference = full.model.get_image_features(
-            torch.cat([i.pixel_values for i in images]), torch.tensor([i.patch_grid for i in images])).pooler_output
+            torch.cat([i.pixel_values for i in images]), torch.tensor([i.patch_grid for i in images])
+        ).pooler_output
     for got, want in zip(ours, reference):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([[1, 2, 3, 4]])
@@ -99,7 +109,10 @@ def test_qwen_key_split_covers_both_layouts():
     assert split_qwen_key("model.visual.blocks.0.attn.qkv.weight") == (Part.VISION_TOWER, "blocks.0.attn.qkv.weight")
     assert split_qwen_key("visual.merger.mlp.0.bias") == (Part.VISION_TOWER, "merger.mlp.0.bias")
     assert split_qwen_key("model.language_model.norm.weight") == (Part.LANGUAGE_MODEL, "model.norm.weight")
-    assert split_qwen_key("model.layers.0.mlp.up_proj.weight") == (Part.LANGUAGE_MODEL, "model.layers.0.mlp.up_proj.weight")
+    assert split_qwen_key("model.layers.0.mlp.up_proj.weight") == (
+        Part.LANGUAGE_MODEL,
+        "model.layers.0.mlp.up_proj.weight",
+    )
     assert split_qwen_key("lm_head.weight") == (Part.LANGUAGE_MODEL, "lm_head.weight")
     assert split_qwen_key("something_else.weight") is None
 
@@ -123,11 +136,17 @@ def test_every_service_refuses_an_unsupported_family_in_one_line(tmp_path, capsy
 @pytest.mark.e2e
 def test_epd_up_refuses_an_unsupported_family_before_starting_anything(tmp_path):
     env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", str(_unsupported_checkpoint(tmp_path))],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(_unsupported_checkpoint(tmp_path))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         f"epd: unsupported model_type 'mamba' in {tmp_path / 'mamba'}; "
-        "supported model families: llava, qwen2_5_vl, qwen2_vl"]
+        "supported model families: llava, qwen2_5_vl, qwen2_vl"
+    ]
     assert "starting" not in done.stdout

@@ -33,10 +33,16 @@ def test_waiting_bound_flag_reads_the_environment(monkeypatch):
     assert _config([]).max_waiting_tokens == 123
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_waiting_tokens", 0), ("max_waiting_requests", 0), ("waiting_retry_after_ms", 0), ("stall_timeout_s", -1.0),
-    ("linear_backend", "blas"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_waiting_tokens", 0),
+        ("max_waiting_requests", 0),
+        ("waiting_retry_after_ms", 0),
+        ("stall_timeout_s", -1.0),
+        ("linear_backend", "blas"),
+    ],
+)
 def test_impossible_limits_are_refused(field, value):
     with pytest.raises(ValueError):
         PdConfig(model="", **{field: value})
@@ -44,8 +50,8 @@ def test_impossible_limits_are_refused(field, value):
 
 def test_target_itl_flag_takes_auto_zero_or_milliseconds(monkeypatch):
     default = _config([])
-    assert default.target_itl_ms is None and default.min_prefill_tokens == 16   # auto
-    assert _config(["--target-itl-ms", "0"]).target_itl_ms == 0.0                # off
+    assert default.target_itl_ms is None and default.min_prefill_tokens == 16  # auto
+    assert _config(["--target-itl-ms", "0"]).target_itl_ms == 0.0  # off
     assert _config(["--target-itl-ms", "AUTO"]).target_itl_ms is None
     config = _config(["--target-itl-ms", "45.5", "--min-prefill-tokens", "32"])
     assert config.target_itl_ms == 45.5 and config.min_prefill_tokens == 32
@@ -60,8 +66,9 @@ def test_bad_target_itl_values_are_usage_errors(value, capsys):
     assert "--target-itl-ms" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("field, value", [("target_itl_ms", -5.0), ("target_itl_ms", float("inf")),
-                                          ("min_prefill_tokens", 0)])
+@pytest.mark.parametrize(
+    "field, value", [("target_itl_ms", -5.0), ("target_itl_ms", float("inf")), ("min_prefill_tokens", 0)]
+)
 def test_impossible_budget_settings_are_refused(field, value):
     with pytest.raises(ValueError):
         PdConfig(model="", **{field: value})

@@ -28,13 +28,13 @@ async def test_watchdog_reports_stalls_recoveries_and_a_dead_engine():
 
     task = asyncio.create_task(watch_readiness(engine, set_ready, timeout_s=1.0, interval_s=0.005))
     await settle()
-    assert reports == []                      # healthy: nothing to report
+    assert reports == []  # healthy: nothing to report
     engine.stalled_s = 0.9
     await settle()
-    assert reports == []                      # slow, but within the timeout
+    assert reports == []  # slow, but within the timeout
     engine.stalled_s = 1.5
     await settle()
-    assert reports == [False]                 # reported once, not on every check
+    assert reports == [False]  # reported once, not on every check
     engine.stalled_s = 0.0
     await settle()
     assert reports == [False, True]

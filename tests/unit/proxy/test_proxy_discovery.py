@@ -38,16 +38,26 @@ def make_pool(targets, resolver) -> tuple[Pool, list, list]:
     async def on_removed(instance) -> None:
         removed.append(instance.address)
 
-    pool = Pool("pd", targets, lambda address: PdClient(address, FakeChannel()), resolver=resolver,
-                on_added=lambda instance: added.append(instance.address), on_removed=on_removed)
+    pool = Pool(
+        "pd",
+        targets,
+        lambda address: PdClient(address, FakeChannel()),
+        resolver=resolver,
+        on_added=lambda instance: added.append(instance.address),
+        on_removed=on_removed,
+    )
     return pool, added, removed
 
 
 @pytest.mark.parametrize(
     ("spec", "host", "port", "dns"),
-    [("10.0.0.1:50061", "10.0.0.1", 50061, False), ("[::1]:7", "::1", 7, False),
-     ("pd.svc.cluster.local:50061", "pd.svc.cluster.local", 50061, True), ("dns:///pd:1", None, 0, False),
-     ("unix:/tmp/pd.sock", None, 0, False)],
+    [
+        ("10.0.0.1:50061", "10.0.0.1", 50061, False),
+        ("[::1]:7", "::1", 7, False),
+        ("pd.svc.cluster.local:50061", "pd.svc.cluster.local", 50061, True),
+        ("dns:///pd:1", None, 0, False),
+        ("unix:/tmp/pd.sock", None, 0, False),
+    ],
 )
 def test_parse_target(spec, host, port, dns):
     target = parse_target(spec)

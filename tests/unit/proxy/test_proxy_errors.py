@@ -58,7 +58,10 @@ def test_fixed_errors():
 def test_request_errors_map_to_400_with_code_and_param():
     api = PromptTooLongError("too long", "messages").to_api_error()
     assert (api.status_code, api.code, api.param, api.error_type) == (
-        400, "context_length_exceeded", "messages", "invalid_request_error",
+        400,
+        "context_length_exceeded",
+        "messages",
+        "invalid_request_error",
     )
 
 
@@ -132,7 +135,7 @@ def chat(**fields) -> ChatCompletionRequest:
 
 def test_max_tokens_resolution():
     assert resolve_max_tokens(None, 10, 100, limit=50, default=20) == 20
-    assert resolve_max_tokens(None, 90, 100, limit=50, default=20) == 10   # default capped by room
+    assert resolve_max_tokens(None, 90, 100, limit=50, default=20) == 10  # default capped by room
     assert resolve_max_tokens(5, 10, 100, limit=50, default=20) == 5
     with pytest.raises(PromptTooLongError):
         resolve_max_tokens(None, 100, 100, limit=50, default=20)

@@ -115,11 +115,13 @@ def png_claiming(width: int, height: int) -> bytes:
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
-@pytest.mark.parametrize("side", [50_000, 12_000])   # over Pillow's hard limit / only over its warning limit
+@pytest.mark.parametrize("side", [50_000, 12_000])  # over Pillow's hard limit / only over its warning limit
 def test_decompression_bombs_are_refused_even_with_a_lax_cap(side):
     # Our cap set absurdly high: Pillow's own guard (never disabled) still bounds it.
     assert Image.MAX_IMAGE_PIXELS

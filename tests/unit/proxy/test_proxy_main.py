@@ -24,8 +24,22 @@ def test_defaults():
 
 
 def test_flags_and_lists():
-    args = parse(["--pd", "a:1, b:2", "--encoder", "", "--max-images", "2", "--request-timeout", "5",
-                  "--served-model-name", "m", "--max-body-mb", "1"])
+    args = parse(
+        [
+            "--pd",
+            "a:1, b:2",
+            "--encoder",
+            "",
+            "--max-images",
+            "2",
+            "--request-timeout",
+            "5",
+            "--served-model-name",
+            "m",
+            "--max-body-mb",
+            "1",
+        ]
+    )
     config = config_from_args(args)
     assert config.pd_addresses == ("a:1", "b:2") and config.encoder_addresses == ()
     assert config.max_images_per_request == 2 and config.request_timeout_s == 5.0
@@ -45,12 +59,40 @@ def test_nonsense_config_exits_with_usage_error(capsys):
 
 
 def test_routing_access_and_media_flags():
-    config = config_from_args(parse([
-        "--pd-policy", "round-robin", "--encoder-policy", "least-loaded", "--encoder-saturation", "4",
-        "--pd-attempts", "2", "--encoder-attempts", "5", "--breaker-failures", "1", "--breaker-open-s", "0.5",
-        "--load-poll-s", "0", "--dns-refresh-s", "1", "--max-n", "2", "--api-key", "k",
-        "--allowed-media-domains", "img.example.com, *.cdn.org", "--media-timeout", "3", "--max-media-mb", "2",
-    ]))
+    config = config_from_args(
+        parse(
+            [
+                "--pd-policy",
+                "round-robin",
+                "--encoder-policy",
+                "least-loaded",
+                "--encoder-saturation",
+                "4",
+                "--pd-attempts",
+                "2",
+                "--encoder-attempts",
+                "5",
+                "--breaker-failures",
+                "1",
+                "--breaker-open-s",
+                "0.5",
+                "--load-poll-s",
+                "0",
+                "--dns-refresh-s",
+                "1",
+                "--max-n",
+                "2",
+                "--api-key",
+                "k",
+                "--allowed-media-domains",
+                "img.example.com, *.cdn.org",
+                "--media-timeout",
+                "3",
+                "--max-media-mb",
+                "2",
+            ]
+        )
+    )
     assert (config.pd_policy, config.encoder_policy, config.encoder_saturation) == ("round-robin", "least-loaded", 4)
     assert (config.pd_attempts, config.encoder_attempts, config.breaker_failures) == (2, 5, 1)
     assert (config.breaker_open_s, config.load_poll_s, config.dns_refresh_s, config.max_n) == (0.5, 0.0, 1.0, 2)
@@ -59,10 +101,22 @@ def test_routing_access_and_media_flags():
 
 
 def test_preprocessing_pool_and_pixel_budget_flags():
-    config = config_from_args(parse([
-        "--preprocess-threads", "3", "--text-queue", "5", "--image-threads", "4", "--image-queue", "0",
-        "--max-request-pixels", "1000000",
-    ]))
+    config = config_from_args(
+        parse(
+            [
+                "--preprocess-threads",
+                "3",
+                "--text-queue",
+                "5",
+                "--image-threads",
+                "4",
+                "--image-queue",
+                "0",
+                "--max-request-pixels",
+                "1000000",
+            ]
+        )
+    )
     assert (config.preprocess_threads, config.text_queue, config.image_threads, config.image_queue) == (3, 5, 4, 0)
     assert config.max_request_pixels == 1_000_000
     with pytest.raises(ValueError):
@@ -81,6 +135,6 @@ def test_api_key_from_the_environment(monkeypatch):
 def test_a_built_in_preset_is_served_under_its_name():
     from services.proxy.app import default_served_name
 
-    assert default_served_name("", "tiny-v1") == "tiny"           # the README's curl example uses "tiny"
+    assert default_served_name("", "tiny-v1") == "tiny"  # the README's curl example uses "tiny"
     assert default_served_name("bench", "bench-v1") == "bench"
     assert default_served_name("/models/llava", "llava") == "llava"

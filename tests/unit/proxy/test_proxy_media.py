@@ -42,8 +42,9 @@ class FakeResolver:
 
 def fetcher(handler=None, table=None, domains=("img.example.com", "*.cdn.example.org"), **policy) -> MediaFetcher:
     transport = httpx.MockTransport(handler) if handler else None
-    resolver = FakeResolver(table if table is not None else {"img.example.com": [PUBLIC_IP],
-                                                             "a.cdn.example.org": [PUBLIC_IP]})
+    resolver = FakeResolver(
+        table if table is not None else {"img.example.com": [PUBLIC_IP], "a.cdn.example.org": [PUBLIC_IP]}
+    )
     return MediaFetcher(MediaPolicy(tuple(domains), **policy), resolver=resolver, transport=transport)
 
 
@@ -51,17 +52,30 @@ def test_host_patterns():
     policy = MediaPolicy(("img.example.com", "*.cdn.example.org"))
     assert policy.allows_host("img.example.com") and policy.allows_host("IMG.example.com.")
     assert policy.allows_host("a.cdn.example.org") and policy.allows_host("x.y.cdn.example.org")
-    assert not policy.allows_host("cdn.example.org")          # "*." means subdomains only
+    assert not policy.allows_host("cdn.example.org")  # "*." means subdomains only
     assert not policy.allows_host("evilcdn.example.org") and not policy.allows_host("img.example.com.evil.net")
 
 
 @pytest.mark.parametrize(
     ("address", "public"),
-    [(PUBLIC_IP, True), ("8.8.8.8", True), ("2606:4700::1111", True),
-     ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
-     ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
-     ("::1", False), ("fe80::1", False), ("fd00::1", False), ("::ffff:127.0.0.1", False),
-     ("::ffff:10.0.0.1", False)],
+    [
+        (PUBLIC_IP, True),
+        ("8.8.8.8", True),
+        ("2606:4700::1111", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("172.16.0.1", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),
+        ("100.64.0.1", False),
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("::1", False),
+        ("fe80::1", False),
+        ("fd00::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("::ffff:10.0.0.1", False),
+    ],
 )
 def test_only_globally_routable_addresses_are_public(address, public):
     assert is_public_address(address) is public
@@ -97,8 +111,12 @@ async def test_same_host_redirect_is_followed_and_rechecked():
 
 @pytest.mark.parametrize(
     "location",
-    ["https://other.example.net/a.png", "http://img.example.com/a.png", "https://img.example.com:8443/a.png",
-     "https://a.cdn.example.org/a.png"],   # another host, even an allowed one
+    [
+        "https://other.example.net/a.png",
+        "http://img.example.com/a.png",
+        "https://img.example.com:8443/a.png",
+        "https://a.cdn.example.org/a.png",
+    ],  # another host, even an allowed one
 )
 async def test_redirects_to_another_host_or_scheme_are_refused(location):
     media = fetcher(lambda request: httpx.Response(301, headers={"location": location}))
@@ -137,7 +155,7 @@ async def test_an_encoded_body_is_refused_before_it_is_decoded():
 
     async def body():
         for start in range(0, len(bomb), 16384):
-            yield bomb[start:start + 16384]
+            yield bomb[start : start + 16384]
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
@@ -178,10 +196,12 @@ async def test_timeout_and_error_statuses():
 
 @pytest.mark.parametrize(
     ("url", "error"),
-    [("http://img.example.com/a.png", ImageUrlNotAllowedError),
-     ("https://user:pw@img.example.com/a.png", ImageUrlNotAllowedError),
-     ("https://evil.example.net/a.png", ImageUrlNotAllowedError),
-     ("https://[::1/a.png", InvalidImageUrlError)],
+    [
+        ("http://img.example.com/a.png", ImageUrlNotAllowedError),
+        ("https://user:pw@img.example.com/a.png", ImageUrlNotAllowedError),
+        ("https://evil.example.net/a.png", ImageUrlNotAllowedError),
+        ("https://[::1/a.png", InvalidImageUrlError),
+    ],
 )
 async def test_url_refusals_need_no_io(url, error):
     media = fetcher(lambda request: pytest.fail("no request may be sent"))
@@ -214,14 +234,17 @@ def accepted(server: socket.socket) -> int:
 
 @pytest.mark.parametrize(
     ("host", "addresses"),
-    [("img.example.com", ["127.0.0.1"]),                 # an allowed name pointing at loopback
-     ("img.example.com", [PUBLIC_IP, "10.0.0.7"]),       # one private address among public ones
-     ("127.0.0.1", None), ("169.254.169.254", None)],    # IP literals, allowed by name but private
+    [
+        ("img.example.com", ["127.0.0.1"]),  # an allowed name pointing at loopback
+        ("img.example.com", [PUBLIC_IP, "10.0.0.7"]),  # one private address among public ones
+        ("127.0.0.1", None),
+        ("169.254.169.254", None),
+    ],  # IP literals, allowed by name but private
 )
 async def test_private_addresses_are_refused_before_connecting(counting_listener, host, addresses):
     port = counting_listener.getsockname()[1]
     table = {} if addresses is None else {host: addresses}
-    media = fetcher(table=table, domains=(host,))           # real transport: would really connect
+    media = fetcher(table=table, domains=(host,))  # real transport: would really connect
     with pytest.raises(ImageUrlNotAllowedError, match="private"):
         await media.fetch(f"https://{host}:{port}/a.png", 5.0)
     assert accepted(counting_listener) == 0

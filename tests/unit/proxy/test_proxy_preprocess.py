@@ -62,7 +62,7 @@ def test_placeholder_expansion_matches_the_hf_processor(preprocessor):
     adapter = preprocessor.adapter
     for item, image in zip(prompt.images, images):
         assert item.num_tokens == adapter.num_image_tokens(image.height, image.width)
-        span = prompt.token_ids[item.offset:item.offset + item.num_tokens]
+        span = prompt.token_ids[item.offset : item.offset + item.num_tokens]
         assert span == [adapter.image_token_id] * item.num_tokens
     assert prompt.token_ids.count(adapter.image_token_id) == prompt.num_image_tokens
     assert [i.offset for i in prompt.images] == sorted(i.offset for i in prompt.images)
@@ -171,8 +171,7 @@ def _decode_spy(monkeypatch):
 
 def test_the_request_pixel_budget_is_checked_before_any_image_is_decoded(adapter_and_processor, monkeypatch):
     adapter, processor = adapter_and_processor
-    preprocessor = Preprocessor(adapter, processor, max_images=4, max_image_pixels=512 * 512,
-                                max_request_pixels=3000)
+    preprocessor = Preprocessor(adapter, processor, max_images=4, max_image_pixels=512 * 512, max_request_pixels=3000)
     alive_at_call = _decode_spy(monkeypatch)
     images = [data_url(picture(40, 40, seed=i)) for i in range(2)]  # 1600 pixels each, 3200 together
     with pytest.raises(RequestError) as refused:

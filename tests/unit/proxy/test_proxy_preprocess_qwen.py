@@ -34,7 +34,7 @@ def test_placeholders_grids_and_pixels_match_transformers(preprocessor, oracle_f
         t, h, w = item.token_grid
         assert t * h * w == item.num_tokens
         assert prompt.token_ids[item.offset - 1] == preprocessor.tokenizer.convert_tokens_to_ids("<|vision_start|>")
-    assert len({item.num_tokens for item in prompt.images}) == 3      # each keeps its own size
+    assert len({item.num_tokens for item in prompt.images}) == 3  # each keeps its own size
     wire = prompt.mm_items_pb()
     assert all(item.HasField("grid") for item in wire)
     assert [(g.grid.t, g.grid.h, g.grid.w) for g in wire] == [item.token_grid for item in prompt.images]
@@ -47,7 +47,8 @@ def test_fixed_size_models_send_no_grid(tiny_model_dir):
     llava = Preprocessor(adapter, adapter.load_processor(), max_images=4, max_image_pixels=256 * 256)
     [item] = llava.chat_prompt([user_message("look", [make_image(4)])]).mm_items_pb()
     assert not item.HasField("grid") and item == epd_pb2.MultiModalItem(
-        mm_hash=item.mm_hash, offset=item.offset, num_tokens=item.num_tokens)
+        mm_hash=item.mm_hash, offset=item.offset, num_tokens=item.num_tokens
+    )
 
 
 def test_hash_covers_the_resize_settings(preprocessor):
@@ -63,9 +64,15 @@ def test_hash_covers_the_resize_settings(preprocessor):
 
 
 def test_limits_and_refusals_still_hold(preprocessor):
-    with pytest.raises(ImageTooLargeError):           # checked from the header, before decoding
-        preprocessor.chat_prompt([{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url(make_image(6, (300, 300)))}}]}])
+    with pytest.raises(ImageTooLargeError):  # checked from the header, before decoding
+        preprocessor.chat_prompt(
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": data_url(make_image(6, (300, 300)))}}],
+                }
+            ]
+        )
     with pytest.raises(ImageError, match="aspect ratio") as refused:
         preprocessor.chat_prompt([user_message("thin", [make_image(7, (1, 250))])])
     assert refused.value.code == "invalid_image"

@@ -55,8 +55,9 @@ def pds(n: int, clock=None) -> list[PdClient]:
 
 def encoders(n: int, clock=None) -> list[EncoderClient]:
     clock = clock or FakeClock()
-    return [EncoderClient(f"enc{i}:1", FakeChannel(), breaker=CircuitBreaker(clock=clock), clock=clock)
-            for i in range(n)]
+    return [
+        EncoderClient(f"enc{i}:1", FakeChannel(), breaker=CircuitBreaker(clock=clock), clock=clock) for i in range(n)
+    ]
 
 
 class FakePool:
@@ -108,8 +109,8 @@ def test_least_loaded_counts_other_proxies_work_from_get_load():
     instances = pds(2)
     policy = LeastLoadedPdPolicy()
     instances[0].num_outstanding = 2
-    instances[0].set_load(epd_pb2.PdLoad(num_running=2, num_waiting=0))      # all of it ours
-    instances[1].set_load(epd_pb2.PdLoad(num_running=4, num_waiting=3))      # another proxy's
+    instances[0].set_load(epd_pb2.PdLoad(num_running=2, num_waiting=0))  # all of it ours
+    instances[1].set_load(epd_pb2.PdLoad(num_running=4, num_waiting=3))  # another proxy's
     assert instances[0].estimated_load() == 2 and instances[1].estimated_load() == 7
     assert addresses(policy.rank(instances)) == ["pd0:1", "pd1:1"]
     # Our own calls since the poll add up on top of the others' share.
@@ -126,7 +127,7 @@ def test_least_loaded_puts_busy_last_and_breaks_ties_by_kv_usage():
     instances[2].mark_busy(1.0)
     assert addresses(policy.rank(instances)) == ["pd1:1", "pd0:1", "pd2:1"]
     clock.now += 1.5
-    assert addresses(policy.rank(instances))[0] == "pd2:1"   # no KV data: 0% used
+    assert addresses(policy.rank(instances))[0] == "pd2:1"  # no KV data: 0% used
 
 
 def test_round_robin_pd_ignores_load():
@@ -161,15 +162,15 @@ def test_rendezvous_falls_back_to_least_loaded_when_the_preferred_is_saturated()
     h = "ab" * 32
     preferred, second, third = policy.rank(instances, h)
     preferred.num_outstanding = 3
-    assert policy.rank(instances, h)[0] is preferred          # below the threshold: affinity wins
+    assert policy.rank(instances, h)[0] is preferred  # below the threshold: affinity wins
     preferred.num_outstanding = 4
     second.num_outstanding = 2
-    assert policy.rank(instances, h) == [third, second, preferred]   # least loaded unsaturated first
+    assert policy.rank(instances, h) == [third, second, preferred]  # least loaded unsaturated first
     preferred.num_outstanding = 0
-    preferred.set_load(epd_pb2.EncoderLoad(num_pending=9))   # another proxy filled it
+    preferred.set_load(epd_pb2.EncoderLoad(num_pending=9))  # another proxy filled it
     assert policy.rank(instances, h)[0] is third
     preferred.set_load(epd_pb2.EncoderLoad(num_pending=0))
-    preferred.mark_busy(1.0)                                 # it just said RESOURCE_EXHAUSTED
+    preferred.mark_busy(1.0)  # it just said RESOURCE_EXHAUSTED
     assert policy.rank(instances, h)[-1] is preferred
 
 
@@ -189,21 +190,21 @@ def test_breaker_opens_after_consecutive_failures_then_probes_once():
     clock = FakeClock()
     breaker = CircuitBreaker(threshold=2, open_s=1.0, max_open_s=3.0, clock=clock)
     breaker.on_end(Outcome.FAILURE)
-    breaker.on_end(Outcome.SUCCESS)            # a success resets the count
+    breaker.on_end(Outcome.SUCCESS)  # a success resets the count
     breaker.on_end(Outcome.FAILURE)
     assert breaker.allows()
     breaker.on_end(Outcome.FAILURE)
     assert breaker.state is BreakerState.OPEN and not breaker.allows()
     clock.now += 1.0
     assert breaker.state is BreakerState.HALF_OPEN and breaker.allows()
-    breaker.on_start()                         # the probe
-    assert not breaker.allows()                # one at a time
-    breaker.on_end(Outcome.FAILURE)            # failed probe: open for twice as long
+    breaker.on_start()  # the probe
+    assert not breaker.allows()  # one at a time
+    breaker.on_end(Outcome.FAILURE)  # failed probe: open for twice as long
     clock.now += 1.5
     assert breaker.state is BreakerState.OPEN
     clock.now += 0.6
     breaker.on_start()
-    breaker.on_end(Outcome.NEUTRAL)            # a neutral probe only frees the slot
+    breaker.on_end(Outcome.NEUTRAL)  # a neutral probe only frees the slot
     assert breaker.state is BreakerState.HALF_OPEN and breaker.allows()
     breaker.on_start()
     breaker.on_end(Outcome.SUCCESS)
@@ -223,9 +224,15 @@ def test_breaker_backoff_is_capped():
 
 @pytest.mark.parametrize(
     ("code", "outcome"),
-    [("OK", Outcome.SUCCESS), ("UNAVAILABLE", Outcome.FAILURE), ("INTERNAL", Outcome.FAILURE),
-     ("DEADLINE_EXCEEDED", Outcome.NEUTRAL), ("RESOURCE_EXHAUSTED", Outcome.NEUTRAL),
-     ("INVALID_ARGUMENT", Outcome.NEUTRAL), ("CANCELLED", Outcome.NEUTRAL)],
+    [
+        ("OK", Outcome.SUCCESS),
+        ("UNAVAILABLE", Outcome.FAILURE),
+        ("INTERNAL", Outcome.FAILURE),
+        ("DEADLINE_EXCEEDED", Outcome.NEUTRAL),
+        ("RESOURCE_EXHAUSTED", Outcome.NEUTRAL),
+        ("INVALID_ARGUMENT", Outcome.NEUTRAL),
+        ("CANCELLED", Outcome.NEUTRAL),
+    ],
 )
 def test_outcome_of_status(code, outcome):
     import grpc
@@ -239,22 +246,22 @@ async def test_only_routable_instances_are_offered():
     pd_list[0].set_readiness(Readiness.NOT_READY)
     for _ in range(3):
         pd_list[1].begin()
-        pd_list[1].end(Outcome.FAILURE)                       # breaker opens
+        pd_list[1].end(Outcome.FAILURE)  # breaker opens
     assert addresses(backends.pd_candidates()) == ["pd2:1"]
     assert backends.pd_candidates(exclude={"pd2:1"}) == []
-    pd_list[0].set_readiness(Readiness.READY)                  # recovered
+    pd_list[0].set_readiness(Readiness.READY)  # recovered
     assert sorted(addresses(backends.pd_candidates())) == ["pd0:1", "pd2:1"]
     encoder_list[1].retired = True
     assert addresses(backends.encoder_candidates("x")) == ["enc0:1"]
     report = backends.health_report()
-    assert report["pd"] == {"pd0:1": True, "pd1:1": False, "pd2:1": False}   # pd2 never reported: unknown
+    assert report["pd"] == {"pd0:1": True, "pd1:1": False, "pd2:1": False}  # pd2 never reported: unknown
 
 
 async def test_lease_is_capped_by_the_deadline_and_a_spent_deadline_is_504():
     clock = FakeClock()
     backends = await static_backends(pds(1, clock), encoders(1, clock))
     job = Job(new_request_id(), Prompt([1, 2]), epd_pb2.SamplingParams(), deadline=clock.now + 3.0)
-    assert Pipeline(backends, lease_ms=0, clock=clock).lease_ms(job) == 3000        # none set: the deadline (defect 12)
+    assert Pipeline(backends, lease_ms=0, clock=clock).lease_ms(job) == 3000  # none set: the deadline (defect 12)
     assert Pipeline(backends, lease_ms=1000, clock=clock).lease_ms(job) == 1000
     assert Pipeline(backends, lease_ms=9000, clock=clock).lease_ms(job) == 3000
     clock.now += 3.5
@@ -299,8 +306,10 @@ def test_placeholder_count_must_match_images(ids, counts):
 async def test_a_colocated_pd_encodes_only_its_own_images():
     """Addresses listed as PD and encoder are colocated PDs (``epd pd --encoder local``)."""
     pd_list = pds(2)
-    colocated = [EncoderClient(p.address, FakeChannel(), breaker=CircuitBreaker(clock=FakeClock()), clock=FakeClock())
-                 for p in pd_list]
+    colocated = [
+        EncoderClient(p.address, FakeChannel(), breaker=CircuitBreaker(clock=FakeClock()), clock=FakeClock())
+        for p in pd_list
+    ]
     remote = encoders(1)
     backends = await static_backends(pd_list, colocated + remote)
     for mm_hash in ("a", "b", "c", "d"):

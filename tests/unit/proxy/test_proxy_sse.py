@@ -44,7 +44,7 @@ def parse(events: list[bytes]) -> list:
     out = []
     for event in events:
         assert event.startswith(b"data: ") and event.endswith(b"\n\n")
-        body = event[len(b"data: "):-2]
+        body = event[len(b"data: ") : -2]
         out.append("[DONE]" if body == b"[DONE]" else json.loads(body))
     return out
 
@@ -55,8 +55,14 @@ def one(source) -> list[Choice]:
 
 async def run_stream(source, formatter=None, include_usage=False, want_logprobs=False) -> list:
     formatter = formatter or ChatFormatter(meta())
-    return parse([e async for e in stream_events(one(source), formatter, include_usage=include_usage,
-                                                 want_logprobs=want_logprobs)])
+    return parse(
+        [
+            e
+            async for e in stream_events(
+                one(source), formatter, include_usage=include_usage, want_logprobs=want_logprobs
+            )
+        ]
+    )
 
 
 def test_sse_event_format():
@@ -132,16 +138,20 @@ async def test_completion_stream_and_collect():
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["ab", "c", ""]
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
-    whole = await collect(one(messages(epd_pb2.GenerateResponse(text="ab"), final("c"))), formatter,
-                          want_logprobs=False)
+    whole = await collect(
+        one(messages(epd_pb2.GenerateResponse(text="ab"), final("c"))), formatter, want_logprobs=False
+    )
     assert whole["choices"][0]["text"] == "abc"
     assert whole["usage"]["total_tokens"] == 12
 
 
 async def test_completion_logprobs_format():
     entry = epd_pb2.TokenLogprob(token_id=5, logprob=-0.5, top_token_ids=[6], top_logprobs=[-1.0])
-    whole = await collect(one(messages(epd_pb2.GenerateResponse(text="<5>", logprobs=[entry, entry]), final())),
-                          CompletionFormatter(meta()), want_logprobs=True)
+    whole = await collect(
+        one(messages(epd_pb2.GenerateResponse(text="<5>", logprobs=[entry, entry]), final())),
+        CompletionFormatter(meta()),
+        want_logprobs=True,
+    )
     logprobs = whole["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["<5>", "<5>"]
     assert logprobs["token_logprobs"] == [-0.5, -0.5]
@@ -150,8 +160,9 @@ async def test_completion_logprobs_format():
 
 
 async def test_chat_collect():
-    whole = await collect(one(messages(epd_pb2.GenerateResponse(text="a"), final("b"))), ChatFormatter(meta()),
-                          want_logprobs=False)
+    whole = await collect(
+        one(messages(epd_pb2.GenerateResponse(text="a"), final("b"))), ChatFormatter(meta()), want_logprobs=False
+    )
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
     assert whole["choices"][0]["finish_reason"] == "stop"
@@ -174,8 +185,9 @@ async def test_two_choices_stream_interleaved_with_indexes_and_one_usage():
         Choice(slow_messages(0.01, epd_pb2.GenerateResponse(text="a1"), final("a2")), Trace()),
         Choice(slow_messages(0.015, epd_pb2.GenerateResponse(text="b1"), final("b2")), Trace()),
     ]
-    events = parse([e async for e in stream_events(choices, ChatFormatter(meta()), include_usage=True,
-                                                   want_logprobs=False)])
+    events = parse(
+        [e async for e in stream_events(choices, ChatFormatter(meta()), include_usage=True, want_logprobs=False)]
+    )
     assert events[-1] == "[DONE]"
     usage = events[-2]["usage"]
     assert usage["prompt_tokens"] == 10 and usage["completion_tokens"] == 4 and usage["total_tokens"] == 14
@@ -200,7 +212,8 @@ async def test_two_choices_collect_in_index_order():
     ]
     whole = await collect(choices, CompletionFormatter(meta()), want_logprobs=False)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
-        (0, "slow", "stop"), (1, "fast", "length"),
+        (0, "slow", "stop"),
+        (1, "fast", "length"),
     ]
     assert whole["usage"]["completion_tokens"] == 4
 
@@ -216,8 +229,7 @@ async def test_one_failing_choice_fails_the_request_and_closes_the_others():
         finally:
             closed.append(True)
 
-    choices = [Choice(endless(), Trace()),
-               Choice(slow_messages(0.03, from_grpc(grpc.StatusCode.UNAVAILABLE)), Trace())]
+    choices = [Choice(endless(), Trace()), Choice(slow_messages(0.03, from_grpc(grpc.StatusCode.UNAVAILABLE)), Trace())]
     with pytest.raises(ApiError) as caught:
         await collect(choices, ChatFormatter(meta()), want_logprobs=False)
     assert caught.value.status_code == 503

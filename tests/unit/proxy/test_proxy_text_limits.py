@@ -48,14 +48,18 @@ def test_composing_normalizers_widen_the_bound():
     assert chars_per_token_bound(plain) == max(len(t) for t in plain.get_vocab())
 
 
-@pytest.mark.parametrize("tokenizer", [
-    lambda: _trained(models.BPE(unk_token="<unk>", fuse_unk=True), pre_tokenizers.Metaspace()),  # fused unknowns
-    lambda: _trained(models.WordPiece(unk_token="<unk>"), pre_tokenizers.Metaspace()),  # a whole word -> [UNK]
-    lambda: _trained(models.BPE(), pre_tokenizers.Whitespace()),                        # drops whitespace
-    lambda: _trained(models.BPE(), pre_tokenizers.Metaspace(), normalizers.Strip()),    # drops characters
-    lambda: _trained(models.BPE(), pre_tokenizers.Metaspace(),
-                     normalizers.Replace(Regex(r"\s+"), " ")),              # collapses runs
-])
+@pytest.mark.parametrize(
+    "tokenizer",
+    [
+        lambda: _trained(models.BPE(unk_token="<unk>", fuse_unk=True), pre_tokenizers.Metaspace()),  # fused unknowns
+        lambda: _trained(models.WordPiece(unk_token="<unk>"), pre_tokenizers.Metaspace()),  # a whole word -> [UNK]
+        lambda: _trained(models.BPE(), pre_tokenizers.Whitespace()),  # drops whitespace
+        lambda: _trained(models.BPE(), pre_tokenizers.Metaspace(), normalizers.Strip()),  # drops characters
+        lambda: _trained(
+            models.BPE(), pre_tokenizers.Metaspace(), normalizers.Replace(Regex(r"\s+"), " ")
+        ),  # collapses runs
+    ],
+)
 def test_tokenizers_that_can_swallow_runs_of_characters_get_no_bound(tokenizer):
     limit = TextLimit(tokenizer(), max_model_len=8)
     assert limit.max_chars is None

@@ -1,0 +1,279 @@
+"""Named, seeded workloads for ``epd bench serve``: request shapes, images, Poisson arrivals.
+
+Everything is a function of (workload, seed, run index): the same arguments
+give the same prompts, the same images (pixel for pixel) and the same
+arrival pattern on every machine. Each run (one rate of one repeat) gets
+its own images and prompts, so that caches filled by an earlier rate never
+turn a later rate's "first-seen" images into hits; the same run index gives
+every configuration the same requests.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+WARMUP_RUN = 1_000_000
+CALIBRATION_RUN = 2_000_000
+"""Run indexes of warm-up and calibration requests: never equal to a measured run's."""
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """How a workload's requests carry images."""
+
+    image_request_fraction: float  # share of requests that carry images
+    min_images: int  # images per image request, uniform in [min, max]
+    max_images: int
+    repeat_fraction: float = 0.0  # share of image requests whose image was sent earlier in the run
+    description: str = ""
+
+
+WORKLOADS = {
+    "mixed": WorkloadShape(0.1, 1, 4, description="10% of requests carry 1-4 images, the rest are text (stall)"),
+    "multi-image": WorkloadShape(1.0, 4, 4, description="every request carries 4 images"),
+    "repeat": WorkloadShape(1.0, 1, 1, 0.5, description="one image per request; 50% repeat an earlier image (cache)"),
+    "text": WorkloadShape(0.0, 0, 0, description="no images"),
+}
+
+_WORDS = [
+    "the",
+    "a",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "river",
+    "mountain",
+    "city",
+    "light",
+    "shadow",
+    "window",
+    "garden",
+    "morning",
+    "evening",
+    "market",
+    "story",
+    "picture",
+    "color",
+    "blue",
+    "green",
+    "red",
+    "yellow",
+    "small",
+    "large",
+    "old",
+    "new",
+    "bright",
+    "dark",
+    "quiet",
+    "loud",
+    "people",
+    "street",
+    "house",
+    "tree",
+    "bird",
+    "cloud",
+    "rain",
+    "sun",
+    "moon",
+    "star",
+    "road",
+    "bridge",
+    "boat",
+    "train",
+    "station",
+    "table",
+    "chair",
+    "book",
+    "paper",
+    "music",
+    "voice",
+    "water",
+    "stone",
+    "field",
+    "forest",
+    "ocean",
+    "island",
+    "winter",
+    "summer",
+    "spring",
+    "autumn",
+]
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A deterministic noise image: pixels are a function of ``key`` alone."""
+
+    key: tuple[int, int, int]  # (seed, run, image number): unique within and across runs
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a run (before it is turned into an HTTP body)."""
+
+    index: int
+    prompt: str
+    images: tuple[ImageRef, ...]
+    image_class: str | None  # "first_seen" | "repeated" | "partial" | None (text)
+    max_tokens: int
+
+    @property
+    def kind(self) -> str:
+        return "image" if self.images else "text"
+
+
+def make_requests(
+    workload: str,
+    num_requests: int,
+    *,
+    seed: int,
+    run: int,
+    image_size: int,
+    prompt_words: int = 32,
+    max_tokens: int = 64,
+) -> list[RequestSpec]:
+    """The requests of one run, in arrival order."""
+    shape = WORKLOADS[workload]
+    rng = random.Random(f"epd-bench-serve:{workload}:{seed}:{run}")
+    sent: list[ImageRef] = []
+    requests = []
+    for index in range(num_requests):
+        prompt = " ".join(rng.choice(_WORDS) for _ in range(prompt_words))
+        earlier = len(sent)  # images of earlier requests: sent[:earlier]
+        images: list[ImageRef] = []
+        num_repeated = 0
+        if rng.random() < shape.image_request_fraction:
+            for _ in range(rng.randint(shape.min_images, shape.max_images)):
+                if earlier and rng.random() < shape.repeat_fraction:
+                    images.append(sent[rng.randrange(earlier)])
+                    num_repeated += 1
+                else:
+                    width, height = (max(8, round(image_size * rng.uniform(0.75, 1.25))) for _ in range(2))
+                    images.append(ImageRef((seed, run, len(sent)), width, height))
+                    sent.append(images[-1])
+        requests.append(RequestSpec(index, prompt, tuple(images), _image_class(len(images), num_repeated), max_tokens))
+    return requests
+
+
+def _image_class(num_images: int, num_repeated: int) -> str | None:
+    """first_seen: every image is new in the run; repeated: every image was sent by an earlier request."""
+    if not num_images:
+        return None
+    if not num_repeated:
+        return "first_seen"
+    return "repeated" if num_repeated == num_images else "partial"
+
+
+def lone_requests(
+    workload: str,
+    count: int,
+    *,
+    seed: int,
+    run: int,
+    image_size: int,
+    prompt_words: int = 32,
+    max_tokens: int = 64,
+) -> tuple[list[RequestSpec], list[RequestSpec]]:
+    """(text requests, heaviest image requests of ``workload``) for single-request calibration.
+
+    The heavy ones carry the workload's most images, each new and exactly
+    ``image_size`` square; the list is empty for a workload without images.
+    """
+    texts = make_requests(
+        "text", count, seed=seed, run=run, image_size=image_size, prompt_words=prompt_words, max_tokens=max_tokens
+    )
+    num_images = WORKLOADS[workload].max_images
+    heavy = (
+        [
+            RequestSpec(
+                index=i,
+                prompt=spec.prompt,
+                image_class="first_seen",
+                max_tokens=max_tokens,
+                images=tuple(
+                    ImageRef((seed, run, i * num_images + k), image_size, image_size) for k in range(num_images)
+                ),
+            )
+            for i, spec in enumerate(texts)
+        ]
+        if num_images
+        else []
+    )
+    return texts, heavy
+
+
+def poisson_arrivals(num_requests: int, rate: float, *, seed: int) -> list[float]:
+    """Arrival times (seconds) of an open-loop Poisson process at ``rate`` requests/s; the first is at 0.
+
+    The unit-rate gaps depend on ``seed`` only, so every rate replays the same
+    pattern, stretched.
+    """
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    rng = random.Random(f"epd-bench-serve:arrivals:{seed}")
+    times, now = [], 0.0
+    for index in range(num_requests):
+        if index:
+            now += rng.expovariate(1.0) / rate
+        times.append(now)
+    return times
+
+
+def render_image(ref: ImageRef) -> bytes:
+    """The JPEG bytes of ``ref`` (uniform noise: no two images share an embedding)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(list(ref.key)).integers(0, 256, size=(ref.height, ref.width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def chat_body(
+    spec: RequestSpec, image_urls: dict[tuple[int, int, int], str], *, images_first: bool = False
+) -> dict[str, Any]:
+    """The streaming OpenAI chat request for ``spec`` (greedy, fixed length, token ids returned).
+
+    The text comes before the images (as in OpenAI's examples) unless
+    ``images_first``: then a repeated image is a shared prompt prefix that
+    PD's prefix cache can serve.
+    """
+    if spec.images:
+        text: list[Any] = [{"type": "text", "text": spec.prompt}]
+        images = [{"type": "image_url", "image_url": {"url": image_urls[ref.key]}} for ref in spec.images]
+        content: Any = images + text if images_first else text + images
+    else:
+        content = spec.prompt
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": spec.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,  # every request generates exactly max_tokens: TPOT compares like with like
+        "return_token_ids": True,  # exact token counts per SSE chunk
+    }
+
+
+def encode_bodies(specs: list[RequestSpec], *, images_first: bool = False) -> list[bytes]:
+    """JSON bodies of ``specs``, built before the clock starts (each distinct image rendered once)."""
+    urls: dict[tuple[int, int, int], str] = {}
+    for spec in specs:
+        for ref in spec.images:
+            if ref.key not in urls:
+                urls[ref.key] = "data:image/jpeg;base64," + base64.b64encode(render_image(ref)).decode()
+    return [
+        json.dumps(chat_body(spec, urls, images_first=images_first), separators=(",", ":")).encode() for spec in specs
+    ]

@@ -1,0 +1,411 @@
+"""The PD engine core: one synchronous object that owns a request's whole life.
+
+Read a request's life here, top to bottom, plus ``scheduler.py``:
+
+1. ``preallocate``: before any encoder work, PD promises room for the
+   prompt's images. The prompt's cached prefix is looked up, once; images
+   inside it are READY at once (the blocks through them are pinned), the
+   others are READY from the embedding cache or RESERVED for a push
+   (``embedding_cache.py``), all under a lease.
+2. ``check_push`` / ``fill``: the encoder's PushEmbedding lands in a live
+   reservation; the tensor goes into the core's embedding store.
+3. ``add_request`` (Generate): the request takes over what Preallocate left
+   (the same cached prefix, one embedding reference per image span) and
+   queues in the scheduler.
+4. ``step``: the step budget sizes the prefill share (``step_budget.py``),
+   the scheduler picks chunks, the runner computes them, sampled tokens are
+   detokenized and become ``RequestEvent``s. A request keeps its image
+   references, and the pinned K/V that stands in for images it has no
+   embedding for, until it ends: a preempted request can always recompute.
+5. Exit: finish, stop string, abort, error, lease expiry or shutdown all end
+   in ``_finish``; ``_release`` is the one place that frees what a request
+   holds (KV blocks, pins, image references, reservations, its lease).
+
+Single-threaded and synchronous: tests drive it directly; ``bridge.py`` runs it
+on the engine thread for the asyncio servers. Tensors are touched only through
+the runner (``execute``, ``prepare_embedding``) and the embedding store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from services.pd.engine.embedding_cache import (
+    AlreadyFilled,
+    EmbeddingCacheFull,
+    EntryState,
+    LeaseExpired,
+    Preallocation,
+    ReservationNotFound,
+    ReservationRejected,
+)
+from services.pd.engine.engine_stats import EngineStats
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.invariants import check
+from services.pd.engine.outputs import Allocation, Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
+from services.pd.engine.preallocated import Preallocated, PreallocatedRequests
+from services.pd.engine.request import CachedPrefix, MultiModalSpan, Request, RequestStatus, SamplingParams
+from services.pd.engine.scheduler import QueueFull, Scheduler
+from services.pd.engine.step_budget import StepBudget
+from services.pd.engine.step_stats import StepStats
+from services.pd.engine.streams import RequestStreams
+
+log = logging.getLogger(__name__)
+
+_NO_RESERVATION = "an image of this request has no reservation on this PD (call Preallocate first)"
+_LEASE_EXPIRED = "the request's reservation lease expired before Generate took it over"
+_EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
+_NOT_DELIVERED = "an image embedding was not delivered before its lease expired"
+_SIZE_DIFFERS = "an image span's length differs from the embedding cached for that image"
+
+
+def _missing_image(lease_expired: bool) -> EngineError:
+    # A lease that ran out is a timeout (the proxy answers 504), not a protocol error.
+    if lease_expired:
+        return EngineError(ErrorKind.DEADLINE_EXCEEDED, _LEASE_EXPIRED)
+    return EngineError(ErrorKind.FAILED_PRECONDITION, _NO_RESERVATION)
+
+
+def _allocation(mm_hash: str, state: EntryState, reservation_id: str) -> Allocation:
+    return Allocation(mm_hash, state is EntryState.READY, reservation_id)
+
+
+class EngineCore:
+    """Owns the scheduler, both caches, the embedding tensor store and the model runner.
+
+    ``runner`` has ``execute(SchedulerOutput, embeddings) -> ModelRunnerOutput`` and
+    ``prepare_embedding(tensor)`` (to its device and dtype; ValueError for one it cannot
+    use). ``step_budget`` sizes each step's prefill (default: off, the whole step budget);
+    ``timer`` measures steps. Errors are ``EngineError``s whose messages never echo input.
+    """
+
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler,
+        runner: Any,
+        tokenizer: Any,
+        hidden_size: int,
+        lease_sweep_interval_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        step_budget: StepBudget | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.scheduler = scheduler
+        self.kv_cache = scheduler.kv_cache
+        self.embedding_cache = scheduler.embedding_cache
+        self.runner = runner
+        self.hidden_size = hidden_size
+        self.sweep_interval_s = lease_sweep_interval_s
+        self._clock = clock
+        self._embeddings: dict[str, Any] = {}  # mm_hash -> tensor of each READY entry
+        self._streams = RequestStreams(tokenizer)  # one per request in the scheduler
+        self._preallocated = PreallocatedRequests()
+        self._next_sweep = 0.0
+        self._num_expired_leases = 0
+        self.step_stats = StepStats()
+        self.step_budget = step_budget or StepBudget.off(scheduler.config.max_num_batched_tokens)
+        self._timer = timer
+
+    # ------------------------------------------------------------ Preallocate
+    def preallocate(
+        self, request_id: str, spans: Sequence[MultiModalSpan], lease_s: float, prompt_token_ids: Sequence[int] = ()
+    ) -> list[Allocation]:
+        """Claims every image of a prompt, all or nothing; raises EngineError, changing nothing."""
+        if request_id in self._streams:
+            raise EngineError(ErrorKind.ALREADY_EXISTS, "a request with this id is already running")
+        try:  # no room held, and no encoder work spent, for a request Generate would refuse
+            self.scheduler.check_room(len(prompt_token_ids))
+        except QueueFull as exc:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many waiting requests", exc.retry_after_s) from None
+        now = self._clock()
+        probe = Request(request_id, list(prompt_token_ids), SamplingParams(), mm_spans=list(spans))
+        looked_up = bool(spans and prompt_token_ids)
+        prefix = self.kv_cache.claim_cached_prefix(probe) if looked_up else CachedPrefix()
+        rest = [s for s in spans if not prefix.covers(s)]
+        granted = self._reserve(request_id, rest, now, lease_s) if rest else Preallocation([], [])
+        self._drop_embeddings(granted.evicted)
+        if looked_up:  # Generate takes this prefix over; what stands in for images stays pinned
+            covered_end = max((s.end for s in spans if prefix.covers(s)), default=0)
+            self._pin_prefix(probe, covered_end)
+            self._preallocated.add(Preallocated(probe, now + lease_s, covers_images=covered_end > 0))
+        answers = iter(granted.items)
+        return [
+            Allocation(span.mm_hash, True, self._preallocated.new_pin_id(), via_prefix_cache=True)
+            if prefix.covers(span)
+            else _allocation(*next(answers))
+            for span in spans
+        ]
+
+    def _pin_prefix(self, request: Request, num_tokens: int) -> None:
+        """Pins only the cached blocks of the first ``num_tokens`` tokens: the K/V standing in
+        for images the request holds no embedding for, until it ends."""
+        prefix = request.cached_prefix
+        blocks = prefix.block_ids[: self.kv_cache.num_blocks_for(num_tokens)] if num_tokens and prefix else ()
+        self.kv_cache.pin(request.request_id, blocks)
+
+    def _reserve(self, request_id: str, spans: list[MultiModalSpan], now: float, lease_s: float) -> Preallocation:
+        try:
+            return self.embedding_cache.preallocate(
+                request_id, [(s.mm_hash, s.num_tokens) for s in spans], now + lease_s, now
+            )
+        except EmbeddingCacheFull as exc:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "embedding cache is full", exc.retry_after_s) from None
+        except ValueError as exc:
+            # Our own message (size conflict or over total capacity), never input.
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, str(exc)) from None
+
+    # ------------------------------------------------------------------ pushes
+    def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> bool:
+        """Whether a push is wanted: False for a repeat of one that landed (a retried Encode).
+
+        Raises NOT_FOUND, DEADLINE_EXCEEDED (lease over) or FAILED_PRECONDITION
+        for a push whose reservation is not live or whose size differs.
+        """
+        if self._preallocated.is_pin_id(reservation_id):
+            raise EngineError(
+                ErrorKind.FAILED_PRECONDITION, "push rejected: reservation is a pin of cached KV, not a push target"
+            )
+        try:
+            self.embedding_cache.check_push(request_id, reservation_id, mm_hash, num_tokens, self._clock())
+        except AlreadyFilled:
+            return False
+        except ReservationNotFound:
+            raise EngineError(ErrorKind.NOT_FOUND, "unknown reservation") from None
+        except LeaseExpired:
+            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "push rejected: reservation lease expired") from None
+        except ReservationRejected as exc:
+            raise EngineError(ErrorKind.FAILED_PRECONDITION, f"push rejected: {exc}") from None
+        return True
+
+    def fill(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
+        """Stores a pushed ``[num_tokens, hidden]`` embedding in its reservation; a repeat changes nothing."""
+        if not self.check_push(request_id, reservation_id, mm_hash, int(embedding.shape[0])):
+            return
+        try:
+            tensor = self.runner.prepare_embedding(embedding)
+        except ValueError as exc:
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, f"embedding rejected: {exc}") from None
+        if self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock()):
+            self._embeddings[mm_hash] = tensor
+
+    def fill_cached(self, request_id: str, reservation_id: str, mm_hash: str) -> bool:
+        """Fills a reservation from the embedding already READY here; False when it is not."""
+        if not self.embedding_cache.is_ready(mm_hash):
+            return False
+        if self.check_push(request_id, reservation_id, mm_hash, self.embedding_cache.num_tokens(mm_hash)):
+            self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock())
+        return True
+
+    # ---------------------------------------------------------------- Generate
+    def add_request(self, request: Request) -> None:
+        """Admits a Generate: takes over its Preallocate and queues it; raises EngineError, holding nothing."""
+        if request.request_id in self._streams:
+            raise EngineError(ErrorKind.ALREADY_EXISTS, "a request with this id is already running")
+        self._take_over(request)
+        try:
+            self.scheduler.add_request(request)
+        except QueueFull as exc:
+            self._release(request.request_id, request)
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many waiting requests", exc.retry_after_s) from None
+        except ValueError as exc:
+            self._release(request.request_id, request)
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, str(exc)) from None
+        self._streams.open(request)
+
+    def _take_over(self, request: Request) -> None:
+        """Gives ``request`` its cached prefix and one embedding reference per span outside it.
+
+        Raises EngineError, holding nothing, when a span has neither a
+        reservation, a cached embedding nor cached K/V.
+        """
+        request_id = request.request_id
+        lease_expired = self._preallocated.pop_expired(request_id)
+        preallocated = self._preallocated.pop(request_id)
+        if preallocated is not None and preallocated.matches(request):
+            request.cached_prefix = preallocated.probe.cached_prefix  # what stands in for images is pinned
+            request.block_hashes = preallocated.probe.block_hashes
+        taken = self.embedding_cache.take_over(request_id)
+        prefix = self.kv_cache.claim_cached_prefix(request) if request.mm_spans else CachedPrefix()
+        error, covered_end = None, 0
+        for index, span in enumerate(request.mm_spans):
+            if span.mm_hash in taken:
+                taken.remove(span.mm_hash)
+                request.span_refs.add(index)
+            elif prefix.covers(span):
+                covered_end = span.end
+                continue
+            elif self.embedding_cache.acquire(span.mm_hash):
+                request.span_refs.add(index)
+            else:
+                error = _missing_image(lease_expired)
+                break
+            if self.embedding_cache.num_tokens(span.mm_hash) != span.num_tokens:
+                error = EngineError(ErrorKind.INVALID_ARGUMENT, _SIZE_DIFFERS)
+                break
+        # Left over (preallocated, absent from the prompt): it would pin its entry forever.
+        for mm_hash in taken:
+            self.embedding_cache.release(mm_hash)
+        self._pin_prefix(request, 0 if error else covered_end)
+        if error is not None:
+            self._release(request_id, request)
+            raise error
+
+    # ------------------------------------------------------------------- exits
+    def abort(self, request_id: str) -> Request | None:
+        """Ends a request (client gone, Abort); idempotent. Returns it if it was queued."""
+        return self._end(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def fail_all(self, error: EngineError) -> None:
+        """Ends every admitted request with ``error`` (shutdown)."""
+        for request_id in self._streams.request_ids:
+            self._end(request_id, RequestStatus.FINISHED_ERROR, error)
+
+    def _end(self, request_id: str, status: RequestStatus, error: EngineError | None = None) -> Request | None:
+        request = self.scheduler.finish_request(request_id, status, None if error is None else error.message)
+        self._finish(request_id, request, error)
+        return request
+
+    def _finish(self, request_id: str, request: Request | None, error: EngineError | None) -> None:
+        """Every exit ends here: frees what the request holds and tells its stream."""
+        self._release(request_id, request)
+        if request is not None:
+            self._streams.close(request_id, Failed(error) if error else Finished(request.status, request))
+
+    def _release(self, request_id: str, request: Request | None) -> None:
+        """Frees a request's KV blocks, pinned prefix, embedding references, reservations and lease.
+
+        The one release path of every exit (idempotent). Reservations are
+        ended after the request's own references are dropped, as
+        ``EmbeddingCache.cancel_request`` requires.
+        """
+        if request is not None:
+            self.kv_cache.free(request)
+            for index in sorted(request.span_refs):
+                self.embedding_cache.release(request.mm_spans[index].mm_hash)
+            request.span_refs.clear()
+            request.cached_prefix = None
+        self.kv_cache.unpin(request_id)
+        self._preallocated.pop(request_id)
+        self.embedding_cache.cancel_request(request_id)
+
+    def _drop_embeddings(self, mm_hashes: Sequence[str]) -> None:
+        """Frees the tensors of entries a cache call removed."""
+        for mm_hash in mm_hashes:
+            self._embeddings.pop(mm_hash, None)
+
+    # ------------------------------------------------------------------ leases
+    def sweep(self) -> None:
+        """Ends leases past their deadline and fails the requests left waiting on a dropped image."""
+        now = self._clock()
+        self._next_sweep = now + self.sweep_interval_s
+        for preallocated in self._preallocated.expire(now):
+            self.kv_cache.unpin(preallocated.probe.request_id)
+            self._num_expired_leases += int(preallocated.covers_images)
+        result = self.embedding_cache.expire(now)
+        self._num_expired_leases += len(result.expired)
+        self._preallocated.remember_expired(r.request_id for r in result.expired)
+        error = EngineError(ErrorKind.DEADLINE_EXCEEDED, _NOT_DELIVERED)
+        for mm_hash in result.dropped_hashes:
+            for request in self.scheduler.requests_waiting_on(mm_hash):
+                self._end(request.request_id, RequestStatus.FINISHED_ERROR, error)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> StepResult:
+        """Sweeps leases when due, runs one scheduled step, returns the events since the last call."""
+        if self._clock() >= self._next_sweep:
+            self.sweep()
+        executed = self.scheduler.has_unfinished_requests() and self._run_step()
+        return StepResult(self._streams.take(), executed)
+
+    def has_work(self) -> bool:
+        """Whether a step may do something now (requests queued or events to hand out)."""
+        return self._streams.has_events or self.scheduler.has_unfinished_requests()
+
+    def _run_step(self) -> bool:
+        started = self._timer()
+        scheduler_output = self.scheduler.schedule(self.step_budget.before_step(self.scheduler.running, started))
+        self._after_schedule(scheduler_output)
+        scheduled = self._timer()
+        self.step_stats.seconds["schedule"] += scheduled - started
+        if scheduler_output.is_empty:
+            return False
+        try:
+            runner_output = self.runner.execute(scheduler_output, self._embeddings)
+        except Exception:
+            log.exception("model step failed; failing the %d requests in the batch", len(scheduler_output.chunks))
+            error = EngineError(ErrorKind.INTERNAL, "model execution failed")
+            for chunk in scheduler_output.chunks:
+                self._end(chunk.request_id, RequestStatus.FINISHED_ERROR, error)
+            return True
+        executed = self._timer()
+        self.step_stats.seconds["execute"] += executed - scheduled
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._emit(scheduler_output, runner_output, finished)
+        now = self._timer()
+        self.step_stats.seconds["update"] += now - executed
+        self.step_stats.record(scheduler_output, runner_output, now - started)
+        self.step_budget.after_step(scheduler_output, started, now)
+        return True
+
+    def _after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Ends the requests whose image is gone before the step runs."""
+        for request_id in scheduler_output.failed_request_ids:
+            self._end(request_id, RequestStatus.FINISHED_ERROR, EngineError(ErrorKind.UNAVAILABLE, _EMBEDDING_GONE))
+
+    def _emit(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, finished: list[Request]
+    ) -> None:
+        """Turns sampled tokens into events; ends the requests that finished or hit a stop string."""
+        ended = {request.request_id: request for request in finished}
+        for chunk in scheduler_output.chunks:
+            request_id = chunk.request_id
+            sampled = runner_output.sampled.get(request_id)
+            request = ended.get(request_id) or self.scheduler.get_request(request_id)
+            if sampled is None or request is None or request_id not in self._streams:
+                continue
+            if self._streams.add_token(request, sampled) and not request.is_finished:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+                ended[request_id] = request
+        for request_id, request in ended.items():
+            failed = request.status is RequestStatus.FINISHED_ERROR  # the step sampled no token for it
+            self._finish(request_id, request, EngineError(ErrorKind.INTERNAL, request.error or "the step failed") if failed else None)
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        """Everything the core reports about itself, at this moment."""
+        kv, embedding = self.kv_cache, self.embedding_cache.stats()
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_live_requests=len(self._streams),
+            num_kv_blocks_total=kv.num_blocks,
+            num_kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            num_kv_blocks_pinned=kv.num_pinned_blocks,
+            num_kv_leases=self._preallocated.num_kv_leases,
+            num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            **dataclasses.asdict(embedding),
+            num_embeddings_stored=len(self._embeddings),
+            num_expired_leases=self._num_expired_leases,
+            steps=self.step_stats.snapshot(),
+            budget=self.step_budget.snapshot(),
+        )
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless the scheduler, both caches, the store and the streams agree."""
+        self.scheduler.check_integrity()
+        requests = list(self.scheduler.requests)
+        self.kv_cache.check_integrity(requests)
+        self.embedding_cache.check_integrity()
+        check(all(self.embedding_cache.is_ready(h) for h in self._embeddings), "a stored tensor has no READY entry")
+        check(
+            self.embedding_cache.stats().ready_tokens
+            == sum(self.embedding_cache.num_tokens(h) for h in self._embeddings),
+            "a READY entry has no tensor",
+        )
+        check(set(self._streams.request_ids) == {r.request_id for r in requests}, "streams and queues disagree")

@@ -1,0 +1,126 @@
+"""Incremental detokenization with stop strings. Pure Python.
+
+Decoding uses the prefix/read offset technique (TGI, vLLM): each step decodes
+a short window ``tokens[prefix_offset:]`` and emits what it adds over
+``tokens[prefix_offset:read_offset]``. A window whose text ends in U+FFFD is
+an incomplete UTF-8 character (byte-level BPE splits multi-byte characters
+across tokens), so nothing is emitted until a later token completes it.
+
+The window covers output tokens only, so that for any tokenizer whose decode
+is prefix-stable (byte-level BPE, Metaspace) the concatenated text equals
+``tokenizer.decode(output_ids, skip_special_tokens=...)``; with prompt context
+a Metaspace tokenizer would keep the first token's leading space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text deltas, honouring stop strings.
+
+    ``prompt_token_ids`` is accepted for interface parity with the request but
+    is not decoded (see the module docstring). After a stop string is found
+    the detokenizer is ``stopped`` and returns no more text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        del prompt_token_ids  # see the class docstring
+        self._stop = tuple(s for s in stop if s)
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._held = ""  # decoded text not emitted yet: it may begin a stop string
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string was found."""
+        return self._stopped
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._token_ids)
+
+    def add_tokens(self, token_ids: Sequence[int]) -> tuple[str, bool]:
+        """Append sampled tokens; return ``(new_text, stopped)``.
+
+        ``new_text`` may be empty (an incomplete character, or text held back
+        because it may begin a stop string). When a stop string appears, the
+        text before it is returned with ``stopped=True``.
+        """
+        if self._stopped:
+            return "", True
+        decoded = []
+        for token_id in token_ids:
+            self._token_ids.append(int(token_id))
+            decoded.append(self._decode_step())
+        return self._release("".join(decoded), final=False), self._stopped
+
+    def flush(self) -> str:
+        """Return all remaining text (the request ended): held text and any
+        trailing incomplete character, cut at a stop string if one appears."""
+        if self._stopped:
+            return ""
+        tail = self._decode(self._token_ids[self._prefix_offset :])
+        head = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        self._prefix_offset = self._read_offset = len(self._token_ids)
+        return self._release(tail[len(head) :], final=True)
+
+    def _decode_step(self) -> str:
+        """Text added by the newest token, or "" while a character is incomplete."""
+        head = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._token_ids[self._prefix_offset :])
+        if len(full) <= len(head) or full.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        return full[len(head) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _release(self, text: str, *, final: bool) -> str:
+        """Add ``text`` to the held text; return what can no longer start a stop string."""
+        held = self._held + text
+        if not self._stop:
+            self._held = ""
+            return held
+        cut = _first_stop(held, self._stop)
+        if cut is not None:
+            self._held = ""
+            self._stopped = True
+            return held[:cut]
+        keep = 0 if final else _stop_prefix_len(held, self._stop)
+        self._held = held[len(held) - keep :] if keep else ""
+        return held[: len(held) - keep]
+
+
+def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    """Index of the earliest occurrence of any stop string, or None."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    longest = max(len(s) for s in stop) - 1
+    for n in range(min(longest, len(text)), 0, -1):
+        suffix = text[-n:]
+        if any(s.startswith(suffix) for s in stop):
+            return n
+    return 0

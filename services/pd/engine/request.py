@@ -1,0 +1,165 @@
+"""The one carrier of per-request state on PD.
+
+The scheduler changes counters and ids here, never tensors. Pure Python.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.pd.engine.positions import MRopePlan, build_plan
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Ordered: ``status >= FINISHED_STOPPED`` means finished."""
+
+    WAITING = 0
+    WAITING_FOR_EMBEDDING = 1  # admitted, but the next prefill chunk needs an image not READY
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4  # EOS, stop token or stop string
+    FINISHED_LENGTH = 5  # max_tokens or context length
+    FINISHED_ABORTED = 6  # client abort / cancellation
+    FINISHED_ERROR = 7  # lease expired, engine failure, ...
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+@dataclass(frozen=True)
+class MultiModalSpan:
+    """An image in the prompt: ``num_tokens`` positions from ``offset`` take its embedding rows.
+
+    ``grid`` is the image's ``(t, h, w)`` layout in LM tokens (``t * h * w ==
+    num_tokens``) for models with multimodal RoPE (Qwen2-VL family), which
+    gives its tokens 3-D rotary positions (``positions.py``); None otherwise.
+    """
+
+    mm_hash: str
+    offset: int
+    num_tokens: int
+    grid: tuple[int, int, int] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The longest prefix of a request found in the prefix cache: ``block_ids`` hold
+    its first ``num_tokens`` tokens (whole blocks)."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+    def covers(self, span: MultiModalSpan) -> bool:
+        """Whether the span's K/V is entirely inside this prefix."""
+        return span.end <= self.num_tokens
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (domain form of ``epd.v1.SamplingParams``)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # <= 0 = disabled
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives per token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Timings:
+    """Wall-clock stamps (``time.monotonic()``) of a request's stages."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    embedding_wait_s: float = 0.0  # accumulated time blocked on images
+    embedding_wait_since: float | None = None
+
+
+@dataclass
+class Request:
+    """A generation request as the engine sees it.
+
+    ``prompt_token_ids`` already contains one placeholder token per image
+    embedding row; ``mm_spans`` say where the rows go. ``num_computed_tokens``
+    counts tokens of ``all_token_ids`` whose KV is in the cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    mm_spans: list[MultiModalSpan] = field(default_factory=list)
+    eos_token_id: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    error: str | None = None  # set with FINISHED_ERROR
+    timings: Timings = field(default_factory=Timings)
+    # Chained prefix-cache keys of the full blocks of all_token_ids, filled
+    # lazily by KVCacheManager (valid for the request's whole life: tokens only append).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Indices into mm_spans whose embedding this request holds an EmbeddingCache
+    # reference on (one per span), held until the request ends so that a
+    # preempted request can always recompute its images.
+    span_refs: set[int] = field(default_factory=set)
+    # The prefix-cache hit, looked up once (``KVCacheManager.claim_cached_prefix``)
+    # and carried to admission; None = not looked up since the last admission.
+    cached_prefix: CachedPrefix | None = None
+    # Multimodal RoPE positions (rope_plan() fills it on first use when a
+    # span has a grid); None = positions are the token indices.
+    rope_plan: MRopePlan | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(span.num_tokens for span in self.mm_spans)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_decoding(self) -> bool:
+        """Whether its next step computes one token and samples (a decode row, not a prefill chunk)."""
+        return (
+            self.status is RequestStatus.RUNNING
+            and bool(self.output_token_ids)
+            and self.num_computed_tokens == self.num_tokens - 1
+        )
+
+
+def rope_plan(request: Request) -> MRopePlan | None:
+    """The request's M-RoPE plan, computed on first use and kept on the request; None for 1-D positions."""
+    if request.rope_plan is None and any(span.grid is not None for span in request.mm_spans):
+        request.rope_plan = build_plan(request.mm_spans, request.num_prompt_tokens)
+    return request.rope_plan

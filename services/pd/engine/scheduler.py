@@ -1,0 +1,419 @@
+"""Continuous-batching scheduler of the PD engine. Pure Python: counters and ids.
+
+One token budget per step is shared by decodes and prefill chunks, whose
+share the caller may cap (``step_budget.py``: decode keeps its inter-token
+latency). Running requests go first, in admission order; then waiting ones,
+FCFS. A prefill chunk stops before an image whose embedding is not READY (the
+text before it prefills while the image is encoded); a request that cannot
+move at all for that reason is WAITING_FOR_EMBEDDING. When KV blocks run out,
+the newest running request is preempted (its KV recomputed later) and nothing
+new is admitted in that step.
+
+The scheduler decides and keeps its queues; it releases nothing a request
+holds. A request arrives with its embedding references already taken
+(``request.span_refs``, by the engine core), and with the prefix blocks that
+stand in for its other images pinned; it keeps both until it ends. At
+admission the block table takes over its cached prefix
+(``KVCacheManager.claim_cached_prefix``), and every image span past that
+prefix must hold a reference, else the request is reported in
+``SchedulerOutput.failed_request_ids``. Requests that
+finish are dequeued and marked here; the engine core then frees what they
+hold. The engine core calls ``schedule`` and ``update_from_output``
+alternately; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, MutableSequence
+from dataclasses import dataclass
+
+from services.pd.engine import spans
+from services.pd.engine.embedding_cache import EmbeddingCache
+from services.pd.engine.invariants import check
+from services.pd.engine.kv_cache import KVCacheManager
+from services.pd.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from services.pd.engine.request import Request, RequestStatus, rope_plan
+from services.pd.engine.step_budget import TokenBudget
+
+_RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
+_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_EMBEDDING)
+
+
+class QueueFull(Exception):
+    """Too much is waiting already (gRPC RESOURCE_EXHAUSTED with a retry hint)."""
+
+    def __init__(self, retry_after_s: float):
+        super().__init__(f"waiting queue full; retry after {retry_after_s:.2f}s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one PD's scheduler."""
+
+    max_model_len: int  # prompt + output tokens of one request
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 64  # requests holding KV at once
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 262144  # prompt (+ output, if preempted) tokens of all waiting requests
+    retry_after_s: float = 1.0  # hint returned with QueueFull
+
+    def __post_init__(self) -> None:
+        if (
+            min(
+                self.max_model_len,
+                self.max_num_batched_tokens,
+                self.max_num_seqs,
+                self.max_waiting_requests,
+                self.max_waiting_tokens,
+            )
+            <= 0
+        ):
+            raise ValueError("scheduler limits must be positive")
+
+
+class _Admit(enum.Enum):
+    ADMITTED = 0
+    BLOCKED = 1  # waits for an image; later requests may go ahead
+    NO_ROOM = 2  # not enough KV blocks: stop admitting (FCFS)
+    FAILED = 3  # an image it needs is gone: reported, the engine core ends it
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests to compute."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        embedding_cache: EmbeddingCache,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``embedding_cache`` is only asked which images are READY."""
+        self.config = config
+        self.kv_cache = kv_cache
+        self.embedding_cache = embedding_cache
+        self._clock = clock
+        self.waiting: deque[Request] = deque()  # no KV blocks held
+        self.running: list[Request] = []  # holds KV blocks; admission order
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # for the runner, via the next SchedulerOutput
+        # Lifetime counters (for stats and tests).
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens served by the prefix cache, all admissions
+
+    # ------------------------------------------------------------------ queries
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a step may still do work."""
+        return bool(self._requests)
+
+    @property
+    def requests(self) -> Iterable[Request]:
+        """Every queued request (running or waiting)."""
+        return self._requests.values()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --------------------------------------------------------------- admission
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Every image span must hold an embedding reference (``span_refs``) or be
+        inside the request's cached prefix (see the module docstring). Raises
+        ValueError for a request this server can never run (duplicate id, empty
+        or too long prompt, bad spans, more KV than exists) and QueueFull when
+        the waiting bounds are reached; on either, nothing changes.
+        """
+        self._validate(request)
+        self.check_room(request.num_tokens)
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_room(self, num_tokens: int) -> None:
+        """Raises QueueFull unless one more request of ``num_tokens`` fits the waiting bounds now."""
+        num_waiting_tokens = sum(r.num_tokens for r in self.waiting)
+        if (
+            len(self.waiting) >= self.config.max_waiting_requests
+            or num_tokens <= self.config.max_waiting_tokens < num_waiting_tokens + num_tokens
+        ):  # longer: invalid
+            raise QueueFull(self.config.retry_after_s)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError("a request with this id is already queued")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError("the prompt is longer than the maximum model length")
+        if request.num_prompt_tokens > self.config.max_waiting_tokens:
+            raise ValueError("the prompt is longer than this server's waiting-queue token bound")
+        if request.sampling.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        spans.validate_spans(request.mm_spans, request.num_prompt_tokens)
+        max_len = min(self.config.max_model_len, request.num_prompt_tokens + request.sampling.max_tokens)
+        # The last token is sampled, never computed, so it needs no KV.
+        if self.kv_cache.num_blocks_for(max_len - 1) > self.kv_cache.num_blocks:
+            raise ValueError("the request needs more KV cache than this server has")
+
+    # ----------------------------------------------------------------- schedule
+    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
+        """Pick the chunks of the next step within the step budget; prefill chunks
+        also within ``prefill_budget`` (None = no separate cap)."""
+        now = self._clock()
+        out = SchedulerOutput()
+        budget = TokenBudget(self.config.max_num_batched_tokens, prefill_budget)
+        self._schedule_running(out, budget, now)
+        if not out.preempted_request_ids:
+            self._schedule_waiting(out, budget, now)
+        out.num_batched_tokens = sum(chunk.num_tokens for chunk in out.chunks)
+        out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: TokenBudget, now: float) -> None:
+        i = 0
+        while i < len(self.running) and budget.num_tokens > 0:
+            request = self.running[i]
+            decoding = request.is_decoding
+            limit = budget.limit(decoding)
+            if limit == 0:  # the prefill share is spent; decode rows behind it still go
+                i += 1
+                continue
+            num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, limit)
+            if num_new == 0:
+                if self._embedding_gone(blocking_hash):
+                    out.failed_request_ids.append(request.request_id)
+                else:
+                    spans.mark_blocked(request, now)
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, out, now):
+                break  # the request preempted itself: it was the newest, nothing follows
+            self._add_chunk(out, request, num_new, now)
+            budget.spend(num_new, decoding)
+            i += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput, now: float) -> bool:
+        """Make KV room for ``request``, preempting newest-first; False if it went itself."""
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, out, now)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: TokenBudget, now: float) -> None:
+        blocked: list[Request] = []
+        while self.waiting and budget.limit(False) > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            outcome, num_new = self._try_admit(request, budget.limit(False), out, now)
+            if outcome is _Admit.NO_ROOM:
+                self.waiting.appendleft(request)
+                break
+            if outcome in (_Admit.BLOCKED, _Admit.FAILED):
+                blocked.append(request)
+            budget.spend(num_new, False)
+        self.waiting.extendleft(reversed(blocked))  # keep their place in line
+
+    def _try_admit(self, request: Request, budget: int, out: SchedulerOutput, now: float) -> tuple[_Admit, int]:
+        prefix = self.kv_cache.claim_cached_prefix(request)
+        if not self._has_embeddings_after(request, prefix.num_tokens):
+            out.failed_request_ids.append(request.request_id)
+            return _Admit.FAILED, 0
+        num_new, _ = self._chunk_len(request, prefix.num_tokens, budget)
+        if num_new == 0:
+            spans.mark_blocked(request, now)
+            return _Admit.BLOCKED, 0
+        if not self.kv_cache.allocate_slots(request, num_new, prefix.block_ids):
+            return _Admit.NO_ROOM, 0
+        request.cached_prefix = None
+        request.num_computed_tokens = prefix.num_tokens
+        if request.timings.first_scheduled is None:
+            request.num_cached_tokens = prefix.num_tokens
+        self.num_prefix_hit_tokens += prefix.num_tokens
+        self.running.append(request)
+        self._add_chunk(out, request, num_new, now)
+        return _Admit.ADMITTED, num_new
+
+    def _has_embeddings_after(self, request: Request, start: int) -> bool:
+        """Whether every span not computed from ``start`` holds a reference on a live entry."""
+        return all(
+            index in request.span_refs and not self._embedding_gone(span.mm_hash)
+            for index, span in enumerate(request.mm_spans)
+            if span.end > start
+        )
+
+    def _embedding_gone(self, mm_hash: str | None) -> bool:
+        return mm_hash is not None and self.embedding_cache.state(mm_hash) is None
+
+    def _chunk_len(self, request: Request, start: int, budget: int) -> tuple[int, str | None]:
+        """Tokens computable from ``start``; with the mm_hash that cut the chunk short."""
+        end = min(request.num_tokens, start + budget)
+        for span in request.mm_spans:
+            if span.end <= start:
+                continue
+            if span.offset >= end:
+                break
+            if not self.embedding_cache.is_ready(span.mm_hash):
+                return max(span.offset, start) - start, span.mm_hash
+        return end - start, None
+
+    def _add_chunk(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        request.status = RequestStatus.RUNNING
+        spans.end_embedding_wait(request, now)
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = now
+        out.chunks.append(
+            ScheduledChunk(
+                request_id=request.request_id,
+                token_ids=spans.token_slice(request, start, end),
+                start_pos=start,
+                block_ids=list(request.block_ids),
+                image_slices=spans.image_slices(request.mm_spans, start, end),
+                sample=end == request.num_tokens,
+                sampling=request.sampling,
+                num_output_tokens=len(request.output_token_ids),
+                rope=rope_plan(request),
+            )
+        )
+
+    def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
+        """Drop the request's KV and queue it first for a recompute.
+
+        The engine core takes the references of computed spans again (see
+        ``preempted_request_ids``) unless the prefix cache covers them at re-admission.
+        """
+        _remove(self.running, request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        spans.end_embedding_wait(request, now)
+        self.waiting.appendleft(request)
+        out.preempted_request_ids.append(request.request_id)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Account for a computed step; returns the requests that finished.
+
+        Finished requests are dequeued and marked; what they hold is the engine
+        core's to free. Chunks of requests finished meanwhile are ignored.
+        """
+        finished: list[Request] = []
+        now = self._clock()
+        for chunk in scheduler_output.chunks:
+            request = self._requests.get(chunk.request_id)
+            if (
+                request is None
+                or request.status is not RequestStatus.RUNNING
+                or request.num_computed_tokens != chunk.start_pos
+            ):
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if not chunk.sample:
+                continue
+            sampled = runner_output.sampled.get(chunk.request_id)
+            if sampled is None:
+                self._finish(request, RequestStatus.FINISHED_ERROR, "the model step sampled no token")
+                finished.append(request)
+                continue
+            request.output_token_ids.append(sampled.token_id)
+            if request.timings.first_token is None:
+                request.timings.first_token = now
+            status = self._stop_status(request, sampled.token_id)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if token_id == request.eos_token_id and not sampling.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ----------------------------------------------------------------- finish
+    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
+        """Dequeue a request and mark it finished (the engine core frees what it holds).
+
+        Idempotent: returns None when the request is unknown or already finished.
+        """
+        if not status.is_finished:
+            raise ValueError("finish_request needs a FINISHED_* status")
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status, error)
+        return request
+
+    def requests_waiting_on(self, mm_hash: str) -> list[Request]:
+        """The requests that still need the embedding ``mm_hash``."""
+        return [
+            r
+            for r in self._requests.values()
+            if any(s.mm_hash == mm_hash and s.end > r.num_computed_tokens for s in r.mm_spans)
+        ]
+
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        now = self._clock()
+        if not _remove(self.running, request):
+            _remove(self.waiting, request)
+        del self._requests[request.request_id]
+        request.status = status
+        request.error = error
+        spans.end_embedding_wait(request, now)
+        request.timings.finished = now
+        self._finished_ids.append(request.request_id)
+
+    # -------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the queues and the requests' counters agree (the caches: ``EngineCore``)."""
+        queued = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        check(
+            len(queued) == len(set(queued)) and set(queued) == set(self._requests),
+            "queues and the request table disagree",
+        )
+        check(len(self.running) <= self.config.max_num_seqs, "too many running requests")
+        block_size = self.kv_cache.block_size
+        for request in self.running:
+            check(request.status in _RUNNING_STATES, "bad status in running")
+            check(request.num_computed_tokens < request.num_tokens, "nothing left to compute")
+            check(
+                len(request.block_ids) * block_size >= request.num_computed_tokens,
+                "block table shorter than the computed tokens",
+            )
+        for request in self.waiting:
+            check(request.status in _WAITING_STATES, "bad status in waiting")
+            check(not request.block_ids and request.num_computed_tokens == 0, "a waiting request holds KV")
+        for request in self._requests.values():
+            check(all(0 <= i < len(request.mm_spans) for i in request.span_refs), "span reference out of range")
+            check(request.cached_prefix is None or not request.block_ids, "a cached prefix outlived admission")
+
+
+def _remove(queue: MutableSequence[Request], request: Request) -> bool:
+    """Remove ``request`` by identity (dataclass ``==`` compares every field)."""
+    for index, item in enumerate(queue):
+        if item is request:
+            del queue[index]
+            return True
+    return False

@@ -1,0 +1,185 @@
+"""How many prefill tokens the next step may take, so that decoding streams keep their inter-token latency.
+
+Pure Python. Every step, the engine core asks ``StepBudget.before_step``
+for the prefill budget before it schedules, and shows ``after_step`` the
+step it ran (which the ``StepTimeModel`` learns from). The rule:
+
+- nothing decoding: prefill gets the whole step budget
+  (``--max-num-batched-tokens``): a prompt arriving at an idle engine pays no
+  time to first token for a latency nobody is waiting on;
+- something decoding: each decoding stream waits for the whole next step,
+  plus whatever the engine thread did since the last one (commands, and in
+  colocated mode the vision forward of newly arrived images). The prefill
+  chunk is sized so that this wait is predicted to stay within the target:
+  ``since_last_step + predicted(decode rows, prefill tokens) <= target``,
+  using the online ``StepTimeModel``;
+- the target is ``--target-itl-ms``, or with ``auto`` ``AUTO_TARGET_MULTIPLE``
+  times the predicted decode-only step of the current batch (prefill may add
+  about one more decode step's time);
+- prefill always gets at least ``min_prefill_tokens`` (the starvation guard):
+  under a decode flood, or right after a long vision forward, a waiting
+  prompt still advances, and its time to first token stays bounded, at the
+  price of steps that can exceed the target by that chunk's time;
+- ``--max-num-batched-tokens`` stays the cap of the whole step; decode rows
+  take their one token each from it first;
+- target 0 turns the rule off (the whole cap every step), and so does a model
+  not yet seeded (the warm-up seeds it before the server reports ready).
+
+The budget follows measured step times, so chunk boundaries differ between
+runs; outputs do not (chunking never changes what a request computes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.pd.engine.outputs import SchedulerOutput
+from services.pd.engine.request import Request
+from services.pd.engine.step_stats import Histogram
+from services.pd.engine.step_time_model import StepShape, StepTimeModel
+
+AUTO_TARGET_MULTIPLE = 1.25
+"""``--target-itl-ms auto``: the target is this many times the predicted decode-only step at the current batch.
+
+Small on purpose: a step that prefills doubles the inter-token latency of
+every stream in it, and spreading a long prompt over many such steps hurt
+p99 more than one long stall did (``epd bench serve --workload mixed``: 2x
+was worse than a fixed 2048-token budget, 1.25x better)."""
+DEFAULT_MIN_PREFILL_TOKENS = 16
+"""Prefill tokens every step may take whatever the target (one KV block with the default block size)."""
+PREDICTION_RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
+"""Upper bounds (``le``) of the measured / predicted step-time histogram (1 = exact); +Inf is implied.
+A ratio rather than a difference: its meaning does not depend on how fast the device is."""
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """What the budget controller is told at start-up."""
+
+    max_num_batched_tokens: int  # the hard cap of one step
+    target_itl_s: float | None = None  # None = auto; 0 = off (the whole cap every step)
+    min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0 or self.min_prefill_tokens <= 0:
+            raise ValueError("max_num_batched_tokens and min_prefill_tokens must be positive")
+        if self.target_itl_s is not None and not (0 <= self.target_itl_s < math.inf):
+            raise ValueError("the inter-token latency target must be a finite number >= 0 (0 = off)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.target_itl_s != 0
+
+
+@dataclass(frozen=True)
+class BudgetSnapshot:
+    """The controller's state at one moment, for metrics and tests."""
+
+    prefill_budget_tokens: int  # the last step's prefill budget
+    itl_target_s: float  # the last target used (0 = off, or auto before anything decoded)
+    num_limited_steps: int  # steps whose prefill filled a budget below the cap (held back)
+    ratio_bucket_counts: tuple[int, ...]  # measured / predicted: cumulative per PREDICTION_RATIO_BUCKETS, then +Inf
+    ratio_sum: float
+
+
+class StepBudget:
+    """Sizes each step's prefill from a ``StepTimeModel`` so that decode keeps its target latency."""
+
+    def __init__(self, config: BudgetConfig, model: StepTimeModel | None = None) -> None:
+        self.config = config
+        self.model = model or StepTimeModel()
+        self._last_budget = config.max_num_batched_tokens
+        self._target_s = config.target_itl_s or 0.0  # auto: set at the first decoding step
+        self._num_limited_steps = 0
+        self._ratios = Histogram(PREDICTION_RATIO_BUCKETS)  # measured / predicted step time
+        self._last_step_end: float | None = None  # when the last executed step ended (the core's timer)
+
+    @classmethod
+    def off(cls, max_num_batched_tokens: int) -> StepBudget:
+        """A controller that always answers the whole cap (``--target-itl-ms 0``)."""
+        return cls(BudgetConfig(max_num_batched_tokens, target_itl_s=0.0))
+
+    # ------------------------------------------------------------- the core's calls
+    def before_step(self, running: Iterable[Request], now: float) -> int:
+        """The prefill budget of a step starting at ``now``, for the scheduler's ``running`` requests."""
+        # Decoding streams have waited since the last step ended (commands, a
+        # colocated vision forward): that time counts against the target too.
+        since_last_step_s = 0.0 if self._last_step_end is None else max(0.0, now - self._last_step_end)
+        return self.prefill_budget(StepShape.decoding(running), since_last_step_s)
+
+    def after_step(self, scheduler_output: SchedulerOutput, started: float, ended: float) -> None:
+        """Learns from a step that ran ``scheduler_output`` from ``started`` to ``ended``."""
+        shape = StepShape.of_output(scheduler_output)
+        held_back = self._last_budget < self.config.max_num_batched_tokens
+        if held_back and shape.num_prefill_tokens >= self._last_budget:  # prefill wanted more than it got
+            self._num_limited_steps += 1
+        self.observe(shape, ended - started)
+        self._last_step_end = ended
+
+    # ------------------------------------------------------------------ the rule
+    def prefill_budget(self, decoding: StepShape, since_last_step_s: float = 0.0) -> int:
+        """Prefill tokens the next step may take.
+
+        ``decoding``: the next step's decode rows (``StepShape.decoding``);
+        ``since_last_step_s``: engine-thread time since the last step ended,
+        which the decoding streams have already waited.
+        """
+        cap = self.config.max_num_batched_tokens
+        budget = cap
+        if self.config.enabled and decoding.num_decode_rows and self.model.is_seeded:
+            base_s = self.model.predict(decoding)
+            self._target_s = self.target_s(base_s)
+            budget = self._fit(self._target_s - since_last_step_s - base_s)
+        self._last_budget = budget
+        return budget
+
+    def target_s(self, decode_step_s: float) -> float:
+        """The latency target for a batch whose decode-only step takes ``decode_step_s``."""
+        fixed = self.config.target_itl_s
+        return AUTO_TARGET_MULTIPLE * decode_step_s if fixed is None else fixed
+
+    def _fit(self, spare_s: float) -> int:
+        """Most prefill tokens predicted to fit ``spare_s``, within [min_prefill_tokens, cap]."""
+        cap = self.config.max_num_batched_tokens
+        per_token_s = self.model.prefill_seconds_per_token
+        fits = cap if per_token_s <= 0 else math.floor(max(0.0, spare_s) / per_token_s)
+        return min(cap, max(self.config.min_prefill_tokens, fits))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Learns from one executed step; records how far off the prediction was once the model is seeded."""
+        predicted = self.model.predict(shape)
+        if self.model.is_seeded and predicted > 0:
+            self._ratios.observe(seconds / predicted)
+        self.model.observe(shape, seconds)
+
+    def snapshot(self) -> BudgetSnapshot:
+        return BudgetSnapshot(
+            prefill_budget_tokens=self._last_budget,
+            itl_target_s=self._target_s,
+            num_limited_steps=self._num_limited_steps,
+            ratio_bucket_counts=self._ratios.cumulative_counts(),
+            ratio_sum=self._ratios.sum,
+        )
+
+
+class TokenBudget:
+    """What is left of one step's tokens, as the scheduler spends them.
+
+    Every chunk takes from ``num_tokens`` (the step budget); prefill chunks also
+    from ``num_prefill`` (their share, ``StepBudget.prefill_budget``).
+    """
+
+    def __init__(self, num_tokens: int, num_prefill: int | None) -> None:
+        self.num_tokens = num_tokens
+        self.num_prefill = num_tokens if num_prefill is None else max(0, num_prefill)
+
+    def limit(self, decoding: bool) -> int:
+        """Most tokens the next chunk may take."""
+        return self.num_tokens if decoding else min(self.num_tokens, self.num_prefill)
+
+    def spend(self, num: int, decoding: bool) -> None:
+        self.num_tokens -= num
+        if not decoding:
+            self.num_prefill -= num

@@ -1,0 +1,178 @@
+"""Paged attention for HF models, plugged in through ``transformers.AttentionInterface``.
+
+The runner runs the HF language model on ONE packed batch (all scheduled tokens
+of all requests concatenated, ``[1, T, hidden]``) with ``use_cache=False`` and
+passes a :class:`PagedAttentionMetadata` as the forward kwarg
+``epd_attn_metadata``. HF forwards unknown kwargs untouched from
+``model.model(...)`` through every decoder layer into the attention interface,
+so each layer's call of :func:`paged_attention_forward` sees it. Because the
+implementation name is not in ``ALL_MASK_ATTENTION_FUNCTIONS`` HF builds no
+mask (``attention_mask`` is ``None``): masking is ours.
+
+Per layer the function writes the new K/V (RoPE already applied by HF) into the
+paged KV tensors at the step's slots, then attends each request's queries over
+its own context: cached blocks + new tokens. Longer chunks get one SDPA call
+each (their cost is model math). Requests with one query token (decodes, or a
+one-token prefill tail) take one of two paths picked at construction, or,
+in a decode-only step of the static path, a third:
+
+- ``"padded"`` (GPU): one SDPA call over block tables padded to the longest
+  context; one kernel launch per layer matters more there than wasted reads.
+- ``"ragged"`` (CPU): each request is attended with two ``bmm`` calls over
+  exactly its context. Decode attention is bound by reading K/V from
+  memory, so padding to the longest context cost up to 2x, and SDPA's flash
+  kernel has a fixed cost per call that, with one query row, was ~4x the
+  bmm's (measured on the bench model). A request whose blocks are
+  consecutive (the KV manager places them so) is read in place; only the
+  others are gathered, back to back: the gather was a third of decode
+  attention.
+- flex (decode-only steps on GPU; ``flex_decode.py``): PyTorch's
+  ``flex_attention`` reads every row's blocks in place through a block mask
+  over static tensors, so the step can be replayed from a CUDA graph
+  (``decode_graphs.py``).
+
+Prefill chunks with cached context attend a gather of their own blocks; GQA
+is handled by folding each KV head's query heads into the query axis (no
+copy of K/V per query head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from services.pd.runner.attention_metadata import PagedAttentionMetadata, PrefillSeq, RaggedDecodeGroup
+from services.pd.runner.flex_decode import FlexDecodeGroup, flex_decode_attention
+
+ATTN_IMPLEMENTATION = "epd_paged"
+METADATA_KWARG = "epd_attn_metadata"
+
+
+def register_paged_attention() -> None:
+    """Register :func:`paged_attention_forward` as ``"epd_paged"`` (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention interface: ``query [1, H, T, D]``, ``key/value [1, KVH, T, D]``.
+
+    Returns ``([1, T, H, D], None)`` like ``sdpa_attention_forward``. The
+    ``attention_mask`` from HF is ignored (it is ``None`` for this
+    implementation); the metadata kwarg defines who attends to what.
+    ``dropout`` is ignored: the runner only does inference.
+    """
+    meta: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {METADATA_KWARG} forward kwarg")
+    num_kv_heads, head_dim = key.shape[1], key.shape[3]
+    key_cache = meta.key_cache[module.layer_idx]  # [KVH, blocks, block_size, D]
+    value_cache = meta.value_cache[module.layer_idx]
+    # index_copy_ on a [KVH, slots, D] view writes all new tokens of all requests in one op.
+    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key[0])
+    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, value[0])
+
+    out = query.new_empty(query.shape[2], query.shape[1], head_dim)  # [T, H, D]
+    if isinstance(meta.decode, FlexDecodeGroup):
+        out[: meta.decode.num_rows] = flex_decode_attention(query[0], key_cache, value_cache, meta.decode, scaling)
+    elif isinstance(meta.decode, RaggedDecodeGroup):
+        out[meta.decode.rows] = _ragged_decode_attention(query[0], key_cache, value_cache, meta, scaling)
+    elif meta.decode is not None:
+        out[meta.decode.rows] = _decode_attention(query[0], key_cache, value_cache, meta, scaling)
+    for seq in meta.prefills:
+        out[seq.query_start : seq.query_end] = _prefill_attention(
+            query[0], key[0], value[0], key_cache, value_cache, meta, seq, scaling
+        )
+    return out.unsqueeze(0), None
+
+
+def _decode_attention(query, key_cache, value_cache, meta: PagedAttentionMetadata, scaling) -> torch.Tensor:
+    """One query per request over its padded context: ``[D, H, head_dim]``."""
+    group = meta.decode
+    num_heads, head_dim = query.shape[0], query.shape[2]
+    num_reqs, max_blocks = group.block_tables.shape
+    num_kv_heads, block_size = key_cache.shape[0], key_cache.shape[2]
+    # GQA without repeating K/V: the n_rep query heads of a KV head become the
+    # "query length" axis, so each KV head is read once (HF's pack_gqa trick).
+    q = query[:, group.rows].transpose(0, 1).reshape(num_reqs, num_kv_heads, -1, head_dim)
+    shape = (num_kv_heads, num_reqs, max_blocks * block_size, head_dim)
+    k = _gather(key_cache, group.block_tables.view(-1), meta.gather_keys).view(shape).transpose(0, 1)
+    v = _gather(value_cache, group.block_tables.view(-1), meta.gather_values).view(shape).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+    return out.reshape(num_reqs, num_heads, head_dim)
+
+
+def _ragged_decode_attention(query, key_cache, value_cache, meta: PagedAttentionMetadata, scaling) -> torch.Tensor:
+    """One query per request over its own gathered context: ``[D, H, head_dim]``."""
+    group = meta.decode
+    num_heads, head_dim = query.shape[0], query.shape[2]
+    num_kv_heads = key_cache.shape[0]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    # [KVH, tokens, head_dim] views, each head's rows contiguous: the cache in
+    # place, and the gathered blocks.
+    sources = {
+        True: (key_cache.view(num_kv_heads, -1, head_dim), value_cache.view(num_kv_heads, -1, head_dim)),
+        False: (
+            _gather(key_cache, group.block_ids, meta.gather_keys).view(num_kv_heads, -1, head_dim),
+            _gather(value_cache, group.block_ids, meta.gather_values).view(num_kv_heads, -1, head_dim),
+        ),
+    }
+    # [D, KVH, n_rep, head_dim]: GQA without repeating K/V, the n_rep query
+    # heads of a KV head are the rows of one matrix product.
+    q = (query[:, group.rows] * scale).transpose(0, 1).reshape(len(group.spans), num_kv_heads, -1, head_dim)
+    out = torch.empty_like(q)
+    for i, (in_place, start, length) in enumerate(group.spans):
+        keys, values = sources[in_place]
+        scores = torch.bmm(q[i], keys[:, start : start + length].mT)  # [KVH, n_rep, len]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        torch.bmm(probs, values[:, start : start + length], out=out[i])
+    return out.view(len(group.spans), num_heads, head_dim)
+
+
+def _prefill_attention(
+    query, key, value, key_cache, value_cache, meta: PagedAttentionMetadata, seq: PrefillSeq, scaling
+) -> torch.Tensor:
+    """A chunk's queries over its context: ``[num_queries, H, head_dim]``."""
+    num_heads, num_kv_heads, head_dim = query.shape[0], key.shape[0], key.shape[2]
+    q = query[:, seq.query_start : seq.query_end].unsqueeze(0)  # [1, H, n, D]
+    if seq.mask is None:
+        # Whole context is in this chunk: use the fresh K/V, skip the gather.
+        k = key[:, seq.query_start : seq.query_end].unsqueeze(0)  # [1, KVH, n, D]
+        v = value[:, seq.query_start : seq.query_end].unsqueeze(0)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scaling, enable_gqa=num_heads != num_kv_heads
+        )
+        return out[0].transpose(0, 1)
+    k = _gather(key_cache, seq.block_ids, meta.gather_keys).view(num_kv_heads, -1, head_dim)[:, : seq.context_len]
+    v = _gather(value_cache, seq.block_ids, meta.gather_values).view(num_kv_heads, -1, head_dim)[:, : seq.context_len]
+    # GQA without repeating K/V (and without enable_gqa, which with a mask sends
+    # CUDA SDPA to its math fallback): the n_rep query heads of a KV head are
+    # stacked on the query axis, [KVH, n_rep * n, D], and the mask repeats
+    # along it. HF's repeat_kv order: query head h reads KV head h // n_rep.
+    num_queries, n_rep = q.shape[2], num_heads // num_kv_heads
+    q = q[0].reshape(num_kv_heads, n_rep * num_queries, head_dim)
+    mask = seq.mask.repeat(n_rep, 1) if n_rep > 1 else seq.mask
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # [KVH, n_rep * n, D]
+    return out.view(num_heads, num_queries, head_dim).transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` of one layer's ``cache`` [KVH, blocks, block_size, D],
+    copied into the front of the flat ``scratch``: ``[KVH, n, block_size, D]``.
+
+    ``index_select`` copies whole blocks; advanced indexing ``cache[:, ids]``
+    was measured many times slower on CPU for the same gather.
+    """
+    num_kv_heads, _, block_size, head_dim = cache.shape
+    shape = (num_kv_heads, block_ids.shape[0], block_size, head_dim)
+    out = scratch[: num_kv_heads * block_ids.shape[0] * block_size * head_dim].view(shape)
+    return torch.index_select(cache, 1, block_ids, out=out)

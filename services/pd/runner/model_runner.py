@@ -1,0 +1,317 @@
+"""Runs one scheduled step on the HF language model over a paged KV cache.
+
+The runner owns the tensors: the KV cache and the model. A step takes one of
+two paths:
+
+- packed (any step): all scheduled tokens of all requests in one
+  ``[1, T, hidden]`` batch (token embeddings with image rows spliced in),
+  ``model.model`` with the ``epd_paged`` attention (``attention.py``), logits
+  only at the last position of each chunk that samples;
+- static (decode-only steps, on by default on CUDA): rows padded to a ladder
+  of batch sizes, inputs written in place into buffers allocated once, the
+  forward replayed from a CUDA graph (``decode_graphs.py``).
+
+Both paths get their rotary positions from ``step_position_ids``, the one
+place they are made. Models with multimodal RoPE (``uses_mrope``: the Qwen2-VL
+family) get three rows (t, h, w) from each chunk's plan (``positions.py``) and
+take the packed path; KV slots stay the absolute token indices.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from services.pd.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from services.pd.runner.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, register_paged_attention
+from services.pd.runner.attention_metadata import (
+    DECODE_PATHS,
+    GatherScratch,
+    PagedAttentionMetadata,
+    build_metadata,
+    to_device,
+)
+from services.pd.runner.cpu_linear import resolve_backend, use_onednn_linear
+from services.pd.runner.decode_graphs import (
+    DecodeBuffers,
+    FlexTables,
+    RaggedTables,
+    StaticDecodeConfig,
+    StaticDecoder,
+    batch_ladder,
+)
+from services.pd.runner.flex_decode import flex_available
+from services.pd.runner.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+def kv_cache_shape(config, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+    """``[layers, kv_heads, blocks, block_size, head_dim]`` for a Llama-like config.
+
+    Head-major: one head's rows of a run of consecutive blocks are contiguous,
+    which decode attention reads ~30% faster than token-major (bench model).
+    """
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return (config.num_hidden_layers, num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def step_position_ids(chunks: Sequence[ScheduledChunk], mrope: bool = False) -> list[list[int]]:
+    """The rotary positions of every token of a step, in packed order: one row, or three (t, h, w).
+
+    The one place position ids are made: a chunk's tokens sit at
+    ``start_pos, start_pos + 1, ...``; with multimodal RoPE a chunk with a
+    plan (``positions.py``) takes its three rows from it, text-only chunks
+    repeat the token index on every axis. (KV slots follow ``start_pos``
+    too, but are the attention metadata's business, not the model's.)
+    """
+    if not mrope:
+        return [[p for chunk in chunks for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens)]]
+    axes: list[list[int]] = [[], [], []]
+    for chunk in chunks:
+        start, end = chunk.start_pos, chunk.start_pos + chunk.num_tokens
+        rows = [range(start, end)] * 3 if chunk.rope is None else chunk.rope.positions(start, end)
+        for axis, ids in zip(axes, rows):
+            axis.extend(ids)
+    return axes
+
+
+class ModelRunner:
+    """Executes ``SchedulerOutput`` steps: packed or static forward, paged KV, sampling.
+
+    Takes ownership of ``model``: its attention implementation is switched to
+    ``epd_paged``, so it can no longer run a plain HF forward. The model must
+    already live on ``device`` in ``dtype``; the KV cache is allocated there,
+    with one block past ``num_blocks`` that only padded rows of static decode
+    steps write to. ``decode_path`` picks the one-query attention of packed
+    steps (``attention.py``); ``"auto"`` = ragged on CPU, padded elsewhere.
+    ``linear_backend`` picks who runs the linear layers (``cpu_linear.py``);
+    ``"auto"`` = oneDNN for fp32 on CPU when it passes its self-check, else
+    PyTorch's own. ``static_decode`` says how decode-only steps run
+    (``decode_graphs.py``); on CUDA its graphs are captured here.
+    The runner keeps no per-request state (seeded sampling derives its RNG
+    from the seed and the output length), so finished requests need no cleanup.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        sampler: Sampler | None = None,
+        decode_path: str = "auto",
+        linear_backend: str = "auto",
+        static_decode: StaticDecodeConfig | None = None,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        if decode_path not in ("auto", *DECODE_PATHS):
+            raise ValueError(f"decode_path must be 'auto' or one of {DECODE_PATHS}")
+        register_paged_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError("model does not support a custom attention implementation")
+        self.model = model.eval()
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.device = torch.device(device)
+        self.dtype = dtype
+        # See attention.py: ragged decode attention wins on CPU, one padded
+        # kernel per layer wins on GPU.
+        if decode_path == "auto":
+            decode_path = "ragged" if self.device.type == "cpu" else "padded"
+        self.decode_path = decode_path
+        self.linear_backend = resolve_backend(linear_backend, self.device, dtype)
+        if self.linear_backend == "onednn":
+            use_onednn_linear(model)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.pad_block = num_blocks
+        shape = kv_cache_shape(model.config, num_blocks + 1, block_size)
+        # Zeros, not empty: padded decode attention reads unused slots under a
+        # mask, and 0 * NaN from uninitialised memory would poison the output.
+        self.key_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.value_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._scratch = GatherScratch(shape[1] * shape[3] * shape[4], dtype, self.device)
+        self.sampler = sampler if sampler is not None else Sampler()
+        self.static_decoder = self._start_static_decode(static_decode or StaticDecodeConfig())
+
+    @staticmethod
+    def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one block across all layers."""
+        layers, kv_heads, _, _, head_dim = kv_cache_shape(config, 1, block_size)
+        return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @staticmethod
+    def num_blocks_for_budget(config, budget_bytes: int, *, block_size: int, dtype: torch.dtype) -> int:
+        """How many KV blocks fit in ``budget_bytes``."""
+        return int(budget_bytes) // ModelRunner.kv_bytes_per_block(config, block_size, dtype)
+
+    # ------------------------------------------------------------ static decode
+    def _start_static_decode(self, config: StaticDecodeConfig) -> StaticDecoder | None:
+        """Builds (and on CUDA warms up and captures) the static decode path, or None.
+
+        Off unless asked for, or on CUDA. When it was not asked for
+        explicitly, a failure only logs a warning and decode steps take the
+        packed path; a failed capture alone leaves the static path eager.
+        """
+        on_cuda = self.device.type == "cuda"
+        enabled = on_cuda if config.enabled is None else config.enabled
+        # Its buffers hold one position per row: multimodal RoPE (three) takes the packed path.
+        if not enabled or self.uses_mrope:
+            return None
+        kernel = config.kernel if config.kernel != "auto" else ("flex" if on_cuda else "ragged")
+        try:
+            decoder = self._static_decoder(config, kernel)
+            if on_cuda:
+                decoder.warm_up()
+        except Exception:
+            if config.enabled:
+                raise
+            log.warning("static decode path unavailable; decode steps take the packed path", exc_info=True)
+            return None
+        if on_cuda and config.cuda_graphs:
+            try:
+                decoder.capture()
+            except Exception:
+                log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+        return decoder
+
+    def _static_decoder(self, config: StaticDecodeConfig, kernel: str) -> StaticDecoder:
+        if kernel == "flex" and not flex_available():
+            raise ValueError("flex_attention with block masks from block lists needs a newer PyTorch")
+        sizes = batch_ladder(config.max_num_seqs)
+        width = -(-config.max_model_len // self.block_size)
+        if kernel == "flex" and self.device.type == "cpu":
+            # Inductor's CPU flex template requires the mask to span the whole
+            # KV sequence: every block of the cache (tests run it on CPU).
+            width = max(width, self.num_blocks + 1)
+        buffers = DecodeBuffers(
+            max_rows=sizes[-1],
+            table_width=width,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            pad_block=self.pad_block,
+            device=self.device,
+        )
+        make_tables = FlexTables if kernel == "flex" else RaggedTables
+        tables = make_tables(buffers, self.key_cache, self.value_cache, self._scratch, sizes)
+        return StaticDecoder(self._forward_tokens, buffers, tables, sizes)
+
+    # -------------------------------------------------------------------- steps
+    def prepare_embedding(self, embedding: torch.Tensor) -> torch.Tensor:
+        """A received ``[num_tokens, hidden]`` embedding on this runner's device, in its dtype.
+
+        On CUDA the host tensor is staged in page-locked memory first
+        (``to_device``): the copy is queued behind the running step instead
+        of being waited for.
+        """
+        if self.device.type == "cuda" and embedding.device.type == "cpu":
+            return to_device(embedding, self.device).to(self.dtype)
+        return embedding.to(device=self.device, dtype=self.dtype)
+
+    def execute(
+        self,
+        scheduler_output: SchedulerOutput,
+        embeddings: Mapping[str, torch.Tensor] | None = None,
+    ) -> ModelRunnerOutput:
+        """Run one step; return a token for every chunk with ``sample``.
+
+        ``embeddings[mm_hash]`` is ``[num_image_tokens, hidden]`` for every
+        image sliced into this step's chunks.
+        """
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        logits = self.compute_logits(scheduler_output, embeddings or {})
+        sampling = [c for c in scheduler_output.chunks if c.sample]
+        tokens = self.sampler.sample(logits, [c.sampling for c in sampling], [c.num_output_tokens for c in sampling])
+        return ModelRunnerOutput(sampled={c.request_id: t for c, t in zip(sampling, tokens)})
+
+    def compute_logits(
+        self,
+        scheduler_output: SchedulerOutput,
+        embeddings: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Run the step's forward (writing its KV) and return logits.
+
+        Returns ``[num_sampling_chunks, vocab]`` in chunk order, one row per
+        chunk with ``sample``, taken at the chunk's last position.
+        """
+        chunks = scheduler_output.chunks
+        if any(c.num_tokens == 0 for c in chunks):
+            raise ValueError("a scheduled chunk has no tokens")
+        positions = step_position_ids(chunks, self.uses_mrope)
+        sampling_rows, end = [], 0
+        for chunk in chunks:
+            end += chunk.num_tokens
+            if chunk.sample:
+                sampling_rows.append(end - 1)
+        with torch.inference_mode():
+            if self.static_decoder is not None and self.static_decoder.accepts(chunks):
+                logits = self.static_decoder.logits(chunks, positions[0])  # [len(chunks), vocab]
+                return logits if len(sampling_rows) == len(chunks) else logits[self._index(sampling_rows)]
+            meta = self._metadata(chunks)
+            inputs_embeds = self._embed(chunks, embeddings)
+            position_ids = self._index(positions)  # [1, T] or [3, T]
+            if self.uses_mrope:
+                position_ids = position_ids[:, None, :]  # [3, 1, T]
+            hidden = self._hidden(inputs_embeds, position_ids, meta)  # [T, hidden]
+            return self.model.lm_head(hidden[self._index(sampling_rows)])
+
+    def _forward_tokens(
+        self, token_ids: torch.Tensor, position_ids: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """Logits of every row: ``token_ids [B]`` at ``position_ids [B]`` -> ``[B, vocab]`` (static steps)."""
+        inputs_embeds = self.model.get_input_embeddings()(token_ids)[None]
+        return self.model.lm_head(self._hidden(inputs_embeds, position_ids[None], meta))
+
+    def _hidden(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """The decoder's last hidden states, ``[T, hidden]``, for ``inputs_embeds [1, T, hidden]``
+        at ``position_ids`` (``[1, T]``, or ``[3, 1, T]`` for multimodal RoPE)."""
+        return self.model.model(
+            inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, **{METADATA_KWARG: meta}
+        ).last_hidden_state[0]
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
+
+    def _metadata(self, chunks: list[ScheduledChunk]) -> PagedAttentionMetadata:
+        return build_metadata(
+            self.key_cache,
+            self.value_cache,
+            query_lens=[c.num_tokens for c in chunks],
+            context_lens=[c.start_pos + c.num_tokens for c in chunks],
+            block_tables=[c.block_ids for c in chunks],
+            scratch=self._scratch,
+            device=self.device,
+            decode_path=self.decode_path,
+            num_blocks=self.num_blocks,
+        )
+
+    def _embed(self, chunks: list[ScheduledChunk], embeddings: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Token embeddings of the packed batch with image rows spliced in: ``[1, T, hidden]``."""
+        token_ids = [t for c in chunks for t in c.token_ids]
+        embeds = self.model.get_input_embeddings()(self._index(token_ids))  # [T, hidden]
+        row = 0
+        for chunk in chunks:
+            for image in chunk.image_slices:
+                if image.dst_start < 0 or image.dst_start + image.length > chunk.num_tokens:
+                    raise ValueError("image slice falls outside its chunk")
+                source = embeddings.get(image.mm_hash)
+                if source is None:
+                    raise KeyError("no embedding for an image scheduled in this step")
+                rows = source[image.src_start : image.src_start + image.length]
+                if image.src_start < 0 or rows.shape != (image.length, embeds.shape[1]):
+                    raise ValueError("image slice does not match its embedding's shape")
+                start = row + image.dst_start
+                embeds[start : start + image.length] = rows.to(embeds.device, embeds.dtype, non_blocking=True)
+            row += chunk.num_tokens
+        return embeds[None]

@@ -1,0 +1,174 @@
+"""Token sampling for one step: greedy, temperature, top-k, top-p, logprobs.
+
+Greedy rows are one batched argmax. Random rows share one sort-based top-k /
+top-p filter; the draw uses the exponential-race trick (argmax of
+``probs / Exp(1)`` is a sample from ``probs``), so each seeded row can draw
+its noise from its own generator. A seeded row's generator is seeded from
+``(seed, num_output_tokens)``: the draw for a given token depends only on the
+request, never on which other requests share the batch, and a preempted and
+recomputed request draws the same tokens again. The runner therefore keeps no
+per-request RNG state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.pd.engine.outputs import SampledToken
+from services.pd.engine.request import SamplingParams
+
+_MASK_64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """Seed of the draw for output token ``num_output_tokens`` (splitmix64 mix)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (num_output_tokens + 1) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class Sampler:
+    """Samples one token per logits row.
+
+    ``generator`` drives unseeded random rows; by default a fresh,
+    nondeterministically seeded one on first use per device.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self._generator = generator
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+    ) -> list[SampledToken]:
+        """Sample from ``logits [N, vocab]``; row ``i`` uses ``params[i]``.
+
+        ``num_output_tokens[i]`` is how many tokens request ``i`` has generated
+        before this one (it picks the seeded draw).
+        """
+        if logits.shape[0] != len(params) or len(params) != len(num_output_tokens):
+            raise ValueError("logits rows, params and num_output_tokens must have the same length")
+        logits = logits.float()
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:  # the common step: one argmax, no row indices to upload
+            return _with_logprobs(logits, logits.argmax(dim=-1), params)
+        token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        if greedy_rows:
+            rows = _index(greedy_rows, logits.device)
+            token_ids[rows] = logits[rows].argmax(dim=-1)
+        if random_rows:
+            rows = _index(random_rows, logits.device)
+            token_ids[rows] = self._sample_random(
+                logits[rows],
+                [params[i] for i in random_rows],
+                [num_output_tokens[i] for i in random_rows],
+            )
+        return _with_logprobs(logits, token_ids, params)
+
+    def _sample_random(self, logits, params, num_output_tokens) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_logits, sorted_ids = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+        _apply_top_k(sorted_logits, top_k)
+        if any(p.top_p < 1.0 for p in params):
+            _apply_top_p(sorted_logits, top_p)
+        probs = sorted_logits.softmax(dim=-1)
+        noise = self._exponential_noise(probs, params, num_output_tokens)
+        choice = (probs / noise).argmax(dim=-1, keepdim=True)
+        return sorted_ids.gather(1, choice).squeeze(1)
+
+    def _exponential_noise(self, probs, params, num_output_tokens) -> torch.Tensor:
+        """``Exp(1)`` noise shaped like ``probs``: per-row generators for seeded rows."""
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            fresh = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            noise[_index(unseeded, probs.device)] = fresh.exponential_(generator=self._shared_generator(probs.device))
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(step_seed(p.seed, num_output_tokens[i]))
+                noise[i].exponential_(generator=gen)
+        # exponential_ may return exactly 0; keep the division finite.
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.seed()
+        return self._generator
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _apply_top_k(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Keep the first ``k`` sorted entries per row (``k <= 0`` keeps all); exact under ties."""
+    vocab = sorted_logits.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    ranks = torch.arange(vocab, device=sorted_logits.device)
+    sorted_logits.masked_fill_(ranks[None, :] >= k[:, None], float("-inf"))
+
+
+def _apply_top_p(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Keep the smallest prefix whose probability mass reaches ``p`` (the top token always)."""
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+
+
+def _with_logprobs(logits, token_ids, params) -> list[SampledToken]:
+    """Attach logprobs of the chosen token and top alternatives where asked.
+
+    Logprobs come from ``log_softmax`` of the unmodified logits (before
+    temperature / top-k / top-p), as OpenAI reports them. Everything is read
+    back to the host in one go: one wait for the device per step.
+    """
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        [ids] = read_back(token_ids)
+        return [SampledToken(token_id=t) for t in ids]
+    index = _index(rows, logits.device)
+    logprobs = logits[index].log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[index][:, None]).squeeze(1)
+    num_top = max(params[i].logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    ids, chosen, top_values, top_ids = read_back(token_ids, chosen, top_values, top_ids)
+    out = [SampledToken(token_id=t) for t in ids]
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = SampledToken(
+            token_id=ids[i],
+            logprob=chosen[j],
+            top_token_ids=tuple(top_ids[j][:n]),
+            top_logprobs=tuple(top_values[j][:n]),
+        )
+    return out
+
+
+def read_back(*tensors: torch.Tensor) -> list[list]:
+    """The tensors as Python lists, with one wait for the device.
+
+    On CUDA each is copied into page-locked host memory without blocking and
+    the stream is synchronised once; ``.tolist()`` per tensor would wait once
+    per tensor.
+    """
+    device = tensors[0].device
+    if device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, tensor in zip(hosts, tensors):
+        host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(device).synchronize()
+    return [host.tolist() for host in hosts]

@@ -1,0 +1,132 @@
+"""IncrementalDetokenizer with a real byte-level BPE tokenizer (trained in-test, tiny vocab)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from services.pd.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello world, this is plain ASCII.",
+    "héllo wörld café naïve",
+    "日本語のテキストです",
+    "emoji 🎉🚀 party 👩‍👩‍👧 family",
+    "mixed: Ünïcödé → ∑ 🧪 done",
+]
+PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE small enough that multi-byte characters split across tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>", "</s>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(TEXTS * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _stream(detok: IncrementalDetokenizer, token_ids: list[int], group_sizes=(1,)) -> tuple[list[str], bool]:
+    """Feed tokens in groups (cycling through ``group_sizes``); return the deltas and the final stop flag."""
+    deltas, i, k, stopped = [], 0, 0, False
+    while i < len(token_ids):
+        n = group_sizes[k % len(group_sizes)]
+        text, stopped = detok.add_tokens(token_ids[i : i + n])
+        deltas.append(text)
+        i, k = i + n, k + 1
+    deltas.append(detok.flush())
+    return deltas, stopped
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("group_sizes", [(1,), (2, 3, 1)])
+def test_stream_equals_decode_and_never_splits_characters(tokenizer, text, group_sizes):
+    ids = _encode(tokenizer, text)
+    deltas, stopped = _stream(IncrementalDetokenizer(tokenizer, PROMPT), ids, group_sizes)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert not stopped
+
+
+def test_multibyte_characters_really_span_tokens(tokenizer):
+    # Guards the test above: with this vocab, single tokens decode to U+FFFD.
+    ids = _encode(tokenizer, "🚀🧪")
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+
+
+def test_random_token_streams_equal_decode(tokenizer):
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
+        deltas, _ = _stream(IncrementalDetokenizer(tokenizer, PROMPT), ids, (1, 2))
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    ids = _encode(tokenizer, "ab") + [tokenizer.eos_token_id] + _encode(tokenizer, "cd")
+    skipped, _ = _stream(IncrementalDetokenizer(tokenizer, PROMPT), ids)
+    kept, _ = _stream(IncrementalDetokenizer(tokenizer, PROMPT, skip_special_tokens=False), ids)
+    assert "".join(skipped) == "abcd"
+    assert "".join(kept) == "ab</s>cd"
+
+
+def test_trailing_incomplete_character_is_released_by_flush(tokenizer):
+    ids = _encode(tokenizer, "ok 🚀")[:-1]  # drop the rocket's last byte token
+    detok = IncrementalDetokenizer(tokenizer, PROMPT)
+    text, _ = detok.add_tokens(ids)
+    assert "\ufffd" not in text
+    assert text + detok.flush() == tokenizer.decode(ids)
+
+
+def test_stop_string_spanning_tokens_cuts_the_text(tokenizer):
+    text = "emoji 🎉🚀 party"
+    stop = "🎉🚀"
+    ids = _encode(tokenizer, text)
+    boundaries = {len(tokenizer.decode(ids[:i]).encode()) for i in range(len(ids))}
+    start = len(text[: text.index(stop)].encode())
+    assert any(start < b < start + len(stop.encode()) for b in boundaries)  # really spans tokens
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=["zzz", stop])
+    deltas, stopped = _stream(detok, ids)
+    assert stopped and detok.stopped
+    assert "".join(deltas) == "emoji "
+    assert detok.add_tokens(_encode(tokenizer, "more")) == ("", True)
+    assert detok.flush() == ""
+
+
+def test_stop_prefix_is_held_back_then_released(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=["stop here"])
+    first, stopped = detok.add_tokens(_encode(tokenizer, "a sto"))
+    assert (first, stopped) == ("a ", False)  # "sto" may begin the stop string
+    second, stopped = detok.add_tokens(_encode(tokenizer, "ry"))
+    assert (second, stopped) == ("story", False)  # it did not: released
+    third, _ = detok.add_tokens(_encode(tokenizer, " stop"))
+    assert third == " " and detok.flush() == "stop"  # request ended: held text comes out
+
+
+def test_earliest_stop_wins_and_stop_at_start(tokenizer):
+    ids = _encode(tokenizer, "Hello world, this")
+    deltas, stopped = _stream(IncrementalDetokenizer(tokenizer, PROMPT, stop=["this", "world", "xyz"]), ids, (3,))
+    assert stopped and "".join(deltas) == "Hello "
+    deltas, stopped = _stream(IncrementalDetokenizer(tokenizer, PROMPT, stop=["Hel"]), ids)
+    assert stopped and "".join(deltas) == ""
+
+
+def test_text_without_stop_hits_is_complete(tokenizer):
+    text = "mixed: Ünïcödé → ∑ 🧪 done"
+    ids = _encode(tokenizer, text)
+    deltas, stopped = _stream(IncrementalDetokenizer(tokenizer, PROMPT, stop=["🧪!", "done."]), ids)
+    assert not stopped and "".join(deltas) == text

@@ -1,0 +1,124 @@
+"""Sampler: greedy, temperature, top-k, top-p, seeded reproducibility, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.pd.engine.request import SamplingParams
+from services.pd.runner.sampler import Sampler, step_seed
+
+VOCAB = 50
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _ids(tokens) -> list[int]:
+    return [t.token_id for t in tokens]
+
+
+def _sampler() -> Sampler:
+    return Sampler(generator=torch.Generator().manual_seed(1234))
+
+
+def test_greedy_rows_are_argmax_even_mixed_with_random_rows():
+    logits = _logits(6)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)] * 3
+    out = _ids(_sampler().sample(logits, params, [0] * 6))
+    assert out[0::2] == logits[0::2].argmax(dim=-1).tolist()
+
+
+def test_top_k_one_and_tiny_temperature_equal_greedy():
+    logits = _logits(8, seed=1)
+    greedy = logits.argmax(dim=-1).tolist()
+    top1 = [SamplingParams(temperature=1.5, top_k=1)] * 8
+    cold = [SamplingParams(temperature=1e-4, seed=i) for i in range(8)]
+    assert _ids(_sampler().sample(logits, top1, [0] * 8)) == greedy
+    assert _ids(_sampler().sample(logits, cold, [0] * 8)) == greedy
+
+
+def test_seeded_draws_do_not_depend_on_batch_composition():
+    row = _logits(1, seed=2)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [_ids(_sampler().sample(row, [seeded], [n]))[0] for n in range(30)]
+    crowd_logits = torch.cat([_logits(3, seed=3), row, _logits(2, seed=4)])
+    crowd_params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(seed=7),
+        seeded,
+        SamplingParams(top_p=0.5),
+        SamplingParams(seed=42, top_k=3),
+    ]
+    in_crowd = [_ids(Sampler().sample(crowd_logits, crowd_params, [5, 0, n + 1, n, 2, 9]))[3] for n in range(30)]
+    assert alone == in_crowd
+    assert len(set(alone)) > 1  # the draw changes with the output position
+
+
+def test_step_seed_separates_positions_and_seeds():
+    seeds = {step_seed(s, n) for s in range(20) for n in range(20)}
+    assert len(seeds) == 400
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)]))
+    sampler = _sampler()
+
+    def support(params: SamplingParams, draws: int = 400) -> set[int]:
+        batch = logits.expand(draws, -1)
+        return set(_ids(sampler.sample(batch, [params] * draws, [0] * draws)))
+
+    assert support(SamplingParams(top_k=2)) == {0, 1}
+    assert support(SamplingParams(top_p=0.7)) == {0, 1}  # 0.5 < 0.7 <= 0.8
+    assert support(SamplingParams(top_p=0.4)) == {0}
+    assert support(SamplingParams(top_p=1e-9)) == {0}  # the top token always survives
+    assert support(SamplingParams(top_p=0.0)) == {0}
+    assert support(SamplingParams(top_p=0.9, top_k=2)) == {0, 1}
+    assert support(SamplingParams(top_k=VOCAB + 10), draws=2000) == {0, 1, 2, 3}
+
+
+def test_unseeded_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    draws = 6000
+    logits = torch.full((draws, VOCAB), -1e9)
+    logits[:, :3] = probs.log()
+    out = torch.tensor(_ids(_sampler().sample(logits, [SamplingParams()] * draws, [0] * draws)))
+    freq = torch.bincount(out, minlength=3)[:3].float() / draws
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_logprobs_come_from_unmodified_logits():
+    logits = _logits(3, seed=5)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.3, top_k=2, seed=1, logprobs=0),
+        SamplingParams(temperature=1.0, seed=2),
+    ]
+    out = _sampler().sample(logits, params, [0, 0, 0])
+    reference = logits.log_softmax(dim=-1)
+    first = out[0]
+    assert len(first.top_token_ids) == len(first.top_logprobs) == 5
+    assert list(first.top_token_ids) == reference[0].topk(5).indices.tolist()
+    assert first.top_token_ids[0] == first.token_id
+    assert first.logprob == pytest.approx(reference[0, first.token_id].item(), abs=1e-5)
+    assert list(first.top_logprobs) == sorted(first.top_logprobs, reverse=True)
+    second = out[1]
+    assert second.logprob == pytest.approx(reference[1, second.token_id].item(), abs=1e-5)
+    assert second.top_token_ids == () and second.top_logprobs == ()
+    assert out[2].logprob is None and out[2].top_token_ids == ()
+
+
+def test_full_vocab_logprobs_sum_to_one():
+    out = _sampler().sample(_logits(1, seed=6), [SamplingParams(logprobs=VOCAB, seed=0)], [0])[0]
+    assert len(out.top_logprobs) == VOCAB
+    assert math.fsum(math.exp(lp) for lp in out.top_logprobs) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_mismatched_lengths_are_refused():
+    with pytest.raises(ValueError):
+        _sampler().sample(_logits(2), [SamplingParams()], [0, 0])
