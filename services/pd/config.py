@@ -37,9 +37,11 @@ class PdConfig:
     enforce_eager: bool = False  # CUDA: capture no graphs; decode-only steps run eagerly
     # scheduling
     max_num_batched_tokens: int = 2048  # hard cap of one step's tokens
-    # Inter-token latency each step's prefill is sized for (services/pd/engine/step_budget.py):
-    # None = auto (a multiple of the measured decode-only step), 0 = off (the whole cap every step).
-    target_itl_ms: float | None = None
+    # The step budget's targets (services/pd/engine/step_budget.py), milliseconds:
+    # inter-token latency: None = auto (a multiple of the predicted decode-only step), 0 = off (the whole cap);
+    slo_itl_ms: float | None = None
+    # time to first token: None = auto (a multiple of the predicted lone prefill), 0 = off (no deadline share).
+    slo_ttft_ms: float | None = None
     min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # prefill every step may take whatever the target
     max_num_seqs: int = 64
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
@@ -69,8 +71,10 @@ class PdConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
-        if self.target_itl_ms is not None and not 0 <= self.target_itl_ms < float("inf"):
-            raise ValueError("target_itl_ms must be auto (None), 0 (off) or a positive number of milliseconds")
+        for name in ("slo_itl_ms", "slo_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be auto (None), 0 (off) or a positive number of milliseconds")
         if self.min_prefill_tokens <= 0:
             raise ValueError("min_prefill_tokens must be positive")
         if self.max_waiting_requests <= 0 or self.max_waiting_tokens <= 0 or self.waiting_retry_after_ms <= 0:

@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from services.common import cli_args, grpc_utils, security
 from services.common.logs import setup_logging
 from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
-from services.pd.engine.step_budget import AUTO_TARGET_MULTIPLE, DEFAULT_MIN_PREFILL_TOKENS
+from services.pd.engine.step_budget import (
+    AUTO_TARGET_MULTIPLE,
+    AUTO_TTFT_MULTIPLE,
+    DEFAULT_MIN_PREFILL_TOKENS,
+    TYPICAL_PROMPT_TOKENS,
+)
 from services.pd.faults import PdFaults
 from services.pd.runner.kv_sizing import KvCacheTooSmall
 from services.pd.server import start_pd
@@ -17,8 +23,8 @@ from services.pd.server import start_pd
 log = logging.getLogger(__name__)
 
 
-def parse_target_itl_ms(text: str) -> float | None:
-    """``--target-itl-ms``: ``auto`` -> None, else milliseconds >= 0 (0 = off)."""
+def parse_slo_ms(text: str) -> float | None:
+    """``--slo-itl-ms`` / ``--slo-ttft-ms``: ``auto`` -> None, else milliseconds >= 0 (0 = off)."""
     if text.strip().lower() == "auto":
         return None
     try:
@@ -99,32 +105,55 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=2048,
-        help="token budget of one engine step: a hard cap (--target-itl-ms may give prefill less of it)",
+        help="token budget of one engine step: a hard cap (the SLO targets may give prefill less of it)",
     )
-    add(
-        parser,
-        "--target-itl-ms",
-        type=parse_target_itl_ms,
-        default="auto",
-        help="inter-token latency PD keeps for decoding streams: while anything decodes, each step's prefill "
-        "chunk is sized from an online model of step time (fitted to the steps PD runs, seeded by the "
-        "warm-up) so that the step, plus engine-thread work since the last one (colocated: the vision "
-        "forward), stays within it; with nothing decoding prefill gets the whole --max-num-batched-tokens. "
-        f"auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step at the current batch; a number = "
-        "that many ms; 0 = off: every step may prefill up to --max-num-batched-tokens whatever decodes",
-    )
+    _add_slo_arguments(parser)
     add(
         parser,
         "--min-prefill-tokens",
         type=int,
         default=DEFAULT_MIN_PREFILL_TOKENS,
-        help="prefill tokens every step may take whatever --target-itl-ms says, so a waiting prompt advances "
+        help="prefill tokens every step may take whatever --slo-itl-ms says, so a waiting prompt advances "
         "under any decode load (its time to first token stays bounded); the price: a step may exceed the "
         "target by the time of this many tokens. Larger = faster first tokens under load, spikier "
         "inter-token latency",
     )
     add(parser, "--max-num-seqs", type=int, default=64, help="most requests running at once")
     add(parser, "--max-model-len", type=int, default=0, help="context length (0 = the model's)")
+
+
+def _add_slo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The two latency targets each step's prefill share is sized for (services/pd/engine/step_budget.py)."""
+    # --target-itl-ms (and EPD_TARGET_ITL_MS) is kept as an alias of --slo-itl-ms for existing deployments.
+    legacy = os.environ.get("EPD_TARGET_ITL_MS")
+    itl_default = os.environ.get("EPD_SLO_ITL_MS", legacy if legacy is not None else "auto")
+    parser.add_argument(
+        "--slo-itl-ms",
+        "--target-itl-ms",
+        dest="slo_itl_ms",
+        type=parse_slo_ms,
+        default=parse_slo_ms(itl_default),
+        help="inter-token latency PD keeps for decoding streams: while anything decodes, each step's prefill "
+        "chunk is sized from an online model of step time (fitted to the steps PD runs, seeded by the warm-up) "
+        "so that the step, plus engine-thread work since the last one (colocated: the vision forward), stays "
+        "within it, unless waiting prompts need more (see --slo-ttft-ms); with nothing decoding prefill gets "
+        f"the whole --max-num-batched-tokens. auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step "
+        "at the current batch; a number = that many ms; 0 = off: every step may prefill up to "
+        "--max-num-batched-tokens whatever decodes. --target-itl-ms is an alias kept for older deployments "
+        "[env EPD_SLO_ITL_MS, or EPD_TARGET_ITL_MS; default: auto]",
+    )
+    cli_args.add_flag(
+        parser,
+        "--slo-ttft-ms",
+        type=parse_slo_ms,
+        default="auto",
+        help="time to first token PD aims at for each prompt, counted from its arrival at PD less the time it "
+        "waited for its images: a prompt whose deadline approaches gets the prefill it needs even if that "
+        "step exceeds --slo-itl-ms (a prompt that can no longer make it does not); several waiting prompts "
+        f"get one ITL share each. auto = {AUTO_TTFT_MULTIPLE:g}x the predicted lone prefill of the prompt, "
+        f"at least of a {TYPICAL_PROMPT_TOKENS}-token prompt (predictions seeded by the warm-up's measured "
+        "steps); a number = that many ms for every prompt; 0 = off (no deadline share)",
+    )
 
 
 def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
@@ -213,7 +242,8 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        target_itl_ms=args.target_itl_ms,
+        slo_itl_ms=args.slo_itl_ms,
+        slo_ttft_ms=args.slo_ttft_ms,
         min_prefill_tokens=args.min_prefill_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

@@ -79,6 +79,24 @@ METRICS = (
         "inter-token latency the step budget keeps (0 = off; auto: 0 until a step decoded)",
     ),
     MetricDoc(
+        "epd_pd_ttft_target_seconds",
+        "gauge",
+        (),
+        "time-to-first-token target of a typical prompt (256 tokens; auto targets grow with longer prompts; 0 = off)",
+    ),
+    MetricDoc(
+        "epd_pd_ttft_target_missed_total",
+        "counter",
+        (),
+        "requests whose first token came later than their TTFT target (time waiting for images excluded)",
+    ),
+    MetricDoc(
+        "epd_pd_itl_target_missed_total",
+        "counter",
+        (),
+        "finished requests whose mean inter-token latency exceeded the ITL target in force when they finished",
+    ),
+    MetricDoc(
         "epd_pd_step_time_prediction_ratio",
         "histogram",
         (),
@@ -188,6 +206,15 @@ def _budget_families(budget: BudgetSnapshot) -> Iterable[Metric]:
     )
     yield GaugeMetricFamily(
         "epd_pd_itl_target_seconds", "Inter-token latency the step budget keeps", value=budget.itl_target_s
+    )
+    yield GaugeMetricFamily(
+        "epd_pd_ttft_target_seconds", "Time-to-first-token target of a typical prompt", value=budget.ttft_target_s
+    )
+    yield CounterMetricFamily(
+        "epd_pd_ttft_target_missed", "Requests whose first token missed the TTFT target", value=budget.num_ttft_missed
+    )
+    yield CounterMetricFamily(
+        "epd_pd_itl_target_missed", "Requests whose inter-token latency missed the ITL target", value=budget.num_itl_missed
     )
     yield _histogram(
         "epd_pd_step_time_prediction_ratio",

@@ -117,11 +117,27 @@ def _held(stats: EngineStats | None) -> str:
     )
 
 
-def _describe_target(config: PdConfig, measured_s: float) -> str:
-    """``--target-itl-ms`` for the ready line; auto shows the target the warm-up's last decode step gave."""
-    if config.target_itl_ms is None:
+def _describe_target(setting_ms: float | None, measured_s: float) -> str:
+    """An SLO flag for the ready line; auto shows the target the warm-up's measured steps gave."""
+    if setting_ms is None:
         return f"auto({measured_s * 1000:.1f}ms)" if measured_s else "auto"
-    return f"{config.target_itl_ms:g}ms" if config.target_itl_ms else "off"
+    return f"{setting_ms:g}ms" if setting_ms else "off"
+
+
+def _step_budget(config: PdConfig) -> StepBudget:
+    """The step budget of ``config``'s caps and SLO targets."""
+
+    def seconds(ms: float | None) -> float | None:
+        return None if ms is None else ms / 1000.0
+
+    return StepBudget(
+        BudgetConfig(
+            config.max_num_batched_tokens,
+            target_itl_s=seconds(config.slo_itl_ms),
+            min_prefill_tokens=config.min_prefill_tokens,
+            target_ttft_s=seconds(config.slo_ttft_ms),
+        )
+    )
 
 
 def max_receive_bytes(config: PdConfig, max_model_len: int) -> int:
@@ -176,14 +192,13 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         kv_cache,
         embedding_cache,
     )
-    target_itl_s = None if config.target_itl_ms is None else config.target_itl_ms / 1000.0
     core = EngineCore(
         scheduler=scheduler,
         runner=runner,
         tokenizer=tokenizer,
         hidden_size=adapter.hidden_size,
         lease_sweep_interval_s=config.lease_sweep_interval_s,
-        step_budget=StepBudget(BudgetConfig(config.max_num_batched_tokens, target_itl_s, config.min_prefill_tokens)),
+        step_budget=_step_budget(config),
     )
     # The engine thread runs the model with the thread count chosen here.
     engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))
@@ -275,7 +290,11 @@ async def start_pd(config: PdConfig) -> PdServer:
             await warm_up(engine, facts["eos_token_id"], every_path=facts["device"].startswith("cuda"))
         if colocated is not None:
             await colocated.become_ready(server, warm_up=config.warmup)
-        target_itl = _describe_target(config, (await engine.stats()).budget.itl_target_s)
+        budget = (await engine.stats()).budget
+        targets = (
+            f"slo_itl={_describe_target(config.slo_itl_ms, budget.itl_target_s)} "
+            f"slo_ttft={_describe_target(config.slo_ttft_ms, budget.ttft_target_s)}"
+        )
     except (TimeoutError, RuntimeError, EngineError, OSError):
         if metrics_http is not None:
             await metrics_http.stop()
@@ -287,7 +306,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
     await server.set_ready(True)
     log.info(
-        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d cuda_graphs=%d target_itl=%s",
+        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d cuda_graphs=%d %s",
         config.host,
         server.port,
         facts["model_id"],
@@ -295,7 +314,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         facts["dtype"],
         facts["num_kv_blocks"],
         facts["num_cuda_graphs"],
-        target_itl,
+        targets,
     )
     pd = PdServer(
         grpc=server, engine=engine, config=config, colocated=colocated, servicer=servicer, metrics_http=metrics_http

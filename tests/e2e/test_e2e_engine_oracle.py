@@ -114,7 +114,7 @@ def test_chunked_prefill_with_a_16_token_step_budget(start_cluster, oracle, mode
 def test_an_itl_target_squeezes_prefill_to_odd_chunks_while_others_decode(start_cluster, oracle):
     # A target no step can meet: while anything decodes, every prefill chunk is the
     # 5-token minimum, so prompts and image spans split at boundaries no block shares.
-    cluster = start_cluster(target_itl_ms=0.001, min_prefill_tokens=5)
+    cluster = start_cluster(slo_itl_ms=0.001, min_prefill_tokens=5)
     held_back = _pd_stats(cluster).budget.num_limited_steps
     _check_concurrently(cluster, oracle, _mixed_requests(8))
     assert _pd_stats(cluster).budget.num_limited_steps > held_back

@@ -169,7 +169,7 @@ class EngineRunner:
             # Room for every request at full length (as the static batch has) plus the TTFT prompts.
             num_kv_blocks=(args.num_requests + 2) * per_request,
             linear_backend=linear_backend,
-            target_itl_ms=0,  # throughput: every step may use the whole budget, as generate_batch's does
+            slo_itl_ms=0,  # throughput: every step may use the whole budget, as generate_batch's does
         )
         self.engine, self.facts = build_engine(config)
         self.workload = workload

@@ -328,7 +328,9 @@ class EngineCore:
 
     def _run_step(self) -> bool:
         started = self._timer()
-        scheduler_output = self.scheduler.schedule(self.step_budget.before_step(self.scheduler.running, started))
+        scheduler = self.scheduler
+        prefill_budget = self.step_budget.before_step(scheduler.running, started, scheduler.waiting, self._clock())
+        scheduler_output = scheduler.schedule(prefill_budget)
         self._after_schedule(scheduler_output)
         scheduled = self._timer()
         self.step_stats.seconds["schedule"] += scheduled - started
@@ -371,9 +373,17 @@ class EngineCore:
             if self._streams.add_token(request, sampled) and not request.is_finished:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
                 ended[request_id] = request
+            if len(request.output_token_ids) == 1:
+                self.step_budget.first_token(request)
         for request_id, request in ended.items():
             failed = request.status is RequestStatus.FINISHED_ERROR  # the step sampled no token for it
-            self._finish(request_id, request, EngineError(ErrorKind.INTERNAL, request.error or "the step failed") if failed else None)
+            if not failed:
+                self.step_budget.finished(request)
+            self._finish(
+                request_id,
+                request,
+                EngineError(ErrorKind.INTERNAL, request.error or "the step failed") if failed else None,
+            )
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:

@@ -1,4 +1,5 @@
-"""How many prefill tokens the next step may take, so that decoding streams keep their inter-token latency.
+"""How many prefill tokens the next step may take: decoding streams keep their
+inter-token latency (ITL), waiting prompts make their time to first token (TTFT).
 
 Pure Python. Every step, the engine core asks ``StepBudget.before_step``
 for the prefill budget before it schedules, and shows ``after_step`` the
@@ -9,21 +10,36 @@ step it ran (which the ``StepTimeModel`` learns from). The rule:
   time to first token for a latency nobody is waiting on;
 - something decoding: each decoding stream waits for the whole next step,
   plus whatever the engine thread did since the last one (commands, and in
-  colocated mode the vision forward of newly arrived images). The prefill
-  chunk is sized so that this wait is predicted to stay within the target:
-  ``since_last_step + predicted(decode rows, prefill tokens) <= target``,
-  using the online ``StepTimeModel``;
-- the target is ``--target-itl-ms``, or with ``auto`` ``AUTO_TARGET_MULTIPLE``
-  times the predicted decode-only step of the current batch (prefill may add
-  about one more decode step's time);
+  colocated mode the vision forward of newly arrived images). The **ITL
+  share** is the prefill chunk predicted to keep that wait within the ITL
+  target: ``since_last_step + predicted(decode rows, prefill tokens) <=
+  target``, using the online ``StepTimeModel``;
+- waiting prompts may claim more (``slo.py``): the **deadline share**, the
+  least chunk per step that lets every prompt still able to meet its TTFT
+  deadline meet it (an approaching deadline wins over the ITL target; a lost
+  one does not), and the **queue share**, the ITL share once per waiting
+  prompt (a burst is prefilled in a few large steps, not one small chunk at
+  a time). The step takes the largest of the three;
+- the ITL target is ``--slo-itl-ms``, or with ``auto`` ``AUTO_TARGET_MULTIPLE``
+  times the predicted decode-only step of the current batch; the TTFT target
+  is ``--slo-ttft-ms``, or with ``auto`` ``AUTO_TTFT_MULTIPLE`` times the
+  predicted lone prefill of the prompt, at least of a ``TYPICAL_PROMPT_TOKENS``
+  prompt (both predictions are seeded by the warm-up's measured steps);
 - prefill always gets at least ``min_prefill_tokens`` (the starvation guard):
   under a decode flood, or right after a long vision forward, a waiting
-  prompt still advances, and its time to first token stays bounded, at the
-  price of steps that can exceed the target by that chunk's time;
+  prompt still advances, at the price of steps that can exceed the target by
+  that chunk's time;
 - ``--max-num-batched-tokens`` stays the cap of the whole step; decode rows
   take their one token each from it first;
-- target 0 turns the rule off (the whole cap every step), and so does a model
-  not yet seeded (the warm-up seeds it before the server reports ready).
+- an ITL target of 0 turns the rule off (the whole cap every step), and so
+  does a model not yet seeded (the warm-up seeds it before the server
+  reports ready); a TTFT target of 0 turns the deadline share off.
+
+Where both targets cannot hold, the choice is made for goodput (requests
+that meet both): a step that saves a prompt's deadline costs each decoding
+stream one longer gap, which its inter-token latency over the whole output
+absorbs, while a missed deadline is lost for good; a prompt already lost
+gains nothing from a longer step, so it does not get one.
 
 The budget follows measured step times, so chunk boundaries differ between
 runs; outputs do not (chunking never changes what a request computes).
@@ -32,21 +48,27 @@ runs; outputs do not (chunking never changes what a request computes).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.pd.engine import slo
 from services.pd.engine.outputs import SchedulerOutput
 from services.pd.engine.request import Request
 from services.pd.engine.step_stats import Histogram
 from services.pd.engine.step_time_model import StepShape, StepTimeModel
 
 AUTO_TARGET_MULTIPLE = 1.25
-"""``--target-itl-ms auto``: the target is this many times the predicted decode-only step at the current batch.
+"""``--slo-itl-ms auto``: the target is this many times the predicted decode-only step at the current batch.
 
 Small on purpose: a step that prefills doubles the inter-token latency of
 every stream in it, and spreading a long prompt over many such steps hurt
 p99 more than one long stall did (``epd bench serve --workload mixed``: 2x
 was worse than a fixed 2048-token budget, 1.25x better)."""
+AUTO_TTFT_MULTIPLE = 4.0
+"""``--slo-ttft-ms auto``: a prompt's TTFT target is this many times its predicted lone prefill
+(at least that of a ``TYPICAL_PROMPT_TOKENS`` prompt): room to queue behind a few others."""
+TYPICAL_PROMPT_TOKENS = 256
+"""The prompt length whose lone prefill sets the shortest auto TTFT target (the one metrics show)."""
 DEFAULT_MIN_PREFILL_TOKENS = 16
 """Prefill tokens every step may take whatever the target (one KV block with the default block size)."""
 PREDICTION_RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
@@ -61,12 +83,15 @@ class BudgetConfig:
     max_num_batched_tokens: int  # the hard cap of one step
     target_itl_s: float | None = None  # None = auto; 0 = off (the whole cap every step)
     min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS
+    target_ttft_s: float | None = None  # None = auto; 0 = off (no deadline share)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.min_prefill_tokens <= 0:
             raise ValueError("max_num_batched_tokens and min_prefill_tokens must be positive")
         if self.target_itl_s is not None and not (0 <= self.target_itl_s < math.inf):
             raise ValueError("the inter-token latency target must be a finite number >= 0 (0 = off)")
+        if self.target_ttft_s is not None and not (0 <= self.target_ttft_s < math.inf):
+            raise ValueError("the time-to-first-token target must be a finite number >= 0 (0 = off)")
 
     @property
     def enabled(self) -> bool:
@@ -82,6 +107,9 @@ class BudgetSnapshot:
     num_limited_steps: int  # steps whose prefill filled a budget below the cap (held back)
     ratio_bucket_counts: tuple[int, ...]  # measured / predicted: cumulative per PREDICTION_RATIO_BUCKETS, then +Inf
     ratio_sum: float
+    ttft_target_s: float = 0.0  # of a TYPICAL_PROMPT_TOKENS prompt (0 = off, or auto before seeding)
+    num_ttft_missed: int = 0  # requests whose first token came after their TTFT target
+    num_itl_missed: int = 0  # finished requests whose mean inter-token latency exceeded the ITL target
 
 
 class StepBudget:
@@ -95,19 +123,29 @@ class StepBudget:
         self._num_limited_steps = 0
         self._ratios = Histogram(PREDICTION_RATIO_BUCKETS)  # measured / predicted step time
         self._last_step_end: float | None = None  # when the last executed step ended (the core's timer)
+        self._num_ttft_missed = 0
+        self._num_itl_missed = 0
 
     @classmethod
     def off(cls, max_num_batched_tokens: int) -> StepBudget:
-        """A controller that always answers the whole cap (``--target-itl-ms 0``)."""
+        """A controller that always answers the whole cap (``--slo-itl-ms 0``)."""
         return cls(BudgetConfig(max_num_batched_tokens, target_itl_s=0.0))
 
     # ------------------------------------------------------------- the core's calls
-    def before_step(self, running: Iterable[Request], now: float) -> int:
-        """The prefill budget of a step starting at ``now``, for the scheduler's ``running`` requests."""
+    def before_step(
+        self, running: Iterable[Request], now: float, waiting: Iterable[Request] = (), clock_now: float | None = None
+    ) -> int:
+        """The prefill budget of a step starting at ``now`` (the core's timer), for the scheduler's
+        ``running`` and ``waiting`` requests; ``clock_now`` is the same moment on the clock of the
+        requests' timings (deadlines; None = no deadline share)."""
         # Decoding streams have waited since the last step ended (commands, a
         # colocated vision forward): that time counts against the target too.
         since_last_step_s = 0.0 if self._last_step_end is None else max(0.0, now - self._last_step_end)
-        return self.prefill_budget(StepShape.decoding(running), since_last_step_s)
+        running = list(running)
+        queue: list[slo.PendingPrompt] = []
+        if clock_now is not None and self.config.enabled and self.model.is_seeded:
+            queue = slo.pending_prompts([*running, *waiting], clock_now, self.ttft_target_s)
+        return self.prefill_budget(StepShape.decoding(running), since_last_step_s, queue)
 
     def after_step(self, scheduler_output: SchedulerOutput, started: float, ended: float) -> None:
         """Learns from a step that ran ``scheduler_output`` from ``started`` to ``ended``."""
@@ -119,19 +157,28 @@ class StepBudget:
         self._last_step_end = ended
 
     # ------------------------------------------------------------------ the rule
-    def prefill_budget(self, decoding: StepShape, since_last_step_s: float = 0.0) -> int:
+    def prefill_budget(
+        self, decoding: StepShape, since_last_step_s: float = 0.0, queue: Sequence[slo.PendingPrompt] = ()
+    ) -> int:
         """Prefill tokens the next step may take.
 
         ``decoding``: the next step's decode rows (``StepShape.decoding``);
         ``since_last_step_s``: engine-thread time since the last step ended,
-        which the decoding streams have already waited.
+        which the decoding streams have already waited; ``queue``: the
+        prompts waiting for their first token, in the order they are served.
         """
         cap = self.config.max_num_batched_tokens
         budget = cap
         if self.config.enabled and decoding.num_decode_rows and self.model.is_seeded:
             base_s = self.model.predict(decoding)
             self._target_s = self.target_s(base_s)
-            budget = self._fit(self._target_s - since_last_step_s - base_s)
+            itl_share = self._fit(self._target_s - since_last_step_s - base_s)
+            per_token_s = self.model.prefill_seconds_per_token
+            budget = max(
+                itl_share,
+                slo.queue_share(queue, itl_share, cap),
+                slo.deadline_share(queue, base_s, per_token_s, cap, since_last_step_s),
+            )
         self._last_budget = budget
         return budget
 
@@ -139,6 +186,41 @@ class StepBudget:
         """The latency target for a batch whose decode-only step takes ``decode_step_s``."""
         fixed = self.config.target_itl_s
         return AUTO_TARGET_MULTIPLE * decode_step_s if fixed is None else fixed
+
+    def ttft_target_s(self, num_prompt_tokens: int) -> float:
+        """The TTFT target of a prompt of this length (inf when off, or auto before the model is seeded)."""
+        fixed = self.config.target_ttft_s
+        if fixed is not None:
+            return fixed or math.inf
+        if not self.model.is_seeded:
+            return math.inf
+        return AUTO_TTFT_MULTIPLE * self.lone_prefill_s(max(num_prompt_tokens, TYPICAL_PROMPT_TOKENS))
+
+    def lone_prefill_s(self, num_tokens: int) -> float:
+        """Predicted seconds to prefill ``num_tokens`` with nothing else running (whole-cap chunks)."""
+        cap = self.config.max_num_batched_tokens
+        full, rest = divmod(num_tokens, cap)
+        return full * self.model.predict(StepShape(0, cap, 0)) + (
+            self.model.predict(StepShape(0, rest, 0)) if rest else 0.0
+        )
+
+    # ------------------------------------------------------------- the outcomes
+    def first_token(self, request: Request) -> None:
+        """Counts ``request`` if its first token (``timings.first_token``) came after its TTFT target."""
+        timings = request.timings
+        if timings.first_token is None:
+            return
+        waited = timings.first_token - timings.arrival - timings.embedding_wait_s
+        if waited > self.ttft_target_s(request.num_prompt_tokens):
+            self._num_ttft_missed += 1
+
+    def finished(self, request: Request) -> None:
+        """Counts ``request`` if its mean inter-token latency exceeded the ITL target in force now."""
+        timings, num_gaps = request.timings, len(request.output_token_ids) - 1
+        if not self._target_s or num_gaps < 1 or timings.first_token is None or timings.finished is None:
+            return
+        if (timings.finished - timings.first_token) / num_gaps > self._target_s:
+            self._num_itl_missed += 1
 
     def _fit(self, spare_s: float) -> int:
         """Most prefill tokens predicted to fit ``spare_s``, within [min_prefill_tokens, cap]."""
@@ -161,7 +243,14 @@ class StepBudget:
             num_limited_steps=self._num_limited_steps,
             ratio_bucket_counts=self._ratios.cumulative_counts(),
             ratio_sum=self._ratios.sum,
+            ttft_target_s=self._finite(self.ttft_target_s(TYPICAL_PROMPT_TOKENS)),
+            num_ttft_missed=self._num_ttft_missed,
+            num_itl_missed=self._num_itl_missed,
         )
+
+    @staticmethod
+    def _finite(seconds: float) -> float:
+        return seconds if seconds < math.inf else 0.0
 
 
 class TokenBudget:

@@ -48,26 +48,51 @@ def test_impossible_limits_are_refused(field, value):
         PdConfig(model="", **{field: value})
 
 
-def test_target_itl_flag_takes_auto_zero_or_milliseconds(monkeypatch):
+def test_slo_itl_flag_takes_auto_zero_or_milliseconds(monkeypatch):
     default = _config([])
-    assert default.target_itl_ms is None and default.min_prefill_tokens == 16  # auto
-    assert _config(["--target-itl-ms", "0"]).target_itl_ms == 0.0  # off
-    assert _config(["--target-itl-ms", "AUTO"]).target_itl_ms is None
-    config = _config(["--target-itl-ms", "45.5", "--min-prefill-tokens", "32"])
-    assert config.target_itl_ms == 45.5 and config.min_prefill_tokens == 32
+    assert default.slo_itl_ms is None and default.min_prefill_tokens == 16  # auto
+    assert _config(["--slo-itl-ms", "0"]).slo_itl_ms == 0.0  # off
+    assert _config(["--slo-itl-ms", "AUTO"]).slo_itl_ms is None
+    config = _config(["--slo-itl-ms", "45.5", "--min-prefill-tokens", "32"])
+    assert config.slo_itl_ms == 45.5 and config.min_prefill_tokens == 32
+    monkeypatch.setenv("EPD_SLO_ITL_MS", "0")
+    assert _config([]).slo_itl_ms == 0.0
+
+
+def test_target_itl_is_an_alias_of_slo_itl(monkeypatch):
+    assert _config(["--target-itl-ms", "0"]).slo_itl_ms == 0.0
+    assert _config(["--target-itl-ms", "12"]).slo_itl_ms == 12.0
     monkeypatch.setenv("EPD_TARGET_ITL_MS", "0")
-    assert _config([]).target_itl_ms == 0.0
+    assert _config([]).slo_itl_ms == 0.0
+    monkeypatch.setenv("EPD_SLO_ITL_MS", "7")  # the new name wins over the old one
+    assert _config([]).slo_itl_ms == 7.0
 
 
+def test_slo_ttft_flag_takes_auto_zero_or_milliseconds(monkeypatch):
+    assert _config([]).slo_ttft_ms is None  # auto
+    assert _config(["--slo-ttft-ms", "0"]).slo_ttft_ms == 0.0  # off
+    assert _config(["--slo-ttft-ms", "1500"]).slo_ttft_ms == 1500.0
+    monkeypatch.setenv("EPD_SLO_TTFT_MS", "250")
+    assert _config([]).slo_ttft_ms == 250.0
+
+
+@pytest.mark.parametrize("flag", ["--slo-itl-ms", "--target-itl-ms", "--slo-ttft-ms"])
 @pytest.mark.parametrize("value", ["-1", "fast", "inf", "nan"])
-def test_bad_target_itl_values_are_usage_errors(value, capsys):
+def test_bad_slo_values_are_usage_errors(flag, value, capsys):
     with pytest.raises(SystemExit):
-        _config(["--target-itl-ms", value])
-    assert "--target-itl-ms" in capsys.readouterr().err
+        _config([flag, value])
+    assert flag.split("-ms")[0][:6] in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
-    "field, value", [("target_itl_ms", -5.0), ("target_itl_ms", float("inf")), ("min_prefill_tokens", 0)]
+    "field, value",
+    [
+        ("slo_itl_ms", -5.0),
+        ("slo_itl_ms", float("inf")),
+        ("slo_ttft_ms", -1.0),
+        ("slo_ttft_ms", float("nan")),
+        ("min_prefill_tokens", 0),
+    ],
 )
 def test_impossible_budget_settings_are_refused(field, value):
     with pytest.raises(ValueError):

@@ -41,10 +41,16 @@ class PrefillBudgetDouble:
         self.next: int | None = None
         self._off = StepBudget.off(max_num_batched_tokens)
 
-    def before_step(self, running, now: float) -> int | None:
+    def before_step(self, running, now: float, waiting=(), clock_now: float | None = None) -> int | None:
         return self.next
 
     def after_step(self, scheduler_output, started: float, ended: float) -> None:
+        pass
+
+    def first_token(self, request) -> None:
+        pass
+
+    def finished(self, request) -> None:
         pass
 
     def snapshot(self) -> BudgetSnapshot:

@@ -1,0 +1,117 @@
+"""The prefill a step owes the prompts waiting for their first token. Pure Python.
+
+The step budget (``step_budget.py``) keeps decoding streams within their
+inter-token latency (ITL) target. This module says when, and by how much,
+waiting prompts override it, from two rules:
+
+- **Deadlines.** Every prompt has a time-to-first-token (TTFT) deadline:
+  its arrival, plus the time it spent blocked on its images (PD cannot
+  prefill past an image it does not hold), plus its TTFT target. Walking
+  the queue in the order the scheduler serves it, prompt ``k`` is done when
+  the ``R_k`` tokens of it and of every prompt ahead of it are computed.
+  ``n`` steps that do this take about ``n * base + R_k * c`` (``base``: the
+  decode-only step; ``c``: seconds per prefill token). The deadline share is
+  the least chunk per step, ``ceil(R_k / n_max)`` with ``n_max`` the most
+  steps that still end before the deadline, that lets every prompt meet its
+  deadline that can still meet it. A deadline that approaches thus wins over
+  the ITL target; a distant one asks for nothing.
+- **Lost deadlines do not override the ITL target.** A prompt that would
+  miss its deadline even if the next step prefilled the whole cap is not
+  helped by a longer step, while every decoding stream is hurt by one.
+  Goodput counts requests that meet both targets, so such a prompt advances
+  at the ITL share (and by the queue rule below), and the decoding streams,
+  which can still meet theirs, keep their target.
+- **Queues are batched.** With ``W`` prompts waiting, each gets the share one
+  prompt alone would get: the queue share is ``W`` times the ITL share. One
+  prompt behind a busy batch advances at the ITL pace; a burst of prompts
+  is prefilled in a few large steps rather than one ITL share at a time,
+  which would make the last of them wait ``W`` times as long and keep the
+  decode batch small (a burst then runs at a fraction of the engine's
+  throughput). As prompts start decoding, ``W`` and the share shrink.
+
+The step takes the largest of the ITL, deadline and queue shares, never more
+than ``--max-num-batched-tokens`` (the hard cap) and never less than the
+starvation guard (``--min-prefill-tokens``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+from services.pd.engine.request import Request
+
+
+MAX_PENDING_PROMPTS = 256
+"""Prompts the rules look at, from the head of the queue: a step admits far fewer, and a
+deep queue must not make every step walk it."""
+
+
+class PendingPrompt(NamedTuple):
+    """A prompt that waits for its first token, as the deadline rule sees it."""
+
+    num_tokens: int  # prompt tokens left to compute
+    slack_s: float  # seconds until its TTFT deadline (negative: passed)
+
+
+def pending_prompts(
+    requests: Iterable[Request], now: float, ttft_target_s: Callable[[int], float]
+) -> list[PendingPrompt]:
+    """The prompts of ``requests`` (in scheduling order) still waiting for their first token.
+
+    ``now`` is on the clock of the requests' timings; ``ttft_target_s`` maps a
+    prompt's length to its TTFT target.
+
+    Requests that already produced a token (decoding, or recomputing after a
+    preemption) have no TTFT deadline left; requests blocked on an image are
+    left out (nothing past the image can be computed until it arrives).
+    """
+    out: list[PendingPrompt] = []
+    for request in itertools.islice(requests, MAX_PENDING_PROMPTS * 4):
+        if len(out) == MAX_PENDING_PROMPTS:
+            break
+        if request.timings.first_token is not None or request.timings.embedding_wait_since is not None:
+            continue
+        remaining = request.num_prompt_tokens - request.num_computed_tokens
+        if remaining <= 0:
+            continue
+        deadline = request.timings.arrival + request.timings.embedding_wait_s + ttft_target_s(request.num_prompt_tokens)
+        out.append(PendingPrompt(remaining, deadline - now))
+    return out
+
+
+def deadline_share(
+    queue: Sequence[PendingPrompt], base_s: float, per_token_s: float, cap: int, since_last_step_s: float = 0.0
+) -> int:
+    """Least prefill tokens per step that let every prompt that can still meet its deadline meet it.
+
+    ``base_s``: the predicted decode-only step; ``per_token_s``: what one
+    prefill token adds to a step; ``since_last_step_s``: engine-thread time
+    already spent before the next step starts. 0 when no deadline needs more
+    than nothing (or nothing can be predicted).
+    """
+    if per_token_s <= 0:
+        return 0
+    need = 0
+    cumulative = 0
+    for prompt in queue:
+        cumulative += prompt.num_tokens
+        slack_s = prompt.slack_s - since_last_step_s
+        if slack_s == math.inf:
+            continue  # no target (off, or not predictable yet)
+        work_s = cumulative * per_token_s
+        fewest_steps = math.ceil(cumulative / cap)
+        if fewest_steps * base_s + work_s > slack_s:
+            continue  # lost: not even whole-cap steps from now make it
+        most_steps = math.floor((slack_s - work_s) / base_s) if base_s > 0 else cumulative
+        need = max(need, math.ceil(cumulative / max(1, most_steps)))
+    return min(cap, need)
+
+
+def queue_share(queue: Sequence[PendingPrompt], itl_share: int, cap: int) -> int:
+    """The ITL share for each waiting prompt, capped by the tokens they need and by ``cap``."""
+    if len(queue) < 2:
+        return 0
+    return min(cap, itl_share * len(queue), sum(prompt.num_tokens for prompt in queue))

@@ -1,0 +1,202 @@
+"""The SLO-aware step budget with hand-made timings: deadlines, queues and the ITL target (pure Python, no model)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from test_pd_step_budget import law, trained
+
+from services.pd.engine import slo
+from services.pd.engine.request import Request, RequestStatus, SamplingParams
+from services.pd.engine.slo import PendingPrompt, deadline_share, pending_prompts, queue_share
+from services.pd.engine.step_budget import (
+    AUTO_TTFT_MULTIPLE,
+    TYPICAL_PROMPT_TOKENS,
+    BudgetConfig,
+    StepBudget,
+)
+from services.pd.engine.step_time_model import StepShape
+
+CAP = 2048
+DECODING = StepShape(8, 0, 2000)  # law: 10 + 16 + 20 ms = 46 ms decode-only
+PER_TOKEN_S = 0.0005
+
+
+def budget(itl_s: float | None = None, ttft_s: float | None = None, min_prefill: int = 16) -> StepBudget:
+    return StepBudget(BudgetConfig(CAP, itl_s, min_prefill, ttft_s), trained())
+
+
+def itl_share(b: StepBudget) -> int:
+    return b.prefill_budget(DECODING)
+
+
+# --------------------------------------------------------------- the rules
+def test_a_burst_is_prefilled_in_one_step_not_one_itl_share_at_a_time():
+    b = budget()
+    alone = itl_share(b)
+    burst = [PendingPrompt(100, -1.0) for _ in range(24)]  # 24 prompts, deadlines already passed
+    tokens = b.prefill_budget(DECODING, queue=burst)
+    assert alone < 30 and tokens == min(CAP, alone * 24, 2400)
+    whole_queue = [PendingPrompt(80, -1.0) for _ in range(20)]  # 1600 tokens: the queue share covers it all
+    assert b.prefill_budget(StepShape(2, 0, 200), queue=whole_queue) >= 1600 or alone * 20 < 1600
+
+
+def test_a_burst_at_an_idle_engine_gets_the_whole_cap():
+    b = budget()
+    assert b.prefill_budget(StepShape(0, 0, 0), queue=[PendingPrompt(100, 5.0)] * 32) == CAP
+
+
+def test_one_prompt_behind_a_busy_batch_advances_at_the_itl_share():
+    b = budget()
+    alone = itl_share(b)
+    assert b.prefill_budget(DECODING, queue=[PendingPrompt(800, 100.0)]) == alone
+
+
+def test_an_approaching_deadline_wins_over_the_itl_target():
+    b = budget(itl_s=0.050)  # 4 ms of prefill room: 8 tokens, i.e. the 16-token minimum
+    assert itl_share(b) == 16
+    # 600 tokens due in 1 s: at most (1 - 0.3) / 0.046 = 15 steps, so 40 tokens a step.
+    tokens = b.prefill_budget(DECODING, queue=[PendingPrompt(600, 1.0)])
+    steps = math.ceil(600 / tokens)
+    assert tokens > 16
+    assert steps * law(DECODING) + 600 * PER_TOKEN_S <= 1.0 + 0.01  # it makes the deadline
+    # Closer deadlines ask for more, up to the whole prompt in one step.
+    closer = b.prefill_budget(DECODING, queue=[PendingPrompt(600, 0.4)])
+    assert closer > tokens and closer <= 600
+    distant = b.prefill_budget(DECODING, queue=[PendingPrompt(600, 60.0)])
+    assert distant == 16  # a distant deadline asks for nothing
+
+
+def test_a_lost_deadline_does_not_override_the_itl_target():
+    b = budget(itl_s=0.050)
+    # 4000 tokens cannot be computed in 0.5 s even in whole-cap steps: the streams keep their target.
+    assert b.prefill_budget(DECODING, queue=[PendingPrompt(4000, 0.5)]) == 16
+    # ... but a prompt behind it that can still make its own deadline gets what it needs.
+    queue = [PendingPrompt(300, -2.0), PendingPrompt(50, 0.5)]
+    tokens = b.prefill_budget(DECODING, queue=queue)
+    assert tokens >= 350 / math.floor((0.5 - 350 * PER_TOKEN_S) / law(DECODING))
+
+
+def test_a_decode_flood_still_lets_prompts_advance():
+    b = budget(itl_s=0.030, min_prefill=16)
+    flood = StepShape(64, 0, 64 * 1000)  # the decode-only step alone takes 0.8 s
+    assert b.prefill_budget(flood, queue=[PendingPrompt(500, 1e6)]) == 16
+    assert b.prefill_budget(flood, queue=[PendingPrompt(500, -1.0)]) == 16
+
+
+def test_the_ttft_target_off_leaves_only_the_itl_and_queue_shares():
+    b = budget(itl_s=0.050, ttft_s=0.0)
+    assert b.ttft_target_s(100) == math.inf
+    assert b.prefill_budget(DECODING, queue=slo_queue(b, [(600, 0.0)], now=0.5)) == 16
+
+
+def slo_queue(b: StepBudget, prompts: list[tuple[int, float]], now: float) -> list[PendingPrompt]:
+    requests = [request(f"r{i}", n, arrival) for i, (n, arrival) in enumerate(prompts)]
+    return pending_prompts(requests, now, b.ttft_target_s)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_cap_is_never_exceeded(seed):
+    rng = random.Random(seed)
+    cap = rng.randint(1, 4096)
+    b = StepBudget(BudgetConfig(cap, rng.choice([None, 0.0, 0.001, 0.05]), rng.randint(1, 64), None), trained())
+    for _ in range(200):
+        rows = rng.randint(0, 64)
+        queue = [PendingPrompt(rng.randint(1, 3000), rng.uniform(-2, 5)) for _ in range(rng.randint(0, 40))]
+        tokens = b.prefill_budget(StepShape(rows, 0, rows * 300), rng.uniform(0, 0.1), queue)
+        assert 1 <= tokens <= cap
+
+
+# ---------------------------------------------------------- the pure functions
+def test_deadline_share_is_the_least_chunk_that_makes_every_feasible_deadline():
+    base, c = 0.010, 0.001
+    # 100 tokens due in 0.5 s: 100 ms of work leaves room for 40 steps: 3 tokens a step.
+    assert deadline_share([PendingPrompt(100, 0.5)], base, c, CAP) == 3
+    # the second prompt counts the first's tokens too: 300 tokens, 0.2 s of room, 20 steps: 15 a step
+    assert deadline_share([PendingPrompt(100, 0.5), PendingPrompt(200, 0.5)], base, c, CAP) == 15
+    # engine-thread time already spent shrinks the room
+    assert deadline_share([PendingPrompt(100, 0.5)], base, c, CAP, since_last_step_s=0.3) == 10
+    assert deadline_share([PendingPrompt(100, 0.05)], base, c, CAP) == 0  # lost: nothing asked
+    assert deadline_share([PendingPrompt(100, 0.5)], base, 0.0, CAP) == 0  # nothing predictable
+    assert deadline_share([PendingPrompt(5000, 100.0)], base, c, 64) <= 64
+
+
+def test_queue_share_is_one_itl_share_per_waiting_prompt():
+    assert queue_share([], 20, CAP) == 0
+    assert queue_share([PendingPrompt(500, 1.0)], 20, CAP) == 0  # one prompt: the ITL share alone
+    assert queue_share([PendingPrompt(500, 1.0)] * 3, 20, CAP) == 60
+    assert queue_share([PendingPrompt(10, 1.0)] * 3, 20, CAP) == 30  # no more than they need
+    assert queue_share([PendingPrompt(500, 1.0)] * 300, 20, CAP) == CAP
+
+
+def request(request_id: str, num_tokens: int, arrival: float) -> Request:
+    r = Request(request_id, list(range(1, num_tokens + 1)), SamplingParams(max_tokens=4))
+    r.timings.arrival = arrival
+    return r
+
+
+def test_pending_prompts_keeps_order_and_skips_what_has_no_deadline():
+    b = budget(ttft_s=1.0)
+    partly = request("partly", 100, arrival=0.0)
+    partly.num_computed_tokens = 40
+    decoding = request("decoding", 50, arrival=0.0)
+    decoding.timings.first_token = 0.2
+    blocked = request("blocked", 80, arrival=0.0)
+    blocked.timings.embedding_wait_since = 0.1
+    waited = request("waited", 30, arrival=0.0)
+    waited.timings.embedding_wait_s = 0.5  # time blocked on its image does not count against it
+    queue = pending_prompts([partly, decoding, blocked, waited], 0.25, b.ttft_target_s)
+    assert queue == [PendingPrompt(60, pytest.approx(0.75)), PendingPrompt(30, pytest.approx(1.25))]
+
+
+def test_pending_prompts_looks_at_a_bounded_head_of_the_queue():
+    b = budget(ttft_s=1.0)
+    many = [request(f"r{i}", 10, 0.0) for i in range(slo.MAX_PENDING_PROMPTS + 50)]
+    assert len(pending_prompts(many, 0.0, b.ttft_target_s)) == slo.MAX_PENDING_PROMPTS
+
+
+def test_auto_ttft_target_is_a_multiple_of_the_lone_prefill_at_least_of_a_typical_prompt():
+    b = budget()
+    typical = AUTO_TTFT_MULTIPLE * law(StepShape(0, TYPICAL_PROMPT_TOKENS, 0))
+    assert b.ttft_target_s(10) == pytest.approx(typical, rel=0.02)
+    assert b.ttft_target_s(TYPICAL_PROMPT_TOKENS) == pytest.approx(typical, rel=0.02)
+    assert b.ttft_target_s(1000) == pytest.approx(AUTO_TTFT_MULTIPLE * law(StepShape(0, 1000, 0)), rel=0.02)
+    assert b.ttft_target_s(5000) > b.ttft_target_s(1000)  # longer than the cap: several lone steps
+    assert b.snapshot().ttft_target_s == pytest.approx(typical, rel=0.02)
+    assert StepBudget(BudgetConfig(CAP)).ttft_target_s(100) == math.inf  # unseeded: no deadlines yet
+    assert budget(ttft_s=0.3).ttft_target_s(5000) == 0.3  # a fixed target is the same for every prompt
+
+
+def test_missed_targets_are_counted_per_request():
+    b = budget(itl_s=0.050, ttft_s=1.0)
+    b.prefill_budget(DECODING)  # sets the ITL target in force
+    fast, slow = request("fast", 10, 0.0), request("slow", 10, 0.0)
+    fast.timings.first_token, slow.timings.first_token = 0.5, 1.5
+    b.first_token(fast)
+    b.first_token(slow)
+    fast.output_token_ids, slow.output_token_ids = [1] * 11, [1] * 11
+    fast.timings.finished = 0.5 + 10 * 0.040
+    slow.timings.finished = 1.5 + 10 * 0.060
+    fast.status = slow.status = RequestStatus.FINISHED_LENGTH
+    b.finished(fast)
+    b.finished(slow)
+    snapshot = b.snapshot()
+    assert snapshot.num_ttft_missed == 1 and snapshot.num_itl_missed == 1
+    assert snapshot.ttft_target_s == 1.0 and snapshot.itl_target_s == 0.050
+
+
+def test_before_step_builds_the_queue_from_running_then_waiting_requests():
+    b = budget(itl_s=0.050, ttft_s=0.5)
+    running = [request(f"d{i}", 20, 0.0) for i in range(8)]
+    for r in running:  # decoding: first token out, prompt computed
+        r.timings.first_token = 0.01
+        r.num_computed_tokens = 20
+        r.output_token_ids = [1]
+        r.status = RequestStatus.RUNNING
+    waiting = [request("w", 300, arrival=10.0)]
+    no_deadlines = b.before_step(running, now=100.0, waiting=waiting, clock_now=None)
+    assert no_deadlines == b.before_step(running, now=100.0)
+    due = b.before_step(running, now=100.0, waiting=waiting, clock_now=10.3)  # 0.2 s left for 300 tokens
+    assert due > no_deadlines
