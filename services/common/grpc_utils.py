@@ -96,6 +96,16 @@ def failed_hop(error: grpc.aio.AioRpcError) -> str | None:
     return None
 
 
+def peer_address(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port (``ipv4:10.0.0.7``): one client's connections count as one."""
+    peer = context.peer() or ""
+    if peer.startswith("ipv6:"):
+        return peer.rsplit("]:", 1)[0] + "]" if "]:" in peer else peer
+    if peer.startswith("ipv4:"):
+        return peer.rsplit(":", 1)[0]
+    return peer  # unix sockets and the like: the whole string
+
+
 def request_id_of(context: grpc.aio.ServicerContext) -> str:
     """The propagated request id of an incoming call, or ``"-"`` (also for one that is not a plain id)."""
     for key, value in context.invocation_metadata() or ():

@@ -105,10 +105,15 @@ class EngineBridge:
         return await future
 
     async def preallocate(
-        self, request_id: str, spans: Sequence[MultiModalSpan], lease_s: float, prompt_token_ids: Sequence[int] = ()
+        self,
+        request_id: str,
+        spans: Sequence[MultiModalSpan],
+        lease_s: float,
+        prompt_token_ids: Sequence[int] = (),
+        peer: str = "",
     ) -> list[Allocation]:
         """``EngineCore.preallocate`` on the engine thread."""
-        return await self.call(self.core.preallocate, request_id, list(spans), lease_s, list(prompt_token_ids))
+        return await self.call(self.core.preallocate, request_id, list(spans), lease_s, list(prompt_token_ids), peer)
 
     async def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> bool:
         """``EngineCore.check_push``: rejects a push early, before its bytes arrive; False for a repeat."""

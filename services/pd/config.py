@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.security import NO_SECURITY, InternalSecurity
+from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import DEFAULT_MIN_PREFILL_TOKENS
 from services.pd.faults import NO_FAULTS, PdFaults
 
@@ -51,6 +52,9 @@ class PdConfig:
     # embedding hand-off
     embedding_cache_tokens: int = 65536
     max_items_per_request: int = 64  # images (mm items) one Preallocate or Generate may carry
+    # Requests holding room from a Preallocate before their Generate: in total, per caller address.
+    max_preallocations: int = DEFAULT_MAX_PREALLOCATED
+    max_preallocations_per_peer: int = DEFAULT_MAX_PREALLOCATED_PER_PEER
     push_idle_timeout_s: float = 10.0  # a PushEmbedding stream that sends nothing this long is ended
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
@@ -89,6 +93,8 @@ class PdConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1] and kv_cache_memory_mb >= 0")
         if self.embedding_cache_tokens <= 0:
             raise ValueError("embedding_cache_tokens must be positive")
+        if self.max_preallocations <= 0 or self.max_preallocations_per_peer <= 0:
+            raise ValueError("max_preallocations and max_preallocations_per_peer must be positive")
         if self.max_items_per_request <= 0 or self.push_idle_timeout_s <= 0:
             raise ValueError("max_items_per_request and push_idle_timeout_s must be positive")
         if not 0 < self.default_lease_ms <= self.max_lease_ms:

@@ -10,6 +10,7 @@ import os
 from services.common import cli_args, grpc_utils, security
 from services.common.logs import setup_logging
 from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
+from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import (
     AUTO_TARGET_MULTIPLE,
     AUTO_TTFT_MULTIPLE,
@@ -178,6 +179,21 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--max-preallocations",
+        type=int,
+        default=DEFAULT_MAX_PREALLOCATED,
+        help="requests that may hold room from a Preallocate (pinned KV, image reservations) before their "
+        "Generate, in total; more: RESOURCE_EXHAUSTED with a retry hint",
+    )
+    add(
+        parser,
+        "--max-preallocations-per-peer",
+        type=int,
+        default=DEFAULT_MAX_PREALLOCATED_PER_PEER,
+        help="the same bound per caller address, so that one caller cannot take all of it",
+    )
+    add(
+        parser,
         "--push-idle-timeout-s",
         type=float,
         default=10.0,
@@ -251,6 +267,8 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_waiting_tokens=args.max_waiting_tokens,
         embedding_cache_tokens=args.embedding_cache_tokens,
         max_items_per_request=args.max_items_per_request,
+        max_preallocations=args.max_preallocations,
+        max_preallocations_per_peer=args.max_preallocations_per_peer,
         push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,

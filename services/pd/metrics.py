@@ -214,7 +214,9 @@ def _budget_families(budget: BudgetSnapshot) -> Iterable[Metric]:
         "epd_pd_ttft_target_missed", "Requests whose first token missed the TTFT target", value=budget.num_ttft_missed
     )
     yield CounterMetricFamily(
-        "epd_pd_itl_target_missed", "Requests whose inter-token latency missed the ITL target", value=budget.num_itl_missed
+        "epd_pd_itl_target_missed",
+        "Requests whose inter-token latency missed the ITL target",
+        value=budget.num_itl_missed,
     )
     yield _histogram(
         "epd_pd_step_time_prediction_ratio",

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.grpc_utils import request_id_of, set_retry_after
+from services.common.grpc_utils import peer_address, request_id_of, set_retry_after
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
@@ -100,7 +100,11 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 if remaining is not None:
                     lease_ms = max(1, min(lease_ms, int(remaining * 1000)))
                 allocations = await self.engine.preallocate(
-                    request.request_id, spans, lease_ms / 1000.0, prompt_token_ids=request.prompt_token_ids
+                    request.request_id,
+                    spans,
+                    lease_ms / 1000.0,
+                    prompt_token_ids=request.prompt_token_ids,
+                    peer=peer_address(context),
                 )
             except EngineError as error:
                 await abort_with(context, error, line)

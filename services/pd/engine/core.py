@@ -47,7 +47,7 @@ from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.invariants import check
 from services.pd.engine.outputs import Allocation, Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
-from services.pd.engine.preallocated import Preallocated, PreallocatedRequests
+from services.pd.engine.preallocated import Preallocated, PreallocatedRequests, PreallocationLimits
 from services.pd.engine.request import CachedPrefix, MultiModalSpan, Request, RequestStatus, SamplingParams
 from services.pd.engine.scheduler import QueueFull, Scheduler
 from services.pd.engine.step_budget import StepBudget
@@ -61,6 +61,7 @@ _LEASE_EXPIRED = "the request's reservation lease expired before Generate took i
 _EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
 _NOT_DELIVERED = "an image embedding was not delivered before its lease expired"
 _SIZE_DIFFERS = "an image span's length differs from the embedding cached for that image"
+_PREALLOCATED_RETRY_S = 0.5  # a held Preallocate ends within a lease: its Generate, an abort or expiry
 
 
 def _missing_image(lease_expired: bool) -> EngineError:
@@ -94,6 +95,7 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         step_budget: StepBudget | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        preallocation_limits: PreallocationLimits | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
@@ -104,7 +106,7 @@ class EngineCore:
         self._clock = clock
         self._embeddings: dict[str, Any] = {}  # mm_hash -> tensor of each READY entry
         self._streams = RequestStreams(tokenizer)  # one per request in the scheduler
-        self._preallocated = PreallocatedRequests()
+        self._preallocated = PreallocatedRequests(preallocation_limits)
         self._next_sweep = 0.0
         self._num_expired_leases = 0
         self.step_stats = StepStats()
@@ -113,11 +115,22 @@ class EngineCore:
 
     # ------------------------------------------------------------ Preallocate
     def preallocate(
-        self, request_id: str, spans: Sequence[MultiModalSpan], lease_s: float, prompt_token_ids: Sequence[int] = ()
+        self,
+        request_id: str,
+        spans: Sequence[MultiModalSpan],
+        lease_s: float,
+        prompt_token_ids: Sequence[int] = (),
+        peer: str = "",
     ) -> list[Allocation]:
-        """Claims every image of a prompt, all or nothing; raises EngineError, changing nothing."""
+        """Claims every image of a prompt, all or nothing; raises EngineError, changing nothing.
+
+        ``peer`` is the caller's address: requests holding room before their
+        Generate are bounded in total and per caller (``PreallocationLimits``).
+        """
         if request_id in self._streams:
             raise EngineError(ErrorKind.ALREADY_EXISTS, "a request with this id is already running")
+        if not self._preallocated.has_room(peer):
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many preallocated requests", _PREALLOCATED_RETRY_S)
         try:  # no room held, and no encoder work spent, for a request Generate would refuse
             self.scheduler.check_room(len(prompt_token_ids))
         except QueueFull as exc:
@@ -133,6 +146,8 @@ class EngineCore:
             covered_end = max((s.end for s in spans if prefix.covers(s)), default=0)
             self._pin_prefix(probe, covered_end)
             self._preallocated.add(Preallocated(probe, now + lease_s, covers_images=covered_end > 0))
+        if looked_up or granted.items:
+            self._preallocated.hold(request_id, peer)
         answers = iter(granted.items)
         return [
             Allocation(span.mm_hash, True, self._preallocated.new_pin_id(), via_prefix_cache=True)
@@ -226,6 +241,7 @@ class EngineCore:
         request_id = request.request_id
         lease_expired = self._preallocated.pop_expired(request_id)
         preallocated = self._preallocated.pop(request_id)
+        self._preallocated.let_go(request_id)  # what it holds is the request's now
         if preallocated is not None and preallocated.matches(request):
             request.cached_prefix = preallocated.probe.cached_prefix  # what stands in for images is pinned
             request.block_hashes = preallocated.probe.block_hashes
@@ -291,6 +307,7 @@ class EngineCore:
             request.cached_prefix = None
         self.kv_cache.unpin(request_id)
         self._preallocated.pop(request_id)
+        self._preallocated.let_go(request_id)
         self.embedding_cache.cancel_request(request_id)
 
     def _drop_embeddings(self, mm_hashes: Sequence[str]) -> None:
@@ -303,12 +320,18 @@ class EngineCore:
         """Ends leases past their deadline and fails the requests left waiting on a dropped image."""
         now = self._clock()
         self._next_sweep = now + self.sweep_interval_s
+        ended = set()
         for preallocated in self._preallocated.expire(now):
             self.kv_cache.unpin(preallocated.probe.request_id)
             self._num_expired_leases += int(preallocated.covers_images)
+            ended.add(preallocated.probe.request_id)
         result = self.embedding_cache.expire(now)
         self._num_expired_leases += len(result.expired)
         self._preallocated.remember_expired(r.request_id for r in result.expired)
+        ended.update(r.request_id for r in result.expired)
+        for request_id in ended:  # room left only by a request whose every lease ran out
+            if not self._preallocated.is_pending(request_id) and not self.embedding_cache.has_reservations(request_id):
+                self._preallocated.let_go(request_id)
         error = EngineError(ErrorKind.DEADLINE_EXCEEDED, _NOT_DELIVERED)
         for mm_hash in result.dropped_hashes:
             for request in self.scheduler.requests_waiting_on(mm_hash):

@@ -19,6 +19,7 @@ Not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import uuid
 from collections import OrderedDict
@@ -58,6 +59,9 @@ class EmbeddingCache:
         self._used_tokens = 0
         self._reservations: dict[str, Reservation] = {}
         self._by_request: dict[str, dict[str, None]] = {}  # request -> ids, in order
+        # (lease deadline, reservation id), a min-heap: expiry pops only what ended.
+        # Ids removed before their deadline stay until it passes and are skipped.
+        self._lease_heap: list[tuple[float, str]] = []
         self._tombstones: OrderedDict[str, Tombstone] = OrderedDict()  # removed reservations
         # A per-instance prefix: ids from before a restart never match new ones.
         self._id_prefix = uuid.uuid4().hex[:12]
@@ -82,6 +86,10 @@ class EmbeddingCache:
         """References held on the entry (0 when absent)."""
         entry = self._entries.get(mm_hash)
         return 0 if entry is None else entry.ref_count
+
+    def has_reservations(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds any open reservation."""
+        return request_id in self._by_request
 
     def stats(self) -> EmbeddingCacheStats:
         """Row counts by state, entries and open reservations, at this moment."""
@@ -255,7 +263,12 @@ class EmbeddingCache:
         referenced: its hash is in ``dropped_hashes`` and the requests waiting
         on it must be failed.
         """
-        expired = [r for r in self._reservations.values() if r.lease_deadline < now]
+        expired = []
+        while self._lease_heap and self._lease_heap[0][0] < now:
+            _, rid = heapq.heappop(self._lease_heap)
+            reservation = self._reservations.get(rid)
+            if reservation is not None:
+                expired.append(reservation)
         dropped: list[str] = []
         for reservation in expired:
             self._remove_reservation(reservation, "lease expired")
@@ -346,6 +359,7 @@ class EmbeddingCache:
         )
         entry.reservation_ids.add(reservation_id)
         self._by_request.setdefault(request_id, {})[reservation_id] = None
+        heapq.heappush(self._lease_heap, (lease_deadline, reservation_id))
         self._touch(entry)
         return entry.mm_hash, entry.state, reservation_id
 

@@ -7,10 +7,17 @@ Preallocate saw. Until then the prefix is held under a lease; a lease that
 runs out unpins it, and its request id is remembered (a bounded number of
 them) so a late Generate is told its lease expired rather than that it never
 preallocated.
+
+It also bounds them: a Preallocate holds room (pinned blocks, image
+reservations) before any Generate, so the number of requests preallocated
+and not yet generating is capped in total and per caller address, and lease
+expiry pops only the leases that ended (a heap), so a flood of small
+Preallocates costs the engine thread no more per sweep than what expires.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import uuid
 from collections import OrderedDict
@@ -21,6 +28,22 @@ from services.pd.engine.request import Request
 
 EXPIRED_MEMORY = 4096
 """Request ids whose lease ran out, remembered so a late Generate hears DEADLINE_EXCEEDED (bounded)."""
+DEFAULT_MAX_PREALLOCATED = 1024
+"""Requests preallocated and not yet generating, in total (``--max-preallocations``)."""
+DEFAULT_MAX_PREALLOCATED_PER_PEER = 256
+"""... and per caller address (``--max-preallocations-per-peer``)."""
+
+
+@dataclass(frozen=True)
+class PreallocationLimits:
+    """How many requests may hold room from a Preallocate before their Generate."""
+
+    max_total: int = DEFAULT_MAX_PREALLOCATED
+    max_per_peer: int = DEFAULT_MAX_PREALLOCATED_PER_PEER
+
+    def __post_init__(self) -> None:
+        if self.max_total <= 0 or self.max_per_peer <= 0:
+            raise ValueError("preallocation limits must be positive")
 
 
 @dataclass
@@ -39,9 +62,13 @@ class Preallocated:
 class PreallocatedRequests:
     """Preallocations by request id, and the ids whose lease expired. Not thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: PreallocationLimits | None = None) -> None:
+        self.limits = limits or PreallocationLimits()
         self._pending: dict[str, Preallocated] = {}
+        self._deadlines: list[tuple[float, str]] = []  # (deadline, request id) of _pending, a min-heap
         self._expired: OrderedDict[str, None] = OrderedDict()
+        self._owners: dict[str, str] = {}  # request id -> caller address, of every request holding room
+        self._per_peer: dict[str, int] = {}
         # Ids of items answered READY because their K/V is cached: they name a
         # pin, never a push target. Per instance, so a restart's ids never match.
         self._pin_prefix = f"kvpin-{uuid.uuid4().hex[:12]}"
@@ -61,6 +88,38 @@ class PreallocatedRequests:
 
     def add(self, preallocated: Preallocated) -> None:
         self._pending[preallocated.probe.request_id] = preallocated
+        heapq.heappush(self._deadlines, (preallocated.deadline, preallocated.probe.request_id))
+
+    # ----------------------------------------------------------- the bounds
+    @property
+    def num_holding(self) -> int:
+        """Requests holding room from a Preallocate, not yet generating."""
+        return len(self._owners)
+
+    def has_room(self, peer: str) -> bool:
+        """Whether one more request of ``peer`` may hold room."""
+        return len(self._owners) < self.limits.max_total and self._per_peer.get(peer, 0) < self.limits.max_per_peer
+
+    def hold(self, request_id: str, peer: str) -> None:
+        """Counts ``request_id`` (of ``peer``) as holding room until ``let_go``."""
+        if request_id in self._owners:
+            return
+        self._owners[request_id] = peer
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+
+    def let_go(self, request_id: str) -> None:
+        """Stops counting ``request_id`` (its Generate took over, it ended, or its leases ran out). Idempotent."""
+        peer = self._owners.pop(request_id, None)
+        if peer is None:
+            return
+        left = self._per_peer[peer] - 1
+        if left:
+            self._per_peer[peer] = left
+        else:
+            del self._per_peer[peer]
+
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
 
     def pop(self, request_id: str) -> Preallocated | None:
         return self._pending.pop(request_id, None)
@@ -74,9 +133,13 @@ class PreallocatedRequests:
 
     def expire(self, now: float) -> list[Preallocated]:
         """Removes and returns the preallocations whose lease ended before ``now``."""
-        ended = [p for p in self._pending.values() if p.deadline < now]
-        for preallocated in ended:
-            del self._pending[preallocated.probe.request_id]
+        ended = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            deadline, request_id = heapq.heappop(self._deadlines)
+            preallocated = self._pending.get(request_id)
+            if preallocated is not None and preallocated.deadline == deadline:  # else: popped earlier
+                ended.append(preallocated)
+                del self._pending[request_id]
         self.remember_expired(p.probe.request_id for p in ended)
         return ended
 

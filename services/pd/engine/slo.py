@@ -43,7 +43,6 @@ from typing import NamedTuple
 
 from services.pd.engine.request import Request
 
-
 MAX_PENDING_PROMPTS = 256
 """Prompts the rules look at, from the head of the queue: a step admits far fewer, and a
 deep queue must not make every step walk it."""

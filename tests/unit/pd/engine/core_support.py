@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from services.pd.engine.preallocated import PreallocationLimits
 from services.pd.engine.core import EngineCore
 from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.kv_cache import KVCacheManager
@@ -115,6 +116,7 @@ def make_core(
     hidden_size: int = 8,
     step_budget: StepBudget | PrefillBudgetDouble | None = None,
     timer: FakeTimer | None = None,
+    preallocation_limits: PreallocationLimits | None = None,
     **limits,
 ) -> EngineCore:
     """An ``EngineCore`` over real caches and a (recording) real scheduler; ``limits`` are
@@ -134,6 +136,7 @@ def make_core(
         hidden_size=hidden_size,
         clock=clock,
         step_budget=step_budget,
+        preallocation_limits=preallocation_limits,
         **timing,
     )
 
