@@ -7,6 +7,7 @@ plays the proxy. After every test nothing is left reserved, pending or reference
 from __future__ import annotations
 
 import hashlib
+
 import grpc
 import pytest
 from cluster_support import InProcessCluster

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.pd.engine.preallocated import PreallocationLimits
 from services.pd.engine.core import EngineCore
 from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.kv_cache import KVCacheManager
 from services.pd.engine.outputs import Failed, Finished, ModelRunnerOutput, SampledToken, SchedulerOutput, StepResult
+from services.pd.engine.preallocated import PreallocationLimits
 from services.pd.engine.scheduler import Scheduler, SchedulerConfig
 from services.pd.engine.step_budget import BudgetSnapshot, StepBudget
 
