@@ -8,6 +8,7 @@ from services.common.security import NO_SECURITY, InternalSecurity
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import DEFAULT_MIN_PREFILL_TOKENS
 from services.pd.faults import NO_FAULTS, PdFaults
+from services.pd.push_intake import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_MAX_PUSHES_PER_PEER
 
 DEFAULT_METRICS_PORT = 9201
 """``epd pd``'s ``--metrics-port`` (``epd up`` gives PD j 9201 + j)."""
@@ -55,6 +56,9 @@ class PdConfig:
     # Requests holding room from a Preallocate before their Generate: in total, per caller address.
     max_preallocations: int = DEFAULT_MAX_PREALLOCATED
     max_preallocations_per_peer: int = DEFAULT_MAX_PREALLOCATED_PER_PEER
+    # Embedding pushes in flight: their payload buffers together (MiB), and how many per caller address.
+    max_push_buffer_mb: int = DEFAULT_MAX_BUFFER_BYTES >> 20
+    max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER
     push_idle_timeout_s: float = 10.0  # a PushEmbedding stream that sends nothing this long is ended
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
@@ -93,6 +97,8 @@ class PdConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1] and kv_cache_memory_mb >= 0")
         if self.embedding_cache_tokens <= 0:
             raise ValueError("embedding_cache_tokens must be positive")
+        if self.max_push_buffer_mb <= 0 or self.max_pushes_per_peer <= 0:
+            raise ValueError("max_push_buffer_mb and max_pushes_per_peer must be positive")
         if self.max_preallocations <= 0 or self.max_preallocations_per_peer <= 0:
             raise ValueError("max_preallocations and max_preallocations_per_peer must be positive")
         if self.max_items_per_request <= 0 or self.push_idle_timeout_s <= 0:

@@ -18,6 +18,7 @@ from services.pd.engine.step_budget import (
     TYPICAL_PROMPT_TOKENS,
 )
 from services.pd.faults import PdFaults
+from services.pd.push_intake import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_MAX_PUSHES_PER_PEER
 from services.pd.runner.kv_sizing import KvCacheTooSmall
 from services.pd.server import start_pd
 
@@ -194,6 +195,21 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--max-push-buffer-mb",
+        type=int,
+        default=DEFAULT_MAX_BUFFER_BYTES >> 20,
+        help="payload buffers of all embedding pushes in flight together, MiB (each holds its embedding's full size "
+        "until it lands); a push beyond it: RESOURCE_EXHAUSTED with a retry hint, its reservation stays open",
+    )
+    add(
+        parser,
+        "--max-pushes-per-peer",
+        type=int,
+        default=DEFAULT_MAX_PUSHES_PER_PEER,
+        help="embedding pushes in flight from one caller address",
+    )
+    add(
+        parser,
         "--push-idle-timeout-s",
         type=float,
         default=10.0,
@@ -269,6 +285,8 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_items_per_request=args.max_items_per_request,
         max_preallocations=args.max_preallocations,
         max_preallocations_per_peer=args.max_preallocations_per_peer,
+        max_push_buffer_mb=args.max_push_buffer_mb,
+        max_pushes_per_peer=args.max_pushes_per_peer,
         push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,

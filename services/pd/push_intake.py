@@ -5,7 +5,11 @@ start with a well-formed header, a reservation that is not live (the engine
 core is asked), and a second push to a reservation that already has one in
 flight (each would otherwise hold a buffer of the full size). While bytes
 arrive: chunks over 1 MiB, more bytes than declared, and a stream that sends
-nothing for ``idle_timeout_s``. Afterwards: a short payload and non-finite
+no bytes for ``idle_timeout_s`` (empty chunks are no progress: a stream that
+trickles them is ended too). Buffers are bounded: the bytes of every push in
+flight together, and the pushes in flight per caller address, so that many
+streams each holding a full-size buffer cannot exhaust memory (a refusal is
+RESOURCE_EXHAUSTED with a retry hint; the reservation stays open). Afterwards: a short payload and non-finite
 values (NaN or infinity must never reach the KV cache). A repeat of a push
 that already landed (a retried Encode) is read off and acknowledged without
 a buffer. Runs on the event loop; nothing here touches the engine's state.
@@ -14,6 +18,7 @@ a buffer. Runs on the event loop; nothing here touches the engine's state.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -25,6 +30,11 @@ from services.pd import convert
 from services.pd.engine.errors import EngineError, ErrorKind
 
 PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEFAULT_MAX_BUFFER_BYTES = 1 << 30
+"""Payload bytes of all pushes in flight together (``--max-push-buffer-mb``)."""
+DEFAULT_MAX_PUSHES_PER_PEER = 64
+"""Pushes in flight from one caller address (``--max-pushes-per-peer``)."""
+_BUSY_RETRY_S = 0.2  # a push in flight ends within its idle timeout or completes
 
 
 def _invalid(message: str) -> EngineError:
@@ -42,30 +52,61 @@ class PushIntake:
     """Reads pushes for one PD; ``check_push(header) -> wanted`` asks the engine core."""
 
     def __init__(
-        self, hidden_size: int, idle_timeout_s: float, check_push: Callable[[epd_pb2.EmbeddingHeader], Awaitable[bool]]
+        self,
+        hidden_size: int,
+        idle_timeout_s: float,
+        check_push: Callable[[epd_pb2.EmbeddingHeader], Awaitable[bool]],
+        *,
+        max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+        max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER,
     ) -> None:
         self._hidden_size = hidden_size
         self._idle_timeout_s = idle_timeout_s
         self._check_push = check_push
+        self._max_buffer_bytes = max_buffer_bytes
+        self._max_pushes_per_peer = max_pushes_per_peer
         self._in_flight: set[str] = set()  # reservation ids with a push being received
+        self._buffered_bytes = 0  # payload buffers of the pushes in flight
+        self._per_peer: dict[str, int] = {}  # pushes in flight per caller address
 
-    async def receive(self, request_iterator: AsyncIterator[Any]) -> tuple[epd_pb2.EmbeddingHeader, Any | None]:
+    @property
+    def buffered_bytes(self) -> int:
+        return self._buffered_bytes
+
+    async def receive(
+        self, request_iterator: AsyncIterator[Any], peer: str = ""
+    ) -> tuple[epd_pb2.EmbeddingHeader, Any | None]:
         """The header and the embedding tensor, or None for a repeat of a push that landed."""
         stream = aiter(request_iterator)
-        first = await self._next(stream)
+        first = await self._next(stream, time.monotonic() + self._idle_timeout_s)
         if first is None or data_of(first) is not None or first.WhichOneof("kind") != "header":
             raise _invalid("a push must start with a header")
         header = first.header
         self.check_header(header)
         if header.reservation_id in self._in_flight:
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "a push to this reservation is already in progress")
+        if self._per_peer.get(peer, 0) >= self._max_pushes_per_peer:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many pushes in flight from this caller", _BUSY_RETRY_S)
         self._in_flight.add(header.reservation_id)
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        buffered = 0
         try:
             wanted = await self._check_push(header)
+            if wanted:
+                if self._buffered_bytes + header.num_bytes > self._max_buffer_bytes:
+                    raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "push buffers are full", _BUSY_RETRY_S)
+                buffered = header.num_bytes
+                self._buffered_bytes += buffered
             payload = bytearray(header.num_bytes) if wanted else None
             await self._read_chunks(stream, header.num_bytes, payload)
         finally:
+            self._buffered_bytes -= buffered
             self._in_flight.discard(header.reservation_id)
+            left = self._per_peer[peer] - 1
+            if left:
+                self._per_peer[peer] = left
+            else:
+                del self._per_peer[peer]
         if payload is None:
             return header, None
         embedding = tensors.tensor_from_bytes(payload, tensors.dtype_from_pb(header.dtype), list(header.shape))
@@ -90,8 +131,9 @@ class PushIntake:
         """Reads the data chunks into ``payload`` (each chunk's bytes copied once), or counts them off."""
         view = memoryview(payload) if payload is not None else None
         received = 0
+        deadline = time.monotonic() + self._idle_timeout_s  # moved only by bytes, never by empty chunks
         try:
-            while (chunk := await self._next(stream)) is not None:
+            while (chunk := await self._next(stream, deadline)) is not None:
                 data = data_of(chunk)
                 if data is None:
                     raise _invalid("only the first message of a push may be a header")
@@ -101,15 +143,17 @@ class PushIntake:
                     raise EngineError(ErrorKind.FAILED_PRECONDITION, "push carries more bytes than its header declared")
                 if view is not None:
                     view[received : received + len(data)] = data
-                received += len(data)
+                if len(data):
+                    received += len(data)
+                    deadline = time.monotonic() + self._idle_timeout_s
         finally:
             if view is not None:
                 view.release()
         if received != num_bytes:
             raise _invalid("push ended before all declared bytes arrived")
 
-    async def _next(self, stream: AsyncIterator[Any]) -> Any | None:
+    async def _next(self, stream: AsyncIterator[Any], deadline: float) -> Any | None:
         try:
-            return await asyncio.wait_for(anext(stream, None), self._idle_timeout_s)
+            return await asyncio.wait_for(anext(stream, None), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "push stalled: no data within the idle timeout") from None

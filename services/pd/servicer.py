@@ -72,7 +72,13 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.draining = False
-        self._pushes = PushIntake(engine.hidden_size, config.push_idle_timeout_s, self._check_push)
+        self._pushes = PushIntake(
+            engine.hidden_size,
+            config.push_idle_timeout_s,
+            self._check_push,
+            max_buffer_bytes=config.max_push_buffer_mb << 20,
+            max_pushes_per_peer=config.max_pushes_per_peer,
+        )
 
     def _check_admitting(self) -> None:
         if self.draining:
@@ -166,7 +172,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     async def PushEmbedding(self, request_iterator, context):
         with AccessLine(log, "push", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
-                header, embedding = await self._pushes.receive(request_iterator)
+                header, embedding = await self._pushes.receive(request_iterator, peer_address(context))
                 line.update(num_bytes=header.num_bytes, repeat=embedding is None)
                 if embedding is not None:
                     await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
