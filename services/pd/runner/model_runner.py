@@ -19,6 +19,7 @@ take the packed path; KV slots stay the absolute token indices.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -41,6 +42,8 @@ from services.pd.runner.decode_graphs import (
     StaticDecodeConfig,
     StaticDecoder,
     batch_ladder,
+    plan_static_decode,
+    start_static_decoder,
 )
 from services.pd.runner.flex_decode import flex_available
 from services.pd.runner.sampler import Sampler
@@ -157,31 +160,31 @@ class ModelRunner:
     def _start_static_decode(self, config: StaticDecodeConfig) -> StaticDecoder | None:
         """Builds (and on CUDA warms up and captures) the static decode path, or None.
 
-        Off unless asked for, or on CUDA. When it was not asked for
-        explicitly, a failure only logs a warning and decode steps take the
-        packed path; a failed capture alone leaves the static path eager.
+        Off unless asked for, or on CUDA. On CUDA without ``--enforce-eager``
+        a failure refuses start-up (``DecodePathRefused``); see
+        ``plan_static_decode`` for when it only logs a warning instead.
         """
-        on_cuda = self.device.type == "cuda"
-        enabled = on_cuda if config.enabled is None else config.enabled
         # Its buffers hold one position per row: multimodal RoPE (three) takes the packed path.
-        if not enabled or self.uses_mrope:
+        if self.uses_mrope:
             return None
-        kernel = config.kernel if config.kernel != "auto" else ("flex" if on_cuda else "ragged")
-        try:
-            decoder = self._static_decoder(config, kernel)
-            if on_cuda:
-                decoder.warm_up()
-        except Exception:
-            if config.enabled:
-                raise
-            log.warning("static decode path unavailable; decode steps take the packed path", exc_info=True)
+        plan = plan_static_decode(config, self.device, self.block_size)
+        if plan is None:
             return None
-        if on_cuda and config.cuda_graphs:
-            try:
-                decoder.capture()
-            except Exception:
-                log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
-        return decoder
+        return start_static_decoder(functools.partial(self._static_decoder, config), plan)
+
+    def decode_paths(self) -> dict[str, bool]:
+        """Which fast decode paths this runner uses (the ready line and ``epd_pd_captured_paths``).
+
+        ``static_decode``: decode-only steps run from static buffers;
+        ``flex_kernel``: their attention is the compiled ``flex_attention``;
+        ``cuda_graphs``: they are replayed from captured CUDA graphs.
+        """
+        decoder = self.static_decoder
+        return {
+            "static_decode": decoder is not None,
+            "flex_kernel": decoder is not None and decoder.tables.kernel == "flex",
+            "cuda_graphs": decoder is not None and decoder.num_graphs > 0,
+        }
 
     def _static_decoder(self, config: StaticDecodeConfig, kernel: str) -> StaticDecoder:
         if kernel == "flex" and not flex_available():
