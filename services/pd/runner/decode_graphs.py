@@ -139,7 +139,7 @@ def start_static_decoder(build: Callable[[str], StaticDecoder], plan: StaticDeco
     return decoder
 
 
-# (token ids [B], positions [B], metadata) -> logits [B, vocab]
+# (token ids [B], positions [B] or [rope_axes, B], metadata) -> logits [B, vocab]
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
 
 
@@ -165,27 +165,41 @@ class DecodeBuffers:
     """The static inputs of a decode-only step, for up to ``max_rows`` rows, allocated once.
 
     Device views (each row ``b`` of a step; rows past the step's requests are padding):
-    ``token_ids``, ``positions``, ``slot_mapping``, ``last_block``,
-    ``last_fill`` ``[max_rows]`` long; ``num_blocks [max_rows]`` and
-    ``block_tables [max_rows, table_width]`` int32. ``fill`` rewrites them in
-    place; no step ever allocates a new one.
+    ``token_ids``, ``slot_mapping``, ``last_block``, ``last_fill`` ``[max_rows]``
+    long; ``positions`` ``[max_rows]`` long, or ``[rope_axes, max_rows]`` for
+    multimodal RoPE (the Qwen2-VL family: t, h, w); ``num_blocks
+    [max_rows]`` and ``block_tables [max_rows, table_width]`` int32. ``fill``
+    rewrites them in place; no step ever allocates a new one.
     """
 
-    _LONG_FIELDS = ("token_ids", "positions", "slot_mapping", "last_block", "last_fill")
+    _LONG_FIELDS = ("token_ids", "slot_mapping", "last_block", "last_fill")  # then one positions row per axis
 
     def __init__(
-        self, *, max_rows: int, table_width: int, block_size: int, num_blocks: int, pad_block: int, device: torch.device
+        self,
+        *,
+        max_rows: int,
+        table_width: int,
+        block_size: int,
+        num_blocks: int,
+        pad_block: int,
+        device: torch.device,
+        rope_axes: int = 1,
     ) -> None:
-        self.max_rows, self.table_width = max_rows, table_width
+        if rope_axes <= 0:
+            raise ValueError("rope_axes must be positive")
+        self.max_rows, self.table_width, self.rope_axes = max_rows, table_width, rope_axes
         self.block_size, self.num_blocks_limit, self.pad_block = block_size, num_blocks, pad_block
         pin = device.type == "cuda"  # page-locked staging: only CUDA copies gain from it
-        self._long = torch.zeros(len(self._LONG_FIELDS), max_rows, dtype=torch.long, device=device)
+        num_long = len(self._LONG_FIELDS) + rope_axes
+        self._long = torch.zeros(num_long, max_rows, dtype=torch.long, device=device)
         self._int = torch.zeros(max_rows * (1 + table_width), dtype=torch.int32, device=device)
         self._host_long = torch.zeros(self._long.shape, dtype=torch.long, pin_memory=pin)
         self._host_int = torch.zeros(self._int.shape, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None  # recorded after each step's copies
         for name, row in zip(self._LONG_FIELDS, self._long):
             setattr(self, name, row)
+        first = len(self._LONG_FIELDS)
+        self.positions = self._long[first] if rope_axes == 1 else self._long[first:]
         self.num_blocks = self._int[:max_rows]
         self.block_tables = self._int[max_rows:].view(max_rows, table_width)
         # numpy views of the staging: per-element writes cost ~1 us instead of a tensor op's ~5.
@@ -193,33 +207,46 @@ class DecodeBuffers:
         self._stage_num_blocks = self._host_int[:max_rows].numpy()
         self._stage_tables = self._host_int[max_rows:].view(max_rows, table_width).numpy()
 
-    def fill(self, chunks: Sequence[ScheduledChunk], positions: Sequence[int], num_rows: int) -> None:
-        """Writes the rows of ``chunks`` (rotary ``positions``), then padding up to ``num_rows``."""
+    def step_positions(self, num_rows: int) -> torch.Tensor:
+        """The positions of a step's first ``num_rows`` rows: ``[num_rows]``, or ``[rope_axes, num_rows]``."""
+        return self.positions[..., :num_rows]
+
+    def fill(self, chunks: Sequence[ScheduledChunk], positions: Sequence, num_rows: int) -> None:
+        """Writes the rows of ``chunks``, then padding up to ``num_rows``.
+
+        ``positions``: each chunk's rotary position (``Sequence[int]``), or with
+        ``rope_axes > 1`` one such sequence per axis (``step_position_ids``'s rows).
+        """
         count, block_size = len(chunks), self.block_size
         if count > num_rows or num_rows > self.max_rows:
             raise ValueError("more decode rows than the static buffers hold")
+        axes = [positions] if self.rope_axes == 1 else list(positions)
+        if len(axes) != self.rope_axes or any(len(axis) < count for axis in axes):
+            raise ValueError("decode positions do not match the rows and rotary axes of the static buffers")
         stage, tables, num_blocks = self._stage_long, self._stage_tables, self._stage_num_blocks
         if self._copied is not None:
             self._copied.synchronize()
-        pad = (0, 0, self.pad_block * block_size, self.pad_block, 1)  # token, position, slot, block, fill
+        pad = (0, self.pad_block * block_size, self.pad_block, 1) + (0,) * self.rope_axes  # token, slot, block, fill
         for field, value in enumerate(pad):
             stage[field, count:num_rows] = value
         tables[:num_rows] = self.pad_block
         num_blocks[count:num_rows] = 1
-        for row, (chunk, position) in enumerate(zip(chunks, positions)):
+        first_axis = len(self._LONG_FIELDS)
+        for row, chunk in enumerate(chunks):
             kv_position = chunk.start_pos
             used = kv_position // block_size + 1
             blocks = chunk.block_ids[:used]
             in_range = bool(blocks) and min(blocks) >= 0 and max(blocks) < self.num_blocks_limit
             if used > min(len(blocks), self.table_width) or not in_range:
                 raise ValueError("a decode row's block table does not cover its context within the KV cache")
-            stage[:, row] = (
+            stage[:first_axis, row] = (
                 chunk.token_ids[0],
-                position,
                 blocks[-1] * block_size + kv_position % block_size,
                 blocks[-1],
                 kv_position % block_size + 1,
             )
+            for axis, axis_positions in enumerate(axes):
+                stage[first_axis + axis, row] = axis_positions[row]
             num_blocks[row] = used
             tables[row, :used] = blocks
         self._long[:, :num_rows].copy_(self._host_long[:, :num_rows], non_blocking=True)
@@ -318,8 +345,9 @@ class StaticDecoder:
     def padded_size(self, num_rows: int) -> int:
         return next(size for size in self.sizes if size >= num_rows)
 
-    def logits(self, chunks: Sequence[ScheduledChunk], positions: Sequence[int]) -> torch.Tensor:
-        """Logits of every chunk, ``[len(chunks), vocab]``, from the static step."""
+    def logits(self, chunks: Sequence[ScheduledChunk], positions: Sequence) -> torch.Tensor:
+        """Logits of every chunk, ``[len(chunks), vocab]``, from the static step (``positions``: see
+        ``DecodeBuffers.fill``)."""
         num_rows = self.padded_size(len(chunks))
         self.buffers.fill(chunks, positions, num_rows)
         captured = self._graphs.get(num_rows)
@@ -331,7 +359,7 @@ class StaticDecoder:
     def _run(self, num_rows: int, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         buffers = self.buffers
         meta = self.tables.metadata(chunks, num_rows)
-        return self._forward(buffers.token_ids[:num_rows], buffers.positions[:num_rows], meta)
+        return self._forward(buffers.token_ids[:num_rows], buffers.step_positions(num_rows), meta)
 
     @torch.inference_mode()
     def warm_up(self, sizes: Sequence[int] | None = None) -> None:

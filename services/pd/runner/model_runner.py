@@ -13,8 +13,9 @@ two paths:
 
 Both paths get their rotary positions from ``step_position_ids``, the one
 place they are made. Models with multimodal RoPE (``uses_mrope``: the Qwen2-VL
-family) get three rows (t, h, w) from each chunk's plan (``positions.py``) and
-take the packed path; KV slots stay the absolute token indices.
+family) get three rows (t, h, w) from each chunk's plan (``positions.py``), on
+either path (the static buffers hold three position rows for them); KV slots
+stay the absolute token indices.
 """
 
 from __future__ import annotations
@@ -164,9 +165,6 @@ class ModelRunner:
         a failure refuses start-up (``DecodePathRefused``); see
         ``plan_static_decode`` for when it only logs a warning instead.
         """
-        # Its buffers hold one position per row: multimodal RoPE (three) takes the packed path.
-        if self.uses_mrope:
-            return None
         plan = plan_static_decode(config, self.device, self.block_size)
         if plan is None:
             return None
@@ -202,6 +200,7 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             pad_block=self.pad_block,
             device=self.device,
+            rope_axes=3 if self.uses_mrope else 1,  # multimodal RoPE: t, h, w per row
         )
         make_tables = FlexTables if kernel == "flex" else RaggedTables
         tables = make_tables(buffers, self.key_cache, self.value_cache, self._scratch, sizes)
@@ -257,7 +256,8 @@ class ModelRunner:
                 sampling_rows.append(end - 1)
         with torch.inference_mode():
             if self.static_decoder is not None and self.static_decoder.accepts(chunks):
-                logits = self.static_decoder.logits(chunks, positions[0])  # [len(chunks), vocab]
+                rows = positions if self.uses_mrope else positions[0]
+                logits = self.static_decoder.logits(chunks, rows)  # [len(chunks), vocab]
                 return logits if len(sampling_rows) == len(chunks) else logits[self._index(sampling_rows)]
             meta = self._metadata(chunks)
             inputs_embeds = self._embed(chunks, embeddings)
@@ -270,9 +270,10 @@ class ModelRunner:
     def _forward_tokens(
         self, token_ids: torch.Tensor, position_ids: torch.Tensor, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
-        """Logits of every row: ``token_ids [B]`` at ``position_ids [B]`` -> ``[B, vocab]`` (static steps)."""
+        """Logits of every row: ``token_ids [B]`` at ``position_ids`` (``[B]``, or ``[3, B]`` for multimodal
+        RoPE) -> ``[B, vocab]`` (static steps)."""
         inputs_embeds = self.model.get_input_embeddings()(token_ids)[None]
-        return self.model.lm_head(self._hidden(inputs_embeds, position_ids[None], meta))
+        return self.model.lm_head(self._hidden(inputs_embeds, position_ids[..., None, :], meta))
 
     def _hidden(
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, meta: PagedAttentionMetadata
