@@ -36,7 +36,9 @@ class PdConfig:
     enable_prefix_caching: bool = True
     # GPU engine (services/pd/runner/kv_sizing.py, services/pd/runner/decode_graphs.py)
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device this PD may fill (weights, activations, KV)
-    enforce_eager: bool = False  # CUDA: capture no graphs; decode-only steps run eagerly
+    # CUDA: capture no graphs; decode-only steps run eagerly. Without it a failed kernel compile or
+    # capture refuses start-up (services/pd/runner/decode_graphs.py, plan_static_decode).
+    enforce_eager: bool = False
     # scheduling
     max_num_batched_tokens: int = 2048  # hard cap of one step's tokens
     # The step budget's targets (services/pd/engine/step_budget.py), milliseconds:

@@ -19,6 +19,7 @@ from services.pd.engine.step_budget import (
 )
 from services.pd.faults import PdFaults
 from services.pd.push_intake import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_MAX_PUSHES_PER_PEER
+from services.pd.runner.decode_graphs import DecodePathRefused
 from services.pd.runner.kv_sizing import KvCacheTooSmall
 from services.pd.server import start_pd
 
@@ -94,7 +95,10 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         default=False,
         help="CUDA: capture no CUDA graphs; decode-only steps run eagerly (graphs are captured at start-up for "
-        "padded batch sizes 1, 2, 4, 8, then every 16 up to --max-num-seqs)",
+        "padded batch sizes 1, 2, 4, 8, then every 16 up to --max-num-seqs). Without it, a CUDA PD whose "
+        "decode kernel compile or graph capture fails refuses to start; with it, nothing is captured and a "
+        "kernel that fails to build only logs a warning (decode steps then take the packed path). The ready "
+        "line's decode_paths= and epd_pd_captured_paths say what runs",
     )
     add(parser, "--enable-prefix-caching", default=True, help="reuse KV blocks of identical prompt prefixes")
 
@@ -330,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         grpc_utils.run_until_signal(main)
-    except KvCacheTooSmall as error:  # a sizing problem the user fixes with a flag: no traceback
+    except (KvCacheTooSmall, DecodePathRefused) as error:  # problems the user fixes with a flag: no traceback
         log.error("pd cannot start: %s", error)
         return 2
     return 1 if failed else 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -104,6 +104,13 @@ METRICS = (
     ),
     MetricDoc("epd_pd_preemptions_total", "counter", (), "running requests preempted for lack of KV blocks"),
     MetricDoc(
+        "epd_pd_captured_paths",
+        "gauge",
+        ("path",),
+        "1 when a fast decode path is in use: static_decode (static buffers), flex_kernel (compiled "
+        "flex_attention), cuda_graphs (replayed CUDA graphs); fixed at start-up",
+    ),
+    MetricDoc(
         "epd_pd_engine_responsive",
         "gauge",
         (),
@@ -116,8 +123,15 @@ METRICS = (
 class PdMetrics:
     """``epd_pd_*`` metrics (see ``METRICS``) of one engine, on a registry owned by this instance."""
 
-    def __init__(self, engine: EngineBridge, snapshot_timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        engine: EngineBridge,
+        snapshot_timeout_s: float = SNAPSHOT_TIMEOUT_S,
+        decode_paths: Mapping[str, bool] | None = None,
+    ) -> None:
+        """``decode_paths``: the runner's ``decode_paths()`` (fixed at start-up; none = not exported)."""
         self._engine = engine
+        self._decode_paths = dict(decode_paths or {})
         self._timeout_s = snapshot_timeout_s
         self._latest: EngineStats | None = None
         self._responsive = False
@@ -178,6 +192,11 @@ class PdMetrics:
         yield CounterMetricFamily(
             "epd_pd_preemptions", "Requests preempted for lack of KV blocks", value=s.num_preemptions
         )
+        if self._decode_paths:
+            paths = GaugeMetricFamily("epd_pd_captured_paths", "Fast decode paths in use", labels=["path"])
+            for path, used in self._decode_paths.items():
+                paths.add_metric([path], float(used))
+            yield paths
 
 
 def _step_families(steps: StepSnapshot) -> Iterable[Metric]:

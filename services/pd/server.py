@@ -141,6 +141,11 @@ def _step_budget(config: PdConfig) -> StepBudget:
     )
 
 
+def _describe_paths(paths: dict[str, bool]) -> str:
+    """The decode paths in use for the ready line, e.g. ``static_decode+flex_kernel+cuda_graphs``, or ``packed``."""
+    return "+".join(name for name, used in paths.items() if used) or "packed"
+
+
 def max_receive_bytes(config: PdConfig, max_model_len: int) -> int:
     """The largest message PD's methods take: a push chunk, or a prompt of the whole context
     (at most 5 bytes per token id) with its items and stop strings. A colocated PD also serves
@@ -212,6 +217,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         "model_id": adapter.model_id,
         "num_kv_blocks": num_blocks,
         "num_cuda_graphs": runner.static_decoder.num_graphs if runner.static_decoder is not None else 0,
+        "decode_paths": runner.decode_paths(),
         "linear_backend": runner.linear_backend,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -285,7 +291,7 @@ async def start_pd(config: PdConfig) -> PdServer:
     metrics_http = None
     try:
         if config.metrics_port >= 0:
-            metrics_http = await PdMetrics(engine).serve(
+            metrics_http = await PdMetrics(engine, decode_paths=facts["decode_paths"]).serve(
                 config.metrics_host or config.host, config.metrics_port, token=config.security.metrics_token
             )
         if config.warmup:
@@ -308,7 +314,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
     await server.set_ready(True)
     log.info(
-        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d cuda_graphs=%d %s",
+        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d cuda_graphs=%d decode_paths=%s %s",
         config.host,
         server.port,
         facts["model_id"],
@@ -316,6 +322,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         facts["dtype"],
         facts["num_kv_blocks"],
         facts["num_cuda_graphs"],
+        _describe_paths(facts["decode_paths"]),
         targets,
     )
     pd = PdServer(

@@ -93,6 +93,13 @@ async def test_pd_scrape_serves_the_last_values_when_the_engine_does_not_answer(
             * calibration.NUM_OUTPUT_TOKENS
         )
         assert served["epd_pd_engine_responsive"] == 1 and served["epd_pd_generation_tokens_total"] == warm_up_tokens
+        paths = {
+            s.labels["path"]: s.value
+            for f in text_string_to_metric_families(reply.text)
+            for s in f.samples
+            if s.name == "epd_pd_captured_paths"
+        }
+        assert paths == {"static_decode": 0, "flex_kernel": 0, "cuda_graphs": 0}  # CPU: packed decode steps
 
         metrics = PdMetrics(pd.engine, snapshot_timeout_s=0.05)
         await metrics.refresh()

@@ -11,6 +11,7 @@ the host (CUDA work is waited for, not just launched).
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import TYPE_CHECKING
 
@@ -38,15 +39,68 @@ def _wait(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# What ``ContinuousBatchingConfig`` calls its KV page size: ``page_size`` in the
+# transformers the benchmarks were written with, ``block_size`` in 5.17 (the
+# GPU machines'); the first one its signature takes is used.
+PAGE_SIZE_PARAMETERS = ("page_size", "block_size")
+_BATCHING_PARAMETERS = ("max_batch_tokens", "num_blocks")
+
+
+def _batching_config_class():
+    """transformers' ``ContinuousBatchingConfig``, or None where this version has none."""
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:
+        return None
+    return ContinuousBatchingConfig
+
+
+def _parameters(function) -> set[str]:
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def batching_config_kwargs(
+    config_class, *, page_size: int, max_batch_tokens: int, num_blocks: int
+) -> tuple[dict[str, int] | None, str]:
+    """The keyword arguments of ``config_class`` (a ``ContinuousBatchingConfig``) for this benchmark.
+
+    Returns ``(kwargs, "")``, or ``(None, why)`` when its signature takes no
+    page size or lacks another setting the benchmark needs to size it like the engine.
+    """
+    if config_class is None:
+        return None, "this transformers has no ContinuousBatchingConfig"
+    accepted = _parameters(config_class)
+    page = next((name for name in PAGE_SIZE_PARAMETERS if name in accepted), None)
+    missing = [name for name in _BATCHING_PARAMETERS if name not in accepted]
+    if page is None or missing:
+        lacks = missing if page is not None else ["/".join(PAGE_SIZE_PARAMETERS), *missing]
+        return None, f"ContinuousBatchingConfig takes no {', '.join(lacks)}"
+    return {page: page_size, "max_batch_tokens": max_batch_tokens, "num_blocks": num_blocks}, ""
+
+
+def generate_batch_unsupported(model) -> str:
+    """Why ``run_generate_batch`` cannot run with the installed transformers ("" = it can)."""
+    import transformers
+
+    version = f"transformers {transformers.__version__}"
+    if "continuous_batching_config" not in _parameters(getattr(model, "generate_batch", None)):
+        return f"{version}: generate_batch takes no continuous_batching_config"
+    kwargs, why = batching_config_kwargs(_batching_config_class(), page_size=64, max_batch_tokens=1, num_blocks=1)
+    return "" if kwargs is not None else f"{version}: {why}"
+
+
 def run_generate_batch(model, workload: Workload, max_batch_tokens: int) -> tuple[float, list[list[int]]]:
     """HF continuous batching, sized like the engine: same token budget, a cache for every request.
 
     Its defaults (8192-token batches, a cache sized from free memory) were
     10-40x slower on CPU, mostly allocating; page size 64 was its fastest.
-    ``warmup=False``: its CUDA graph capture would be timed as generation.
+    ``warmup=False`` where it takes one: its CUDA graph capture would be
+    timed as generation. Check ``generate_batch_unsupported`` first.
     """
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model.set_attn_implementation("sdpa")
     config = GenerationConfig(
@@ -57,14 +111,22 @@ def run_generate_batch(model, workload: Workload, max_batch_tokens: int) -> tupl
     )
     page_size = 64
     longest = max(map(len, workload.prompts)) + workload.output_len
-    batching = ContinuousBatchingConfig(
+    config_class = _batching_config_class()
+    kwargs, why = batching_config_kwargs(
+        config_class,
         page_size=page_size,
         max_batch_tokens=max_batch_tokens,
         num_blocks=len(workload.prompts) * -(-longest // page_size) + 4,
     )
+    if kwargs is None:
+        raise ValueError(f"generate_batch cannot run here: {why}")
+    extra = {"warmup": False} if "warmup" in _parameters(model.generate_batch) else {}
     started = time.perf_counter()
     results = model.generate_batch(
-        [list(p) for p in workload.prompts], generation_config=config, continuous_batching_config=batching, warmup=False
+        [list(p) for p in workload.prompts],
+        generation_config=config,
+        continuous_batching_config=config_class(**kwargs),
+        **extra,
     )
     seconds = time.perf_counter() - started
     ordered = list(results.values())  # generate_batch returns them in input order

@@ -43,6 +43,18 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("flex", "ragged")
 
+# The smallest KV block the flex kernel compiles for on CUDA: inductor's Triton
+# template tiles the KV axis by the block mask's block size and needs a power
+# of two of at least 16 (its smallest tile). The CPU template takes any size.
+MIN_FLEX_BLOCK_SIZE = 16
+
+
+class DecodePathRefused(RuntimeError):
+    """The static decode path cannot run as configured, and the PD must not start without it.
+
+    Its message is one line naming the flag that changes the outcome.
+    """
+
 
 @dataclass(frozen=True)
 class StaticDecodeConfig:
@@ -61,7 +73,73 @@ class StaticDecodeConfig:
             raise ValueError("max_num_seqs and max_model_len must be positive")
 
 
-# (token ids [B], positions [B], metadata) -> logits [B, vocab]
+@dataclass(frozen=True)
+class StaticDecodePlan:
+    """What start-up does for the static decode path on one device (see ``plan_static_decode``)."""
+
+    kernel: str  # flex | ragged
+    warm_up: bool  # run every ladder size once before ready (compiles the kernel)
+    capture: bool  # capture every ladder size as a CUDA graph
+    required: bool  # a failure refuses start-up (DecodePathRefused) instead of falling back to packed steps
+
+
+def plan_static_decode(config: StaticDecodeConfig, device: torch.device, block_size: int) -> StaticDecodePlan | None:
+    """The start-up plan of the static decode path for ``device``, or None when it is off.
+
+    On CUDA it is required unless ``--enforce-eager`` (``cuda_graphs=False``):
+    then nothing is captured, and a kernel that fails to build only logs a
+    warning and decode steps take the packed path. Asking for it explicitly
+    (``enabled=True``) always makes it required. Raises ``DecodePathRefused``
+    for a block size the flex kernel cannot compile for.
+    """
+    on_cuda = device.type == "cuda"
+    enabled = on_cuda if config.enabled is None else config.enabled
+    if not enabled:
+        return None
+    kernel = config.kernel if config.kernel != "auto" else ("flex" if on_cuda else "ragged")
+    if kernel == "flex" and on_cuda:
+        check_flex_block_size(block_size)
+    capture = on_cuda and config.cuda_graphs
+    return StaticDecodePlan(kernel=kernel, warm_up=on_cuda, capture=capture, required=capture or bool(config.enabled))
+
+
+def check_flex_block_size(block_size: int) -> None:
+    """Refuses a KV block size the CUDA flex kernel cannot compile for (below 16, or not a power of two)."""
+    if block_size < MIN_FLEX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise DecodePathRefused(
+            f"--block-size {block_size} does not work with the CUDA flex_attention decode kernel: it needs a "
+            f"power of two >= {MIN_FLEX_BLOCK_SIZE} (e.g. --block-size 16)"
+        )
+
+
+def start_static_decoder(build: Callable[[str], StaticDecoder], plan: StaticDecodePlan) -> StaticDecoder | None:
+    """Builds the static decoder with ``build(kernel)``, then warms it up and captures it as ``plan`` says.
+
+    A failure of a required path raises ``DecodePathRefused`` naming the stage
+    that failed; otherwise it logs a warning and returns None (packed steps).
+    """
+    stage = "building"
+    try:
+        decoder = build(plan.kernel)
+        if plan.warm_up:
+            stage = "compiling (warm-up)"
+            decoder.warm_up()
+        if plan.capture:
+            stage = "capturing CUDA graphs for"
+            decoder.capture()
+    except Exception as error:
+        if not plan.required:
+            log.warning("static decode path unavailable; decode steps take the packed path", exc_info=True)
+            return None
+        detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line
+        raise DecodePathRefused(
+            f"{stage} the {plan.kernel} static decode path failed ({detail}); refusing to start rather than "
+            "decode without it: fix the cause, or pass --enforce-eager to run decode steps eagerly"
+        ) from error
+    return decoder
+
+
+# (token ids [B], positions [B] or [rope_axes, B], metadata) -> logits [B, vocab]
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
 
 
@@ -87,27 +165,41 @@ class DecodeBuffers:
     """The static inputs of a decode-only step, for up to ``max_rows`` rows, allocated once.
 
     Device views (each row ``b`` of a step; rows past the step's requests are padding):
-    ``token_ids``, ``positions``, ``slot_mapping``, ``last_block``,
-    ``last_fill`` ``[max_rows]`` long; ``num_blocks [max_rows]`` and
-    ``block_tables [max_rows, table_width]`` int32. ``fill`` rewrites them in
-    place; no step ever allocates a new one.
+    ``token_ids``, ``slot_mapping``, ``last_block``, ``last_fill`` ``[max_rows]``
+    long; ``positions`` ``[max_rows]`` long, or ``[rope_axes, max_rows]`` for
+    multimodal RoPE (the Qwen2-VL family: t, h, w); ``num_blocks
+    [max_rows]`` and ``block_tables [max_rows, table_width]`` int32. ``fill``
+    rewrites them in place; no step ever allocates a new one.
     """
 
-    _LONG_FIELDS = ("token_ids", "positions", "slot_mapping", "last_block", "last_fill")
+    _LONG_FIELDS = ("token_ids", "slot_mapping", "last_block", "last_fill")  # then one positions row per axis
 
     def __init__(
-        self, *, max_rows: int, table_width: int, block_size: int, num_blocks: int, pad_block: int, device: torch.device
+        self,
+        *,
+        max_rows: int,
+        table_width: int,
+        block_size: int,
+        num_blocks: int,
+        pad_block: int,
+        device: torch.device,
+        rope_axes: int = 1,
     ) -> None:
-        self.max_rows, self.table_width = max_rows, table_width
+        if rope_axes <= 0:
+            raise ValueError("rope_axes must be positive")
+        self.max_rows, self.table_width, self.rope_axes = max_rows, table_width, rope_axes
         self.block_size, self.num_blocks_limit, self.pad_block = block_size, num_blocks, pad_block
         pin = device.type == "cuda"  # page-locked staging: only CUDA copies gain from it
-        self._long = torch.zeros(len(self._LONG_FIELDS), max_rows, dtype=torch.long, device=device)
+        num_long = len(self._LONG_FIELDS) + rope_axes
+        self._long = torch.zeros(num_long, max_rows, dtype=torch.long, device=device)
         self._int = torch.zeros(max_rows * (1 + table_width), dtype=torch.int32, device=device)
         self._host_long = torch.zeros(self._long.shape, dtype=torch.long, pin_memory=pin)
         self._host_int = torch.zeros(self._int.shape, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None  # recorded after each step's copies
         for name, row in zip(self._LONG_FIELDS, self._long):
             setattr(self, name, row)
+        first = len(self._LONG_FIELDS)
+        self.positions = self._long[first] if rope_axes == 1 else self._long[first:]
         self.num_blocks = self._int[:max_rows]
         self.block_tables = self._int[max_rows:].view(max_rows, table_width)
         # numpy views of the staging: per-element writes cost ~1 us instead of a tensor op's ~5.
@@ -115,33 +207,46 @@ class DecodeBuffers:
         self._stage_num_blocks = self._host_int[:max_rows].numpy()
         self._stage_tables = self._host_int[max_rows:].view(max_rows, table_width).numpy()
 
-    def fill(self, chunks: Sequence[ScheduledChunk], positions: Sequence[int], num_rows: int) -> None:
-        """Writes the rows of ``chunks`` (rotary ``positions``), then padding up to ``num_rows``."""
+    def step_positions(self, num_rows: int) -> torch.Tensor:
+        """The positions of a step's first ``num_rows`` rows: ``[num_rows]``, or ``[rope_axes, num_rows]``."""
+        return self.positions[..., :num_rows]
+
+    def fill(self, chunks: Sequence[ScheduledChunk], positions: Sequence, num_rows: int) -> None:
+        """Writes the rows of ``chunks``, then padding up to ``num_rows``.
+
+        ``positions``: each chunk's rotary position (``Sequence[int]``), or with
+        ``rope_axes > 1`` one such sequence per axis (``step_position_ids``'s rows).
+        """
         count, block_size = len(chunks), self.block_size
         if count > num_rows or num_rows > self.max_rows:
             raise ValueError("more decode rows than the static buffers hold")
+        axes = [positions] if self.rope_axes == 1 else list(positions)
+        if len(axes) != self.rope_axes or any(len(axis) < count for axis in axes):
+            raise ValueError("decode positions do not match the rows and rotary axes of the static buffers")
         stage, tables, num_blocks = self._stage_long, self._stage_tables, self._stage_num_blocks
         if self._copied is not None:
             self._copied.synchronize()
-        pad = (0, 0, self.pad_block * block_size, self.pad_block, 1)  # token, position, slot, block, fill
+        pad = (0, self.pad_block * block_size, self.pad_block, 1) + (0,) * self.rope_axes  # token, slot, block, fill
         for field, value in enumerate(pad):
             stage[field, count:num_rows] = value
         tables[:num_rows] = self.pad_block
         num_blocks[count:num_rows] = 1
-        for row, (chunk, position) in enumerate(zip(chunks, positions)):
+        first_axis = len(self._LONG_FIELDS)
+        for row, chunk in enumerate(chunks):
             kv_position = chunk.start_pos
             used = kv_position // block_size + 1
             blocks = chunk.block_ids[:used]
             in_range = bool(blocks) and min(blocks) >= 0 and max(blocks) < self.num_blocks_limit
             if used > min(len(blocks), self.table_width) or not in_range:
                 raise ValueError("a decode row's block table does not cover its context within the KV cache")
-            stage[:, row] = (
+            stage[:first_axis, row] = (
                 chunk.token_ids[0],
-                position,
                 blocks[-1] * block_size + kv_position % block_size,
                 blocks[-1],
                 kv_position % block_size + 1,
             )
+            for axis, axis_positions in enumerate(axes):
+                stage[first_axis + axis, row] = axis_positions[row]
             num_blocks[row] = used
             tables[row, :used] = blocks
         self._long[:, :num_rows].copy_(self._host_long[:, :num_rows], non_blocking=True)
@@ -155,6 +260,7 @@ class DecodeBuffers:
 class FlexTables:
     """flex_attention metadata per ladder size, built once over the static buffers (graph-capturable)."""
 
+    kernel = "flex"
     captures = True
 
     def __init__(
@@ -189,6 +295,7 @@ class FlexTables:
 class RaggedTables:
     """CPU: the ragged per-row attention, its spans rebuilt from the chunks every step (not capturable)."""
 
+    kernel = "ragged"
     captures = False
 
     def __init__(
@@ -238,8 +345,9 @@ class StaticDecoder:
     def padded_size(self, num_rows: int) -> int:
         return next(size for size in self.sizes if size >= num_rows)
 
-    def logits(self, chunks: Sequence[ScheduledChunk], positions: Sequence[int]) -> torch.Tensor:
-        """Logits of every chunk, ``[len(chunks), vocab]``, from the static step."""
+    def logits(self, chunks: Sequence[ScheduledChunk], positions: Sequence) -> torch.Tensor:
+        """Logits of every chunk, ``[len(chunks), vocab]``, from the static step (``positions``: see
+        ``DecodeBuffers.fill``)."""
         num_rows = self.padded_size(len(chunks))
         self.buffers.fill(chunks, positions, num_rows)
         captured = self._graphs.get(num_rows)
@@ -251,7 +359,7 @@ class StaticDecoder:
     def _run(self, num_rows: int, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         buffers = self.buffers
         meta = self.tables.metadata(chunks, num_rows)
-        return self._forward(buffers.token_ids[:num_rows], buffers.positions[:num_rows], meta)
+        return self._forward(buffers.token_ids[:num_rows], buffers.step_positions(num_rows), meta)
 
     @torch.inference_mode()
     def warm_up(self, sizes: Sequence[int] | None = None) -> None:

@@ -13,12 +13,14 @@ two paths:
 
 Both paths get their rotary positions from ``step_position_ids``, the one
 place they are made. Models with multimodal RoPE (``uses_mrope``: the Qwen2-VL
-family) get three rows (t, h, w) from each chunk's plan (``positions.py``) and
-take the packed path; KV slots stay the absolute token indices.
+family) get three rows (t, h, w) from each chunk's plan (``positions.py``), on
+either path (the static buffers hold three position rows for them); KV slots
+stay the absolute token indices.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -41,6 +43,8 @@ from services.pd.runner.decode_graphs import (
     StaticDecodeConfig,
     StaticDecoder,
     batch_ladder,
+    plan_static_decode,
+    start_static_decoder,
 )
 from services.pd.runner.flex_decode import flex_available
 from services.pd.runner.sampler import Sampler
@@ -157,31 +161,28 @@ class ModelRunner:
     def _start_static_decode(self, config: StaticDecodeConfig) -> StaticDecoder | None:
         """Builds (and on CUDA warms up and captures) the static decode path, or None.
 
-        Off unless asked for, or on CUDA. When it was not asked for
-        explicitly, a failure only logs a warning and decode steps take the
-        packed path; a failed capture alone leaves the static path eager.
+        Off unless asked for, or on CUDA. On CUDA without ``--enforce-eager``
+        a failure refuses start-up (``DecodePathRefused``); see
+        ``plan_static_decode`` for when it only logs a warning instead.
         """
-        on_cuda = self.device.type == "cuda"
-        enabled = on_cuda if config.enabled is None else config.enabled
-        # Its buffers hold one position per row: multimodal RoPE (three) takes the packed path.
-        if not enabled or self.uses_mrope:
+        plan = plan_static_decode(config, self.device, self.block_size)
+        if plan is None:
             return None
-        kernel = config.kernel if config.kernel != "auto" else ("flex" if on_cuda else "ragged")
-        try:
-            decoder = self._static_decoder(config, kernel)
-            if on_cuda:
-                decoder.warm_up()
-        except Exception:
-            if config.enabled:
-                raise
-            log.warning("static decode path unavailable; decode steps take the packed path", exc_info=True)
-            return None
-        if on_cuda and config.cuda_graphs:
-            try:
-                decoder.capture()
-            except Exception:
-                log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
-        return decoder
+        return start_static_decoder(functools.partial(self._static_decoder, config), plan)
+
+    def decode_paths(self) -> dict[str, bool]:
+        """Which fast decode paths this runner uses (the ready line and ``epd_pd_captured_paths``).
+
+        ``static_decode``: decode-only steps run from static buffers;
+        ``flex_kernel``: their attention is the compiled ``flex_attention``;
+        ``cuda_graphs``: they are replayed from captured CUDA graphs.
+        """
+        decoder = self.static_decoder
+        return {
+            "static_decode": decoder is not None,
+            "flex_kernel": decoder is not None and decoder.tables.kernel == "flex",
+            "cuda_graphs": decoder is not None and decoder.num_graphs > 0,
+        }
 
     def _static_decoder(self, config: StaticDecodeConfig, kernel: str) -> StaticDecoder:
         if kernel == "flex" and not flex_available():
@@ -199,6 +200,7 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             pad_block=self.pad_block,
             device=self.device,
+            rope_axes=3 if self.uses_mrope else 1,  # multimodal RoPE: t, h, w per row
         )
         make_tables = FlexTables if kernel == "flex" else RaggedTables
         tables = make_tables(buffers, self.key_cache, self.value_cache, self._scratch, sizes)
@@ -254,7 +256,8 @@ class ModelRunner:
                 sampling_rows.append(end - 1)
         with torch.inference_mode():
             if self.static_decoder is not None and self.static_decoder.accepts(chunks):
-                logits = self.static_decoder.logits(chunks, positions[0])  # [len(chunks), vocab]
+                rows = positions if self.uses_mrope else positions[0]
+                logits = self.static_decoder.logits(chunks, rows)  # [len(chunks), vocab]
                 return logits if len(sampling_rows) == len(chunks) else logits[self._index(sampling_rows)]
             meta = self._metadata(chunks)
             inputs_embeds = self._embed(chunks, embeddings)
@@ -267,9 +270,10 @@ class ModelRunner:
     def _forward_tokens(
         self, token_ids: torch.Tensor, position_ids: torch.Tensor, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
-        """Logits of every row: ``token_ids [B]`` at ``position_ids [B]`` -> ``[B, vocab]`` (static steps)."""
+        """Logits of every row: ``token_ids [B]`` at ``position_ids`` (``[B]``, or ``[3, B]`` for multimodal
+        RoPE) -> ``[B, vocab]`` (static steps)."""
         inputs_embeds = self.model.get_input_embeddings()(token_ids)[None]
-        return self.model.lm_head(self._hidden(inputs_embeds, position_ids[None], meta))
+        return self.model.lm_head(self._hidden(inputs_embeds, position_ids[..., None, :], meta))
 
     def _hidden(
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, meta: PagedAttentionMetadata

@@ -2,12 +2,18 @@
 
 Greedy rows are one batched argmax. Random rows share one sort-based top-k /
 top-p filter; the draw uses the exponential-race trick (argmax of
-``probs / Exp(1)`` is a sample from ``probs``), so each seeded row can draw
-its noise from its own generator. A seeded row's generator is seeded from
-``(seed, num_output_tokens)``: the draw for a given token depends only on the
-request, never on which other requests share the batch, and a preempted and
-recomputed request draws the same tokens again. The runner therefore keeps no
-per-request RNG state.
+``probs / Exp(1)`` is a sample from ``probs``), so each row's noise can come
+from wherever it must. Unseeded rows take theirs from one shared generator.
+Seeded rows take counter-based noise: a hash of the row's key and each token
+id, computed for all seeded rows at once (no generator per row, no loop). The
+key is ``step_seed(seed, num_output_tokens)``: the draw for a given token
+depends only on the request, never on which other requests share the batch,
+and a preempted and recomputed request draws the same tokens again. The
+runner therefore keeps no per-request RNG state.
+
+Host to device: each step's per-row settings go up in one copy per dtype,
+from page-locked memory on CUDA and without blocking (``to_device``); the only
+wait is the one read-back of the sampled tokens.
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ import torch
 
 from services.pd.engine.outputs import SampledToken
 from services.pd.engine.request import SamplingParams
+from services.pd.runner.attention_metadata import to_device
 
 _MASK_64 = (1 << 64) - 1
+_MASK_32 = (1 << 32) - 1
+_UNIFORM_BITS = 24  # a float32 mantissa: every uniform is exactly representable
 
 
 def step_seed(seed: int, num_output_tokens: int) -> int:
@@ -62,41 +71,41 @@ class Sampler:
         if greedy_rows:
             rows = _index(greedy_rows, logits.device)
             token_ids[rows] = logits[rows].argmax(dim=-1)
-        if random_rows:
-            rows = _index(random_rows, logits.device)
-            token_ids[rows] = self._sample_random(
-                logits[rows],
-                [params[i] for i in random_rows],
-                [num_output_tokens[i] for i in random_rows],
-            )
+        rows = _index(random_rows, logits.device)
+        token_ids[rows] = self._sample_random(
+            logits[rows],
+            [params[i] for i in random_rows],
+            [num_output_tokens[i] for i in random_rows],
+        )
         return _with_logprobs(logits, token_ids, params)
 
     def _sample_random(self, logits, params, num_output_tokens) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        # One upload per dtype: [temperature, top_p] rows and [top_k, key] rows.
+        floats = to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params]]), device)
+        keys = [step_seed(p.seed, n) if p.seed is not None else 0 for p, n in zip(params, num_output_tokens)]
+        longs = to_device(torch.tensor([[p.top_k for p in params], keys], dtype=torch.long), device)
+        temperature, top_p = floats[0], floats[1]
+        top_k, row_keys = longs[0], longs[1]
         sorted_logits, sorted_ids = (logits / temperature[:, None]).sort(dim=-1, descending=True)
         _apply_top_k(sorted_logits, top_k)
         if any(p.top_p < 1.0 for p in params):
             _apply_top_p(sorted_logits, top_p)
         probs = sorted_logits.softmax(dim=-1)
-        noise = self._exponential_noise(probs, params, num_output_tokens)
+        noise = self._exponential_noise(probs, sorted_ids, params, row_keys)
         choice = (probs / noise).argmax(dim=-1, keepdim=True)
         return sorted_ids.gather(1, choice).squeeze(1)
 
-    def _exponential_noise(self, probs, params, num_output_tokens) -> torch.Tensor:
-        """``Exp(1)`` noise shaped like ``probs``: per-row generators for seeded rows."""
+    def _exponential_noise(self, probs, sorted_ids, params, row_keys) -> torch.Tensor:
+        """``Exp(1)`` noise shaped like ``probs``: counter-based for seeded rows, the shared generator's for others."""
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) == len(params):
+            return seeded_exponential(row_keys, sorted_ids)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            fresh = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
-            noise[_index(unseeded, probs.device)] = fresh.exponential_(generator=self._shared_generator(probs.device))
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                gen = torch.Generator(device=probs.device)
-                gen.manual_seed(step_seed(p.seed, num_output_tokens[i]))
-                noise[i].exponential_(generator=gen)
+        noise.exponential_(generator=self._shared_generator(probs.device))
+        if seeded:
+            rows = _index(seeded, probs.device)
+            noise[rows] = seeded_exponential(row_keys[rows], sorted_ids[rows])
         # exponential_ may return exactly 0; keep the division finite.
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
@@ -108,7 +117,40 @@ class Sampler:
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
+
+
+def seeded_exponential(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``Exp(1)`` noise for token ``token_ids[r, j]`` of row ``r``, a pure function of ``(keys[r], token id)``.
+
+    ``keys [R]`` (63-bit, from ``step_seed``) and ``token_ids [R, V]`` long, on
+    one device; returns ``[R, V]`` float32, every value in ``(0, 17.4)``. The
+    token id is hashed with the two halves of the key by two rounds of
+    murmur3's 32-bit finaliser (a bijection of 32-bit values: within a row no
+    two tokens share a uniform unless the vocabulary passes 2**32); the top 24
+    bits make a uniform ``u`` in ``(0, 1)``, and ``-log(u)`` is exponential.
+    Keyed by token id, not by rank, so the noise belongs to the token.
+    """
+    low, high = (keys & _MASK_32)[:, None], ((keys >> 32) & _MASK_32)[:, None]
+    bits = _fmix32(_fmix32(token_ids ^ low) ^ high) >> (32 - _UNIFORM_BITS)
+    uniform = (bits.float() + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
+    return -torch.log(uniform)
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on 32-bit values held in int64 (all intermediates stay below 2**49)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x * constant mod 2**32`` for 32-bit ``x`` without overflowing int64 (no signed wrap-around,
+    whose result a device's integer kernels need not agree on): the constant in two 16-bit halves."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK_32
 
 
 def _apply_top_k(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.pd.engine.request import SamplingParams
-from services.pd.runner.sampler import Sampler, step_seed
+from services.pd.runner.sampler import Sampler, seeded_exponential, step_seed
 
 VOCAB = 50
 
@@ -122,3 +122,54 @@ def test_full_vocab_logprobs_sum_to_one():
 def test_mismatched_lengths_are_refused():
     with pytest.raises(ValueError):
         _sampler().sample(_logits(2), [SamplingParams()], [0, 0])
+
+
+def test_seeded_noise_is_a_pure_function_of_key_and_token_id():
+    keys = torch.tensor([step_seed(42, n) for n in range(4)])
+    ids = torch.arange(VOCAB).expand(4, -1)
+    noise = seeded_exponential(keys, ids)
+    assert noise.shape == (4, VOCAB) and noise.dtype == torch.float32 and bool((noise > 0).all())
+    shuffled = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))
+    # The same token gets the same noise wherever it sits in the row and whichever rows come along.
+    assert torch.equal(seeded_exponential(keys[2:3], shuffled[None]), noise[2:3, shuffled])
+    assert len({tuple(row.tolist()) for row in noise}) == 4  # every output position draws anew
+
+
+def test_seeded_noise_is_exponential():
+    keys = torch.tensor([step_seed(seed, 0) for seed in range(64)])
+    noise = seeded_exponential(keys, torch.arange(4096).expand(64, -1)).flatten().double()
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.01)
+    assert noise.var().item() == pytest.approx(1.0, abs=0.03)
+    for x in (0.1, 0.5, 1.0, 2.0, 4.0):  # the CDF, 1 - exp(-x)
+        assert (noise <= x).double().mean().item() == pytest.approx(1 - math.exp(-x), abs=0.005)
+
+
+def test_seeded_frequencies_across_seeds_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    draws = 6000
+    logits = torch.full((draws, VOCAB), -1e9)
+    logits[:, :3] = probs.log()
+    params = [SamplingParams(seed=seed) for seed in range(draws)]
+    out = torch.tensor(_ids(_sampler().sample(logits, params, [0] * draws)))
+    freq = torch.bincount(out, minlength=3)[:3].float() / draws
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_seeded_rows_build_no_generator_and_upload_nothing_from_pageable_memory(monkeypatch):
+    logits = _logits(6, seed=8)
+    params = [SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=s, logprobs=2) for s in range(5)]
+    params.append(SamplingParams(temperature=0.0))
+    expected = _ids(Sampler().sample(logits, params, [3] * 6))
+    real_tensor = torch.tensor
+
+    def tensor_without_device(*args, **kwargs):
+        # torch.tensor(..., device=cuda) copies from pageable memory and waits: uploads go through to_device.
+        assert kwargs.get("device") is None, "a per-row setting was uploaded with a blocking copy"
+        return real_tensor(*args, **kwargs)
+
+    def no_generator(*args, **kwargs):
+        raise AssertionError("a torch.Generator was built for a seeded row")
+
+    monkeypatch.setattr(torch, "tensor", tensor_without_device)
+    monkeypatch.setattr(torch, "Generator", no_generator)
+    assert _ids(Sampler().sample(logits, params, [3] * 6)) == expected
