@@ -35,6 +35,9 @@ class ContextDouble:
     def invocation_metadata(self):
         return ()
 
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
     def set_trailing_metadata(self, metadata) -> None:
         pass
 
