@@ -32,15 +32,13 @@ from transformers import (
 )
 
 from .builder_qwen import write_qwen_checkpoint
+from .cache import is_built, resolve_model
 from .chat_template import LLAVA_CHAT_TEMPLATE
 from .init_weights import initialise_vlm
-from .presets import CLIP_MEAN, CLIP_STD, PRESETS, Preset, get_preset
+from .presets import CLIP_MEAN, CLIP_STD, Preset, get_preset
 from .tokenizer import IMAGE, build_hf_tokenizer
 
 logger = logging.getLogger(__name__)
-
-BUILD_VERSION = "v1"  # bump when the builder's output changes, so cached builds are not reused
-CONFIG_FILE = "config.json"
 
 
 def _vision_config(preset: Preset) -> CLIPVisionConfig | SiglipVisionConfig:
@@ -245,32 +243,19 @@ def _publish(staging: Path, out_dir: Path, overwrite: bool) -> None:
     try:
         os.rename(staging, out_dir)
     except OSError:
-        if not (out_dir / CONFIG_FILE).is_file():
+        if not is_built(out_dir):
             raise
         logger.info("another builder published %s first; keeping it", out_dir)
 
 
-def default_model_dir(preset: str = "tiny") -> Path:
-    """``$EPD_CACHE_DIR/models/<preset>-v1`` (default cache dir ``~/.cache/epd``), read when called."""
-    cache_dir = os.environ.get("EPD_CACHE_DIR") or str(Path("~/.cache/epd").expanduser())
-    return Path(cache_dir).expanduser() / "models" / f"{preset}-{BUILD_VERSION}"
-
-
 def ensure_model(preset_or_path: str | None, progress: Callable[[str], None] | None = None) -> Path | str:
-    """Resolve ``--model``: empty means the tiny preset, a preset name is built on first use.
+    """Resolve ``--model`` (``cache.resolve_model``), building a missing preset here, in this process."""
 
-    An existing directory is returned as is; anything else is returned
-    unchanged as a hub id (or a path the loader will report as missing).
-    """
-    name = preset_or_path or "tiny"
-    if name in PRESETS:
-        target = default_model_dir(name)
-        if not (target / CONFIG_FILE).is_file():
-            try:
-                build_checkpoint(name, target, progress=progress)
-            except FileExistsError:
-                if not (target / CONFIG_FILE).is_file():  # not a concurrent builder's result
-                    raise
-        return target
-    path = Path(name).expanduser()
-    return path if path.is_dir() else name
+    def build(name: str, target: Path) -> None:
+        try:
+            build_checkpoint(name, target, progress=progress)
+        except FileExistsError:
+            if not is_built(target):  # not a concurrent builder's result
+                raise
+
+    return resolve_model(preset_or_path, build)
