@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -36,14 +37,15 @@ from .cache import is_built, resolve_model
 from .chat_template import LLAVA_CHAT_TEMPLATE
 from .init_weights import initialise_vlm
 from .presets import CLIP_MEAN, CLIP_STD, Preset, get_preset
-from .tokenizer import IMAGE, build_hf_tokenizer
+from .processing import text_config_of
+from .tokenizer import IMAGE, build_hf_tokenizer, token_id
 
 logger = logging.getLogger(__name__)
 
 
 def _vision_config(preset: Preset) -> CLIPVisionConfig | SiglipVisionConfig:
-    vision = preset.vision
-    shape = dict(
+    vision = preset.llava_vision
+    shape: dict[str, Any] = dict(
         hidden_size=vision.hidden_size,
         num_hidden_layers=vision.num_layers,
         num_attention_heads=vision.num_heads,
@@ -57,7 +59,7 @@ def _vision_config(preset: Preset) -> CLIPVisionConfig | SiglipVisionConfig:
 
 
 def _siglip(preset: Preset) -> bool:
-    return preset.vision.kind == "siglip"
+    return preset.llava_vision.kind == "siglip"
 
 
 def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
@@ -68,7 +70,7 @@ def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaCon
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        image_token_id=token_id(tokenizer, IMAGE),
     )
 
 
@@ -98,7 +100,7 @@ def _llava_config(
     return LlavaConfig(
         vision_config=_vision_config(preset),
         text_config=text_config,
-        image_token_id=image_token_id,
+        image_token_index=image_token_id,  # what LlavaConfig calls image_token_id
         image_seq_length=preset.num_image_tokens,
         vision_feature_layer=-2,
         # SigLIP has no CLS token: every patch is an image token.
@@ -127,7 +129,8 @@ def llava_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> Llava
     CLIP: shortest-edge resize and centre crop, CLIP's normalisation; SigLIP:
     a plain resize to the square input size, normalised to [-1, 1].
     """
-    size = preset.vision.image_size
+    size = preset.llava_vision.image_size
+    image_processor: SiglipImageProcessorPil | CLIPImageProcessorPil
     if _siglip(preset):
         image_processor = SiglipImageProcessorPil(size={"height": size, "width": size})
     else:
@@ -172,7 +175,7 @@ def _write_llava_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: 
     # non-persistent buffers that to_empty leaves unset are never saved.
     model = model.to_empty(device=device)
     # Rows past the tokenizer's (a padded vocabulary) count as special: never sampled.
-    never_sampled = [*tokenizer.all_special_ids, *range(len(tokenizer), config.text_config.vocab_size)]
+    never_sampled = [*tokenizer.all_special_ids, *range(len(tokenizer), text_config_of(config).vocab_size)]
     initialise_vlm(model, never_sampled, seed, preset.context_strength)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,

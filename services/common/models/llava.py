@@ -50,4 +50,4 @@ class LlavaAdapter(LlavaProcessing, ModelAdapter):
     def load_full_model(self, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
         directory = self.source.directory(WEIGHT_PATTERNS + PROCESSOR_PATTERNS)
         model = LlavaForConditionalGeneration.from_pretrained(directory, dtype=dtype)
-        return model.to(device).eval()
+        return model.to(device).eval()  # type: ignore[arg-type]  # transformers types its to() wrapper without self

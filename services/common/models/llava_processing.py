@@ -8,7 +8,15 @@ from typing import Any
 from transformers import AutoProcessor, AutoTokenizer, LlavaConfig, PreTrainedConfig
 
 from .pixel_layout import PixelLayout
-from .processing import ModelProcessing, ProcessedImage, eos_token_ids, float32_pixels, pixel_settings, read_json
+from .processing import (
+    ModelProcessing,
+    ProcessedImage,
+    eos_token_ids,
+    float32_pixels,
+    pixel_settings,
+    read_json,
+    text_config_of,
+)
 from .source import CONFIG_PATTERNS, PROCESSOR_PATTERNS, CheckpointSource
 
 
@@ -36,10 +44,8 @@ class LlavaProcessing(ModelProcessing):
 
     @property
     def text_config(self) -> PreTrainedConfig:
-        """The LM's config (``LlavaConfig`` turns a dict into one when it is loaded)."""
-        text_config = self.config.text_config
-        assert isinstance(text_config, PreTrainedConfig)
-        return text_config
+        """The LM's config."""
+        return text_config_of(self.config)
 
     @functools.cached_property
     def _processor(self) -> Any:

@@ -44,6 +44,9 @@ class _TextCausalLM:
     """
 
     uses_mrope = True
+    # Set by the concrete classes' __init__ (declared here for the methods below).
+    model: Qwen2VLTextModel | Qwen2_5_VLTextModel
+    lm_head: nn.Linear
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -157,4 +160,4 @@ class QwenVLAdapter(QwenVLProcessing, ModelAdapter):
     def load_full_model(self, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
         directory = self.source.directory(WEIGHT_PATTERNS + PROCESSOR_PATTERNS)
         model = AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype)
-        return model.to(device).eval()
+        return model.to(device).eval()  # type: ignore[arg-type]  # transformers types its to() wrapper without self

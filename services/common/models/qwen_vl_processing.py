@@ -22,6 +22,7 @@ from .processing import (
     eos_token_ids,
     float32_pixels,
     pixel_settings,
+    text_config_of,
 )
 from .source import CONFIG_PATTERNS, PROCESSOR_PATTERNS, CheckpointSource
 
@@ -64,10 +65,8 @@ class QwenVLProcessing(ModelProcessing):
 
     @property
     def text_config(self) -> PreTrainedConfig:
-        """The LM's config (the VLM config turns a dict into one when it is loaded)."""
-        text_config = self.config.text_config
-        assert isinstance(text_config, PreTrainedConfig)
-        return text_config
+        """The LM's config."""
+        return text_config_of(self.config)
 
     @functools.cached_property
     def _processor(self) -> QwenProcessor:

@@ -16,6 +16,7 @@ Two kinds of vision modules exist:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -51,10 +52,12 @@ def encode_images(
     with torch.inference_mode():
         if packs_grids(module):
             pixels = torch.cat([p for p, _ in images]).to(device=device, dtype=dtype)
-            grids = torch.tensor([list(g) for _, g in images], dtype=torch.long, device=device)
-            out = module(pixels, grids)  # [sum tokens, hidden]
-            merge = module.spatial_merge_size
-            sizes = [t * h * w // (merge * merge) for t, h, w in (g for _, g in images)]
+            grids = _grids(images)
+            out = module(pixels, torch.tensor(grids, dtype=torch.long, device=device))  # [sum tokens, hidden]
+            merge = cast(
+                int, module.spatial_merge_size
+            )  # an int attribute; nn.Module's __getattr__ is typed for tensors
+            sizes = [t * h * w // (merge * merge) for t, h, w in grids]
             if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != sum(sizes):
                 raise RuntimeError("vision module returned an unexpected output shape")
             return list(out.split(sizes))
@@ -63,3 +66,13 @@ def encode_images(
         if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != len(images):
             raise RuntimeError("vision module returned an unexpected output shape")
         return list(out.unbind(0))
+
+
+def _grids(images: Sequence[tuple[torch.Tensor, Grid | None]]) -> list[list[int]]:
+    """The patch grids of images for a packed forward; ValueError if one has none (``PixelLayout.check`` requires them)."""
+    grids = []
+    for _, grid in images:
+        if grid is None:
+            raise ValueError("a dynamic-resolution vision module needs a grid for every image")
+        grids.append(list(grid))
+    return grids
