@@ -5,9 +5,10 @@ the proxy against its torch-free half, ``load_processing`` (see ``ModelProcessin
 ``build_checkpoint``/``ensure_model`` make the random-weight demo checkpoints.
 Families: LLaVA (``llava.py``), Qwen2-VL and Qwen2.5-VL (``qwen_vl.py``).
 
-Importing this package does not import torch: the names of its torch half are
-loaded on first use, so a torch-free submodule (``processing``, ``supported``,
-``cache``, ``presets``) can be imported without pulling torch through here.
+Importing this package imports neither torch nor transformers (which imports
+torch whenever it is installed): names from modules that do are loaded on
+first use, so importing a light submodule (``processing``, ``cache``,
+``presets``) does not pull them in through here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from .cache import default_model_dir
 from .pixel_layout import PixelLayout
 from .presets import PRESETS, Preset, get_preset
 from .processing import ModelProcessing, ProcessedImage, UnsupportedImageError, UnsupportedModelError
-from .supported import PROCESSING, check_supported, load_processing
 
 if TYPE_CHECKING:
     from .adapter import ModelAdapter, count_parameters
@@ -28,31 +28,35 @@ if TYPE_CHECKING:
     from .llava import LlavaAdapter
     from .loading import MissingWeightsError, Part, split_checkpoint_key, split_qwen_key
     from .qwen_vl import QwenVLAdapter
+    from .supported import PROCESSING, check_supported, load_processing
     from .vision import VisionEncoder
     from .vision_io import batch_key, encode_images
 
-# The torch half: name -> the submodule that defines it, imported by ``__getattr__``.
-_TORCH_NAMES = {
+# Names from modules that import transformers or torch -> that module, imported by ``__getattr__``.
+_LAZY_NAMES = {
     "ADAPTERS": ".families",
-    "LlavaAdapter": ".llava",
-    "MissingWeightsError": ".loading",
-    "ModelAdapter": ".adapter",
-    "Part": ".loading",
-    "QwenVLAdapter": ".qwen_vl",
-    "VisionEncoder": ".vision",
     "batch_key": ".vision_io",
     "build_checkpoint": ".builder",
+    "check_supported": ".supported",
     "count_parameters": ".adapter",
     "encode_images": ".vision_io",
     "ensure_model": ".builder",
+    "LlavaAdapter": ".llava",
     "load_adapter": ".families",
+    "load_processing": ".supported",
+    "MissingWeightsError": ".loading",
+    "ModelAdapter": ".adapter",
+    "Part": ".loading",
+    "PROCESSING": ".supported",
+    "QwenVLAdapter": ".qwen_vl",
     "split_checkpoint_key": ".loading",
     "split_qwen_key": ".loading",
+    "VisionEncoder": ".vision",
 }
 
 
 def __getattr__(name: str) -> Any:
-    module = _TORCH_NAMES.get(name)
+    module = _LAZY_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(module, __name__), name)

@@ -35,9 +35,9 @@ from transformers import (
 from .builder_qwen import write_qwen_checkpoint
 from .cache import is_built, resolve_model
 from .chat_template import LLAVA_CHAT_TEMPLATE
+from .configs import text_config_of
 from .init_weights import initialise_vlm
 from .presets import CLIP_MEAN, CLIP_STD, Preset, get_preset
-from .processing import text_config_of
 from .tokenizer import IMAGE, build_hf_tokenizer, token_id
 
 logger = logging.getLogger(__name__)

@@ -12,10 +12,11 @@ from types import MappingProxyType
 from typing import Any
 
 from .adapter import ModelAdapter
+from .configs import load_config
 from .llava import LlavaAdapter
 from .qwen_vl import QwenVLAdapter
 from .source import CheckpointSource
-from .supported import check_supported, load_config
+from .supported import check_supported
 
 # Families by config ``model_type``, the same keys as ``supported.PROCESSING``; read-only.
 ADAPTERS: MappingProxyType[str, Callable[[CheckpointSource, Any], ModelAdapter]] = MappingProxyType(

@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import AutoProcessor, AutoTokenizer, LlavaConfig, PreTrainedConfig
 
+from .configs import text_config_of
 from .pixel_layout import PixelLayout
 from .processing import (
     ModelProcessing,
@@ -15,7 +16,6 @@ from .processing import (
     float32_pixels,
     pixel_settings,
     read_json,
-    text_config_of,
 )
 from .source import CONFIG_PATTERNS, PROCESSOR_PATTERNS, CheckpointSource
 

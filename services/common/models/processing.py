@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transformers import PreTrainedConfig
 
 from .pixel_layout import Grid, PixelLayout
 
@@ -113,14 +112,6 @@ class ModelProcessing(ABC):
     @abstractmethod
     def load_tokenizer(self) -> Any:
         """A fresh HF tokenizer; no weights."""
-
-
-def text_config_of(config: Any) -> PreTrainedConfig:
-    """A VLM config's LM config (the VLM config turns a dict into one when it is made or loaded)."""
-    text_config = config.text_config
-    if not isinstance(text_config, PreTrainedConfig):
-        raise TypeError("the model config has no text_config")
-    return text_config
 
 
 def float32_pixels(pixels: Any) -> np.ndarray:

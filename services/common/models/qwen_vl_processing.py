@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedConfig
 
+from .configs import text_config_of
 from .pixel_layout import PixelLayout
 from .processing import (
     ModelProcessing,
@@ -22,7 +23,6 @@ from .processing import (
     eos_token_ids,
     float32_pixels,
     pixel_settings,
-    text_config_of,
 )
 from .source import CONFIG_PATTERNS, PROCESSOR_PATTERNS, CheckpointSource
 

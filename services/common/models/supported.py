@@ -10,8 +10,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from transformers import AutoConfig
-
+from .configs import load_config
 from .llava_processing import LlavaProcessing
 from .processing import ModelProcessing, UnsupportedModelError, read_json
 from .qwen_vl_processing import QwenVLProcessing
@@ -36,11 +35,6 @@ def check_supported(source: CheckpointSource) -> str:
             f"{', '.join(sorted(PROCESSING))}"
         )
     return model_type
-
-
-def load_config(source: CheckpointSource) -> Any:
-    """The checkpoint's transformers config (configs only, no weights)."""
-    return AutoConfig.from_pretrained(source.directory(CONFIG_PATTERNS))
 
 
 def load_processing(path_or_hub_id: str | Path) -> ModelProcessing:

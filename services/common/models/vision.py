@@ -7,7 +7,7 @@ from torch import nn
 from transformers import AutoModel, LlavaConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from .processing import text_config_of
+from .configs import text_config_of
 
 
 class VisionEncoder(nn.Module):

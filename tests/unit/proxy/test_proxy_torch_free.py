@@ -42,3 +42,11 @@ def test_proxy_preprocesses_and_encodes_without_torch(tiny_model_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     num_tokens, num_ids = (int(n) for n in done.stdout.split())
     assert num_tokens > 0 and num_ids > num_tokens
+
+
+def test_importing_the_proxy_imports_neither_torch_nor_transformers():
+    # transformers imports torch whenever it is installed, so the proxy loads it only with the checkpoint.
+    check = "import sys, services.proxy.app, services.proxy.main; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
