@@ -51,12 +51,12 @@ def add_flag(
             help=f"{help} [env {env}; default: {default}]",
         )
         return
-    convert = type or (lambda x: x)
-    value = convert(raw) if raw is not None else default
+    convert: Callable[[str], Any] = type or str  # no type: the text as is
+    initial = convert(raw) if raw is not None else default
     parser.add_argument(
         flag,
-        type=type,
-        default=value,
+        type=convert,
+        default=initial,
         choices=choices,
         help=f"{help} [env {env}; default: {default}]",
     )

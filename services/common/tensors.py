@@ -1,6 +1,7 @@
 """The tensor wire codec: dtype enum + shape + raw little-endian bytes.
 
-This is the only module that turns tensors into bytes and back. It never
+This is the only module that turns torch tensors into bytes and back
+(``wire.py`` encodes the proxy's numpy arrays in the same format). It never
 uses pickle or ``torch.load``: a payload is validated against its declared
 dtype and shape before a single byte is interpreted.
 """
@@ -8,38 +9,41 @@ dtype and shape before a single byte is interpreted.
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from services.common.pb import epd_pb2
+from services.common.wire import CHUNK_BYTES, MAX_ID_CHARS, iter_chunks
 
-CHUNK_BYTES = 1 << 20
-"""Largest raw chunk of a streamed tensor (1 MiB), far below gRPC's limits."""
+__all__ = [
+    "CHUNK_BYTES",
+    "MAX_ID_CHARS",
+    "PIXEL_DTYPES",
+    "dtype_from_pb",
+    "dtype_to_pb",
+    "expected_num_bytes",
+    "from_pb",
+    "iter_chunks",
+    "tensor_bytes",
+    "tensor_from_bytes",
+    "to_pb",
+]
 
-_TO_PB = {
+_TO_PB: dict[torch.dtype, epd_pb2.DType] = {
     torch.float32: epd_pb2.DTYPE_FLOAT32,
     torch.float16: epd_pb2.DTYPE_FLOAT16,
     torch.bfloat16: epd_pb2.DTYPE_BFLOAT16,
     torch.uint8: epd_pb2.DTYPE_UINT8,
 }
-_FROM_PB = {v: k for k, v in _TO_PB.items()}
-
-# Every supported platform is little-endian; the wire format is defined as
-# little-endian so a big-endian host must refuse rather than misread.
-if sys.byteorder != "little":  # pragma: no cover
-    raise ImportError("the tensor wire codec requires a little-endian host")
+_FROM_PB: dict[int, torch.dtype] = {v: k for k, v in _TO_PB.items()}
 
 
 PIXEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Dtypes accepted for the pixel tensors of an Encode call (encoder service and colocated PD)."""
 
-MAX_ID_CHARS = 256
-"""Longest request id, mm_hash or reservation id accepted in an Encode call (they end up in logs and metadata)."""
 
-
-def dtype_to_pb(dtype: torch.dtype) -> int:
+def dtype_to_pb(dtype: torch.dtype) -> epd_pb2.DType:
     """Maps a torch dtype to its ``epd.v1.DType`` value (ValueError if unsupported)."""
     try:
         return _TO_PB[dtype]
@@ -64,7 +68,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """Raw bytes of ``tensor`` (moved to CPU and made contiguous), without a copy when possible."""
     cpu = tensor.detach().to("cpu").contiguous()
     # numpy has no bfloat16: view the storage as bytes instead.
-    return memoryview(cpu.view(torch.uint8).numpy()).cast("B") if cpu.numel() else memoryview(b"")
+    return cpu.view(torch.uint8).numpy().data.cast("B") if cpu.numel() else memoryview(b"")
 
 
 def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -96,10 +100,3 @@ def to_pb(tensor: torch.Tensor) -> epd_pb2.Tensor:
 def from_pb(message: epd_pb2.Tensor) -> torch.Tensor:
     """Decodes an ``epd.v1.Tensor`` message; ValueError on any inconsistency."""
     return tensor_from_bytes(message.data, dtype_from_pb(message.dtype), list(message.shape))
-
-
-def iter_chunks(data: memoryview | bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Splits a payload into chunks of at most ``chunk_bytes``."""
-    view = memoryview(data)
-    for start in range(0, len(view), chunk_bytes):
-        yield bytes(view[start : start + chunk_bytes])

@@ -221,7 +221,7 @@ async def _generate(
 
 def default_served_name(model: str, model_id: str) -> str:
     """A built-in preset is served under its preset name ("tiny"); anything else under its model id."""
-    from services.common.models import PRESETS
+    from services.common.models.presets import PRESETS
 
     name = model or "tiny"
     return name if name in PRESETS else model_id
@@ -330,9 +330,11 @@ async def metrics(request: Request) -> Response:
 def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetcher | None, metrics: ProxyMetrics):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
-        from services.common.models import ensure_model, load_adapter
+        from services.common.models.cache import ensure_model_in_child
+        from services.common.models.supported import load_processing
 
-        adapter = await asyncio.to_thread(lambda: load_adapter(str(ensure_model(config.model))))
+        # The torch-free half of the adapter; a missing built-in model is built in a child process.
+        adapter = await asyncio.to_thread(lambda: load_processing(str(ensure_model_in_child(config.model))))
         processor = await asyncio.to_thread(adapter.load_processor)
         max_model_len = min(config.max_model_len or adapter.max_model_len, adapter.max_model_len)
         preprocessor = Preprocessor(

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from services.common import grpc_utils, tensors
+from services.common import grpc_utils, wire
 from services.common.grids import grid_to_pb
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
@@ -320,7 +320,7 @@ class Pipeline:
                 epd_pb2.EncodeItem(
                     mm_hash=image.mm_hash,
                     reservation_id=reservation_id,
-                    pixel_values=tensors.to_pb(image.pixel_values),
+                    pixel_values=wire.array_to_pb(image.pixel_values),
                     grid=grid_to_pb(image.patch_grid),
                 )
             ],

@@ -13,10 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
+import numpy as np
 
 from services.common.grids import grid_to_pb
 from services.common.hashing import mm_hash
+from services.common.models.processing import UnsupportedImageError
 from services.common.pb import epd_pb2
 from services.proxy.errors import (
     ImageError,
@@ -31,14 +32,14 @@ from services.proxy.text_limits import TextLimit
 
 
 class Adapter(Protocol):
-    """The part of ``services.common.models`` adapters the proxy uses."""
+    """The part of a ``services.common.models.processing.ModelProcessing`` the proxy uses."""
 
     model_id: str
     image_token_id: int
     max_model_len: int
 
     def num_image_tokens(self, height: int, width: int) -> int: ...
-    def process_image(self, image_processor: Any, image: Any) -> Any: ...  # -> models.ProcessedImage
+    def process_image(self, image_processor: Any, image: Any) -> Any: ...  # -> processing.ProcessedImage
     def processor_settings(self) -> dict: ...
 
 
@@ -49,7 +50,7 @@ class ImageItem:
     mm_hash: str
     offset: int  # first placeholder position in Prompt.token_ids
     num_tokens: int  # placeholder count == embedding rows
-    pixel_values: torch.Tensor  # float32 from the checkpoint's image processor: [3, H, W], or patches (see grids)
+    pixel_values: np.ndarray  # float32 from the checkpoint's image processor: [3, H, W], or patches (see grids)
     # Dynamic-resolution models only (else None): the patch grid goes to the
     # encoder, the same grid in LM tokens (t*h*w == num_tokens) to PD.
     patch_grid: tuple[int, int, int] | None = None
@@ -145,7 +146,7 @@ class ProcessedImage:
 
     mm_hash: str
     num_tokens: int  # placeholder count for its size
-    pixel_values: torch.Tensor  # from the checkpoint's image processor (models.ProcessedImage)
+    pixel_values: np.ndarray  # float32 from the checkpoint's image processor (processing.ProcessedImage)
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
 
@@ -230,8 +231,6 @@ class Preprocessor:
 
     def _process(self, payload: bytes) -> ProcessedImage:
         """Decodes one image, runs the checkpoint's image processor on it (400 if it refuses), hashes it."""
-        from services.common.models.adapter import UnsupportedImageError
-
         self.faults.before_decode()
         image = decode_image_bytes(payload, self.max_image_pixels)
         try:

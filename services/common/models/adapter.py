@@ -2,112 +2,23 @@
 
 Each family (``llava.py``, ``qwen_vl.py``) implements ``ModelAdapter``;
 ``families.load_adapter`` picks one by the config's ``model_type``. Services
-and policy code see only this interface.
+and policy code see only this interface. Its torch-free half (configs,
+tokenizer, image processor) is ``processing.ModelProcessing``, all the proxy uses.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import json
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from abc import abstractmethod
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .vision_io import PixelLayout
-
-# Image-processor attributes that change the pixels a picture becomes (for mm_hash).
-PIXEL_SETTINGS = (
-    "do_convert_rgb",
-    "do_resize",
-    "size",
-    "resample",
-    "default_to_square",
-    "do_center_crop",
-    "crop_size",
-    "do_rescale",
-    "rescale_factor",
-    "do_normalize",
-    "image_mean",
-    "image_std",
-    "do_pad",
-    "pad_size",
-)
+from .processing import ModelProcessing
 
 
-class UnsupportedModelError(ValueError):
-    """A checkpoint of a model family this project does not serve; the message names the supported ones."""
-
-
-class UnsupportedImageError(ValueError):
-    """An image the model's processor cannot take (e.g. an extreme aspect ratio)."""
-
-
-@dataclass(frozen=True)
-class ProcessedImage:
-    """One image as the encoder takes it, and what the LM sees of it.
-
-    ``pixel_values``: ``[3, H, W]`` for fixed-size towers (LLaVA); for
-    dynamic-resolution towers (Qwen2-VL) the flattened patches ``[t*h*w,
-    C*T*P*P]``, with ``patch_grid`` = the processor's ``(t, h, w)`` in patches
-    and ``token_grid`` = the same in LM tokens (``t * h * w == num_tokens``).
-    """
-
-    pixel_values: torch.Tensor  # float32, contiguous
-    num_tokens: int  # placeholder tokens == embedding rows
-    patch_grid: tuple[int, int, int] | None = None
-    token_grid: tuple[int, int, int] | None = None
-
-
-class ModelAdapter(ABC):
-    """One checkpoint of one model family, split for disaggregated serving.
-
-    Attributes: ``family`` (config ``model_type``), ``model_id`` (directory
-    name or hub id), ``image_token`` and ``image_token_id`` (the placeholder a
-    processor expands per image), ``eos_token_id`` (first of ``eos_token_ids``,
-    the ids ``generate()`` stops on), ``hidden_size`` (LM embedding width),
-    ``max_model_len`` (LM positions), ``uses_mrope`` (the LM takes 3-D
-    multimodal rotary positions; items then carry grids).
-    """
-
-    family: str
-    model_id: str
-    image_token: str
-    image_token_id: int
-    eos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    hidden_size: int
-    max_model_len: int
-    uses_mrope: bool = False
-
-    @abstractmethod
-    def num_image_tokens(self, height: int, width: int) -> int:
-        """Placeholder tokens (= embedding rows) for an image of this size."""
-
-    @abstractmethod
-    def process_image(self, image_processor: Any, image: Any) -> ProcessedImage:
-        """One RGB PIL image through the checkpoint's image processor; ``UnsupportedImageError`` if it cannot."""
-
-    @abstractmethod
-    def pixel_layout(self) -> PixelLayout:
-        """The pixel tensors the vision half takes (checked where they arrive)."""
-
-    @abstractmethod
-    def processor_settings(self) -> dict[str, Any]:
-        """JSON-able image-processor settings that affect pixel values (part of ``mm_hash``)."""
-
-    @abstractmethod
-    def load_processor(self) -> Any:
-        """A fresh processor: ``.tokenizer``, ``.image_processor``, ``.apply_chat_template``; no weights."""
-
-    @abstractmethod
-    def load_tokenizer(self) -> Any:
-        """A fresh HF tokenizer; no weights."""
+class ModelAdapter(ModelProcessing):
+    """One checkpoint of one model family, split for disaggregated serving: ``ModelProcessing`` plus the weights."""
 
     @abstractmethod
     def load_vision(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -122,44 +33,9 @@ class ModelAdapter(ABC):
         """The whole HF model, for reference outputs in tests."""
 
 
-def pixel_settings(image_processor: Any, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The processor's class and pixel-affecting attributes, JSON-able (for ``mm_hash``)."""
-    settings: dict[str, Any] = {"image_processor": type(image_processor).__name__}
-    for key in PIXEL_SETTINGS + extra:
-        if hasattr(image_processor, key):
-            settings[key] = _jsonable(getattr(image_processor, key))
-    return settings
-
-
 def tied_head(missing: set[str], tied: bool) -> dict[str, str]:
     """With tied embeddings a checkpoint may omit the head: it shares the input embeddings."""
     return {"lm_head.weight": "model.embed_tokens.weight"} if tied and "lm_head.weight" in missing else {}
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def eos_token_ids(directory: Path, fallback: int | list[int] | None) -> tuple[int, ...]:
-    """The ids ``generate()`` stops on: generation_config.json's, else the LM config's."""
-    eos = read_json(directory / "generation_config.json").get("eos_token_id", fallback)
-    if eos is None:
-        return ()
-    return (eos,) if isinstance(eos, int) else tuple(eos)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if dataclasses.is_dataclass(value):  # SizeDict: keep only the dimensions that are set
-        return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items() if v is not None}
-    if isinstance(value, enum.Enum):  # resampling filters
-        return _jsonable(value.value)
-    if isinstance(value, (str, int, float, bool, type(None))):
-        return value
-    return str(value)
 
 
 def count_parameters(module: nn.Module) -> int:

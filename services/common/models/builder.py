@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -32,20 +33,19 @@ from transformers import (
 )
 
 from .builder_qwen import write_qwen_checkpoint
+from .cache import is_built, resolve_model
 from .chat_template import LLAVA_CHAT_TEMPLATE
+from .configs import text_config_of
 from .init_weights import initialise_vlm
-from .presets import CLIP_MEAN, CLIP_STD, PRESETS, Preset, get_preset
-from .tokenizer import IMAGE, build_hf_tokenizer
+from .presets import CLIP_MEAN, CLIP_STD, Preset, get_preset
+from .tokenizer import IMAGE, build_hf_tokenizer, token_id
 
 logger = logging.getLogger(__name__)
 
-BUILD_VERSION = "v1"  # bump when the builder's output changes, so cached builds are not reused
-CONFIG_FILE = "config.json"
-
 
 def _vision_config(preset: Preset) -> CLIPVisionConfig | SiglipVisionConfig:
-    vision = preset.vision
-    shape = dict(
+    vision = preset.llava_vision
+    shape: dict[str, Any] = dict(
         hidden_size=vision.hidden_size,
         num_hidden_layers=vision.num_layers,
         num_attention_heads=vision.num_heads,
@@ -59,7 +59,7 @@ def _vision_config(preset: Preset) -> CLIPVisionConfig | SiglipVisionConfig:
 
 
 def _siglip(preset: Preset) -> bool:
-    return preset.vision.kind == "siglip"
+    return preset.llava_vision.kind == "siglip"
 
 
 def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
@@ -70,7 +70,7 @@ def llava_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlavaCon
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        image_token_id=token_id(tokenizer, IMAGE),
     )
 
 
@@ -100,7 +100,7 @@ def _llava_config(
     return LlavaConfig(
         vision_config=_vision_config(preset),
         text_config=text_config,
-        image_token_id=image_token_id,
+        image_token_index=image_token_id,  # what LlavaConfig calls image_token_id
         image_seq_length=preset.num_image_tokens,
         vision_feature_layer=-2,
         # SigLIP has no CLS token: every patch is an image token.
@@ -129,7 +129,8 @@ def llava_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> Llava
     CLIP: shortest-edge resize and centre crop, CLIP's normalisation; SigLIP:
     a plain resize to the square input size, normalised to [-1, 1].
     """
-    size = preset.vision.image_size
+    size = preset.llava_vision.image_size
+    image_processor: SiglipImageProcessorPil | CLIPImageProcessorPil
     if _siglip(preset):
         image_processor = SiglipImageProcessorPil(size={"height": size, "width": size})
     else:
@@ -174,7 +175,7 @@ def _write_llava_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: 
     # non-persistent buffers that to_empty leaves unset are never saved.
     model = model.to_empty(device=device)
     # Rows past the tokenizer's (a padded vocabulary) count as special: never sampled.
-    never_sampled = [*tokenizer.all_special_ids, *range(len(tokenizer), config.text_config.vocab_size)]
+    never_sampled = [*tokenizer.all_special_ids, *range(len(tokenizer), text_config_of(config).vocab_size)]
     initialise_vlm(model, never_sampled, seed, preset.context_strength)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -245,32 +246,19 @@ def _publish(staging: Path, out_dir: Path, overwrite: bool) -> None:
     try:
         os.rename(staging, out_dir)
     except OSError:
-        if not (out_dir / CONFIG_FILE).is_file():
+        if not is_built(out_dir):
             raise
         logger.info("another builder published %s first; keeping it", out_dir)
 
 
-def default_model_dir(preset: str = "tiny") -> Path:
-    """``$EPD_CACHE_DIR/models/<preset>-v1`` (default cache dir ``~/.cache/epd``), read when called."""
-    cache_dir = os.environ.get("EPD_CACHE_DIR") or str(Path("~/.cache/epd").expanduser())
-    return Path(cache_dir).expanduser() / "models" / f"{preset}-{BUILD_VERSION}"
-
-
 def ensure_model(preset_or_path: str | None, progress: Callable[[str], None] | None = None) -> Path | str:
-    """Resolve ``--model``: empty means the tiny preset, a preset name is built on first use.
+    """Resolve ``--model`` (``cache.resolve_model``), building a missing preset here, in this process."""
 
-    An existing directory is returned as is; anything else is returned
-    unchanged as a hub id (or a path the loader will report as missing).
-    """
-    name = preset_or_path or "tiny"
-    if name in PRESETS:
-        target = default_model_dir(name)
-        if not (target / CONFIG_FILE).is_file():
-            try:
-                build_checkpoint(name, target, progress=progress)
-            except FileExistsError:
-                if not (target / CONFIG_FILE).is_file():  # not a concurrent builder's result
-                    raise
-        return target
-    path = Path(name).expanduser()
-    return path if path.is_dir() else name
+    def build(name: str, target: Path) -> None:
+        try:
+            build_checkpoint(name, target, progress=progress)
+        except FileExistsError:
+            if not is_built(target):  # not a concurrent builder's result
+                raise
+
+    return resolve_model(preset_or_path, build)

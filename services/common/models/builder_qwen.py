@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import (
     GenerationConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -37,10 +38,19 @@ from .tokenizer import (
     VISION_END,
     VISION_START,
     build_qwen_tokenizer,
+    token_id,
+    token_ids,
 )
 
 # Per family: config class, model class, processor class name (as processor_config.json names it).
-_FAMILIES = {
+_FAMILIES: dict[
+    str,
+    tuple[
+        type[Qwen2_5_VLConfig | Qwen2VLConfig],
+        type[PreTrainedModel],
+        str,
+    ],
+] = {
     "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "Qwen2_5_VLProcessor"),
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration, "Qwen2VLProcessor"),
 }
@@ -48,7 +58,7 @@ _FAMILIES = {
 
 
 def _vision_config(preset: Preset) -> dict:
-    vision: QwenVisionShape = preset.vision
+    vision: QwenVisionShape = preset.qwen_vision
     common = dict(
         depth=vision.num_layers,
         num_heads=vision.num_heads,
@@ -78,7 +88,7 @@ def qwen_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> Qwen2_5_V
     """The model config of a ``qwen*`` preset (untied embeddings, as the weight initialisation needs)."""
     text = preset.text
     config_class = _FAMILIES[preset.family][0]
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL_TOKENS}
+    ids = {token: token_id(tokenizer, token) for token in QWEN_SPECIAL_TOKENS}
     text_config = dict(
         vocab_size=len(tokenizer),
         hidden_size=text.hidden_size,
@@ -110,7 +120,7 @@ def qwen_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> Qwen2_5_V
 
 def qwen_image_processor(preset: Preset) -> Qwen2VLImageProcessorPil:
     """The dynamic-resolution image processor (aspect ratio kept, pixel count within bounds)."""
-    vision: QwenVisionShape = preset.vision
+    vision = preset.qwen_vision
     return Qwen2VLImageProcessorPil(
         min_pixels=vision.min_pixels,
         max_pixels=vision.max_pixels,
@@ -131,9 +141,9 @@ def write_qwen_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Ca
     with torch.device("meta"):
         model = _FAMILIES[preset.family][1](config)
     model = model.to_empty(device="cpu")  # every parameter is written below; buffers are not saved
-    special_ids = tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS))
+    special_ids = token_ids(tokenizer, list(QWEN_SPECIAL_TOKENS))
     initialise_vlm(model, special_ids, seed, preset.context_strength)
-    eos = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
+    eos = token_ids(tokenizer, [IM_END, ENDOFTEXT])
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1])
     progress("saving weights")
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -1,41 +1,32 @@
-"""The model families this project serves, and ``load_adapter``: a checkpoint -> its family's adapter."""
+"""The model families this project serves, and ``load_adapter``: a checkpoint -> its family's adapter.
+
+Which families exist, and how a checkpoint is checked against them, is
+``supported`` (torch-free, shared with the proxy); this module adds the weights' side.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
-from transformers import AutoConfig
-
-from .adapter import ModelAdapter, UnsupportedModelError, read_json
+from .adapter import ModelAdapter
+from .configs import load_config
 from .llava import LlavaAdapter
 from .qwen_vl import QwenVLAdapter
-from .source import CONFIG_PATTERNS, CheckpointSource
+from .source import CheckpointSource
+from .supported import check_supported
 
-# Families by config ``model_type``; read-only.
-ADAPTERS: MappingProxyType[str, type[ModelAdapter]] = MappingProxyType(
+# Families by config ``model_type``, the same keys as ``supported.PROCESSING``; read-only.
+ADAPTERS: MappingProxyType[str, Callable[[CheckpointSource, Any], ModelAdapter]] = MappingProxyType(
     {"llava": LlavaAdapter, "qwen2_vl": QwenVLAdapter, "qwen2_5_vl": QwenVLAdapter}
 )
-
-
-def check_supported(source: CheckpointSource) -> str:
-    """The checkpoint's ``model_type``; ``UnsupportedModelError`` (one line naming the supported ones) if not served.
-
-    Reads ``config.json`` as plain JSON, so a model type unknown even to
-    ``transformers`` gets the same clear message.
-    """
-    model_type = read_json(source.directory(CONFIG_PATTERNS) / "config.json").get("model_type")
-    if model_type not in ADAPTERS:
-        raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r} in {source.name}; supported model families: "
-            f"{', '.join(sorted(ADAPTERS))}"
-        )
-    return model_type
+__all__ = ["ADAPTERS", "check_supported", "load_adapter"]
 
 
 def load_adapter(path_or_hub_id: str | Path) -> ModelAdapter:
     """The adapter for a checkpoint directory or hub id; reads the configs only, no weights."""
     source = CheckpointSource(path_or_hub_id)
     model_type = check_supported(source)
-    config = AutoConfig.from_pretrained(source.directory(CONFIG_PATTERNS))
-    return ADAPTERS[model_type](source, config)
+    return ADAPTERS[model_type](source, load_config(source))

@@ -32,6 +32,7 @@ from collections.abc import Collection
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 _SMALL_STD = 0.02  # CLIP class and position embeddings, as in CLIP itself
 
@@ -63,7 +64,7 @@ def _init_tensor(name: str, tensor: torch.Tensor, generator: torch.Generator, lm
 
 
 @torch.no_grad()
-def initialise_vlm(model: nn.Module, special_ids: Collection[int], seed: int, context_strength: float) -> None:
+def initialise_vlm(model: PreTrainedModel, special_ids: Collection[int], seed: int, context_strength: float) -> None:
     """Overwrite every parameter of a ``*ForConditionalGeneration`` VLM (see module docstring).
 
     LM weights are recognised by ``language_model`` in their names, as both
@@ -75,8 +76,8 @@ def initialise_vlm(model: nn.Module, special_ids: Collection[int], seed: int, co
     for name in sorted(params):
         if name != "lm_head.weight":
             _init_tensor(name, params[name], generator, context_strength)
-    embeddings = model.get_input_embeddings().weight
-    lm_head = model.get_output_embeddings().weight
+    embeddings = _weight(model.get_input_embeddings())
+    lm_head = _weight(model.get_output_embeddings())
     if lm_head.data_ptr() == embeddings.data_ptr():
         raise ValueError("the bigram backbone needs untied input and output embeddings")
     lm_head.zero_()
@@ -84,3 +85,11 @@ def initialise_vlm(model: nn.Module, special_ids: Collection[int], seed: int, co
     current = torch.tensor(list(successors.keys()), device=device)
     following = torch.tensor(list(successors.values()), device=device)
     lm_head[following] = embeddings[current]
+
+
+def _weight(module: nn.Module | None) -> torch.Tensor:
+    """An embedding or head module's weight matrix (ValueError when the model has none)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError("the model has no input or output embedding weights")
+    return weight

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
-from services.common.models.vision_io import Grid, PixelLayout, batch_key, encode_images
+from services.common.models.pixel_layout import Grid, PixelLayout
+from services.common.models.vision_io import batch_key, encode_images
 
 WARMUP_IMAGE_SIZE = 64
 """Side of the blank image used for the warm-up forward (any size: the processor resizes)."""
@@ -39,7 +40,8 @@ class LoadedVision:
         """
         from PIL import Image
 
-        from services.common.models import ensure_model, load_adapter
+        from services.common.models.builder import ensure_model
+        from services.common.models.families import load_adapter
 
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
@@ -51,7 +53,7 @@ class LoadedVision:
             module=adapter.load_vision(torch_device, torch_dtype).eval(),
             device=torch_device,
             dtype=torch_dtype,
-            sample_pixels=sample.pixel_values,
+            sample_pixels=torch.from_numpy(sample.pixel_values),
             num_tokens=sample.num_tokens,
             hidden_size=adapter.hidden_size,
             sample_grid=sample.patch_grid,

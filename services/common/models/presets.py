@@ -92,9 +92,24 @@ class Preset:
     build_device: str = "cpu"
 
     @property
+    def llava_vision(self) -> VisionShape:
+        """``vision`` of a LLaVA preset; TypeError for a dynamic-resolution one."""
+        if not isinstance(self.vision, VisionShape):
+            raise TypeError(f"the {self.name} preset has no fixed-size vision tower")
+        return self.vision
+
+    @property
+    def qwen_vision(self) -> QwenVisionShape:
+        """``vision`` of a Qwen2-VL / Qwen2.5-VL preset; TypeError for a LLaVA one."""
+        if not isinstance(self.vision, QwenVisionShape):
+            raise TypeError(f"the {self.name} preset has no dynamic-resolution vision tower")
+        return self.vision
+
+    @property
     def num_image_tokens(self) -> int:
         """Embedding rows per image of a fixed-size (LLaVA) preset (CLS dropped, as in llava-1.5)."""
-        return (self.vision.image_size // self.vision.patch_size) ** 2
+        vision = self.llava_vision
+        return (vision.image_size // vision.patch_size) ** 2
 
 
 TINY = Preset(
@@ -131,7 +146,7 @@ BENCH = Preset(
     context_strength=1.2,
 )
 
-LLAVA_SIGLIP_TINY = replace(TINY, name="llava-siglip-tiny", vision=replace(TINY.vision, kind="siglip"))
+LLAVA_SIGLIP_TINY = replace(TINY, name="llava-siglip-tiny", vision=replace(TINY.llava_vision, kind="siglip"))
 
 # Qwen's tiny LM rotates fast (small rope_theta) so that every position axis
 # visibly changes the output: a wrong height/width position fails the oracle.

@@ -1,12 +1,10 @@
 """Qwen2-VL and Qwen2.5-VL checkpoints: dynamic resolution and multimodal RoPE.
 
-An image keeps its aspect ratio: the processor resizes it to a multiple of
-``patch_size * merge_size`` with a pixel count within ``min_pixels`` /
-``max_pixels`` and cuts it into patches; its token count is ``t * h * w /
-merge_size**2`` for its patch grid ``(t, h, w)``. The vision half (tower with
-window attention on 2.5, patch merger) takes the flattened patches of any
-number of images of any grids in one packed forward. The LM half is the text
-decoder + head; it rotates by 3-D positions (``services/pd/engine/positions.py``).
+The vision half (tower with window attention on 2.5, patch merger) takes the
+flattened patches of any number of images of any grids in one packed forward.
+The LM half is the text decoder + head; it rotates by 3-D positions
+(``services/pd/engine/positions.py``). The torch-free half (configs,
+processor, grids, pixels) is ``qwen_vl_processing.QwenVLProcessing``.
 """
 
 from __future__ import annotations
@@ -19,12 +17,7 @@ from typing import Any
 import torch
 from accelerate import init_empty_weights
 from torch import nn
-from transformers import (
-    AutoImageProcessor,
-    AutoModelForImageTextToText,
-    AutoTokenizer,
-    PreTrainedModel,
-)
+from transformers import AutoModelForImageTextToText, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionTransformerPretrainedModel,
@@ -37,14 +30,10 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VLTextModel,
 )
 
-from .adapter import ModelAdapter, ProcessedImage, UnsupportedImageError, eos_token_ids, pixel_settings, tied_head
+from .adapter import ModelAdapter, tied_head
 from .loading import Part, SafetensorsCheckpoint, load_part, split_qwen_key
-from .source import CONFIG_PATTERNS, PROCESSOR_PATTERNS, WEIGHT_PATTERNS, CheckpointSource
-from .vision_io import PixelLayout
-
-# The patch count a tower accepts, relative to what the processor's max_pixels
-# allows: smart_resize may exceed max_pixels for very elongated images.
-_MAX_PATCHES_SLACK = 4
+from .qwen_vl_processing import QwenVLProcessing
+from .source import PROCESSOR_PATTERNS, WEIGHT_PATTERNS
 
 
 class _TextCausalLM:
@@ -55,6 +44,9 @@ class _TextCausalLM:
     """
 
     uses_mrope = True
+    # Set by the concrete classes' __init__ (declared here for the methods below).
+    model: Qwen2VLTextModel | Qwen2_5_VLTextModel
+    lm_head: nn.Linear
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -115,19 +107,6 @@ class QwenVisionEncoder(nn.Module):
 
 
 @dataclass(frozen=True)
-class QwenProcessor:
-    """What the proxy needs of a Qwen checkpoint's processor: the tokenizer (it holds the chat
-    template) and the image processor. transformers' processor class also needs a video
-    processor, which cannot be built without torchvision; images need only these two."""
-
-    tokenizer: Any
-    image_processor: Any
-
-    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any:
-        return self.tokenizer.apply_chat_template(messages, **kwargs)
-
-
-@dataclass(frozen=True)
 class _Family:
     lm: type[PreTrainedModel]
     tower: type[PreTrainedModel]
@@ -139,79 +118,12 @@ _FAMILIES = {
 }
 
 
-class QwenVLAdapter(ModelAdapter):
-    """Qwen2-VL / Qwen2.5-VL: dynamic resolution, 3-D rotary positions, grids on the wire."""
-
-    uses_mrope = True
-
-    def __init__(self, source: CheckpointSource, config: Any):
-        self.source = source
-        self.config = config
-        self.family = config.model_type
-        self._parts = _FAMILIES[self.family]
-        text_config = config.text_config
-        self.model_id = source.model_id
-        self.image_token_id = config.image_token_id
-        self.hidden_size = text_config.hidden_size
-        self.max_model_len = text_config.max_position_embeddings
-        self.eos_token_ids = eos_token_ids(source.directory(CONFIG_PATTERNS), text_config.eos_token_id)
-        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
-
-    @functools.cached_property
-    def _processor(self) -> QwenProcessor:
-        """Private shared instance for read-only questions (token counts, settings)."""
-        return self.load_processor()
+class QwenVLAdapter(QwenVLProcessing, ModelAdapter):
+    """Qwen2-VL / Qwen2.5-VL: ``QwenVLProcessing`` plus the split weights."""
 
     @property
-    def image_token(self) -> str:
-        return self._processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
-
-    @property
-    def merge_size(self) -> int:
-        return int(self.config.vision_config.spatial_merge_size)
-
-    def num_image_tokens(self, height: int, width: int) -> int:
-        try:
-            patches = self._processor.image_processor.get_number_of_image_patches(height, width)
-        except ValueError:
-            raise UnsupportedImageError(_SHAPE_REFUSED) from None
-        return patches // (self.merge_size * self.merge_size)
-
-    def process_image(self, image_processor: Any, image: Any) -> ProcessedImage:
-        try:
-            out = image_processor(images=[image], return_tensors="pt")
-        except ValueError:  # smart_resize refuses aspect ratios above 200:1
-            raise UnsupportedImageError(_SHAPE_REFUSED) from None
-        t, h, w = (int(n) for n in out["image_grid_thw"][0])
-        merge = self.merge_size
-        return ProcessedImage(
-            pixel_values=out["pixel_values"].to(torch.float32).contiguous(),  # [t*h*w, C*T*P*P]
-            num_tokens=t * h * w // (merge * merge),
-            patch_grid=(t, h, w),
-            token_grid=(t, h // merge, w // merge),
-        )
-
-    def pixel_layout(self) -> PixelLayout:
-        vision = self.config.vision_config
-        image_processor = self._processor.image_processor
-        max_pixels = image_processor.size["longest_edge"]
-        return PixelLayout(
-            patch_dim=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
-            merge_size=self.merge_size,
-            max_patches=_MAX_PATCHES_SLACK * max_pixels // image_processor.patch_size**2,
-        )
-
-    def processor_settings(self) -> dict[str, Any]:
-        extra = ("patch_size", "temporal_patch_size", "merge_size")
-        return pixel_settings(self._processor.image_processor, extra)
-
-    def load_processor(self) -> QwenProcessor:
-        directory = self.source.directory(PROCESSOR_PATTERNS)
-        # The PIL backend everywhere, so pixels (and mm_hash) do not depend on whether torchvision is installed.
-        return QwenProcessor(self.load_tokenizer(), AutoImageProcessor.from_pretrained(directory, backend="pil"))
-
-    def load_tokenizer(self) -> Any:
-        return AutoTokenizer.from_pretrained(self.source.directory(PROCESSOR_PATTERNS))
+    def _parts(self) -> _Family:
+        return _FAMILIES[self.family]
 
     def _weights(self) -> SafetensorsCheckpoint:
         return SafetensorsCheckpoint(self.source.directory(WEIGHT_PATTERNS))
@@ -248,7 +160,4 @@ class QwenVLAdapter(ModelAdapter):
     def load_full_model(self, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
         directory = self.source.directory(WEIGHT_PATTERNS + PROCESSOR_PATTERNS)
         model = AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype)
-        return model.to(device).eval()
-
-
-_SHAPE_REFUSED = "The image's aspect ratio is too extreme for this model (at most 200:1)."
+        return model.to(device).eval()  # type: ignore[arg-type]  # transformers types its to() wrapper without self

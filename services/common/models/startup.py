@@ -1,13 +1,17 @@
-"""The start-up check every service runs on ``--model``: one clear line instead of a traceback."""
+"""The start-up check every service runs on ``--model``: one clear line instead of a traceback.
+
+Torch-free (the proxy runs it too): a missing built-in checkpoint is built by
+``epd make-model`` in a child process.
+"""
 
 from __future__ import annotations
 
 import sys
 
-from .adapter import UnsupportedModelError
-from .builder import ensure_model
-from .families import check_supported
+from .cache import ModelBuildError, ensure_model_in_child
+from .processing import UnsupportedModelError
 from .source import CheckpointSource
+from .supported import check_supported
 
 
 def refuse_unservable_model(model: str, prog: str) -> int | None:
@@ -17,8 +21,8 @@ def refuse_unservable_model(model: str, prog: str) -> int | None:
     configs of a checkpoint are read.
     """
     try:
-        check_supported(CheckpointSource(ensure_model(model or None)))
-    except (UnsupportedModelError, FileNotFoundError) as error:
+        check_supported(CheckpointSource(ensure_model_in_child(model or None)))
+    except (UnsupportedModelError, FileNotFoundError, ModelBuildError) as error:
         print(f"{prog}: {error}", file=sys.stderr, flush=True)
         return 2
     return None

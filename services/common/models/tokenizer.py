@@ -278,3 +278,16 @@ def build_qwen_tokenizer(vocab_size: int, num_lines: int, seed: int = 0) -> PreT
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,
     )
+
+
+def token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    """The id of one token (transformers types ``convert_tokens_to_ids`` for a list too)."""
+    value = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(value, int):
+        raise TypeError("convert_tokens_to_ids returned no single id for one token")
+    return value
+
+
+def token_ids(tokenizer: PreTrainedTokenizerFast, tokens: list[str]) -> list[int]:
+    """The ids of several tokens, in order."""
+    return [token_id(tokenizer, token) for token in tokens]

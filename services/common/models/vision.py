@@ -7,6 +7,8 @@ from torch import nn
 from transformers import AutoModel, LlavaConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+from .configs import text_config_of
+
 
 class VisionEncoder(nn.Module):
     """Pixels to LM-space embeddings, one row per image placeholder token.
@@ -25,7 +27,7 @@ class VisionEncoder(nn.Module):
         layer = config.vision_feature_layer
         self.feature_layers: tuple[int, ...] = (layer,) if isinstance(layer, int) else tuple(layer)
         self.drop_cls = config.vision_feature_select_strategy == "default"
-        self.hidden_size: int = config.text_config.hidden_size
+        self.hidden_size: int = text_config_of(config).hidden_size
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` [N, 3, H, W] -> embeddings [N, num_image_tokens, hidden_size]."""

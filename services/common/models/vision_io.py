@@ -16,54 +16,14 @@ Two kinds of vision modules exist:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-Grid = tuple[int, int, int]
+from .pixel_layout import Grid, PixelLayout
 
-
-@dataclass(frozen=True)
-class PixelLayout:
-    """The pixel tensors a vision module takes; ``check`` refuses anything else before it is queued.
-
-    ``patch_dim == 0``: whole images ``[3, H, W]`` and no grid. Otherwise
-    flattened patches ``[t*h*w, patch_dim]`` with their patch grid ``(t, h, w)``,
-    ``h`` and ``w`` multiples of ``merge_size``, at most ``max_patches`` rows (0 = no cap).
-    """
-
-    patch_dim: int = 0
-    merge_size: int = 1
-    max_patches: int = 0
-
-    @property
-    def uses_grids(self) -> bool:
-        return self.patch_dim > 0
-
-    def num_tokens(self, grid: Grid) -> int:
-        """LM tokens of an image with this patch grid."""
-        t, h, w = grid
-        return t * h * w // (self.merge_size * self.merge_size)
-
-    def check(self, pixels: torch.Tensor, grid: Grid | None) -> None:
-        """Raises ValueError (naming the rule, never the values) unless ``pixels``/``grid`` fit.
-
-        For whole-image layouts only the grid's absence is checked here; the
-        image shape rules live with the caller.
-        """
-        if not self.uses_grids:
-            if grid is not None:
-                raise ValueError("grid must not be set for this model")
-            return
-        if grid is None:
-            raise ValueError("grid is required for this model")
-        t, h, w = grid
-        if min(grid) <= 0 or h % self.merge_size or w % self.merge_size:
-            raise ValueError(f"grid must be positive with h and w multiples of {self.merge_size}")
-        if self.max_patches and t * h * w > self.max_patches:
-            raise ValueError(f"grid has more than {self.max_patches} patches")
-        if pixels.dim() != 2 or tuple(pixels.shape) != (t * h * w, self.patch_dim):
-            raise ValueError(f"pixel_values must have shape [t*h*w, {self.patch_dim}]")
+# PixelLayout lives in the torch-free pixel_layout module (the proxy uses it); kept importable from here.
+__all__ = ["Grid", "PixelLayout", "batch_key", "encode_images", "packs_grids"]
 
 
 def packs_grids(module: torch.nn.Module) -> bool:
@@ -92,10 +52,12 @@ def encode_images(
     with torch.inference_mode():
         if packs_grids(module):
             pixels = torch.cat([p for p, _ in images]).to(device=device, dtype=dtype)
-            grids = torch.tensor([list(g) for _, g in images], dtype=torch.long, device=device)
-            out = module(pixels, grids)  # [sum tokens, hidden]
-            merge = module.spatial_merge_size
-            sizes = [t * h * w // (merge * merge) for t, h, w in (g for _, g in images)]
+            grids = _grids(images)
+            out = module(pixels, torch.tensor(grids, dtype=torch.long, device=device))  # [sum tokens, hidden]
+            merge = cast(
+                int, module.spatial_merge_size
+            )  # an int attribute; nn.Module's __getattr__ is typed for tensors
+            sizes = [t * h * w // (merge * merge) for t, h, w in grids]
             if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != sum(sizes):
                 raise RuntimeError("vision module returned an unexpected output shape")
             return list(out.split(sizes))
@@ -104,3 +66,13 @@ def encode_images(
         if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != len(images):
             raise RuntimeError("vision module returned an unexpected output shape")
         return list(out.unbind(0))
+
+
+def _grids(images: Sequence[tuple[torch.Tensor, Grid | None]]) -> list[list[int]]:
+    """The patch grids of images for a packed forward; ValueError if one has none (``PixelLayout.check`` requires them)."""
+    grids = []
+    for _, grid in images:
+        if grid is None:
+            raise ValueError("a dynamic-resolution vision module needs a grid for every image")
+        grids.append(list(grid))
+    return grids

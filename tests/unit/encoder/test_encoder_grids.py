@@ -73,7 +73,8 @@ async def test_images_of_different_grids_share_one_forward(build_model):
         adapter.process_image(image_processor, make_image(k, size))
         for k, size in enumerate([(96, 32), (32, 80), (64, 64)])
     ]
-    singles = [vision(i.pixel_values, torch.tensor([i.patch_grid])) for i in images]
+    pixels = [torch.from_numpy(i.pixel_values) for i in images]
+    singles = [vision(p, torch.tensor([i.patch_grid])) for p, i in zip(pixels, images)]
     forwards.clear()
     batcher = Batcher(
         vision,
@@ -87,7 +88,7 @@ async def test_images_of_different_grids_share_one_forward(build_model):
     batcher.start()
     try:
         results = await asyncio.gather(
-            *(batcher.encode(f"{k:064x}", i.pixel_values, None, i.patch_grid) for k, i in enumerate(images))
+            *(batcher.encode(f"{k:064x}", p, None, i.patch_grid) for k, (p, i) in enumerate(zip(pixels, images)))
         )
     finally:
         await asyncio.to_thread(batcher.stop)

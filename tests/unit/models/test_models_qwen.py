@@ -93,10 +93,11 @@ def test_halves_hold_exactly_their_weights_and_compute_what_the_whole_does(build
         for k, size in enumerate([(96, 32), (32, 80), (64, 64)])
     ]
     # One packed forward over three grids equals transformers' image features.
-    ours = encode_images(vision, [(i.pixel_values, i.patch_grid) for i in images], CPU, torch.float32)
+    pixels = [torch.from_numpy(i.pixel_values) for i in images]
+    ours = encode_images(vision, [(p, i.patch_grid) for p, i in zip(pixels, images)], CPU, torch.float32)
     with torch.no_grad():
         reference = full.model.get_image_features(
-            torch.cat([i.pixel_values for i in images]), torch.tensor([i.patch_grid for i in images])
+            torch.cat(pixels), torch.tensor([i.patch_grid for i in images])
         ).pooler_output
     for got, want in zip(ours, reference):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

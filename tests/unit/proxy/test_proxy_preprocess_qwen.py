@@ -29,7 +29,9 @@ def test_placeholders_grids_and_pixels_match_transformers(preprocessor, oracle_f
     assert prompt.token_ids == oracle.prompt_ids(messages, images)
     reference = oracle.inputs(messages, images)
     assert [item.patch_grid for item in prompt.images] == [tuple(g.tolist()) for g in reference["image_grid_thw"]]
-    torch.testing.assert_close(torch.cat([item.pixel_values for item in prompt.images]), reference["pixel_values"])
+    pixels = torch.cat([torch.from_numpy(item.pixel_values) for item in prompt.images])
+    torch.testing.assert_close(pixels, reference["pixel_values"])
+    assert pixels.numpy().tobytes() == reference["pixel_values"].float().contiguous().numpy().tobytes()
     for item in prompt.images:
         t, h, w = item.token_grid
         assert t * h * w == item.num_tokens
