@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+
+from cluster_support import InProcessCluster
 
 from services.common import tensors
 from services.common.pb import epd_pb2
@@ -42,3 +45,10 @@ def push_chunks(request_id, reservation_id, mm_hash, embedding, chunk_bytes=tens
     )
     for chunk in tensors.iter_chunks(payload, chunk_bytes):
         yield epd_pb2.PushEmbeddingChunk(data=chunk)
+
+
+def single_pd(model_dir, **pd) -> Iterator[InProcessCluster]:
+    """One in-process PD (no encoder, no proxy) with ``pd`` config fields; a module fixture yields from it."""
+    cluster = InProcessCluster(str(model_dir), num_encoders=0, with_proxy=False, pd=pd).start()
+    yield cluster
+    cluster.stop()

@@ -10,8 +10,7 @@ import hashlib
 
 import grpc
 import pytest
-from cluster_support import InProcessCluster
-from pd_client import new_request_id
+from pd_client import new_request_id, single_pd
 
 from services.common.grpc_utils import RETRY_AFTER_KEY
 from services.common.pb import epd_pb2
@@ -21,14 +20,7 @@ NUM_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def pd_cluster(tiny_model_dir):
-    cluster = InProcessCluster(
-        str(tiny_model_dir),
-        num_encoders=0,
-        with_proxy=False,
-        pd={"max_preallocations": 3, "max_preallocations_per_peer": 2},
-    ).start()
-    yield cluster
-    cluster.stop()
+    yield from single_pd(tiny_model_dir, max_preallocations=3, max_preallocations_per_peer=2)
 
 
 def _preallocate(stub, adapter, request_id: str):

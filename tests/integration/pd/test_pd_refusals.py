@@ -14,7 +14,7 @@ import pytest
 import torch
 from cluster_support import InProcessCluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pd_client import greedy, new_request_id, push_chunks, run_generate
+from pd_client import greedy, new_request_id, push_chunks, run_generate, single_pd
 
 from services.common.pb import epd_pb2
 
@@ -25,14 +25,9 @@ NUM_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def pd_cluster(tiny_model_dir):
-    cluster = InProcessCluster(
-        str(tiny_model_dir),
-        num_encoders=0,
-        with_proxy=False,
-        pd={"embedding_cache_tokens": 64, "push_idle_timeout_s": IDLE_TIMEOUT_S, "max_items_per_request": MAX_ITEMS},
-    ).start()
-    yield cluster
-    cluster.stop()
+    yield from single_pd(
+        tiny_model_dir, embedding_cache_tokens=64, push_idle_timeout_s=IDLE_TIMEOUT_S, max_items_per_request=MAX_ITEMS
+    )
 
 
 def _code(call) -> grpc.StatusCode:
