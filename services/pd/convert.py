@@ -40,6 +40,8 @@ MAX_ITEMS = 64
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII: ids end up in logs and metadata
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -50,6 +52,8 @@ def _invalid(message: str) -> EngineError:
 def check_request_id(request_id: str) -> str:
     if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
         raise _invalid(f"request_id must be 1..{MAX_REQUEST_ID_LEN} characters")
+    if not _REQUEST_ID_RE.fullmatch(request_id):
+        raise _invalid("request_id must be printable ASCII without spaces or control characters")
     return request_id
 
 
@@ -118,6 +122,8 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         raise _invalid(f"logprobs must be at most {MAX_LOGPROBS}")
     if len(params.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LEN for s in params.stop):
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
     max_tokens = params.max_tokens or max_tokens_cap
     return SamplingParams(
         temperature=float(temperature),

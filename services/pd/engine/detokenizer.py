@@ -4,7 +4,13 @@ Decoding uses the prefix/read offset technique (TGI, vLLM): each step decodes
 a short window ``tokens[prefix_offset:]`` and emits what it adds over
 ``tokens[prefix_offset:read_offset]``. A window whose text ends in U+FFFD is
 an incomplete UTF-8 character (byte-level BPE splits multi-byte characters
-across tokens), so nothing is emitted until a later token completes it.
+across tokens), so nothing is emitted until a later token completes it. A
+token that adds no text at all (a special token skipped in the output) moves
+the window on, as one that adds text does: otherwise a run of such tokens
+would grow the window without end and make every step decode all of it
+again (quadratic in the output). A window still incomplete after
+``MAX_PENDING_TOKENS`` tokens (no UTF-8 character spans that many) is
+emitted as it is.
 
 The window covers output tokens only, so that for any tokenizer whose decode
 is prefix-stable (byte-level BPE, Metaspace) the concatenated text equals
@@ -18,6 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 _REPLACEMENT_CHAR = "\ufffd"
+MAX_PENDING_TOKENS = 16
+"""Tokens a window may hold back as an incomplete character before it is emitted anyway."""
 
 
 class IncrementalDetokenizer:
@@ -83,7 +91,8 @@ class IncrementalDetokenizer:
         """Text added by the newest token, or "" while a character is incomplete."""
         head = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._token_ids[self._prefix_offset :])
-        if len(full) <= len(head) or full.endswith(_REPLACEMENT_CHAR):
+        stuck = len(self._token_ids) - self._read_offset >= MAX_PENDING_TOKENS
+        if full != head and (len(full) < len(head) or full.endswith(_REPLACEMENT_CHAR)) and not stuck:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)

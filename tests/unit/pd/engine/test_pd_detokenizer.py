@@ -130,3 +130,40 @@ def test_text_without_stop_hits_is_complete(tokenizer):
     ids = _encode(tokenizer, text)
     deltas, stopped = _stream(IncrementalDetokenizer(tokenizer, PROMPT, stop=["🧪!", "done."]), ids)
     assert not stopped and "".join(deltas) == text
+
+
+class _CountingTokenizer:
+    """Wraps a real tokenizer and counts the tokens it is asked to decode (test double)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.num_decoded = 0
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        self.num_decoded += len(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_tokens_that_decode_to_nothing_do_not_make_detokenizing_quadratic(tokenizer):
+    # Second review, finding 10: the window never advanced over tokens that decode to
+    # nothing (skipped special tokens), so each step decoded all of them again.
+    counting = _CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, PROMPT)
+    special = tokenizer.convert_tokens_to_ids("</s>")
+    text = ""
+    for _ in range(2000):
+        text += detok.add_tokens([special])[0]
+    text += detok.add_tokens(_encode(tokenizer, "héllo 🎉"))[0] + detok.flush()
+    assert text == "héllo 🎉"
+    assert counting.num_decoded < 20 * 2000  # a handful per token, not 2000 per token
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_is_unchanged_with_skipped_special_tokens_between_characters(tokenizer, text):
+    special = tokenizer.convert_tokens_to_ids("</s>")
+    ids = []
+    for token_id in _encode(tokenizer, text):
+        ids += [token_id, special]
+    detok = IncrementalDetokenizer(tokenizer, PROMPT)
+    out = "".join(detok.add_tokens([i])[0] for i in ids) + detok.flush()
+    assert out == tokenizer.decode(ids, skip_special_tokens=True) == text

@@ -1,0 +1,30 @@
+"""Second review, finding 10: PD's wire took request ids with control characters and unbounded stop_token_ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.pb import epd_pb2
+from services.pd import convert
+from services.pd.engine.errors import EngineError, ErrorKind
+
+
+@pytest.mark.parametrize("request_id", ["a\nb", "a\rb", "tab\there", "nul\x00", "esc\x1b[31m", "space here", "é"])
+def test_request_ids_with_control_characters_or_spaces_are_refused(request_id):
+    with pytest.raises(EngineError) as raised:
+        convert.check_request_id(request_id)
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT and request_id not in raised.value.message
+
+
+@pytest.mark.parametrize("request_id", ["chatcmpl-0123abcd", "warmup-ff", "cmpl-1:2/3.x_y"])
+def test_plain_request_ids_pass(request_id):
+    assert convert.check_request_id(request_id) == request_id
+
+
+def test_stop_token_ids_are_bounded():
+    params = epd_pb2.SamplingParams(max_tokens=4, stop_token_ids=list(range(convert.MAX_STOP_TOKEN_IDS)))
+    assert len(convert.sampling_from_pb(params, 16).stop_token_ids) == convert.MAX_STOP_TOKEN_IDS
+    params.stop_token_ids.append(7)
+    with pytest.raises(EngineError) as raised:
+        convert.sampling_from_pb(params, 16)
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
