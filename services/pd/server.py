@@ -194,6 +194,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens,
             retry_after_s=config.waiting_retry_after_ms / 1000.0,
+            share_prefill_with_queue=True,
         ),
         kv_cache,
         embedding_cache,

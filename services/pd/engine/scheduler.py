@@ -60,6 +60,10 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 262144  # prompt (+ output, if preempted) tokens of all waiting requests
     retry_after_s: float = 1.0  # hint returned with QueueFull
+    # While prompts wait for admission, running prefills take at most half of a
+    # limited prefill share, so a long prompt in progress does not hold up the
+    # short ones behind it (head-of-line blocking); off: strict FCFS chunks.
+    share_prefill_with_queue: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -175,12 +179,24 @@ class Scheduler:
         now = self._clock()
         out = SchedulerOutput()
         budget = TokenBudget(self.config.max_num_batched_tokens, prefill_budget)
+        if self._shares_with_queue(budget):
+            budget.held_for_waiting = budget.num_prefill // 2
         self._schedule_running(out, budget, now)
+        budget.held_for_waiting = 0
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget, now)
         out.num_batched_tokens = sum(chunk.num_tokens for chunk in out.chunks)
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    def _shares_with_queue(self, budget: TokenBudget) -> bool:
+        """Whether this step's prefill share is limited and split with admissible waiting prompts."""
+        return (
+            self.config.share_prefill_with_queue
+            and bool(self.waiting)
+            and len(self.running) < self.config.max_num_seqs
+            and budget.num_prefill < budget.num_tokens
+        )
 
     def _schedule_running(self, out: SchedulerOutput, budget: TokenBudget, now: float) -> None:
         i = 0

@@ -21,13 +21,18 @@ waiting prompts override it, from two rules:
   Goodput counts requests that meet both targets, so such a prompt advances
   at the ITL share (and by the queue rule below), and the decoding streams,
   which can still meet theirs, keep their target.
-- **Queues are batched.** With ``W`` prompts waiting, each gets the share one
-  prompt alone would get: the queue share is ``W`` times the ITL share. One
-  prompt behind a busy batch advances at the ITL pace; a burst of prompts
-  is prefilled in a few large steps rather than one ITL share at a time,
-  which would make the last of them wait ``W`` times as long and keep the
-  decode batch small (a burst then runs at a fraction of the engine's
-  throughput). As prompts start decoding, ``W`` and the share shrink.
+- **Queues are batched.** With ``W`` prompts waiting and ``D`` streams
+  decoding, a prompt waits for every prompt ahead of it, so the queue's
+  prefill share grows with ``W``. While the waiting prompts are at least
+  ``QUEUE_BATCH_RATIO`` times as many as the decoding streams (a burst), the
+  whole queue goes into one step, up to the cap: the prefill work is the same
+  however it is split, so the streams lose no time overall (one long gap
+  instead of many short stretches), while every waiting prompt starts at
+  once and the decode batch fills, which is what a burst's throughput needs.
+  With fewer waiting prompts a long step would stretch many streams' gaps
+  for few prompts, so each waiting prompt gets the ITL share one prompt
+  alone would get (``W`` times it in all): one prompt behind a busy batch,
+  such as a long image prompt, advances at the ITL pace.
 
 The step takes the largest of the ITL, deadline and queue shares, never more
 than ``--max-num-batched-tokens`` (the hard cap) and never less than the
@@ -46,6 +51,10 @@ from services.pd.engine.request import Request
 MAX_PENDING_PROMPTS = 256
 """Prompts the rules look at, from the head of the queue: a step admits far fewer, and a
 deep queue must not make every step walk it."""
+
+
+QUEUE_BATCH_RATIO = 0.5
+"""Waiting prompts per decoding stream from which the whole queue is prefilled in one step."""
 
 
 class PendingPrompt(NamedTuple):
@@ -109,8 +118,12 @@ def deadline_share(
     return min(cap, need)
 
 
-def queue_share(queue: Sequence[PendingPrompt], itl_share: int, cap: int) -> int:
-    """The ITL share for each waiting prompt, capped by the tokens they need and by ``cap``."""
-    if len(queue) < 2:
+def queue_share(queue: Sequence[PendingPrompt], itl_share: int, cap: int, num_decoding: int) -> int:
+    """The prefill the waiting prompts claim together (module docstring: "Queues are batched")."""
+    num_waiting = len(queue)
+    if num_waiting < 2:
         return 0
-    return min(cap, itl_share * len(queue), sum(prompt.num_tokens for prompt in queue))
+    needed = sum(prompt.num_tokens for prompt in queue)
+    if num_waiting >= QUEUE_BATCH_RATIO * num_decoding:
+        return min(cap, needed)
+    return min(cap, itl_share * num_waiting, needed)

@@ -17,9 +17,9 @@ step it ran (which the ``StepTimeModel`` learns from). The rule:
 - waiting prompts may claim more (``slo.py``): the **deadline share**, the
   least chunk per step that lets every prompt still able to meet its TTFT
   deadline meet it (an approaching deadline wins over the ITL target; a lost
-  one does not), and the **queue share**, the ITL share once per waiting
-  prompt (a burst is prefilled in a few large steps, not one small chunk at
-  a time). The step takes the largest of the three;
+  one does not), and the **queue share** (a burst, many prompts waiting
+  beside few streams, is prefilled in one step; a few waiting prompts get
+  one ITL share each). The step takes the largest of the three;
 - the ITL target is ``--slo-itl-ms``, or with ``auto`` ``AUTO_TARGET_MULTIPLE``
   times the predicted decode-only step of the current batch; the TTFT target
   is ``--slo-ttft-ms``, or with ``auto`` ``AUTO_TTFT_MULTIPLE`` times the
@@ -176,7 +176,7 @@ class StepBudget:
             per_token_s = self.model.prefill_seconds_per_token
             budget = max(
                 itl_share,
-                slo.queue_share(queue, itl_share, cap),
+                slo.queue_share(queue, itl_share, cap, decoding.num_decode_rows),
                 slo.deadline_share(queue, base_s, per_token_s, cap, since_last_step_s),
             )
         self._last_budget = budget
@@ -257,16 +257,20 @@ class TokenBudget:
     """What is left of one step's tokens, as the scheduler spends them.
 
     Every chunk takes from ``num_tokens`` (the step budget); prefill chunks also
-    from ``num_prefill`` (their share, ``StepBudget.prefill_budget``).
+    from ``num_prefill`` (their share, ``StepBudget.prefill_budget``), less what
+    is ``held_for_waiting`` (the scheduler keeps part of it for admissions).
     """
 
     def __init__(self, num_tokens: int, num_prefill: int | None) -> None:
         self.num_tokens = num_tokens
         self.num_prefill = num_tokens if num_prefill is None else max(0, num_prefill)
+        self.held_for_waiting = 0
 
     def limit(self, decoding: bool) -> int:
         """Most tokens the next chunk may take."""
-        return self.num_tokens if decoding else min(self.num_tokens, self.num_prefill)
+        if decoding:
+            return self.num_tokens
+        return min(self.num_tokens, max(0, self.num_prefill - self.held_for_waiting))
 
     def spend(self, num: int, decoding: bool) -> None:
         self.num_tokens -= num

@@ -271,3 +271,29 @@ def test_max_model_len_stops_generation(make):
     request = h.add("a", [1, 2, 3, 4], max_tokens=100)
     h.run()
     assert request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens == 6
+
+
+
+
+def _long_prompt_behind_a_decode(h):
+    h.add("dec", [2, 3], max_tokens=20)
+    h.step(prefill_budget=40)  # "dec" prefills and starts decoding
+    h.add("long", [1] * 120, max_tokens=2)
+    h.step(prefill_budget=40)  # "long" is admitted with a 40-token chunk
+    h.add("short", [4, 5, 6, 7, 8, 9], max_tokens=2)
+    out, _ = h.step(prefill_budget=40)
+    return {c.request_id: c.num_tokens for c in out.chunks}
+
+
+def test_a_long_prompt_in_progress_leaves_half_the_prefill_share_to_the_queue(make):
+    h = make(budget=64, share_prefill_with_queue=True)
+    assert _long_prompt_behind_a_decode(h) == {"dec": 1, "long": 20, "short": 6}
+    out, _ = h.step(prefill_budget=40)  # nobody waits: the prompt in progress takes the whole share
+    assert {c.request_id: c.num_tokens for c in out.chunks}["long"] == 40
+    h.run()
+
+
+def test_strict_fcfs_chunks_when_sharing_is_off(make):
+    h = make(budget=64)
+    assert _long_prompt_behind_a_decode(h) == {"dec": 1, "long": 40}
+    h.run()

@@ -35,12 +35,18 @@ def itl_share(b: StepBudget) -> int:
 # --------------------------------------------------------------- the rules
 def test_a_burst_is_prefilled_in_one_step_not_one_itl_share_at_a_time():
     b = budget()
-    alone = itl_share(b)
-    burst = [PendingPrompt(100, -1.0) for _ in range(24)]  # 24 prompts, deadlines already passed
-    tokens = b.prefill_budget(DECODING, queue=burst)
-    assert alone < 30 and tokens == min(CAP, alone * 24, 2400)
-    whole_queue = [PendingPrompt(80, -1.0) for _ in range(20)]  # 1600 tokens: the queue share covers it all
-    assert b.prefill_budget(StepShape(2, 0, 200), queue=whole_queue) >= 1600 or alone * 20 < 1600
+    alone = itl_share(b)  # 8 streams decoding
+    burst = [PendingPrompt(100, -1.0) for _ in range(6)]  # 6 prompts waiting: >= half as many as streams
+    assert alone < 30 and b.prefill_budget(DECODING, queue=burst) == 600  # all of them, in one step
+    big = [PendingPrompt(300, -1.0) for _ in range(24)]
+    assert b.prefill_budget(DECODING, queue=big) == CAP  # never more than the cap
+
+
+def test_a_few_prompts_behind_many_streams_get_one_itl_share_each():
+    b = budget()
+    busy = StepShape(16, 0, 4000)
+    alone = b.prefill_budget(busy)
+    assert b.prefill_budget(busy, queue=[PendingPrompt(500, 1e6)] * 3) == 3 * alone
 
 
 def test_a_burst_at_an_idle_engine_gets_the_whole_cap():
@@ -123,12 +129,13 @@ def test_deadline_share_is_the_least_chunk_that_makes_every_feasible_deadline():
     assert deadline_share([PendingPrompt(5000, 100.0)], base, c, 64) <= 64
 
 
-def test_queue_share_is_one_itl_share_per_waiting_prompt():
-    assert queue_share([], 20, CAP) == 0
-    assert queue_share([PendingPrompt(500, 1.0)], 20, CAP) == 0  # one prompt: the ITL share alone
-    assert queue_share([PendingPrompt(500, 1.0)] * 3, 20, CAP) == 60
-    assert queue_share([PendingPrompt(10, 1.0)] * 3, 20, CAP) == 30  # no more than they need
-    assert queue_share([PendingPrompt(500, 1.0)] * 300, 20, CAP) == CAP
+def test_queue_share_batches_a_burst_and_shares_a_short_queue():
+    assert queue_share([], 20, CAP, 4) == 0
+    assert queue_share([PendingPrompt(500, 1.0)], 20, CAP, 0) == 0  # one prompt: the ITL share alone
+    assert queue_share([PendingPrompt(500, 1.0)] * 3, 20, CAP, 16) == 60  # few beside many: a share each
+    assert queue_share([PendingPrompt(10, 1.0)] * 3, 20, CAP, 16) == 30  # no more than they need
+    assert queue_share([PendingPrompt(100, 1.0)] * 8, 20, CAP, 16) == 800  # a burst: the whole queue
+    assert queue_share([PendingPrompt(500, 1.0)] * 300, 20, CAP, 16) == CAP
 
 
 def request(request_id: str, num_tokens: int, arrival: float) -> Request:
