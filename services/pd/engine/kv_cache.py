@@ -7,8 +7,10 @@ positions ``[i * block_size, (i + 1) * block_size)``.
 Prefix caching: once a block is full and computed, it is registered under a
 chained key ``H(previous key, token ids, images overlapping the block)``. Image
 placeholder tokens are identical for every image, so the key also carries the
-``mm_hash`` of each overlapping image and where the image starts relative to the
-block: two different images at the same position never share KV.
+``mm_hash`` of each overlapping image, where the image starts relative to the
+block and, for models with multimodal RoPE, the image's grid (it decides the
+positions its tokens and every later token rotate by): two different images,
+or one image claimed with two grids, at the same position never share KV.
 
 Freed blocks keep their key and join an LRU free queue, so a later request with
 the same prefix can revive them; a block is evicted from the key map only when
@@ -318,8 +320,9 @@ class KVCacheManager:
             while first < len(spans) and spans[first].end <= start:
                 first += 1
             extras, j = [], first
-            while j < len(spans) and spans[j].offset < end:  # ``mm_hash@offset``, offset relative to the block
-                extras.append(f"{spans[j].mm_hash}@{spans[j].offset - start}")
+            while j < len(spans) and spans[j].offset < end:  # ``mm_hash@offset[/t,h,w]``, offset relative to the block
+                grid = spans[j].grid  # M-RoPE: the grid decides the image tokens' positions, so their K/V
+                extras.append(f"{spans[j].mm_hash}@{spans[j].offset - start}" + (f"/{grid}" if grid else ""))
                 j += 1
             keys.append(block_key(keys[-1] if keys else b"", token_slice(request, start, end), extras))
         return keys

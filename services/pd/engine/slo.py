@@ -2,7 +2,7 @@
 
 The step budget (``step_budget.py``) keeps decoding streams within their
 inter-token latency (ITL) target. This module says when, and by how much,
-waiting prompts override it, from two rules:
+waiting prompts override it, by three rules:
 
 - **Deadlines.** Every prompt has a time-to-first-token (TTFT) deadline:
   its arrival, plus the time it spent blocked on its images (PD cannot
@@ -51,8 +51,6 @@ from services.pd.engine.request import Request
 MAX_PENDING_PROMPTS = 256
 """Prompts the rules look at, from the head of the queue: a step admits far fewer, and a
 deep queue must not make every step walk it."""
-
-
 QUEUE_BATCH_RATIO = 0.5
 """Waiting prompts per decoding stream from which the whole queue is prefilled in one step."""
 

@@ -129,6 +129,19 @@ def test_same_image_at_another_offset_does_not_share_kv(kv):
     assert kv.get_computed_blocks(b) == ([], 0)
 
 
+def test_one_image_claimed_with_another_grid_does_not_share_kv(kv):
+    # Second review, finding 10: Qwen prefix-cache keys left out the image grid, so a
+    # token holder could plant K/V computed at the wrong 3-D positions under an image.
+    tokens = [1, 2] + [0] * 4 + [3, 4, 5]
+    a = make_request("a", tokens, [MultiModalSpan("cat", 2, 4, (1, 2, 2))])
+    compute_all(kv, a)
+    kv.free(a)
+    same = make_request("same", tokens, [MultiModalSpan("cat", 2, 4, (1, 2, 2))])
+    assert kv.get_computed_blocks(same)[1] == 8
+    other = make_request("other", tokens, [MultiModalSpan("cat", 2, 4, (1, 1, 4))])
+    assert kv.get_computed_blocks(other) == ([], 0)
+
+
 def test_text_before_an_image_still_hits(kv):
     tokens = [1, 2, 3, 4, 5, 6, 7, 8] + [0] * 4 + [9]
     a = make_request("a", tokens, [MultiModalSpan("cat", 8, 4)])

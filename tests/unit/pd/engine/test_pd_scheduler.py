@@ -273,8 +273,6 @@ def test_max_model_len_stops_generation(make):
     assert request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens == 6
 
 
-
-
 def _long_prompt_behind_a_decode(h):
     h.add("dec", [2, 3], max_tokens=20)
     h.step(prefill_budget=40)  # "dec" prefills and starts decoding
