@@ -7,7 +7,7 @@
    images, repeated images, clients hanging up mid-stream, invalid inputs)
    while, one after another, an encoder and a PD are SIGKILLed and a PD is
    SIGTERMed (drain), each restarted on its address; recovery and rejoin
-   times are measured (see ``_soak_faults``);
+   times are measured (see ``faults.py``);
 2. soak phase (``--duration-s``): the same load without faults; resident
    memory of every process is sampled when it starts and when it ends;
 3. quiescence: every PD and encoder is asked (GetLoad) what it still holds.
