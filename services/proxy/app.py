@@ -32,6 +32,7 @@ from services.proxy.errors import ApiError, RequestError, invalid_api_key, model
 from services.proxy.http_util import (
     ClientDisconnected,
     EventStreamResponse,
+    check_json_content_type,
     parse_body,
     read_body,
     request_timeout,
@@ -60,6 +61,7 @@ from services.proxy.responses import (
     stream_events,
 )
 from services.proxy.sampling import (
+    check_stop_token_ids,
     check_supported,
     choice_sampling,
     requested_logprobs,
@@ -102,6 +104,16 @@ class ProxyState:
     def decode_token(self, token_id: int) -> str:
         return self.preprocessor.tokenizer.decode([token_id])
 
+    def model_object(self) -> dict[str, Any]:
+        """The OpenAI model object of the one model this proxy serves."""
+        return {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "epd",
+            "max_model_len": self.max_model_len,
+        }
+
 
 def _state(request: Request) -> ProxyState:
     return request.app.state.proxy
@@ -114,9 +126,12 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions`` (text and images, streaming or not)."""
     state, trace = _state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
-    body = parse_body(await read_body(request, state.config.max_body_bytes), ChatCompletionRequest)
+    raw = await read_body(request, state.config.max_body_bytes)
+    check_json_content_type(request)
+    body = parse_body(raw, ChatCompletionRequest)
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
+    check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
     messages = body.messages_as_dicts()
     urls = image_urls(messages)
     state.preprocessor.check_image_count(len(urls))
@@ -134,9 +149,12 @@ async def completions(request: Request) -> Response:
     """``POST /v1/completions`` (text-only: a string or a list of token ids)."""
     state, trace = _state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
-    body = parse_body(await read_body(request, state.config.max_body_bytes), CompletionRequest)
+    raw = await read_body(request, state.config.max_body_bytes)
+    check_json_content_type(request)
+    body = parse_body(raw, CompletionRequest)
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
+    check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
     prompt_input = body.prompt
     if isinstance(prompt_input, list) and prompt_input and not isinstance(prompt_input[0], int):
         if len(prompt_input) != 1:
@@ -289,15 +307,15 @@ def _note_choice(line: AccessLine, trace: Trace, num_tokens: int, outcome: str, 
 
 async def list_models(request: Request) -> JSONResponse:
     """``GET /v1/models``: the one model this proxy serves."""
+    return JSONResponse({"object": "list", "data": [_state(request).model_object()]})
+
+
+async def retrieve_model(request: Request) -> JSONResponse:
+    """``GET /v1/models/{model_id}``: the served model's object, or a 404 that does not repeat the id."""
     state = _state(request)
-    model = {
-        "id": state.served_model_name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "epd",
-        "max_model_len": state.max_model_len,
-    }
-    return JSONResponse({"object": "list", "data": [model]})
+    if request.path_params["model_id"] != state.served_model_name:
+        raise model_not_found("model_id")
+    return JSONResponse(state.model_object())
 
 
 async def health(request: Request) -> JSONResponse:
@@ -426,6 +444,8 @@ def create_app(
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    # ``:path``: a served name may contain "/" (a Hugging Face id), which clients send unescaped.
+    app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.openapi = functools.partial(openapi_document, app, config)

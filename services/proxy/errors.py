@@ -203,6 +203,15 @@ def body_too_large(limit: int) -> ApiError:
     )
 
 
+def unsupported_media_type() -> ApiError:
+    return ApiError(
+        415,
+        "The request body must be sent with Content-Type: application/json.",
+        "invalid_request_error",
+        "unsupported_media_type",
+    )
+
+
 # One row per gRPC status the backends use: (HTTP status, OpenAI type, code, message).
 # Messages are fixed so that a backend's details (which could quote input) never
 # reach the client.

@@ -22,7 +22,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from services.proxy.errors import ApiError, InvalidTimeoutError, RequestError, body_too_large, internal_error
+from services.proxy.errors import (
+    ApiError,
+    InvalidTimeoutError,
+    RequestError,
+    body_too_large,
+    internal_error,
+    unsupported_media_type,
+)
 from services.proxy.schemas import FIELD_NAMES
 
 log = logging.getLogger(__name__)
@@ -71,6 +78,18 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def check_json_content_type(request: Request) -> None:
+    """Refuses (415) a body not declared as JSON.
+
+    A browser sends ``application/x-www-form-urlencoded`` or ``text/plain``
+    bodies cross-site without a CORS preflight; only ``application/json``
+    (parameters such as ``charset`` allowed) needs one, so only it is read.
+    """
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise unsupported_media_type()
 
 
 # Pydantic error types whose message is built from the schema only (limits,

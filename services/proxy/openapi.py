@@ -91,26 +91,21 @@ _CHAT_COMPLETION = _completion(
 )
 _TEXT_COMPLETION = _completion("text_completion", {"text": {"type": "string"}})
 
+_MODEL = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+        "max_model_len": {"type": "integer"},
+    },
+}
 _MODEL_LIST = {
     "type": "object",
     "required": ["object", "data"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["id", "object", "created", "owned_by"],
-                "properties": {
-                    "id": {"type": "string"},
-                    "object": {"const": "model"},
-                    "created": {"type": "integer"},
-                    "owned_by": {"type": "string"},
-                    "max_model_len": {"type": "integer"},
-                },
-            },
-        },
-    },
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}},
 }
 _HEALTH = {
     "type": "object",
@@ -123,6 +118,7 @@ _ERROR_STATUSES = {
     "401": "Missing or wrong API key (when one is configured; /metrics also takes the internal token)",
     "404": "Unknown model",
     "413": "Body over the size limit",
+    "415": "Body not sent as application/json",
     "500": "Internal error",
     "503": "At capacity or no backend available; see Retry-After",
     "504": "The request's deadline passed",
@@ -203,7 +199,7 @@ def _generation(model: type[BaseModel], response: str) -> dict[str, Any]:
                 "description": "The completion; with stream=true, server-sent events ending with [DONE]",
                 "content": {**_json(_ref(response)), "text/event-stream": {"schema": _SSE_EVENT}},
             },
-            **_errors("400", "401", "404", "413", "500", "503", "504"),
+            **_errors("400", "401", "404", "413", "415", "500", "503", "504"),
         },
     }
 
@@ -230,6 +226,13 @@ def openapi_document(app: FastAPI, config: ProxyConfig) -> dict[str, Any]:
         "200": {"description": "The served model", "content": _json(_MODEL_LIST)},
         **_errors("401"),
     }
+    paths["/v1/models/{model_id}"]["get"].update(
+        parameters=[{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+        responses={
+            "200": {"description": "The served model", "content": _json(_MODEL)},
+            **_errors("401", "404"),
+        },
+    )
     paths["/health"]["get"]["responses"] = {
         "200": {"description": "A PD (and an encoder, if configured) is ready", "content": _json(_HEALTH)},
         "503": {"description": "Not ready", "content": _json(_HEALTH)},

@@ -190,6 +190,12 @@ class CompletionFormatter(ChatFormatter):
 
     object_name = "text_completion"
 
+    def __init__(self, meta: ResponseMeta) -> None:
+        super().__init__(meta)
+        # Characters of generated text per streamed choice so far: a chunk's
+        # text_offset continues where the previous chunk's tokens ended.
+        self._streamed_chars: dict[int, int] = {}
+
     def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
         return None  # text completions have no role chunk
 
@@ -205,9 +211,16 @@ class CompletionFormatter(ChatFormatter):
             "index": index,
             "text": text,
             "finish_reason": None,
-            "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
+            "logprobs": None if logprobs is None else self._streamed_logprobs(index, logprobs),
         }
         return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
+
+    def _streamed_logprobs(self, index: int, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
+        result = self.logprobs(entries, start=self._streamed_chars.get(index, 0))
+        offsets, tokens = result["text_offset"], result["tokens"]
+        if offsets:
+            self._streamed_chars[index] = offsets[-1] + len(tokens[-1])
+        return result
 
     def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
         return self._chunk(
@@ -235,20 +248,25 @@ class CompletionFormatter(ChatFormatter):
             "usage": usage,
         }
 
-    def logprobs(self, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
+    def logprobs(self, entries: list[epd_pb2.TokenLogprob], start: int = 0) -> dict[str, Any]:
+        """Legacy completions logprobs; ``text_offset`` counts characters of generated text from ``start``."""
         tokens = [self.meta.decode_token(e.token_id) for e in entries]
-        offsets, position = [], 0
+        offsets, position = [], start
         for token in tokens:
             offsets.append(position)
             position += len(token)
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [
-                {self.meta.decode_token(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries
-            ],
+            "top_logprobs": [self._top(token, e) for token, e in zip(tokens, entries)],
             "text_offset": offsets,
         }
+
+    def _top(self, token: str, entry: epd_pb2.TokenLogprob) -> dict[str, float]:
+        """A token's alternatives; with ``logprobs: 0`` (none asked) the sampled token alone, as OpenAI answers."""
+        if not entry.top_token_ids:
+            return {token: entry.logprob}
+        return {self.meta.decode_token(t): lp for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
 
 
 def _finish_reason(message: epd_pb2.GenerateResponse) -> str:

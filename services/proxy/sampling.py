@@ -19,6 +19,8 @@ def check_supported(body: _SamplingFields, max_n: int = 1) -> None:
         raise UnsupportedFeatureError("presence_penalty and frequency_penalty are not supported.", "presence_penalty")
     if body.logit_bias:
         raise UnsupportedFeatureError("logit_bias is not supported.", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.tool_choice not in (None, "none"):
             raise UnsupportedFeatureError("Tool calling is not supported.", "tools")
@@ -51,6 +53,12 @@ def _stop_token_ids(token_ids: list[int] | None) -> list[int]:
     if len(token_ids) > MAX_STOP_STRINGS or any(not 0 <= t < 2**32 for t in token_ids):
         raise RequestError(f"stop_token_ids must be at most {MAX_STOP_STRINGS} non-negative ids.", "stop_token_ids")
     return token_ids
+
+
+def check_stop_token_ids(token_ids: list[int] | None, vocab_size: int) -> None:
+    """Refuses stop token ids the model cannot produce, before any work is spent on the request."""
+    if token_ids and any(not 0 <= t < vocab_size for t in token_ids):
+        raise RequestError(f"stop_token_ids must be in [0, {vocab_size}).", "stop_token_ids")
 
 
 def resolve_max_tokens(

@@ -228,6 +228,28 @@ def test_completions_endpoint_features(client, model, oracle):
     assert token_prompt.usage.prompt_tokens == 4
 
 
+def test_models_retrieve(client, model):
+    served = client.models.retrieve(model)
+    assert served.id == model and served.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found" and "no-such-model" not in missing.value.message
+
+
+def test_completions_logprobs_zero_and_streamed_text_offsets(client, model):
+    prompt = "Once upon a time"
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=0)
+    logprobs = whole.choices[0].logprobs
+    assert logprobs.top_logprobs == [{t: lp} for t, lp in zip(logprobs.tokens, logprobs.token_logprobs)]
+    offsets: list[int] = []
+    for chunk in client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=0, stream=True
+    ):
+        for choice in chunk.choices:
+            offsets.extend(choice.logprobs.text_offset if choice.logprobs else [])
+    assert offsets == logprobs.text_offset and len(offsets) == MAX_TOKENS
+
+
 def test_error_classes(client, model, cluster):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=model, messages=MESSAGES, n=99)

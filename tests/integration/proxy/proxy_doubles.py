@@ -117,7 +117,9 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
                 await self._filled_changed.wait()
             await self.hold_first_token.wait()
             for index, piece in enumerate(self.pieces[:-1]):
-                yield epd_pb2.GenerateResponse(token_ids=[10 + index], text=piece)
+                yield epd_pb2.GenerateResponse(
+                    token_ids=[10 + index], text=piece, logprobs=self._logprobs(request, 10 + index)
+                )
                 await self.hold_after_first.wait()
                 if self.fail_after_first is not None:
                     await self.fail_after_first.raise_in(context)
@@ -127,14 +129,31 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
                 cached_tokens=0,
                 image_tokens=sum(item.num_tokens for item in request.mm_items),
             )
+            last = 10 + len(self.pieces)
             yield epd_pb2.GenerateResponse(
-                token_ids=[10 + len(self.pieces)], text=self.pieces[-1], finish_reason=self.finish_reason, usage=usage
+                token_ids=[last],
+                text=self.pieces[-1],
+                finish_reason=self.finish_reason,
+                usage=usage,
+                logprobs=self._logprobs(request, last),
             )
         except asyncio.CancelledError:
             self.generate_cancelled += 1
             raise
         finally:
             self.num_active -= 1
+
+    @staticmethod
+    def _logprobs(request, token_id: int) -> list[epd_pb2.TokenLogprob]:
+        """As PD answers: one entry per token when asked, with ``sampling.logprobs`` alternatives."""
+        if not request.sampling.HasField("logprobs"):
+            return []
+        top = list(range(token_id, token_id + request.sampling.logprobs))
+        return [
+            epd_pb2.TokenLogprob(
+                token_id=token_id, logprob=-0.5, top_token_ids=top, top_logprobs=[-0.5 - i for i in range(len(top))]
+            )
+        ]
 
     async def Abort(self, request, context):
         self.aborts.append(request.request_id)

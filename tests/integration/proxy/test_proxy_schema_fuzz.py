@@ -106,6 +106,11 @@ def test_read_endpoints_conform(cluster, schema, path):
     assert statuses[200] > 0
 
 
+def test_model_retrieval_conforms(cluster, schema):
+    statuses = fuzz(schema, "/v1/models/{model_id}", "GET", GenerationMode.POSITIVE, 10)
+    assert sum(statuses.values()) > 0 and set(statuses) <= {200, 404}  # generated ids are unknown models
+
+
 def test_a_top_p_below_float32_range_is_served(cluster):
     """Found by fuzzing: top_p=5e-324 is valid (> 0) but was 0 on the float32 wire, which PD refuses."""
     response = httpx.post(cluster.base_url + "/completions", json={"prompt": "hi", "top_p": 5e-324}, timeout=60)
@@ -119,6 +124,7 @@ def test_the_document_describes_every_route(cluster, schema):
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/completions"),
         ("GET", "/v1/models"),
+        ("GET", "/v1/models/{model_id}"),
         ("GET", "/health"),
         ("GET", "/metrics"),
     }
