@@ -35,15 +35,13 @@ time to first token is compared with the first one's.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hashlib
 import json
 import os
 import random
-import statistics
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
+
+from services.bench.engine.runner import EngineRunner, Result, Workload
 
 SYSTEMS = ("engine", "engine_torch_linear", "generate_batch", "generate", "static")
 
@@ -93,31 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="", help="also write the results as JSON to this path")
 
 
-@dataclass(frozen=True)
-class Workload:
-    """The prompts every system runs, and how many tokens each generates."""
-
-    prompts: list[list[int]]
-    output_len: int
-
-
-@dataclass
-class Result:
-    system: str
-    seconds: list[float] = field(default_factory=list)
-    num_tokens: int = 0
-    outputs: list[list[int]] = field(default_factory=list)
-    details: dict[str, Any] = field(default_factory=dict)  # engine: steps and where their time went
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.median_s
-
-
 def _settings(args: argparse.Namespace) -> argparse.Namespace:
     if args.quick:
         args = argparse.Namespace(
@@ -144,139 +117,6 @@ def make_workload(args: argparse.Namespace, vocab_size: int, avoid: set[int]) ->
         for _ in range(args.num_requests)
     ]
     return Workload(prompts, args.output_len)
-
-
-# ----------------------------------------------------------------------------- (a) the engine
-
-
-class EngineRunner:
-    """This repository's PD engine, driven offline through its asyncio API."""
-
-    def __init__(self, args: argparse.Namespace, model_dir: str, workload: Workload, linear_backend: str = "auto"):
-        from services.pd.config import PdConfig
-        from services.pd.server import build_engine
-
-        longest = max(args.max_prompt, args.ttft_prompt) + args.output_len
-        per_request = -(-longest // args.block_size)
-        config = PdConfig(
-            model=model_dir,
-            device=args.device,
-            dtype=args.dtype,
-            threads=args.threads,
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.num_requests,
-            # Room for every request at full length (as the static batch has) plus the TTFT prompts.
-            num_kv_blocks=(args.num_requests + 2) * per_request,
-            linear_backend=linear_backend,
-            slo_itl_ms=0,  # throughput: every step may use the whole budget, as generate_batch's does
-        )
-        self.engine, self.facts = build_engine(config)
-        self.workload = workload
-        self.loop = asyncio.new_event_loop()
-        self.engine.start()
-        from services.pd.server import warm_up
-
-        self.loop.run_until_complete(warm_up(self.engine, self.facts["eos_token_id"]))
-
-    def close(self) -> None:
-        self.engine.shutdown()
-        self.loop.close()
-
-    def measure(self) -> tuple[float, list[list[int]], dict[str, Any]]:
-        """Runs the workload once: (seconds, outputs, step details)."""
-        # Prompts repeat across rounds: forget cached prefixes so every round computes everything.
-        self.loop.run_until_complete(self.engine.call(self.engine.core.kv_cache.reset_prefix_cache))
-        before = self.loop.run_until_complete(self.engine.stats())
-        seconds, outputs = self.loop.run_until_complete(self._generate_all())
-        after = self.loop.run_until_complete(self.engine.stats())
-        return (
-            seconds,
-            outputs,
-            {key: getattr(after, key) - getattr(before, key) for key in ("num_steps", "num_preemptions")}
-            | {
-                f"{phase}_ms": int((after.steps.seconds[phase] - spent) * 1000)
-                for phase, spent in before.steps.seconds.items()
-            },
-        )
-
-    async def _generate_all(self) -> tuple[float, list[list[int]]]:
-        from services.pd.engine.request import Request, SamplingParams
-
-        sampling = SamplingParams(temperature=0.0, max_tokens=self.workload.output_len, ignore_eos=True)
-        tag = time.monotonic_ns()
-        started = time.perf_counter()
-        # All at once: every add_request lands in the engine's inbox in this loop tick.
-        queues = await asyncio.gather(
-            *(
-                self.engine.add_request(Request(f"bench-{tag}-{i}", list(p), sampling))
-                for i, p in enumerate(self.workload.prompts)
-            )
-        )
-        outputs = await asyncio.gather(*(self._collect(q) for q in queues))
-        return time.perf_counter() - started, [tokens for tokens, _, _ in outputs]
-
-    @staticmethod
-    async def _collect(events: asyncio.Queue) -> tuple[list[int], float, Any]:
-        """Tokens of one request, when its first token arrived, and the finished request."""
-        from services.pd.engine.outputs import Failed, Finished, TokenDelta
-
-        tokens: list[int] = []
-        first = 0.0
-        while True:
-            event = await events.get()
-            if isinstance(event, TokenDelta):
-                first = first or time.perf_counter()
-                tokens += event.token_ids
-            elif isinstance(event, Finished):
-                return tokens, first, event.request
-            elif isinstance(event, Failed):
-                raise RuntimeError(f"engine request failed: {event.error.message}")
-
-    def prefix_cache_ttft(
-        self,
-        args: argparse.Namespace,
-        image_token_id: int,
-        num_image_tokens: int,
-        hidden_size: int,
-        vocab: list[int],
-        round_index: int,
-    ) -> dict[str, Any]:
-        return self.loop.run_until_complete(
-            self._ttft_pair(args, image_token_id, num_image_tokens, hidden_size, vocab, round_index)
-        )
-
-    async def _ttft_pair(self, args, image_token_id, num_image_tokens, hidden_size, vocab, round_index):
-        import torch
-
-        from services.pd.engine.request import MultiModalSpan, Request, SamplingParams
-
-        rng = random.Random(args.seed * 1000 + round_index)
-        prefix = [rng.choice(vocab) for _ in range(32)]
-        suffix = [rng.choice(vocab) for _ in range(max(1, args.ttft_prompt - 32 - num_image_tokens))]
-        prompt = prefix + [image_token_id] * num_image_tokens + suffix
-        mm_hash = hashlib.sha256(f"bench-image-{args.seed}-{round_index}".encode()).hexdigest()
-        span = MultiModalSpan(mm_hash, len(prefix), num_image_tokens)
-        embedding = torch.randn(num_image_tokens, hidden_size, generator=torch.Generator().manual_seed(round_index))
-        sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        runs = []
-        for attempt in ("first", "repeat"):
-            request_id = f"ttft-{round_index}-{attempt}-{time.monotonic_ns()}"
-            [allocation] = await self.engine.preallocate(request_id, [span], 60.0, prompt_token_ids=prompt)
-            if not allocation.ready:
-                await self.engine.push(request_id, allocation.reservation_id, mm_hash, embedding)
-            started = time.perf_counter()
-            events = await self.engine.add_request(Request(request_id, list(prompt), sampling, mm_spans=[span]))
-            _, first_token, request = await self._collect(events)
-            runs.append(
-                {
-                    "ttft_ms": (first_token - started) * 1000,
-                    "cached_tokens": request.num_cached_tokens,
-                    "preallocate": "READY" if allocation.ready else "RESERVED",
-                    "via_prefix_cache": allocation.via_prefix_cache,
-                }
-            )
-        return {"prompt_tokens": len(prompt), "image_tokens": num_image_tokens, "first": runs[0], "repeat": runs[1]}
 
 
 # ----------------------------------------------------------------------------- report

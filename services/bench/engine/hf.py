@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from services.bench.engine.command import Workload
+    from services.bench.engine.runner import Workload
 
 
 def load_hf_model(model_dir: str, device: torch.device, dtype: torch.dtype):

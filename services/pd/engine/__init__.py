@@ -2,8 +2,10 @@
 
 ``core.EngineCore`` owns the request lifecycle (preallocate, push, generate,
 step, release) and ``scheduler.Scheduler`` decides each step; beside them live
-the two caches (``kv_cache``, ``embedding_cache``), the step budget and its
-time model, detokenizing streams and the typed hand-offs (``outputs``).
+the two caches (``kv_cache``, ``embedding_cache``), what a Preallocate leaves
+for its Generate (``preallocated``, with lease deadlines in ``leases``), the
+step budget (``step_budget``, ``slo``) and its time model, detokenizing
+streams and the typed hand-offs (``outputs``).
 
 May import: the standard library and ``services.common`` helpers that are
 pure Python. Never torch, numpy, grpc, ``services.pd.runner`` or the service

@@ -47,7 +47,7 @@ from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.invariants import check
 from services.pd.engine.outputs import Allocation, Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
-from services.pd.engine.preallocated import Preallocated, PreallocatedRequests, PreallocationLimits
+from services.pd.engine.preallocated import Preallocated, PreallocatedRequests, PreallocationLimits, claim_spans
 from services.pd.engine.request import CachedPrefix, MultiModalSpan, Request, RequestStatus, SamplingParams
 from services.pd.engine.scheduler import QueueFull, Scheduler
 from services.pd.engine.step_budget import StepBudget
@@ -56,19 +56,9 @@ from services.pd.engine.streams import RequestStreams
 
 log = logging.getLogger(__name__)
 
-_NO_RESERVATION = "an image of this request has no reservation on this PD (call Preallocate first)"
-_LEASE_EXPIRED = "the request's reservation lease expired before Generate took it over"
 _EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
 _NOT_DELIVERED = "an image embedding was not delivered before its lease expired"
-_SIZE_DIFFERS = "an image span's length differs from the embedding cached for that image"
 _PREALLOCATED_RETRY_S = 0.5  # a held Preallocate ends within a lease: its Generate, an abort or expiry
-
-
-def _missing_image(lease_expired: bool) -> EngineError:
-    # A lease that ran out is a timeout (the proxy answers 504), not a protocol error.
-    if lease_expired:
-        return EngineError(ErrorKind.DEADLINE_EXCEEDED, _LEASE_EXPIRED)
-    return EngineError(ErrorKind.FAILED_PRECONDITION, _NO_RESERVATION)
 
 
 def _allocation(mm_hash: str, state: EntryState, reservation_id: str) -> Allocation:
@@ -247,25 +237,7 @@ class EngineCore:
             request.block_hashes = preallocated.probe.block_hashes
         taken = self.embedding_cache.take_over(request_id)
         prefix = self.kv_cache.claim_cached_prefix(request) if request.mm_spans else CachedPrefix()
-        error, covered_end = None, 0
-        for index, span in enumerate(request.mm_spans):
-            if span.mm_hash in taken:
-                taken.remove(span.mm_hash)
-                request.span_refs.add(index)
-            elif prefix.covers(span):
-                covered_end = span.end
-                continue
-            elif self.embedding_cache.acquire(span.mm_hash):
-                request.span_refs.add(index)
-            else:
-                error = _missing_image(lease_expired)
-                break
-            if self.embedding_cache.num_tokens(span.mm_hash) != span.num_tokens:
-                error = EngineError(ErrorKind.INVALID_ARGUMENT, _SIZE_DIFFERS)
-                break
-        # Left over (preallocated, absent from the prompt): it would pin its entry forever.
-        for mm_hash in taken:
-            self.embedding_cache.release(mm_hash)
+        error, covered_end = claim_spans(request, taken, prefix, self.embedding_cache, lease_expired)
         self._pin_prefix(request, 0 if error else covered_end)
         if error is not None:
             self._release(request_id, request)

@@ -19,7 +19,6 @@ Not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import uuid
 from collections import OrderedDict
@@ -39,8 +38,10 @@ from services.pd.engine.embedding_records import (
     ReservationNotFound,
     ReservationRejected,
     Tombstone,
+    item_sizes,
 )
 from services.pd.engine.invariants import check
+from services.pd.engine.leases import LeaseQueue
 
 _MAX_TOMBSTONES = 4096  # remembered removed reservation ids, to tell "late" from "unknown"
 
@@ -59,9 +60,7 @@ class EmbeddingCache:
         self._used_tokens = 0
         self._reservations: dict[str, Reservation] = {}
         self._by_request: dict[str, dict[str, None]] = {}  # request -> ids, in order
-        # (lease deadline, reservation id), a min-heap: expiry pops only what ended.
-        # Ids removed before their deadline stay until it passes and are skipped.
-        self._lease_heap: list[tuple[float, str]] = []
+        self._leases = LeaseQueue()  # of reservation ids: expiry pops only what ended
         self._tombstones: OrderedDict[str, Tombstone] = OrderedDict()  # removed reservations
         # A per-instance prefix: ids from before a restart never match new ones.
         self._id_prefix = uuid.uuid4().hex[:12]
@@ -123,7 +122,7 @@ class EmbeddingCache:
         """
         if lease_deadline <= now:
             raise ValueError("lease_deadline must be after now")
-        sizes = self._validate_items(items)
+        sizes = item_sizes(items, self._entries)
         if sum(sizes.values()) > self.capacity_tokens:
             raise ValueError("items exceed the embedding cache capacity")
         new_tokens = sum(n for h, n in sizes.items() if h not in self._entries)
@@ -263,12 +262,8 @@ class EmbeddingCache:
         referenced: its hash is in ``dropped_hashes`` and the requests waiting
         on it must be failed.
         """
-        expired = []
-        while self._lease_heap and self._lease_heap[0][0] < now:
-            _, rid = heapq.heappop(self._lease_heap)
-            reservation = self._reservations.get(rid)
-            if reservation is not None:
-                expired.append(reservation)
+        live = self._leases.pop_ended(now, lambda rid, _deadline: rid in self._reservations)
+        expired = [self._reservations[rid] for rid in live]
         dropped: list[str] = []
         for reservation in expired:
             self._remove_reservation(reservation, "lease expired")
@@ -301,20 +296,6 @@ class EmbeddingCache:
         )
 
     # ---------------------------------------------------------------- helpers
-    def _validate_items(self, items: Sequence[tuple[str, int]]) -> dict[str, int]:
-        sizes: dict[str, int] = {}
-        for mm_hash, num_tokens in items:
-            if num_tokens <= 0:
-                raise ValueError("num_tokens must be positive")
-            known = sizes.get(mm_hash)
-            entry = self._entries.get(mm_hash)
-            if entry is not None and known is None:
-                known = entry.num_tokens
-            if known is not None and known != num_tokens:
-                raise ValueError("num_tokens differs from the cached entry for this image")
-            sizes[mm_hash] = num_tokens
-        return sizes
-
     def _live_push(self, request_id: str, reservation_id: str, mm_hash: str, now: float) -> Reservation:
         reservation = self._reservations.get(reservation_id)
         if reservation is None:
@@ -359,7 +340,7 @@ class EmbeddingCache:
         )
         entry.reservation_ids.add(reservation_id)
         self._by_request.setdefault(request_id, {})[reservation_id] = None
-        heapq.heappush(self._lease_heap, (lease_deadline, reservation_id))
+        self._leases.push(lease_deadline, reservation_id)
         self._touch(entry)
         return entry.mm_hash, entry.state, reservation_id
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -112,3 +113,20 @@ class EmbeddingCacheStats:
     evictable_tokens: int  # ready, unreferenced and unreserved
     num_entries: int
     num_reservations: int
+
+
+def item_sizes(items: Sequence[tuple[str, int]], entries: Mapping[str, CacheEntry]) -> dict[str, int]:
+    """``mm_hash -> num_tokens`` of a Preallocate's items; ValueError for a size that is not positive
+    or that differs from another item's or the cached entry's for the same image."""
+    sizes: dict[str, int] = {}
+    for mm_hash, num_tokens in items:
+        if num_tokens <= 0:
+            raise ValueError("num_tokens must be positive")
+        known = sizes.get(mm_hash)
+        entry = entries.get(mm_hash)
+        if entry is not None and known is None:
+            known = entry.num_tokens
+        if known is not None and known != num_tokens:
+            raise ValueError("num_tokens differs from the cached entry for this image")
+        sizes[mm_hash] = num_tokens
+    return sizes

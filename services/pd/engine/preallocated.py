@@ -17,17 +17,25 @@ Preallocates costs the engine thread no more per sweep than what expires.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from services.pd.engine.request import Request
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.leases import LeaseQueue
+from services.pd.engine.request import CachedPrefix, Request
+
+if TYPE_CHECKING:
+    from services.pd.engine.embedding_cache import EmbeddingCache
 
 EXPIRED_MEMORY = 4096
 """Request ids whose lease ran out, remembered so a late Generate hears DEADLINE_EXCEEDED (bounded)."""
+_NO_RESERVATION = "an image of this request has no reservation on this PD (call Preallocate first)"
+_LEASE_EXPIRED = "the request's reservation lease expired before Generate took it over"
+_SIZE_DIFFERS = "an image span's length differs from the embedding cached for that image"
 DEFAULT_MAX_PREALLOCATED = 1024
 """Requests preallocated and not yet generating, in total (``--max-preallocations``)."""
 DEFAULT_MAX_PREALLOCATED_PER_PEER = 256
@@ -65,7 +73,7 @@ class PreallocatedRequests:
     def __init__(self, limits: PreallocationLimits | None = None) -> None:
         self.limits = limits or PreallocationLimits()
         self._pending: dict[str, Preallocated] = {}
-        self._deadlines: list[tuple[float, str]] = []  # (deadline, request id) of _pending, a min-heap
+        self._leases = LeaseQueue()  # of _pending's request ids
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._owners: dict[str, str] = {}  # request id -> caller address, of every request holding room
         self._per_peer: dict[str, int] = {}
@@ -88,7 +96,7 @@ class PreallocatedRequests:
 
     def add(self, preallocated: Preallocated) -> None:
         self._pending[preallocated.probe.request_id] = preallocated
-        heapq.heappush(self._deadlines, (preallocated.deadline, preallocated.probe.request_id))
+        self._leases.push(preallocated.deadline, preallocated.probe.request_id)
 
     # ----------------------------------------------------------- the bounds
     @property
@@ -133,13 +141,12 @@ class PreallocatedRequests:
 
     def expire(self, now: float) -> list[Preallocated]:
         """Removes and returns the preallocations whose lease ended before ``now``."""
-        ended = []
-        while self._deadlines and self._deadlines[0][0] < now:
-            deadline, request_id = heapq.heappop(self._deadlines)
-            preallocated = self._pending.get(request_id)
-            if preallocated is not None and preallocated.deadline == deadline:  # else: popped earlier
-                ended.append(preallocated)
-                del self._pending[request_id]
+
+        def is_live(request_id: str, deadline: float) -> bool:  # not popped, nor added again since
+            pending = self._pending.get(request_id)
+            return pending is not None and pending.deadline == deadline
+
+        ended = [p for r in self._leases.pop_ended(now, is_live) if (p := self._pending.pop(r, None)) is not None]
         self.remember_expired(p.probe.request_id for p in ended)
         return ended
 
@@ -150,3 +157,43 @@ class PreallocatedRequests:
             self._expired.move_to_end(request_id)
         while len(self._expired) > EXPIRED_MEMORY:
             self._expired.popitem(last=False)
+
+
+def claim_spans(
+    request: Request, taken: list[str], prefix: CachedPrefix, embedding_cache: EmbeddingCache, lease_expired: bool
+) -> tuple[EngineError | None, int]:
+    """Gives ``request`` one embedding reference per image span outside ``prefix``, at Generate.
+
+    ``taken`` are the references its Preallocate left (``EmbeddingCache.take_over``);
+    a span without one takes a cached embedding, or fails. Returns the error
+    (None: every span is held) and the end of the last span the prefix covers
+    (the K/V standing in for those images stays pinned). References left over
+    (preallocated, absent from the prompt) are released: they would pin their
+    entries forever. On an error the caller releases what the request holds.
+    """
+    error, covered_end = None, 0
+    for index, span in enumerate(request.mm_spans):
+        if span.mm_hash in taken:
+            taken.remove(span.mm_hash)
+            request.span_refs.add(index)
+        elif prefix.covers(span):
+            covered_end = span.end
+            continue
+        elif embedding_cache.acquire(span.mm_hash):
+            request.span_refs.add(index)
+        else:
+            error = _missing_image(lease_expired)
+            break
+        if embedding_cache.num_tokens(span.mm_hash) != span.num_tokens:
+            error = EngineError(ErrorKind.INVALID_ARGUMENT, _SIZE_DIFFERS)
+            break
+    for mm_hash in taken:
+        embedding_cache.release(mm_hash)
+    return error, covered_end
+
+
+def _missing_image(lease_expired: bool) -> EngineError:
+    # A lease that ran out is a timeout (the proxy answers 504), not a protocol error.
+    if lease_expired:
+        return EngineError(ErrorKind.DEADLINE_EXCEEDED, _LEASE_EXPIRED)
+    return EngineError(ErrorKind.FAILED_PRECONDITION, _NO_RESERVATION)

@@ -28,7 +28,6 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, MutableSequence
-from dataclasses import dataclass
 
 from services.pd.engine import spans
 from services.pd.engine.embedding_cache import EmbeddingCache
@@ -36,47 +35,11 @@ from services.pd.engine.invariants import check
 from services.pd.engine.kv_cache import KVCacheManager
 from services.pd.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from services.pd.engine.request import Request, RequestStatus, rope_plan
+from services.pd.engine.scheduler_config import QueueFull, SchedulerConfig
 from services.pd.engine.step_budget import TokenBudget
 
 _RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_EMBEDDING)
-
-
-class QueueFull(Exception):
-    """Too much is waiting already (gRPC RESOURCE_EXHAUSTED with a retry hint)."""
-
-    def __init__(self, retry_after_s: float):
-        super().__init__(f"waiting queue full; retry after {retry_after_s:.2f}s")
-        self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one PD's scheduler."""
-
-    max_model_len: int  # prompt + output tokens of one request
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 64  # requests holding KV at once
-    max_waiting_requests: int = 1024
-    max_waiting_tokens: int = 262144  # prompt (+ output, if preempted) tokens of all waiting requests
-    retry_after_s: float = 1.0  # hint returned with QueueFull
-    # While prompts wait for admission, running prefills take at most half of a
-    # limited prefill share, so a long prompt in progress does not hold up the
-    # short ones behind it (head-of-line blocking); off: strict FCFS chunks.
-    share_prefill_with_queue: bool = False
-
-    def __post_init__(self) -> None:
-        if (
-            min(
-                self.max_model_len,
-                self.max_num_batched_tokens,
-                self.max_num_seqs,
-                self.max_waiting_requests,
-                self.max_waiting_tokens,
-            )
-            <= 0
-        ):
-            raise ValueError("scheduler limits must be positive")
 
 
 class _Admit(enum.Enum):

@@ -12,7 +12,7 @@ import pytest
 
 from services import cli
 from services.bench.engine import hf
-from services.bench.engine.command import Workload
+from services.bench.engine.runner import Workload
 
 
 @dataclass
