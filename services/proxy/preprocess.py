@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from services.common import wire
 from services.common.grids import grid_to_pb
 from services.common.hashing import mm_hash
 from services.common.models.processing import UnsupportedImageError
@@ -39,7 +40,7 @@ class Adapter(Protocol):
     max_model_len: int
 
     def num_image_tokens(self, height: int, width: int) -> int: ...
-    def process_image(self, image_processor: Any, image: Any) -> Any: ...  # -> processing.ProcessedImage
+    def prepare_image(self, image_processor: Any, image: Any) -> Any: ...  # -> processing.ProcessedImage
     def processor_settings(self) -> dict: ...
 
 
@@ -55,6 +56,14 @@ class ImageItem:
     # encoder, the same grid in LM tokens (t*h*w == num_tokens) to PD.
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
+    resized: bool = False  # pixel_values is the resized uint8 image [H, W, 3]; the encoder finishes it
+
+    def encode_item_pb(self, reservation_id: str) -> epd_pb2.EncodeItem:
+        """The encoder's item for this image: the resized image or the processed pixels."""
+        pixels = wire.array_to_pb(self.pixel_values)
+        item = epd_pb2.EncodeItem(mm_hash=self.mm_hash, reservation_id=reservation_id, grid=grid_to_pb(self.patch_grid))
+        (item.image if self.resized else item.pixel_values).CopyFrom(pixels)
+        return item
 
 
 @dataclass(frozen=True)
@@ -146,9 +155,10 @@ class ProcessedImage:
 
     mm_hash: str
     num_tokens: int  # placeholder count for its size
-    pixel_values: np.ndarray  # float32 from the checkpoint's image processor (processing.ProcessedImage)
+    pixel_values: np.ndarray  # as processing.ProcessedImage: processed float32, or resized uint8
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
+    resized: bool = False
 
 
 class Preprocessor:
@@ -234,13 +244,14 @@ class Preprocessor:
         self.faults.before_decode()
         image = decode_image_bytes(payload, self.max_image_pixels)
         try:
-            item = self.adapter.process_image(self.processor.image_processor, image)
+            item = self.adapter.prepare_image(self.processor.image_processor, image)
             return ProcessedImage(
                 mm_hash=mm_hash(image, self._hash_settings(item.patch_grid), self.adapter.model_id),
                 num_tokens=item.num_tokens,
                 pixel_values=item.pixel_values,
                 patch_grid=item.patch_grid,
                 token_grid=item.token_grid,
+                resized=item.resized,
             )
         except UnsupportedImageError as error:
             raise ImageError(str(error), "image_url") from None
@@ -265,6 +276,7 @@ class Preprocessor:
                 pixel_values=image.pixel_values,
                 patch_grid=image.patch_grid,
                 token_grid=image.token_grid,
+                resized=image.resized,
             )
             for image, offset in zip(images, offsets)
         )
