@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common import tensors
-from services.common.encode_items import FinishImage, item_pixels
+from services.common.encode_items import ProcessFile, item_pixels
 from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2
 from services.encoder.errors import InvalidInput
@@ -66,24 +66,24 @@ def _check_id(value: str, what: str) -> str:
 
 
 def _parse_item(
-    item: epd_pb2.EncodeItem, index: int, layout: PixelLayout, finish: FinishImage | None
+    item: epd_pb2.EncodeItem, index: int, layout: PixelLayout, process_file: ProcessFile | None
 ) -> EncodeItemWork:
     mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
     reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
     try:
-        pixels, grid = item_pixels(item, index, layout, finish)
+        pixels, grid = item_pixels(item, index, layout, process_file)
     except ValueError as error:
         raise InvalidInput(str(error)) from None
     return EncodeItemWork(mm_hash=mm_hash, reservation_id=reservation_id, pixel_values=pixels, grid=grid)
 
 
 def parse_encode_request(
-    request: epd_pb2.EncodeRequest, layout: PixelLayout = PixelLayout(), finish: FinishImage | None = None
+    request: epd_pb2.EncodeRequest, layout: PixelLayout = PixelLayout(), process_file: ProcessFile | None = None
 ) -> EncodeWork:
     """Validates an ``EncodeRequest`` against the vision module's ``layout``; raises ``InvalidInput``.
 
-    ``finish`` turns resized images into pixels (None: the model takes
-    pixel_values only); it runs the image processor, so call this off the event loop.
+    ``process_file`` turns image files into pixels (None: pixel_values only);
+    it decodes and processes images, so call this off the event loop.
     """
     request_id = _check_id(request.request_id, "request_id")
     address = request.pd_address
@@ -93,7 +93,7 @@ def parse_encode_request(
         raise InvalidInput("pd_address is malformed")
     if not request.items:
         raise InvalidInput("items must not be empty")
-    items = tuple(_parse_item(item, index, layout, finish) for index, item in enumerate(request.items))
+    items = tuple(_parse_item(item, index, layout, process_file) for index, item in enumerate(request.items))
     return EncodeWork(request_id=request_id, pd_address=address, items=items)
 
 

@@ -37,7 +37,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, tensors
-from services.common.encode_items import FinishImage, item_pixels
+from services.common.encode_items import ProcessFile, item_pixels
 from services.common.logs import log_request
 from services.common.models.loaded_vision import LoadedVision
 from services.common.models.vision_io import Grid, PixelLayout
@@ -190,11 +190,11 @@ def parse_encode_request(
     request: epd_pb2.EncodeRequest,
     deadline: float,
     layout: PixelLayout = PixelLayout(),
-    finish: FinishImage | None = None,
+    process_file: ProcessFile | None = None,
 ) -> list[ColocatedItem]:
     """Validates an EncodeRequest into items; ``pd_address`` is not used (the reservations are ours).
 
-    ``finish`` turns resized images into pixels (``encode_items``); call this off the event loop.
+    ``process_file`` turns image files into pixels (``encode_items``); call this off the event loop.
     """
     request_id = check_request_id(request.request_id)
     if not request.items:
@@ -204,7 +204,7 @@ def parse_encode_request(
         reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
         mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
         try:
-            pixels, grid = item_pixels(item, index, layout, finish)
+            pixels, grid = item_pixels(item, index, layout, process_file)
         except ValueError as error:
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
         items.append(ColocatedItem(request_id, reservation_id, mm_hash, pixels, deadline, grid))
@@ -224,8 +224,8 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
         status = "CANCELLED"
         try:
             vision = self._encoder.vision
-            # Off the event loop: checking pixels, and finishing resized images, is CPU work.
-            items = await asyncio.to_thread(parse_encode_request, request, deadline, vision.layout, vision.finish_image)
+            # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
+            items = await asyncio.to_thread(parse_encode_request, request, deadline, vision.layout, vision.process_file)
             done = await self._encoder.encode(items)
             status = "OK"
         except EngineError as error:

@@ -2,8 +2,8 @@
 
 The real Qwen2.5-VL processor keeps a 4000x3000 photo at full size (its
 ``max_pixels`` is 12,845,056). Its processed patches are ~290 MB of float32,
-far over gRPC's 64 MiB message cap; the proxy sends the image resized as
-uint8 (~36 MB) and the encoder finishes it. The tiny checkpoint's patches are
+far over gRPC's 64 MiB message cap; the proxy sends the image file as the
+client sent it and the encoder decodes and processes it. The tiny checkpoint's patches are
 smaller than the real one's (8 px, not 14), so the same photo is 47,000 image
 tokens here: slow on CPU (about two minutes), which is why one photo runs.
 """
@@ -57,12 +57,12 @@ def test_a_12_mp_photo_answers_200_with_the_real_default_max_pixels(photo_model)
     from services.common.models import load_adapter
 
     adapter = load_adapter(photo_model)
-    image_processor = adapter.load_processor().image_processor
     width, height = PHOTO
-    sent = adapter.prepare_image(image_processor, Image.new("RGB", PHOTO))
-    assert sent.patch_grid == (1, 3008 // 8, 4000 // 8)  # kept at full size: 12.03 MP <= max_pixels
-    processed_bytes = sent.patch_grid[1] * sent.patch_grid[2] * adapter.pixel_layout().patch_dim * 4
-    assert processed_bytes > 4 * GRPC_MESSAGE_CAP > 4 * sent.pixel_values.nbytes  # what used to travel, and what does
+    shape = adapter.image_shape(height, width)
+    assert shape.patch_grid == (1, 3008 // 8, 4000 // 8)  # kept at full size: 12.03 MP <= max_pixels
+    processed_bytes = shape.patch_grid[1] * shape.patch_grid[2] * adapter.pixel_layout().patch_dim * 4
+    photo = _photo_jpeg(*PHOTO)
+    assert processed_bytes > 4 * GRPC_MESSAGE_CAP > 100 * len(photo)  # what used to travel, and what does
 
     cluster = InProcessCluster(photo_model, proxy={"request_timeout_s": 600}).start()
     try:
@@ -76,18 +76,16 @@ def test_a_12_mp_photo_answers_200_with_the_real_default_max_pixels(photo_model)
                         {"type": "text", "text": "What is in this photo?"},
                         {
                             "type": "image_url",
-                            "image_url": {
-                                "url": "data:image/jpeg;base64," + base64.b64encode(_photo_jpeg(*PHOTO)).decode()
-                            },
+                            "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(photo).decode()},
                         },
                     ],
                 }
             ],
         }
-        reply = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body, timeout=600)
+        reply = httpx.post(f"{cluster.base_url}/chat/completions", json=body, timeout=600)
         assert reply.status_code == 200, reply.text
         usage = reply.json()["usage"]
-        assert usage["epd"]["image_tokens"] == sent.num_tokens == 47000
+        assert usage["epd"]["image_tokens"] == shape.num_tokens == 47000
         assert usage["completion_tokens"] == 1
         assert cluster.leaks() == {}
     finally:

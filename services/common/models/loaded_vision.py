@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
-from services.common.encode_items import FinishImage
+from services.common.encode_items import ProcessFile, file_processor
 from services.common.models.pixel_layout import Grid, PixelLayout
 from services.common.models.vision_io import batch_key, encode_images
 
@@ -33,7 +32,7 @@ class LoadedVision:
     hidden_size: int  # LM hidden size == embedding row width
     sample_grid: Grid | None = None  # sample_pixels' patch grid (dynamic-resolution towers)
     layout: PixelLayout = PixelLayout()  # what pixel tensors the module takes
-    finish_image: FinishImage | None = None  # resized images (EncodeItem.image) -> pixels; None: not taken
+    process_file: ProcessFile | None = None  # image files (EncodeItem.image_file) -> pixels
 
     @classmethod
     def load(cls, model: str, device: str, dtype: str) -> LoadedVision:
@@ -52,19 +51,17 @@ class LoadedVision:
         adapter = load_adapter(str(ensure_model(model)))
         image_processor = adapter.load_processor().image_processor
         blank = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE))
-        sample = adapter.prepare_image(image_processor, blank)  # what the proxy sends
-        finish = functools.partial(adapter.finish_image, image_processor) if sample.resized else None
-        pixels, grid = finish(sample.pixel_values) if finish else (sample.pixel_values, sample.patch_grid)
+        sample = adapter.process_image(image_processor, blank)
         return cls(
             module=adapter.load_vision(torch_device, torch_dtype).eval(),
             device=torch_device,
             dtype=torch_dtype,
-            sample_pixels=torch.from_numpy(pixels),
+            sample_pixels=torch.from_numpy(sample.pixel_values),
             num_tokens=sample.num_tokens,
             hidden_size=adapter.hidden_size,
-            sample_grid=grid,
+            sample_grid=sample.patch_grid,
             layout=adapter.pixel_layout(),
-            finish_image=finish,
+            process_file=file_processor(adapter, image_processor),
         )
 
     def encode(self, images: Sequence[tuple[torch.Tensor, Grid | None]]) -> list[torch.Tensor]:

@@ -58,11 +58,19 @@ class ProcessedImage:
     Services that run the tower take them with ``torch.from_numpy``.
     """
 
-    pixel_values: np.ndarray  # float32, C-contiguous; uint8 [H, W, 3] when ``resized``
+    pixel_values: np.ndarray  # float32, C-contiguous
     num_tokens: int  # placeholder tokens == embedding rows
     patch_grid: Grid | None = None
     token_grid: Grid | None = None
-    resized: bool = False  # pixel_values is the resized RGB image; the vision side finishes it (finish_image)
+
+
+@dataclass(frozen=True)
+class ImageShape:
+    """What an image of some size becomes for the LM, known without its pixels (``ProcessedImage`` less pixels)."""
+
+    num_tokens: int
+    patch_grid: Grid | None = None
+    token_grid: Grid | None = None
 
 
 class ModelProcessing(ABC):
@@ -98,23 +106,10 @@ class ModelProcessing(ABC):
     def process_image(self, image_processor: Any, image: Any) -> ProcessedImage:
         """One RGB PIL image through the checkpoint's image processor; ``UnsupportedImageError`` if it cannot."""
 
-    def prepare_image(self, image_processor: Any, image: Any) -> ProcessedImage:
-        """What the proxy sends the vision side for one RGB PIL image.
-
-        By default the processed pixels (``process_image``). A model whose
-        processed pixels are much larger than the image overrides it to send the
-        image resized (uint8, ``resized=True``), which the vision side finishes
-        with ``finish_image``: identical pixels, a fraction of the bytes.
-        """
-        return self.process_image(image_processor, image)
-
-    def finish_image(self, image_processor: Any, pixels: np.ndarray) -> tuple[np.ndarray, Grid | None]:
-        """The rest of ``process_image`` for a ``prepare_image(...).pixel_values`` with ``resized`` set.
-
-        Returns the float32 pixels and their patch grid; ValueError (naming the
-        rule, never the values) when ``pixels`` is not a resized image this model takes.
-        """
-        raise ValueError("this model takes processed pixel_values, not resized images")
+    def image_shape(self, height: int, width: int) -> ImageShape:
+        """Tokens and grids of an image of this size, without its pixels (the proxy's count);
+        ``UnsupportedImageError`` if the processor cannot take it. Grids: dynamic-resolution models only."""
+        return ImageShape(self.num_image_tokens(height, width))
 
     @abstractmethod
     def pixel_layout(self) -> PixelLayout:

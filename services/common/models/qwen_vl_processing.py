@@ -12,14 +12,13 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from .configs import text_config_of
-from .pixel_layout import Grid, PixelLayout
+from .pixel_layout import PixelLayout
 from .processing import (
+    ImageShape,
     ModelProcessing,
     ProcessedImage,
     UnsupportedImageError,
@@ -106,55 +105,25 @@ class QwenVLProcessing(ModelProcessing):
             token_grid=(t, h // merge, w // merge),
         )
 
-    def prepare_image(self, image_processor: Any, image: Any) -> ProcessedImage:
-        """The image resized as the processor resizes it (``smart_resize``, its resampling filter), uint8.
-
-        The processed patches take 8 bytes per channel value (float32, each
-        frame twice for the temporal patch): a 12 MP photo would be ~290 MB, the
-        resized image is ~36 MB. ``finish_image`` does the rest on the vision side.
-        """
-        processor = image_processor
+    def image_shape(self, height: int, width: int) -> ImageShape:
+        """The processor's resize rule (``smart_resize``) applied to the size alone."""
+        processor = self._processor.image_processor
         try:
             height, width = smart_resize(
-                image.height,
-                image.width,
-                factor=processor.patch_size * processor.merge_size,
+                height,
+                width,
+                factor=processor.patch_size * self.merge_size,
                 min_pixels=processor.size["shortest_edge"],
                 max_pixels=processor.size["longest_edge"],
             )
         except ValueError:  # aspect ratios above 200:1
             raise UnsupportedImageError(_SHAPE_REFUSED) from None
-        # What the processor's PIL backend does: PIL's resize with the processor's filter (an
-        # image already at the size is copied as is).
-        resized = image.resize((width, height), resample=processor.resample)
-        try:
-            pixels = np.asarray(resized, dtype=np.uint8)
-        finally:
-            resized.close()
         merge, patch = self.merge_size, processor.patch_size
-        grid = (1, height // patch, width // patch)
-        return ProcessedImage(
-            pixel_values=pixels,
-            num_tokens=grid[1] * grid[2] // (merge * merge),
-            patch_grid=grid,
-            token_grid=(1, grid[1] // merge, grid[2] // merge),
-            resized=True,
+        return ImageShape(
+            num_tokens=(height // patch) * (width // patch) // (merge * merge),
+            patch_grid=(1, height // patch, width // patch),
+            token_grid=(1, height // patch // merge, width // patch // merge),
         )
-
-    def finish_image(self, image_processor: Any, pixels: np.ndarray) -> tuple[np.ndarray, Grid | None]:
-        """Rescale, normalize and patches of a resized uint8 ``[H, W, 3]`` image (``prepare_image``)."""
-        factor = image_processor.patch_size * self.merge_size
-        if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
-            raise ValueError("image must be uint8 RGB pixels [H, W, 3]")
-        height, width = pixels.shape[:2]
-        if not height or not width or height % factor or width % factor:
-            raise ValueError(f"image height and width must be positive multiples of {factor}")
-        if height * width > _MAX_PATCHES_SLACK * image_processor.size["longest_edge"]:
-            raise ValueError("image has more pixels than this model takes")
-        with Image.fromarray(pixels, mode="RGB") as image:
-            out = image_processor(images=[image], do_resize=False, return_tensors="np")
-        t, h, w = (int(n) for n in out["image_grid_thw"][0])
-        return float32_pixels(out["pixel_values"]), (t, h, w)
 
     def pixel_layout(self) -> PixelLayout:
         vision = self.config.vision_config

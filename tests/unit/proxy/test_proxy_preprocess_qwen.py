@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
 import pytest
 import torch
 from oracle_support import data_url, make_image, user_message
 
-from services.common.encode_items import item_pixels
+from services.common.encode_items import file_processor, item_pixels
 from services.common.pb import epd_pb2
 from services.proxy.errors import ImageError, ImageTooLargeError, PlaceholderMismatchError
 from services.proxy.preprocess import Preprocessor
@@ -33,18 +30,16 @@ def test_placeholders_grids_and_pixels_match_transformers(preprocessor, oracle_f
     assert prompt.token_ids == oracle.prompt_ids(messages, images)
     reference = oracle.inputs(messages, images)
     assert [item.patch_grid for item in prompt.images] == [tuple(g.tolist()) for g in reference["image_grid_thw"]]
-    # The proxy sends each image resized (uint8); the encoder's reading of the wire finishes it
-    # into exactly the processor's pixels, from an eighth of the bytes.
-    adapter, image_processor = preprocessor.adapter, preprocessor.processor.image_processor
-    finish = functools.partial(adapter.finish_image, image_processor)
+    # The proxy sends each image file; the encoder's reading of the wire decodes and processes
+    # it into exactly the processor's pixels, with the grid the proxy counted.
+    adapter = preprocessor.adapter
+    process_file = file_processor(adapter, adapter.load_processor().image_processor)
     finished = []
     for item in prompt.images:
-        assert item.resized and item.pixel_values.dtype == np.uint8 and item.pixel_values.ndim == 3
         pb = item.encode_item_pb("reservation")
-        assert pb.HasField("image") and not pb.HasField("pixel_values")
-        pixels, grid = item_pixels(pb, 0, adapter.pixel_layout(), finish)
+        assert pb.image_file and not pb.HasField("pixel_values")
+        pixels, grid = item_pixels(pb, 0, adapter.pixel_layout(), process_file)
         assert grid == item.patch_grid
-        assert 8 * len(pb.image.data) == pixels.numel() * pixels.element_size()
         finished.append(pixels)
     pixels = torch.cat(finished)
     torch.testing.assert_close(pixels, reference["pixel_values"])
