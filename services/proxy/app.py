@@ -29,6 +29,7 @@ from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
 from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
+from services.proxy.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
 from services.proxy.http_util import (
     ClientDisconnected,
     EventStreamResponse,
@@ -129,6 +130,7 @@ async def chat_completions(request: Request) -> Response:
     raw = await read_body(request, state.config.max_body_bytes)
     check_json_content_type(request)
     body = parse_body(raw, ChatCompletionRequest)
+    ignored = _check_fields(request, state, body)
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
     check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
@@ -142,7 +144,7 @@ async def chat_completions(request: Request) -> Response:
     del sources  # the image bytes are no longer needed
     prompt = state.preprocessor.assemble(token_ids, images)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(request, state, body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl")
+    return await _generate(request, state, body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl", ignored)
 
 
 async def completions(request: Request) -> Response:
@@ -152,6 +154,7 @@ async def completions(request: Request) -> Response:
     raw = await read_body(request, state.config.max_body_bytes)
     check_json_content_type(request)
     body = parse_body(raw, CompletionRequest)
+    ignored = _check_fields(request, state, body)
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
     check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
@@ -164,7 +167,17 @@ async def completions(request: Request) -> Response:
         state.preprocessor.completion_prompt, prompt_input, deadline=trace.started + timeout_s
     )
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl")
+    return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl", ignored)
+
+
+def _check_fields(request: Request, state: ProxyState, body: _SamplingFields) -> list[str]:
+    """Refuses undeclared fields (``fields.py``); under ``--ignore-unknown-fields`` logs the ignored names once."""
+    ignored = check_fields(body, ignore_unknown=state.config.ignore_unknown_fields)
+    if ignored:
+        log.warning(
+            "%s: ignored unknown fields %s", request.url.path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER]
+        )
+    return ignored
 
 
 async def _generate(
@@ -176,8 +189,9 @@ async def _generate(
     timeout_s: float,
     formatter_cls: type[ChatFormatter],
     id_prefix: str,
+    ignored_fields: list[str],
 ) -> Response:
-    """One job per choice (``n``), all under the request's one deadline."""
+    """One job per choice (``n``), all under the request's one deadline; ``ignored_fields`` are named in a header."""
     config = state.config
     max_tokens = resolve_max_tokens(
         requested_max_tokens(body),
@@ -228,13 +242,14 @@ async def _generate(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
-            stream_events(choices, formatter, include_usage=include_usage, want_logprobs=want_logprobs)
+            stream_events(choices, formatter, include_usage=include_usage, want_logprobs=want_logprobs),
+            headers=ignored_fields_header(ignored_fields),
         )
     try:
         result = await unless_disconnected(request, collect(choices, formatter, want_logprobs=want_logprobs))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(result)
+    return JSONResponse(result, headers=ignored_fields_header(ignored_fields))
 
 
 def default_served_name(model: str, model_id: str) -> str:

@@ -44,6 +44,9 @@ class ProxyConfig:
     image_threads: int = 2  # image work (decode, hash, image processor), its own pool
     image_queue: int = 64  # requests' image jobs waiting beyond which requests get 503
     max_n: int = 8  # most choices (n) in one request
+    # Unknown body fields: False = refused with a 400 naming them; True = ignored, named in the
+    # X-EPD-Ignored-Fields header and a log line (OpenAI fields we do not implement are refused either way).
+    ignore_unknown_fields: bool = False
     # routing and failure handling
     pd_policy: str = "least-loaded"  # see routing.PD_POLICIES
     encoder_policy: str = "rendezvous"  # see routing.ENCODER_POLICIES

@@ -88,6 +88,12 @@ class UnsupportedFeatureError(RequestError):
     code = "unsupported_parameter"
 
 
+class UnknownFieldError(RequestError):
+    """A body field (top-level or nested) that neither OpenAI nor our extensions define."""
+
+    code = "unknown_parameter"
+
+
 class PromptTooLongError(RequestError):
     """Prompt plus requested completion do not fit the model's context."""
 

@@ -91,6 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests whose images may wait for an image thread; beyond it they get 503 + Retry-After",
     )
     add(parser, "--max-n", type=int, default=8, help="most choices (n) in one request")
+    add(
+        parser,
+        "--ignore-unknown-fields",
+        default=False,
+        help="for lenient clients: ignore request body fields this server does not know (top-level or nested) "
+        "instead of refusing them with a 400; the response names them in the X-EPD-Ignored-Fields header and "
+        "one warning is logged (names only). OpenAI fields this server does not implement are still refused "
+        "unless they have their no-op value",
+    )
     add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")
     add(
         parser,
@@ -174,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         image_threads=args.image_threads,
         image_queue=args.image_queue,
         max_n=args.max_n,
+        ignore_unknown_fields=args.ignore_unknown_fields,
         pd_policy=args.pd_policy,
         encoder_policy=args.encoder_policy,
         encoder_saturation=args.encoder_saturation,

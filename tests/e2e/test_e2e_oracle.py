@@ -54,13 +54,13 @@ def _model(client) -> str:
     return client.models.list().data[0].id
 
 
-def _chat(client, messages, stream: bool):
+def _chat(client, messages, stream: bool, max_tokens: int = MAX_TOKENS, **extensions):
     kwargs = dict(
         model=_model(client),
         messages=messages,
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         temperature=0,
-        extra_body={"return_token_ids": True},
+        extra_body={"return_token_ids": True, **extensions},
     )
     if not stream:
         reply = client.chat.completions.create(**kwargs)
@@ -173,3 +173,30 @@ def test_an_image_the_processor_refuses_is_a_400_and_serving_goes_on(client, ora
     assert refused.value.body["code"] == "invalid_image" and "aspect ratio" in refused.value.body["message"]
     messages = [user_message("And this?", [make_image(10)])]
     assert _chat(client, messages, stream=False)[0] == oracle.generate(messages, [make_image(10)], MAX_TOKENS)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize(("cluster", "case"), [("llava", "text_only"), ("qwen2.5", "one_image")], indirect=["cluster"])
+def test_min_tokens_equals_generate_min_new_tokens(client, oracle, case, stream):
+    """A stop token the model picks early is held off for min_tokens outputs, as ``min_new_tokens`` does.
+
+    The stop token is the plain run's second token, so without min_tokens the
+    request stops at once; with it, the masked logits change the greedy path.
+    """
+    text, images = CASES[case]
+    messages = [user_message(text, images)]
+    stop_id = oracle.generate(messages, images, MAX_TOKENS)[1]
+    stops = {"eos_token_id": [*oracle.eos_token_ids, stop_id]}
+    early = oracle.generate(messages, images, MAX_TOKENS, **stops)
+    assert len(early) <= 2 and early[-1] == stop_id
+    assert _chat(client, messages, stream, stop_token_ids=[stop_id])[0] == early
+    for min_tokens in (6, MAX_TOKENS):
+        expected = oracle.generate(messages, images, MAX_TOKENS, min_new_tokens=min_tokens, **stops)
+        assert stop_id not in expected[:min_tokens] and len(expected) > min_tokens - 1
+        token_ids, content, finish, usage = _chat(
+            client, messages, stream, stop_token_ids=[stop_id], min_tokens=min_tokens
+        )
+        assert token_ids == expected
+        assert content == oracle.decode([t for t in expected if t != stop_id])
+        assert finish == ("stop" if expected[-1] in stops["eos_token_id"] else "length")
+        assert usage.completion_tokens == len(expected)
