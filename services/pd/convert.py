@@ -144,7 +144,7 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
 def request_from_pb(
     message: epd_pb2.GenerateRequest,
     *,
-    eos_token_id: int | None,
+    eos_token_ids: tuple[int, ...],
     vocab_size: int,
     max_model_len: int,
     max_items: int = MAX_ITEMS,
@@ -167,7 +167,7 @@ def request_from_pb(
         prompt_token_ids=prompt,
         sampling=sampling,
         mm_spans=spans_from_pb(message.mm_items, len(prompt), max_items=max_items, uses_grids=uses_grids),
-        eos_token_id=eos_token_id,
+        eos_token_ids=eos_token_ids,
     )
     rope_plan(request)
     return request

@@ -108,7 +108,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     mm_spans: list[MultiModalSpan] = field(default_factory=list)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends the request (a checkpoint may name several)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -155,13 +155,13 @@ class Request:
     def masked_token_ids(self) -> tuple[int, ...]:
         """Token ids its next sample must not take: its stop tokens while ``min_tokens`` are not reached.
 
-        The stop tokens are EOS (unless ``ignore_eos``) and ``stop_token_ids``;
+        The stop tokens are every EOS id (unless ``ignore_eos``) and ``stop_token_ids``;
         masking them is transformers' ``MinNewTokensLengthLogitsProcessor``.
         """
         sampling = self.sampling
         if len(self.output_token_ids) >= sampling.min_tokens:
             return ()
-        eos = () if self.eos_token_id is None or sampling.ignore_eos else (self.eos_token_id,)
+        eos = () if sampling.ignore_eos else self.eos_token_ids
         return eos + sampling.stop_token_ids
 
     @property

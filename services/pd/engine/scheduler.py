@@ -326,7 +326,7 @@ class Scheduler:
         sampling = request.sampling
         # Within min_tokens a stop token is not a stop (the sampler masks them; this holds even if it did not).
         may_stop = len(request.output_token_ids) > sampling.min_tokens
-        if may_stop and token_id == request.eos_token_id and not sampling.ignore_eos:
+        if may_stop and not sampling.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if may_stop and token_id in sampling.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import EOS, TOKEN, chunk_of
+from scheduler_harness import EOS, EOS_IDS, OTHER_EOS, TOKEN, chunk_of
 
 from services.common.pb import epd_pb2
 from services.pd import convert
@@ -17,7 +17,7 @@ def _generate(min_tokens: int, max_tokens: int = 8, stop_token_ids=(), prompt=(1
 
 
 def _from_pb(message: epd_pb2.GenerateRequest, max_model_len: int = 64) -> Request:
-    return convert.request_from_pb(message, eos_token_id=EOS, vocab_size=100, max_model_len=max_model_len)
+    return convert.request_from_pb(message, eos_token_ids=EOS_IDS, vocab_size=100, max_model_len=max_model_len)
 
 
 def test_the_wire_carries_min_tokens_and_unset_means_none():
@@ -44,16 +44,21 @@ def test_the_wire_refuses_what_the_mask_cannot_take(message):
     assert refused.value.kind is ErrorKind.INVALID_ARGUMENT
 
 
+def test_the_wire_request_carries_every_eos_id():
+    assert _from_pb(_generate(2)).eos_token_ids == EOS_IDS
+
+
 def test_masked_ids_are_the_stop_tokens_until_min_tokens_outputs():
-    request = Request("r", [1], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(5, 6)), eos_token_id=EOS)
-    assert request.masked_token_ids == (EOS, 5, 6)
+    sampling = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(5, 6))
+    request = Request("r", [1], sampling, eos_token_ids=EOS_IDS)
+    assert request.masked_token_ids == (EOS, OTHER_EOS, 5, 6)  # every EOS id, not only the first
     request.output_token_ids.append(TOKEN)
-    assert request.masked_token_ids == (EOS, 5, 6)
+    assert request.masked_token_ids == (EOS, OTHER_EOS, 5, 6)
     request.output_token_ids.append(TOKEN)
     assert request.masked_token_ids == ()
-    quiet = Request("q", [1], SamplingParams(min_tokens=2, ignore_eos=True), eos_token_id=EOS)
+    quiet = Request("q", [1], SamplingParams(min_tokens=2, ignore_eos=True), eos_token_ids=EOS_IDS)
     assert quiet.masked_token_ids == ()  # EOS is no stop here; no stop tokens either
-    assert Request("n", [1], SamplingParams(min_tokens=2), eos_token_id=None).masked_token_ids == ()
+    assert Request("n", [1], SamplingParams(min_tokens=2)).masked_token_ids == ()
 
 
 def test_chunks_carry_the_mask_only_before_min_tokens(h):
@@ -63,11 +68,11 @@ def test_chunks_carry_the_mask_only_before_min_tokens(h):
     for _ in range(3):
         out, _ = h.step()
         masks.append((chunk_of(out, "a").masked_token_ids, chunk_of(out, "b").masked_token_ids))
-    assert masks == [((EOS, 42), ()), ((EOS, 42), ()), ((), ())]
+    assert masks == [((EOS, OTHER_EOS, 42), ()), ((EOS, OTHER_EOS, 42), ()), ((), ())]
     h.run()
 
 
-@pytest.mark.parametrize("stop", [EOS, 42])
+@pytest.mark.parametrize("stop", [EOS, OTHER_EOS, 42])
 def test_no_stop_token_ends_a_request_within_min_tokens(h, stop):
     # Even were one sampled (the runner double ignores the mask), it is no stop within min_tokens.
     request = h.add("a", [1, 2, 3], max_tokens=6, min_tokens=3, stop_token_ids=(42,))
