@@ -1,10 +1,16 @@
-"""HTTP plumbing: bounded body reading, disconnect watching, the SSE response.
+"""HTTP plumbing: bounded body reading, disconnect watching, bounded writes, the SSE response.
 
 The SSE response pulls its first event *before* sending the status line,
 so admission failures (503 + Retry-After, 504, 400 from PD) still reach the
 client as proper HTTP errors; only failures after the first event become
 in-stream error events. A watcher listens for the client going away for the
 whole life of the response and cancels the generation when it does.
+
+Slow clients are bounded both ways: the body must arrive within its time
+limit (408), and every response write must be taken by the client within
+``WriteBound`` (a client that stopped reading blocks the server's ``send``
+under TCP flow control); a stalled write drops the response, which closes
+the generation behind it.
 """
 
 from __future__ import annotations
@@ -13,19 +19,22 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable
-from typing import TypeVar
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from services.proxy.errors import (
     ApiError,
     InvalidTimeoutError,
     RequestError,
+    body_timeout,
     body_too_large,
     internal_error,
     unsupported_media_type,
@@ -58,11 +67,12 @@ def as_api_error(error: BaseException) -> ApiError:
     return internal_error()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes.
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes and (408) anything slower than ``timeout_s``.
 
     Content-Length is checked first; the running total is checked while
-    reading too, since a chunked body has no length.
+    reading too, since a chunked body has no length. The 408 asks the
+    server to close the connection (the rest of the body is never read).
     """
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -72,11 +82,15 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(max(timeout_s, 0.0)):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise body_too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise body_timeout() from None
     return b"".join(chunks)
 
 
@@ -195,22 +209,93 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
+WRITE_GRACE_S = 1.0
+"""A write that starts near or after the deadline still gets this long (a last chunk, ``[DONE]``)."""
+
+
+class WriteStalled(Exception):
+    """The client did not take a response write within its ``WriteBound``."""
+
+
+@dataclass(frozen=True)
+class WriteBound:
+    """How long each response write may wait for the client to read.
+
+    A write must complete by the request's ``deadline`` (``time.monotonic()``),
+    or within ``WRITE_GRACE_S`` when it starts later than that allows, and
+    within ``stall_s`` in any case (0 = no such bound). ``on_stall`` runs
+    once when a write does not (the caller counts it).
+    """
+
+    deadline: float
+    stall_s: float = 0.0
+    on_stall: Callable[[], None] = lambda: None
+
+    def limit_s(self, now: float) -> float:
+        """Seconds a write that starts at ``now`` may take."""
+        limit = max(self.deadline - now, WRITE_GRACE_S)
+        return min(limit, self.stall_s) if self.stall_s > 0 else limit
+
+    def wrap(self, send: Send) -> Send:
+        """``send`` whose every call raises ``WriteStalled`` when it cannot complete in time."""
+
+        async def bounded_send(message: Message) -> None:
+            limit_s = self.limit_s(time.monotonic())
+            try:
+                async with asyncio.timeout(limit_s):
+                    await send(message)
+            except TimeoutError:
+                self.on_stall()
+                log.warning("a client took no response write for %.1f s; the response is dropped", limit_s)
+                raise WriteStalled() from None
+
+        return bounded_send
+
+
+class BoundedJSONResponse(JSONResponse):
+    """A JSON response whose write is bounded (``WriteBound``); a stalled client gets nothing more."""
+
+    def __init__(self, content: Any, *, bound: WriteBound, headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, headers=headers)
+        self.bound = bound
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.suppress(WriteStalled):  # the server closes a connection left mid-response
+            await super().__call__(scope, receive, self.bound.wrap(send))
+
+
 class EventStreamResponse(Response):
-    """``text/event-stream`` response whose status is decided by its first event."""
+    """``text/event-stream`` response whose status is decided by its first event.
+
+    Every write is bounded by ``bound``: when the client stops reading, the
+    response is dropped and the event generator closed (which aborts the
+    generation behind it) instead of waiting on TCP flow control forever.
+    """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        headers: dict[str, str] | None = None,
+        *,
+        bound: WriteBound | None = None,
+    ) -> None:
         self.events = events
         self.status_code = 200
         self.background = None
+        self.bound = bound
         self.init_headers({**SSE_HEADERS, **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.bound is not None:
+            send = self.bound.wrap(send)
         async with anyio.create_task_group() as group:
 
             async def respond() -> None:
-                await self._respond(scope, receive, send)
+                # A stalled write ends the response; leaving _respond closed the events.
+                with contextlib.suppress(WriteStalled):
+                    await self._respond(scope, receive, send)
                 group.cancel_scope.cancel()
 
             group.start_soon(respond)
