@@ -94,6 +94,29 @@ async def test_slow_clients_are_never_timed_out_a_slow_body_is_408_and_closed(cl
     print(f"slow body: 408 after {elapsed:.2f} s (bound {bound_s} s)")  # reported, not asserted
 
 
+async def test_slow_clients_are_never_timed_out_200_slow_bodies_are_all_closed(cluster_factory):
+    num_clients, bound_s = 200, 1.0
+    cluster = await cluster_factory(http=True, body_timeout_s=bound_s)
+    body = json.dumps(TEXT).encode()
+
+    async def slow_client() -> tuple[bytes, float]:
+        reader, writer = await _connect(cluster)
+        try:
+            started = time.monotonic()
+            writer.write(_request_head(len(body)) + body[:10])
+            await writer.drain()
+            reply = await asyncio.wait_for(_read_until_closed(reader), WAIT_S)
+            return reply, time.monotonic() - started
+        finally:
+            writer.close()
+
+    results = await asyncio.gather(*(slow_client() for _ in range(num_clients)))
+    assert all(reply.startswith(b"HTTP/1.1 408") for reply, _ in results)
+    slowest = max(elapsed for _, elapsed in results)
+    assert slowest < bound_s + 2.0
+    print(f"{num_clients} slow bodies: all 408 and closed, the last after {slowest:.2f} s (bound {bound_s} s)")
+
+
 @pytest.mark.parametrize(
     ("limits", "header"),
     [({}, {"X-Request-Timeout": "1.5"}), ({"write_timeout_s": 0.5}, {})],
