@@ -9,8 +9,9 @@ whole life of the response and cancels the generation when it does.
 Slow clients are bounded both ways: the body must arrive within its time
 limit (408), and every response write must be taken by the client within
 ``WriteBound`` (a client that stopped reading blocks the server's ``send``
-under TCP flow control); a stalled write drops the response, which closes
-the generation behind it.
+under TCP flow control, or leaves a whole body in the server's buffer); a
+stalled write drops the response, which closes the generation behind it,
+and resets the connection so that nothing stays buffered for that client.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import socket
+import struct
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -252,6 +255,59 @@ class WriteBound:
         return bounded_send
 
 
+def _transport(receive: Receive) -> Any:
+    """The connection's asyncio transport, where the server exposes it (else None).
+
+    ASGI has no way to reach the connection; uvicorn hands the app a
+    ``receive`` bound to the connection's request cycle, which holds it.
+    """
+    return getattr(getattr(receive, "__self__", None), "transport", None)
+
+
+def drop_connection(receive: Receive) -> bool:
+    """Resets the client's connection now, discarding what was not sent; False where the server does not allow it.
+
+    After a stalled write the server holds bytes a client that stopped reading
+    never takes, so closing the connection politely (flush, then close) would
+    keep it open for as long as the client does.
+    """
+    transport = _transport(receive)
+    abort = getattr(transport, "abort", None)
+    if not callable(abort):
+        return False
+    sock = transport.get_extra_info("socket")
+    if sock is not None:  # linger 0: the kernel sends a reset and frees its buffers too, not just the proxy
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    abort()
+    return True
+
+
+_FLUSH_POLL_S = 0.02
+
+
+async def wait_flushed(receive: Receive, bound: WriteBound) -> None:
+    """Returns once the server has handed every response byte to the kernel; ``WriteStalled`` past ``bound``.
+
+    A server's ``send`` of a whole body returns as soon as the bytes are
+    buffered, so without this a client that never reads would keep them in
+    the proxy for as long as it keeps the connection open.
+    """
+    transport = _transport(receive)
+    size = getattr(transport, "get_write_buffer_size", None)
+    if not callable(size) or not size():
+        return
+    limit_s = bound.limit_s(time.monotonic())
+    try:
+        async with asyncio.timeout(limit_s):
+            while size() and not transport.is_closing():
+                await asyncio.sleep(_FLUSH_POLL_S)
+    except TimeoutError:
+        bound.on_stall()
+        log.warning("a client took no response bytes for %.1f s; the response is dropped", limit_s)
+        raise WriteStalled() from None
+
+
 class BoundedJSONResponse(JSONResponse):
     """A JSON response whose write is bounded (``WriteBound``); a stalled client gets nothing more."""
 
@@ -260,8 +316,11 @@ class BoundedJSONResponse(JSONResponse):
         self.bound = bound
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with contextlib.suppress(WriteStalled):  # the server closes a connection left mid-response
+        try:
             await super().__call__(scope, receive, self.bound.wrap(send))
+            await wait_flushed(receive, self.bound)
+        except WriteStalled:
+            drop_connection(receive)
 
 
 class EventStreamResponse(Response):
@@ -293,9 +352,10 @@ class EventStreamResponse(Response):
         async with anyio.create_task_group() as group:
 
             async def respond() -> None:
-                # A stalled write ends the response; leaving _respond closed the events.
-                with contextlib.suppress(WriteStalled):
+                try:
                     await self._respond(scope, receive, send)
+                except WriteStalled:  # leaving _respond closed the events (the generation is aborted)
+                    drop_connection(receive)
                 group.cancel_scope.cancel()
 
             group.start_soon(respond)

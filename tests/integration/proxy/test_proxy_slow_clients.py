@@ -140,6 +140,9 @@ async def test_slow_clients_are_never_timed_out_a_stream_not_read_ends_and_pd_ho
         # ... and the client reads nothing more, keeping the connection open.
         await wait_until(lambda: _in_flight(cluster) == 0, timeout=WAIT_S)
         elapsed = time.monotonic() - started
+        # The server reset the connection rather than wait to flush what the client never reads.
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(_read_until_closed(reader), WAIT_S)
     finally:
         writer.close()
     assert elapsed < 1.5 + 1.5  # the deadline (1.5 s) or the write bound (0.5 s once blocked), plus slack
@@ -147,6 +150,25 @@ async def test_slow_clients_are_never_timed_out_a_stream_not_read_ends_and_pd_ho
     await wait_until(lambda: pd.aborts == [pd.generates[0].request_id])  # the generation was aborted on PD
     await _nothing_left(cluster)
     print(f"stalled reader: request ended after {elapsed:.2f} s")
+
+
+async def test_slow_clients_are_never_timed_out_a_whole_response_not_read_is_dropped(cluster_factory):
+    cluster = await cluster_factory(http=True, write_timeout_s=0.5)
+    cluster.pd.pieces = ["x" * 65536] * 400  # a ~26 MB response: the server buffers what the client does not take
+    body = json.dumps({**TEXT, "max_tokens": 400}).encode()
+    reader, writer = await _connect(cluster, receive_buffer=4096)
+    try:
+        writer.write(_request_head(len(body)) + body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        # ... and the client reads nothing more: the proxy gives up on it rather than hold 26 MB.
+        await wait_until(lambda: _metric(cluster, "epd_proxy_stalls_total", kind="write") == 1, timeout=WAIT_S)
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(_read_until_closed(reader), WAIT_S)
+    finally:
+        writer.close()
+    await _nothing_left(cluster)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
