@@ -31,8 +31,10 @@ from services.proxy.config import ProxyConfig
 from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
 from services.proxy.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
 from services.proxy.http_util import (
+    BoundedJSONResponse,
     ClientDisconnected,
     EventStreamResponse,
+    WriteBound,
     check_json_content_type,
     parse_body,
     read_body,
@@ -51,7 +53,7 @@ from services.proxy.middleware import (
     install_error_handlers,
 )
 from services.proxy.openapi import openapi_document
-from services.proxy.pipeline import Pipeline
+from services.proxy.pipeline import Pipeline, StallLimits
 from services.proxy.preprocess import Preprocessor, Prompt, image_urls
 from services.proxy.responses import (
     ChatFormatter,
@@ -127,7 +129,7 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions`` (text and images, streaming or not)."""
     state, trace = _state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
-    raw = await read_body(request, state.config.max_body_bytes)
+    raw = await _read_body(request, state, trace, timeout_s)
     check_json_content_type(request)
     body = parse_body(raw, ChatCompletionRequest)
     ignored = _check_fields(request, state, body)
@@ -151,7 +153,7 @@ async def completions(request: Request) -> Response:
     """``POST /v1/completions`` (text-only: a string or a list of token ids)."""
     state, trace = _state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
-    raw = await read_body(request, state.config.max_body_bytes)
+    raw = await _read_body(request, state, trace, timeout_s)
     check_json_content_type(request)
     body = parse_body(raw, CompletionRequest)
     ignored = _check_fields(request, state, body)
@@ -168,6 +170,12 @@ async def completions(request: Request) -> Response:
     )
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl", ignored)
+
+
+async def _read_body(request: Request, state: ProxyState, trace: Trace, timeout_s: float) -> bytes:
+    """The body, within ``--body-timeout-s`` and the request's own deadline (408 otherwise)."""
+    left_s = trace.started + timeout_s - time.monotonic()
+    return await read_body(request, state.config.max_body_bytes, min(state.config.body_timeout_s, left_s))
 
 
 def _check_fields(request: Request, state: ProxyState, body: _SamplingFields) -> list[str]:
@@ -239,17 +247,20 @@ async def _generate(
     choices = [
         Choice(_observed(state, job, request.url.path, buffered=not body.stream, line=line), job.trace) for job in jobs
     ]
+    stalled_writes = state.metrics.stalls.labels("write")
+    bound = WriteBound(trace.started + timeout_s, config.write_timeout_s, stalled_writes.inc)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
             stream_events(choices, formatter, include_usage=include_usage, want_logprobs=want_logprobs),
             headers=ignored_fields_header(ignored_fields),
+            bound=bound,
         )
     try:
         result = await unless_disconnected(request, collect(choices, formatter, want_logprobs=want_logprobs))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(result, headers=ignored_fields_header(ignored_fields))
+    return BoundedJSONResponse(result, bound=bound, headers=ignored_fields_header(ignored_fields))
 
 
 def default_served_name(model: str, model_id: str) -> str:
@@ -391,6 +402,7 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             pd_attempts=config.pd_attempts,
             encoder_attempts=config.encoder_attempts,
             metrics=metrics,
+            stall_limits=StallLimits(config.first_token_timeout_s, config.inter_token_timeout_s),
         )
         media = fetcher
         if media is None and config.allowed_media_domains:

@@ -209,6 +209,27 @@ def body_too_large(limit: int) -> ApiError:
     )
 
 
+def body_timeout() -> ApiError:
+    """The client did not send its whole body in time; the connection is closed after the answer."""
+    return ApiError(
+        408,
+        "The request body was not received in time.",
+        "invalid_request_error",
+        "request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
+_STALL_WHAT = {"first_token": "its first token", "inter_token": "its next token"}
+
+
+def stalled(kind: str, limit_s: float) -> ApiError:
+    """PD produced nothing for too long (``kind``: first_token or inter_token)."""
+    return ApiError(
+        504, f"The model server did not send {_STALL_WHAT[kind]} within {limit_s:g} s.", "server_error", "timeout"
+    )
+
+
 def unsupported_media_type() -> ApiError:
     return ApiError(
         415,
