@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -81,6 +81,10 @@ from services.proxy.workers import WorkPool
 
 log = logging.getLogger(__name__)
 
+BodyT = TypeVar("BodyT", ChatCompletionRequest, CompletionRequest)
+PARSE_INLINE_BYTES = 64 * 1024
+"""Bodies up to this size are parsed on the event loop (microseconds); larger ones on the text pool."""
+
 
 @dataclass
 class ProxyState:
@@ -131,7 +135,7 @@ async def chat_completions(request: Request) -> Response:
     timeout_s = request_timeout(request, state.config.request_timeout_s)
     raw = await _read_body(request, state, trace, timeout_s)
     check_json_content_type(request)
-    body = parse_body(raw, ChatCompletionRequest)
+    body = await _parse(state, raw, ChatCompletionRequest, trace.started + timeout_s)
     ignored = _check_fields(request, state, body)
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
@@ -155,7 +159,7 @@ async def completions(request: Request) -> Response:
     timeout_s = request_timeout(request, state.config.request_timeout_s)
     raw = await _read_body(request, state, trace, timeout_s)
     check_json_content_type(request)
-    body = parse_body(raw, CompletionRequest)
+    body = await _parse(state, raw, CompletionRequest, trace.started + timeout_s)
     ignored = _check_fields(request, state, body)
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
@@ -176,6 +180,14 @@ async def _read_body(request: Request, state: ProxyState, trace: Trace, timeout_
     """The body, within ``--body-timeout-s`` and the request's own deadline (408 otherwise)."""
     left_s = trace.started + timeout_s - time.monotonic()
     return await read_body(request, state.config.max_body_bytes, min(state.config.body_timeout_s, left_s))
+
+
+async def _parse(state: ProxyState, raw: bytes, model: type[BodyT], deadline: float) -> BodyT:
+    """``parse_body``; a body over ``PARSE_INLINE_BYTES`` is parsed on the text pool, off the event loop,
+    so one large legal body does not hold up every stream's next token."""
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return parse_body(raw, model)
+    return await state.text_pool.run(parse_body, raw, model, deadline=deadline)
 
 
 def _check_fields(request: Request, state: ProxyState, body: _SamplingFields) -> list[str]:
