@@ -66,11 +66,18 @@ class Oracle:
         """The prompt's token ids, image placeholders expanded, as ``generate()`` sees them."""
         return self.inputs(messages, images)["input_ids"][0].tolist()
 
-    def generate(self, messages: list[dict], images: list[Image.Image], max_tokens: int) -> list[int]:
+    def generate(self, messages: list[dict], images: list[Image.Image], max_tokens: int, **options) -> list[int]:
+        """Greedy new tokens; ``options`` go to ``generate()`` (e.g. ``min_new_tokens``, ``eos_token_id``)."""
         inputs = self.inputs(messages, images)
         with self.lock, torch.inference_mode():
-            output = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+            output = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **options)
         return output[0, inputs["input_ids"].shape[1] :].tolist()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids ``generate()`` stops on (a checkpoint may name one or several)."""
+        eos = self.model.generation_config.eos_token_id
+        return list(eos) if isinstance(eos, list | tuple) else [eos]
 
     def decode(self, token_ids: list[int]) -> str:
         return self.processor.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -84,7 +84,7 @@ def build_receiver(hidden_size: int, dtype_name: str, capacity_tokens: int) -> t
     )
     engine = EngineBridge(core)
     servicer = PrefillDecodeServicer(
-        engine, PdConfig(model=""), eos_token_id=None, vocab_size=1, max_model_len=capacity_tokens + 16
+        engine, PdConfig(model=""), eos_token_ids=(), vocab_size=1, max_model_len=capacity_tokens + 16
     )
     return engine, servicer
 

@@ -124,24 +124,27 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-    max_tokens = params.max_tokens or max_tokens_cap
+    if params.max_tokens and params.min_tokens > params.max_tokens:
+        raise _invalid("min_tokens must not exceed max_tokens")
+    max_tokens = min(params.max_tokens or max_tokens_cap, max_tokens_cap)
     return SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
         top_k=int(top_k),
         seed=params.seed if params.HasField("seed") else None,
-        max_tokens=min(max_tokens, max_tokens_cap),
+        max_tokens=max_tokens,
         stop=tuple(params.stop),
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
+        min_tokens=min(params.min_tokens, max_tokens),  # the context's room ends a request all the same
     )
 
 
 def request_from_pb(
     message: epd_pb2.GenerateRequest,
     *,
-    eos_token_id: int | None,
+    eos_token_ids: tuple[int, ...],
     vocab_size: int,
     max_model_len: int,
     max_items: int = MAX_ITEMS,
@@ -156,12 +159,15 @@ def request_from_pb(
     prompt = list(message.prompt_token_ids)
     check_prompt(prompt, vocab_size=vocab_size, max_model_len=max_model_len)
     sampling = sampling_from_pb(message.sampling, max_tokens_cap=max_model_len - len(prompt))
+    if any(t >= vocab_size for t in sampling.stop_token_ids):
+        # They would index the logits (masked before min_tokens); the model cannot produce them anyway.
+        raise _invalid("stop_token_ids contains an id outside the vocabulary")
     request = Request(
         request_id=message.request_id,
         prompt_token_ids=prompt,
         sampling=sampling,
         mm_spans=spans_from_pb(message.mm_items, len(prompt), max_items=max_items, uses_grids=uses_grids),
-        eos_token_id=eos_token_id,
+        eos_token_ids=eos_token_ids,
     )
     rope_plan(request)
     return request

@@ -211,7 +211,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     # The engine thread runs the model with the thread count chosen here.
     engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))
     facts = {
-        "eos_token_id": adapter.eos_token_id,
+        "eos_token_ids": adapter.eos_token_ids,
         "vocab_size": int(model.config.vocab_size),
         "max_model_len": max_model_len,
         "uses_mrope": adapter.uses_mrope,
@@ -230,7 +230,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
 _WARM_UP_PROMPT = tuple(range(1, 41))
 
 
-async def warm_up(engine: EngineBridge, eos_token_id: int | None, every_path: bool = False) -> None:
+async def warm_up(engine: EngineBridge, every_path: bool = False) -> None:
     """Generates through the engine before ready, then seeds the step-time model
     (``step_calibration.py``); raises if the engine cannot.
 
@@ -246,19 +246,18 @@ async def warm_up(engine: EngineBridge, eos_token_id: int | None, every_path: bo
         sampled = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=2, max_tokens=3, ignore_eos=True)
         prompt = list(_WARM_UP_PROMPT)
         await asyncio.gather(
-            generate(engine, _warm_up_request(prompt, greedy, eos_token_id)),
-            generate(engine, _warm_up_request(prompt[::-1], sampled, eos_token_id)),
+            generate(engine, _warm_up_request(prompt, greedy)),
+            generate(engine, _warm_up_request(prompt[::-1], sampled)),
         )
-        await generate(engine, _warm_up_request(prompt, greedy, eos_token_id))
+        await generate(engine, _warm_up_request(prompt, greedy))
     else:
-        await generate(engine, _warm_up_request([1, 2, 3], greedy, eos_token_id))
-    await calibrate_step_time(engine, eos_token_id)
+        await generate(engine, _warm_up_request([1, 2, 3], greedy))
+    await calibrate_step_time(engine)
 
 
-def _warm_up_request(prompt: list[int], sampling: SamplingParams, eos_token_id: int | None) -> Request:
-    return Request(
-        request_id=f"warmup-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, eos_token_id=eos_token_id
-    )
+def _warm_up_request(prompt: list[int], sampling: SamplingParams) -> Request:
+    # No EOS ids: warm-up requests ignore EOS and run to max_tokens.
+    return Request(request_id=f"warmup-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling)
 
 
 async def start_pd(config: PdConfig) -> PdServer:
@@ -270,7 +269,7 @@ async def start_pd(config: PdConfig) -> PdServer:
     servicer = PrefillDecodeServicer(
         engine,
         config,
-        eos_token_id=facts["eos_token_id"],
+        eos_token_ids=facts["eos_token_ids"],
         vocab_size=facts["vocab_size"],
         max_model_len=facts["max_model_len"],
         uses_grids=facts["uses_mrope"],
@@ -296,7 +295,7 @@ async def start_pd(config: PdConfig) -> PdServer:
                 config.metrics_host or config.host, config.metrics_port, token=config.security.metrics_token
             )
         if config.warmup:
-            await warm_up(engine, facts["eos_token_id"], every_path=facts["device"].startswith("cuda"))
+            await warm_up(engine, every_path=facts["device"].startswith("cuda"))
         if colocated is not None:
             await colocated.become_ready(server, warm_up=config.warmup)
         budget = (await engine.stats()).budget
@@ -315,12 +314,13 @@ async def start_pd(config: PdConfig) -> PdServer:
         log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
     await server.set_ready(True)
     log.info(
-        "pd ready on %s:%d model=%s device=%s dtype=%s kv_blocks=%d cuda_graphs=%d decode_paths=%s %s",
+        "pd ready on %s:%d model=%s device=%s dtype=%s eos_ids=%s kv_blocks=%d cuda_graphs=%d decode_paths=%s %s",
         config.host,
         server.port,
         facts["model_id"],
         facts["device"],
         facts["dtype"],
+        ",".join(map(str, facts["eos_token_ids"])) or "none",
         facts["num_kv_blocks"],
         facts["num_cuda_graphs"],
         _describe_paths(facts["decode_paths"]),

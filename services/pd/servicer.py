@@ -58,7 +58,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         engine: EngineBridge,
         config: PdConfig,
         *,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
         vocab_size: int,
         max_model_len: int,
         uses_grids: bool | None = None,
@@ -68,7 +68,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self.engine = engine
         self.uses_grids = uses_grids
         self.config = config
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.draining = False
@@ -134,7 +134,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 self._check_admitting()
                 engine_request = convert.request_from_pb(
                     request,
-                    eos_token_id=self.eos_token_id,
+                    eos_token_ids=self.eos_token_ids,
                     vocab_size=self.vocab_size,
                     max_model_len=self.max_model_len,
                     max_items=self.config.max_items_per_request,

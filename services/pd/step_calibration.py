@@ -74,15 +74,15 @@ def calibration_prompt(index: int, length: int) -> list[int]:
     ]
 
 
-async def calibrate_step_time(engine: EngineBridge, eos_token_id: int | None) -> None:
+async def calibrate_step_time(engine: EngineBridge) -> None:
     """Runs the calibration requests to their end; raises RuntimeError if one fails."""
     plan = await engine.call(CalibrationPlan.for_core, engine.core)
     index = 0  # of the next prompt: every calibration prompt differs from the others
     for _ in range(NUM_PASSES):
         for length in plan.prompt_lengths:
-            await generate(engine, _request(calibration_prompt(index, length), eos_token_id))
+            await generate(engine, _request(calibration_prompt(index, length)))
             index += 1
-        short = [_request(calibration_prompt(index + i, SHORT_PROMPT), eos_token_id) for i in range(plan.batch_size)]
+        short = [_request(calibration_prompt(index + i, SHORT_PROMPT)) for i in range(plan.batch_size)]
         index += plan.batch_size
         await asyncio.gather(*(generate(engine, request) for request in short))
 
@@ -98,10 +98,10 @@ async def generate(engine: EngineBridge, request: Request, timeout_s: float = TI
             raise RuntimeError(f"warm-up generation failed: {event.error.message}")
 
 
-def _request(prompt: list[int], eos_token_id: int | None) -> Request:
+def _request(prompt: list[int]) -> Request:
+    # No EOS ids: calibration requests ignore EOS and run to NUM_OUTPUT_TOKENS.
     return Request(
         request_id=f"warmup-{uuid.uuid4().hex}",
         prompt_token_ids=prompt,
         sampling=SamplingParams(temperature=0.0, max_tokens=NUM_OUTPUT_TOKENS, ignore_eos=True),
-        eos_token_id=eos_token_id,
     )

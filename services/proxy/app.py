@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -29,9 +29,12 @@ from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
 from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
+from services.proxy.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
 from services.proxy.http_util import (
+    BoundedJSONResponse,
     ClientDisconnected,
     EventStreamResponse,
+    WriteBound,
     check_json_content_type,
     parse_body,
     read_body,
@@ -50,7 +53,7 @@ from services.proxy.middleware import (
     install_error_handlers,
 )
 from services.proxy.openapi import openapi_document
-from services.proxy.pipeline import Pipeline
+from services.proxy.pipeline import Pipeline, StallLimits
 from services.proxy.preprocess import Preprocessor, Prompt, image_urls
 from services.proxy.responses import (
     ChatFormatter,
@@ -77,6 +80,10 @@ from services.proxy.schemas import (
 from services.proxy.workers import WorkPool
 
 log = logging.getLogger(__name__)
+
+BodyT = TypeVar("BodyT", ChatCompletionRequest, CompletionRequest)
+PARSE_INLINE_BYTES = 64 * 1024
+"""Bodies up to this size are parsed on the event loop (microseconds); larger ones on the text pool."""
 
 
 @dataclass
@@ -126,9 +133,10 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions`` (text and images, streaming or not)."""
     state, trace = _state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
-    raw = await read_body(request, state.config.max_body_bytes)
+    raw = await _read_body(request, state, trace, timeout_s)
     check_json_content_type(request)
-    body = parse_body(raw, ChatCompletionRequest)
+    body = await _parse(state, raw, ChatCompletionRequest, trace.started + timeout_s)
+    ignored = _check_fields(request, state, body)
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
     check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
@@ -142,16 +150,17 @@ async def chat_completions(request: Request) -> Response:
     del sources  # the image bytes are no longer needed
     prompt = state.preprocessor.assemble(token_ids, images)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(request, state, body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl")
+    return await _generate(request, state, body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl", ignored)
 
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions`` (text-only: a string or a list of token ids)."""
     state, trace = _state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
-    raw = await read_body(request, state.config.max_body_bytes)
+    raw = await _read_body(request, state, trace, timeout_s)
     check_json_content_type(request)
-    body = parse_body(raw, CompletionRequest)
+    body = await _parse(state, raw, CompletionRequest, trace.started + timeout_s)
+    ignored = _check_fields(request, state, body)
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
     check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
@@ -164,7 +173,31 @@ async def completions(request: Request) -> Response:
         state.preprocessor.completion_prompt, prompt_input, deadline=trace.started + timeout_s
     )
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl")
+    return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl", ignored)
+
+
+async def _read_body(request: Request, state: ProxyState, trace: Trace, timeout_s: float) -> bytes:
+    """The body, within ``--body-timeout-s`` and the request's own deadline (408 otherwise)."""
+    left_s = trace.started + timeout_s - time.monotonic()
+    return await read_body(request, state.config.max_body_bytes, min(state.config.body_timeout_s, left_s))
+
+
+async def _parse(state: ProxyState, raw: bytes, model: type[BodyT], deadline: float) -> BodyT:
+    """``parse_body``; a body over ``PARSE_INLINE_BYTES`` is parsed on the text pool, off the event loop,
+    so one large legal body does not hold up every stream's next token."""
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return parse_body(raw, model)
+    return await state.text_pool.run(parse_body, raw, model, deadline=deadline)
+
+
+def _check_fields(request: Request, state: ProxyState, body: _SamplingFields) -> list[str]:
+    """Refuses undeclared fields (``fields.py``); under ``--ignore-unknown-fields`` logs the ignored names once."""
+    ignored = check_fields(body, ignore_unknown=state.config.ignore_unknown_fields)
+    if ignored:
+        log.warning(
+            "%s: ignored unknown fields %s", request.url.path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER]
+        )
+    return ignored
 
 
 async def _generate(
@@ -176,8 +209,9 @@ async def _generate(
     timeout_s: float,
     formatter_cls: type[ChatFormatter],
     id_prefix: str,
+    ignored_fields: list[str],
 ) -> Response:
-    """One job per choice (``n``), all under the request's one deadline."""
+    """One job per choice (``n``), all under the request's one deadline; ``ignored_fields`` are named in a header."""
     config = state.config
     max_tokens = resolve_max_tokens(
         requested_max_tokens(body),
@@ -225,16 +259,20 @@ async def _generate(
     choices = [
         Choice(_observed(state, job, request.url.path, buffered=not body.stream, line=line), job.trace) for job in jobs
     ]
+    stalled_writes = state.metrics.stalls.labels("write")
+    bound = WriteBound(trace.started + timeout_s, config.write_timeout_s, stalled_writes.inc)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
-            stream_events(choices, formatter, include_usage=include_usage, want_logprobs=want_logprobs)
+            stream_events(choices, formatter, include_usage=include_usage, want_logprobs=want_logprobs),
+            headers=ignored_fields_header(ignored_fields),
+            bound=bound,
         )
     try:
         result = await unless_disconnected(request, collect(choices, formatter, want_logprobs=want_logprobs))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(result)
+    return BoundedJSONResponse(result, bound=bound, headers=ignored_fields_header(ignored_fields))
 
 
 def default_served_name(model: str, model_id: str) -> str:
@@ -376,6 +414,7 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             pd_attempts=config.pd_attempts,
             encoder_attempts=config.encoder_attempts,
             metrics=metrics,
+            stall_limits=StallLimits(config.first_token_timeout_s, config.inter_token_timeout_s),
         )
         media = fetcher
         if media is None and config.allowed_media_domains:

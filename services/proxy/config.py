@@ -32,6 +32,14 @@ class ProxyConfig:
     request_timeout_s: float = 300.0  # end-to-end deadline of one request, propagated to every RPC;
     # X-Request-Timeout may shorten it per request
     max_body_bytes: int = 32 * MIB
+    # time limits besides the deadline (each is also capped by it); 0 = off where noted
+    body_timeout_s: float = 30.0  # the whole request body must arrive within this (408, connection closed)
+    first_token_timeout_s: float = 0.0  # arrival to PD's first message; 0 = off (the deadline bounds it)
+    inter_token_timeout_s: float = 60.0  # longest gap between PD messages of one generation; 0 = off
+    write_timeout_s: float = 30.0  # longest one response write may wait for the client to read; 0 = off
+    # HTTP server (uvicorn) limits, applied by ``epd proxy`` itself
+    max_concurrency: int = 2048  # connections + requests beyond which new requests get 503; 0 = no limit
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_images_per_request: int = 8
     max_image_pixels: int = 4096 * 4096  # width × height, read from the header before decoding
     max_request_pixels: int = 2 * 4096 * 4096  # all images of one request together, from their headers
@@ -44,6 +52,9 @@ class ProxyConfig:
     image_threads: int = 2  # image work (decode, hash, image processor), its own pool
     image_queue: int = 64  # requests' image jobs waiting beyond which requests get 503
     max_n: int = 8  # most choices (n) in one request
+    # Unknown body fields: False = refused with a 400 naming them; True = ignored, named in the
+    # X-EPD-Ignored-Fields header and a log line (OpenAI fields we do not implement are refused either way).
+    ignore_unknown_fields: bool = False
     # routing and failure handling
     pd_policy: str = "least-loaded"  # see routing.PD_POLICIES
     encoder_policy: str = "rendezvous"  # see routing.ENCODER_POLICIES
@@ -99,10 +110,17 @@ class ProxyConfig:
             "dns_refresh_s": self.dns_refresh_s,
             "media_timeout_s": self.media_timeout_s,
             "max_media_bytes": self.max_media_bytes,
+            "body_timeout_s": self.body_timeout_s,
+            "keep_alive_timeout_s": self.keep_alive_timeout_s,
         }
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0")
+        stall_bounds = (self.first_token_timeout_s, self.inter_token_timeout_s, self.write_timeout_s)
+        if any(not bound >= 0 for bound in stall_bounds) or self.max_concurrency < 0:
+            raise ValueError(
+                "first_token_timeout_s, inter_token_timeout_s, write_timeout_s and max_concurrency must be >= 0"
+            )
         if self.text_queue < 0 or self.image_queue < 0:
             raise ValueError("text_queue and image_queue must be >= 0")
         if self.max_images_per_request < 0:

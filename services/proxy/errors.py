@@ -88,6 +88,12 @@ class UnsupportedFeatureError(RequestError):
     code = "unsupported_parameter"
 
 
+class UnknownFieldError(RequestError):
+    """A body field (top-level or nested) that neither OpenAI nor our extensions define."""
+
+    code = "unknown_parameter"
+
+
 class PromptTooLongError(RequestError):
     """Prompt plus requested completion do not fit the model's context."""
 
@@ -200,6 +206,27 @@ def model_not_found(param: str = "model") -> ApiError:
 def body_too_large(limit: int) -> ApiError:
     return ApiError(
         413, f"Request body exceeds the limit of {limit} bytes.", "invalid_request_error", "request_too_large"
+    )
+
+
+def body_timeout() -> ApiError:
+    """The client did not send its whole body in time; the connection is closed after the answer."""
+    return ApiError(
+        408,
+        "The request body was not received in time.",
+        "invalid_request_error",
+        "request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
+_STALL_WHAT = {"first_token": "its first token", "inter_token": "its next token"}
+
+
+def stalled(kind: str, limit_s: float) -> ApiError:
+    """PD produced nothing for too long (``kind``: first_token or inter_token)."""
+    return ApiError(
+        504, f"The model server did not send {_STALL_WHAT[kind]} within {limit_s:g} s.", "server_error", "timeout"
     )
 
 

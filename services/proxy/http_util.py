@@ -1,10 +1,17 @@
-"""HTTP plumbing: bounded body reading, disconnect watching, the SSE response.
+"""HTTP plumbing: bounded body reading, disconnect watching, bounded writes, the SSE response.
 
 The SSE response pulls its first event *before* sending the status line,
 so admission failures (503 + Retry-After, 504, 400 from PD) still reach the
 client as proper HTTP errors; only failures after the first event become
 in-stream error events. A watcher listens for the client going away for the
 whole life of the response and cancels the generation when it does.
+
+Slow clients are bounded both ways: the body must arrive within its time
+limit (408), and every response write must be taken by the client within
+``WriteBound`` (a client that stopped reading blocks the server's ``send``
+under TCP flow control, or leaves a whole body in the server's buffer); a
+stalled write drops the response, which closes the generation behind it,
+and resets the connection so that nothing stays buffered for that client.
 """
 
 from __future__ import annotations
@@ -13,19 +20,24 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable
-from typing import TypeVar
+import socket
+import struct
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from services.proxy.errors import (
     ApiError,
     InvalidTimeoutError,
     RequestError,
+    body_timeout,
     body_too_large,
     internal_error,
     unsupported_media_type,
@@ -58,11 +70,12 @@ def as_api_error(error: BaseException) -> ApiError:
     return internal_error()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes.
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes and (408) anything slower than ``timeout_s``.
 
     Content-Length is checked first; the running total is checked while
-    reading too, since a chunked body has no length.
+    reading too, since a chunked body has no length. The 408 asks the
+    server to close the connection (the rest of the body is never read).
     """
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -72,11 +85,15 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(max(timeout_s, 0.0)):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise body_too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise body_timeout() from None
     return b"".join(chunks)
 
 
@@ -195,22 +212,150 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
+WRITE_GRACE_S = 1.0
+"""A write that starts near or after the deadline still gets this long (a last chunk, ``[DONE]``)."""
+
+
+class WriteStalled(Exception):
+    """The client did not take a response write within its ``WriteBound``."""
+
+
+@dataclass(frozen=True)
+class WriteBound:
+    """How long each response write may wait for the client to read.
+
+    A write must complete by the request's ``deadline`` (``time.monotonic()``),
+    or within ``WRITE_GRACE_S`` when it starts later than that allows, and
+    within ``stall_s`` in any case (0 = no such bound). ``on_stall`` runs
+    once when a write does not (the caller counts it).
+    """
+
+    deadline: float
+    stall_s: float = 0.0
+    on_stall: Callable[[], None] = lambda: None
+
+    def limit_s(self, now: float) -> float:
+        """Seconds a write that starts at ``now`` may take."""
+        limit = max(self.deadline - now, WRITE_GRACE_S)
+        return min(limit, self.stall_s) if self.stall_s > 0 else limit
+
+    def wrap(self, send: Send) -> Send:
+        """``send`` whose every call raises ``WriteStalled`` when it cannot complete in time."""
+
+        async def bounded_send(message: Message) -> None:
+            limit_s = self.limit_s(time.monotonic())
+            try:
+                async with asyncio.timeout(limit_s):
+                    await send(message)
+            except TimeoutError:
+                self.on_stall()
+                log.warning("a client took no response write for %.1f s; the response is dropped", limit_s)
+                raise WriteStalled() from None
+
+        return bounded_send
+
+
+def _transport(receive: Receive) -> Any:
+    """The connection's asyncio transport, where the server exposes it (else None).
+
+    ASGI has no way to reach the connection; uvicorn hands the app a
+    ``receive`` bound to the connection's request cycle, which holds it.
+    """
+    return getattr(getattr(receive, "__self__", None), "transport", None)
+
+
+def drop_connection(receive: Receive) -> bool:
+    """Resets the client's connection now, discarding what was not sent; False where the server does not allow it.
+
+    After a stalled write the server holds bytes a client that stopped reading
+    never takes, so closing the connection politely (flush, then close) would
+    keep it open for as long as the client does.
+    """
+    transport = _transport(receive)
+    abort = getattr(transport, "abort", None)
+    if not callable(abort):
+        return False
+    sock = transport.get_extra_info("socket")
+    if sock is not None:  # linger 0: the kernel sends a reset and frees its buffers too, not just the proxy
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    abort()
+    return True
+
+
+_FLUSH_POLL_S = 0.02
+
+
+async def wait_flushed(receive: Receive, bound: WriteBound) -> None:
+    """Returns once the server has handed every response byte to the kernel; ``WriteStalled`` past ``bound``.
+
+    A server's ``send`` of a whole body returns as soon as the bytes are
+    buffered, so without this a client that never reads would keep them in
+    the proxy for as long as it keeps the connection open.
+    """
+    transport = _transport(receive)
+    size = getattr(transport, "get_write_buffer_size", None)
+    if not callable(size) or not size():
+        return
+    limit_s = bound.limit_s(time.monotonic())
+    try:
+        async with asyncio.timeout(limit_s):
+            while size() and not transport.is_closing():
+                await asyncio.sleep(_FLUSH_POLL_S)
+    except TimeoutError:
+        bound.on_stall()
+        log.warning("a client took no response bytes for %.1f s; the response is dropped", limit_s)
+        raise WriteStalled() from None
+
+
+class BoundedJSONResponse(JSONResponse):
+    """A JSON response whose write is bounded (``WriteBound``); a stalled client gets nothing more."""
+
+    def __init__(self, content: Any, *, bound: WriteBound, headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, headers=headers)
+        self.bound = bound
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, self.bound.wrap(send))
+            await wait_flushed(receive, self.bound)
+        except WriteStalled:
+            drop_connection(receive)
+
+
 class EventStreamResponse(Response):
-    """``text/event-stream`` response whose status is decided by its first event."""
+    """``text/event-stream`` response whose status is decided by its first event.
+
+    Every write is bounded by ``bound``: when the client stops reading, the
+    response is dropped and the event generator closed (which aborts the
+    generation behind it) instead of waiting on TCP flow control forever.
+    """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        headers: dict[str, str] | None = None,
+        *,
+        bound: WriteBound | None = None,
+    ) -> None:
         self.events = events
         self.status_code = 200
         self.background = None
+        self.bound = bound
         self.init_headers({**SSE_HEADERS, **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.bound is not None:
+            send = self.bound.wrap(send)
         async with anyio.create_task_group() as group:
 
             async def respond() -> None:
-                await self._respond(scope, receive, send)
+                try:
+                    await self._respond(scope, receive, send)
+                except WriteStalled:  # leaving _respond closed the events (the generation is aborted)
+                    drop_connection(receive)
                 group.cancel_scope.cancel()
 
             group.start_soon(respond)

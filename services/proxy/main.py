@@ -49,6 +49,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="end-to-end deadline of one request, seconds (X-Request-Timeout may shorten it)",
     )
     add(parser, "--max-body-mb", type=float, default=32.0, help="largest request body, MiB")
+    add(
+        parser,
+        "--body-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send its whole request body (also capped by the request's deadline); "
+        "a slower one gets 408 and its connection is closed",
+    )
+    add(
+        parser,
+        "--first-token-timeout-s",
+        type=float,
+        default=0.0,
+        help="seconds from a request's arrival to PD's first token (images' encoding included) before the "
+        "generation is aborted with 504 (0 = off: only the request timeout applies)",
+    )
+    add(
+        parser,
+        "--inter-token-timeout-s",
+        type=float,
+        default=60.0,
+        help="longest gap between two tokens from PD; a longer stall aborts the generation: a stream ends with "
+        "an error event (code 'timeout') and [DONE], a whole response is a 504 (0 = off)",
+    )
+    add(
+        parser,
+        "--write-timeout-s",
+        type=float,
+        default=30.0,
+        help="longest one response write may wait for a client that stopped reading (never past the request's "
+        "deadline plus 1 s); then the response is dropped, the generation aborted and epd_proxy_stalls_total"
+        "{kind=write} counted (0 = only the deadline bounds it)",
+    )
+    add(
+        parser,
+        "--max-concurrency",
+        type=int,
+        default=2048,
+        help="open connections plus requests in progress beyond which new requests get a plain 503 from the "
+        "HTTP server (uvicorn's limit_concurrency; 0 = no limit)",
+    )
+    add(
+        parser,
+        "--keep-alive-timeout-s",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
     add(parser, "--max-images", type=int, default=8, help="most images in one request")
     add(
         parser,
@@ -91,6 +139,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests whose images may wait for an image thread; beyond it they get 503 + Retry-After",
     )
     add(parser, "--max-n", type=int, default=8, help="most choices (n) in one request")
+    add(
+        parser,
+        "--ignore-unknown-fields",
+        default=False,
+        help="for lenient clients: ignore request body fields this server does not know (top-level or nested) "
+        "instead of refusing them with a 400; the response names them in the X-EPD-Ignored-Fields header and "
+        "one warning is logged (names only). OpenAI fields this server does not implement are still refused "
+        "unless they have their no-op value",
+    )
     add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")
     add(
         parser,
@@ -162,6 +219,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         served_model_name=args.served_model_name or None,
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * MIB),
+        body_timeout_s=args.body_timeout_s,
+        first_token_timeout_s=args.first_token_timeout_s,
+        inter_token_timeout_s=args.inter_token_timeout_s,
+        write_timeout_s=args.write_timeout_s,
+        max_concurrency=args.max_concurrency,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
         max_images_per_request=args.max_images,
         max_image_pixels=args.max_image_pixels,
         max_request_pixels=args.max_request_pixels,
@@ -174,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         image_threads=args.image_threads,
         image_queue=args.image_queue,
         max_n=args.max_n,
+        ignore_unknown_fields=args.ignore_unknown_fields,
         pd_policy=args.pd_policy,
         encoder_policy=args.encoder_policy,
         encoder_saturation=args.encoder_saturation,
@@ -190,6 +254,22 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         faults=ProxyFaults.parse(args.fault),
         security=security.from_args(args),
     )
+
+
+def uvicorn_limits(config: ProxyConfig) -> dict[str, object]:
+    """The HTTP server's own limits (``uvicorn.run`` keywords).
+
+    ``limit_concurrency`` caps connections plus requests (uvicorn answers a
+    plain 503 beyond it), which bounds what slow clients can hold: uvicorn
+    has no timeout for reading headers, only h11's cap on their size
+    (``h11_max_incomplete_event_size``, 16 KiB by default, kept). Body reads
+    and response writes are bounded by the app (``--body-timeout-s``,
+    ``--write-timeout-s``).
+    """
+    return {
+        "limit_concurrency": config.max_concurrency or None,
+        "timeout_keep_alive": config.keep_alive_timeout_s,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,5 +302,6 @@ def run(args: argparse.Namespace) -> int:
         log_config=None,  # keep setup_logging's format
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=args.grace,
+        **uvicorn_limits(config),
     )
     return 0

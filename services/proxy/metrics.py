@@ -44,6 +44,13 @@ METRICS = (
     ),
     MetricDoc("epd_proxy_images_total", "counter", (), "images accepted in requests"),
     MetricDoc(
+        "epd_proxy_stalls_total",
+        "counter",
+        ("kind",),
+        "generations ended for a stall: first_token or inter_token (PD sent nothing in time), "
+        "write (the client did not take a response write in time)",
+    ),
+    MetricDoc(
         "epd_proxy_backend_requests_total",
         "counter",
         ("kind", "address", "status"),
@@ -106,6 +113,9 @@ class ProxyMetrics:
             registry=self.registry,
         )
         self.images = Counter("epd_proxy_images", "Images accepted", registry=self.registry)
+        self.stalls = Counter(
+            "epd_proxy_stalls", "Generations ended for a stall (PD or client)", ["kind"], registry=self.registry
+        )
         self.backend_requests = Counter(
             "epd_proxy_backend_requests",
             "PD attempts and Encode calls by instance and outcome",

@@ -138,6 +138,7 @@ def _limits(config: ProxyConfig) -> dict[str, dict[str, Any]]:
     return {
         "max_tokens": tokens,
         "max_completion_tokens": tokens,
+        "min_tokens": {"type": "integer", "minimum": 0, "maximum": config.max_tokens_limit},
         "n": _nullable({"type": "integer", "minimum": 1, "maximum": config.max_n}),
         "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]},
         "stop_token_ids": _nullable(
@@ -152,7 +153,14 @@ def _limits(config: ProxyConfig) -> dict[str, dict[str, Any]]:
         "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
         "tools": _nullable({"type": "array", "maxItems": 0}),
         "tool_choice": _nullable({"const": "none"}),
-        "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}}),
+        "response_format": _nullable(
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"const": "text"}},
+                "additionalProperties": False,
+            }
+        ),
         "echo": {"const": False},
         "suffix": _nullable({"const": ""}),
         "best_of": _nullable({"const": 1}),

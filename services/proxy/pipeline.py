@@ -24,22 +24,32 @@ every call is what is left of it):
 Every exit path (finish, error, cancellation, client gone) cancels the
 Generate stream and the Encode calls; any exit but a clean finish also
 sends PD ``Abort`` (idempotent), from a task that survives the caller's
-cancellation.
+cancellation. The caller waits for that cleanup only briefly and never past
+its deadline, so a hung PD's 504 leaves at the deadline, not after the
+Abort's own timeout.
+
+Besides the deadline, two optional stall bounds (``StallLimits``) end a
+generation whose PD stops producing: no first message within
+``first_token_s`` of the request's arrival, or a gap longer than
+``inter_token_s`` between messages. Either is a 504 (``stalled``), and the
+generation is aborted on PD like any other failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
 from services.common import grpc_utils
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
-from services.proxy.errors import ApiError, from_grpc, internal_error, no_backend
+from services.proxy.errors import ApiError, from_grpc, internal_error, no_backend, stalled
 from services.proxy.instances import Instance, Outcome, PdClient, outcome_of
 from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
@@ -53,6 +63,22 @@ _ENCODER_RETRY_CODES = frozenset({S.UNAVAILABLE, S.RESOURCE_EXHAUSTED, S.INTERNA
 """Not retried: bad input (same everywhere), deadline (spent), PD-side reservation errors."""
 DEFAULT_BUSY_S = 1.0
 """How long an instance that said RESOURCE_EXHAUSTED without a hint counts as busy."""
+CLEANUP_WAIT_S = 1.0
+"""Longest a failed or cancelled attempt waits for its cleanup (Abort) before its caller moves on;
+never past the job's deadline. The cleanup itself goes on in the background (Abort has its own timeout)."""
+
+
+@dataclass(frozen=True)
+class StallLimits:
+    """How long a PD may go without producing, besides the request's deadline (0 = no bound).
+
+    ``first_token_s``: from the request's arrival to the first PD message
+    (Preallocate and Encode included). ``inter_token_s``: between two
+    consecutive PD messages of one generation.
+    """
+
+    first_token_s: float = 0.0
+    inter_token_s: float = 0.0
 
 
 class BackendError(Exception):
@@ -200,9 +226,11 @@ class Pipeline:
         pd_attempts: int = 3,
         encoder_attempts: int = 3,
         metrics: ProxyMetrics | None = None,
+        stall_limits: StallLimits = StallLimits(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backends = backends
+        self.stall_limits = stall_limits
         self._lease_ms = lease_ms
         self.pd_attempts = pd_attempts
         self.encoder_attempts = encoder_attempts
@@ -225,6 +253,28 @@ class Pipeline:
         """
         left_ms = int(self.remaining(job) * 1000)
         return max(1, min(self._lease_ms or left_ms, left_ms))
+
+    @contextlib.asynccontextmanager
+    async def _stall_bound(
+        self, job: Job, limit_s: float, kind: str, since: float | None = None
+    ) -> AsyncIterator[None]:
+        """Ends the block with a 504 (``stalled``) after ``limit_s`` from ``since`` (default now).
+
+        No bound when ``limit_s`` is 0 or would fall after the deadline (the
+        deadline's own 504 comes first then).
+        """
+        now = self._clock()
+        left = (now if since is None else since) + limit_s - now
+        if limit_s <= 0 or now + left >= job.deadline:
+            yield
+            return
+        try:
+            async with asyncio.timeout(max(left, 0.0)):
+                yield
+        except TimeoutError:
+            self.metrics.stalls.labels(kind).inc()
+            log.warning("request %s: no %s from PD within %.1f s", job.request_id, kind.replace("_", "-"), limit_s)
+            raise stalled(kind, limit_s) from None
 
     async def generate(self, job: Job, *, buffered: bool = False) -> AsyncIterator[epd_pb2.GenerateResponse]:
         """Yields PD messages up to and including the one with ``finish_reason``.
@@ -249,7 +299,8 @@ class Pipeline:
                         yield message
                     if attempt.finished:
                         break
-                    message = await attempt.next()
+                    async with self._stall_bound(job, self.stall_limits.inter_token_s, "inter_token"):
+                        message = await attempt.next()
                 else:
                     raise internal_error("The model server ended the stream without a result.")
             except grpc.aio.AioRpcError as error:
@@ -279,7 +330,8 @@ class Pipeline:
             job.trace.num_pd_attempts += 1
             job.trace.pd_address = pd.address
             try:
-                await attempt.start()
+                async with self._stall_bound(job, self.stall_limits.first_token_s, "first_token", job.trace.started):
+                    await attempt.start()
                 job.trace.first_token_ms = (time.monotonic() - job.trace.started) * 1000
                 return attempt
             except grpc.aio.AioRpcError as error:
@@ -385,7 +437,16 @@ class Pipeline:
         task = asyncio.create_task(cleanup())
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
-        await asyncio.shield(task)
+        # Usually the Abort is back in a millisecond and PD is released before the
+        # client hears anything; a hung PD must not hold the answer past the deadline.
+        wait_s = min(CLEANUP_WAIT_S, max(0.0, attempt.job.deadline - self._clock()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), wait_s)
+
+    @property
+    def num_pending_cleanups(self) -> int:
+        """Cleanups (cancelled calls, Aborts) still running in the background."""
+        return len(self._cleanups)
 
     async def drain(self) -> None:
         """Waits for outstanding cleanups (Aborts) at shutdown."""

@@ -84,6 +84,18 @@ class Prompt:
         ]
 
 
+def message_text_length(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Characters of the messages' text: string contents and text parts."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content if isinstance(part, Mapping))
+    return total
+
+
 def expand_placeholders(
     token_ids: Sequence[int], image_token_id: int, counts: Sequence[int]
 ) -> tuple[list[int], list[int]]:
@@ -217,7 +229,14 @@ class Preprocessor:
         return self.assemble(self.chat_tokens(messages), self.chat_images(sources))
 
     def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Text stage of a chat request: the rendered template's token ids, one image token per image."""
+        """Text stage of a chat request: the rendered template's token ids, one image token per image.
+
+        The messages' own text is checked against the context before the
+        template is rendered: the rendered prompt holds all of it (the
+        templates served here drop no message), so text that is too long
+        already is refused without the work of rendering it.
+        """
+        self.text_limit.check(message_text_length(messages), "messages")
         rendered = self.render(messages)
         self.text_limit.check(len(rendered), "messages")
         with self._tokenizer_lock:

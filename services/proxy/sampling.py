@@ -24,8 +24,10 @@ def check_supported(body: _SamplingFields, max_n: int = 1) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.tool_choice not in (None, "none"):
             raise UnsupportedFeatureError("Tool calling is not supported.", "tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
+        if body.response_format is not None and body.response_format.type != "text":
             raise UnsupportedFeatureError("Only the text response format is supported.", "response_format")
+        if body.response_format is not None and body.response_format.json_schema is not None:
+            raise RequestError("json_schema belongs to the json_schema response format.", "response_format.json_schema")
         for index, message in enumerate(body.messages):
             if message.content is None and message.role != "assistant":
                 raise RequestError("Message content is required.", f"messages[{index}].content")
@@ -112,7 +114,12 @@ def choice_sampling(params: epd_pb2.SamplingParams, index: int) -> epd_pb2.Sampl
 
 
 def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingParams:
-    """Builds the wire sampling parameters; unset optional fields keep PD's defaults."""
+    """Builds the wire sampling parameters; unset optional fields keep PD's defaults.
+
+    ``max_tokens`` is the resolved one (``resolve_max_tokens``): ``min_tokens`` may not exceed it.
+    """
+    if body.min_tokens > max_tokens:
+        raise RequestError(f"min_tokens must be at most max_tokens ({max_tokens}).", "min_tokens")
     params = epd_pb2.SamplingParams(
         max_tokens=max_tokens,
         stop=stop_strings(body.stop),
@@ -128,6 +135,8 @@ def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingP
         params.top_k = body.top_k
     if body.seed is not None:
         params.seed = body.seed
+    if body.min_tokens:
+        params.min_tokens = body.min_tokens
     logprobs = requested_logprobs(body)
     if logprobs is not None:
         params.logprobs = logprobs

@@ -1,9 +1,13 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic).
 
-Unknown fields are ignored (OpenAI clients send some we have no use for);
-known fields we cannot honour are rejected in ``sampling.py`` with a clear 400
-instead of being silently dropped. Types are strict, as OpenAI's are:
-``"5"`` is not an integer and ``"yes"`` is not a boolean.
+Every field declared here is honoured; a value we cannot honour is refused
+in ``sampling.py`` with a clear 400. Fields not declared are kept aside
+(``extra="allow"``, so they cost one validation pass) and judged by
+``fields.py``: an OpenAI field we do not implement is refused unless it has
+its no-op value, anything else is unknown (a 400, or ignored under
+``--ignore-unknown-fields``). The OpenAPI document says
+``additionalProperties: false``. Types are strict, as OpenAI's are: ``"5"``
+is not an integer and ``"yes"`` is not a boolean.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ _MAX_TEXT_PARTS = 1024  # per message; bounds work before the body reaches the t
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
 
 
 class ImageUrl(_Body):
@@ -48,6 +52,13 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ResponseFormat(_Body):
+    """Only ``text`` is served; the JSON formats are refused (``sampling.check_supported``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class _SamplingFields(_Body):
     """Fields shared by both endpoints."""
 
@@ -63,11 +74,13 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
     return_token_ids: bool = False  # extension: choices carry the generated token ids
+    min_tokens: int = Field(default=0, ge=0, lt=2**32)  # extension: no stop before this many tokens (<= max_tokens)
     n: int | None = Field(default=None, ge=1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=256)  # accepted (OpenAI end-user id), not used
+    safety_identifier: str | None = Field(default=None, max_length=256)  # user's successor; accepted, not used
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -79,7 +92,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=256)  # a cache hint; prefix caching is automatic
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
@@ -103,6 +117,6 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
 
 
 FIELD_NAMES = _field_names(
-    ImageUrl, TextPart, ImagePart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest
+    ImageUrl, TextPart, ImagePart, ChatMessage, StreamOptions, ResponseFormat, ChatCompletionRequest, CompletionRequest
 )
 """Every field name of the request schemas: the only strings an error location may repeat."""

@@ -6,6 +6,10 @@
 - ``freeze-step-ms=M``: one step stalls. PD's readiness watchdog reports
   NOT_SERVING, the proxy sends new requests to the other PD, and once the step
   completes the frozen PD is ready again and gets traffic again.
+- a hung PD (its whole event loop blocked, as SIGSTOP does to a process): the
+  proxy answers 504 at the request's deadline, not after its cleanup Abort
+  gives up (issue 27, item 9: 2 s deadline -> 7.0 s before), and once PD
+  wakes up nothing is left on it.
 
 Faults count steps from the end of warm-up, so each PD here serves nothing
 before the test that owns it.
@@ -35,6 +39,8 @@ from services.pd.server import start_pd
 RAISE_AT_STEP = 3  # a lone request of MAX_TOKENS tokens runs >= MAX_TOKENS steps
 FREEZE_MS = 60_000  # ended early by thaw(); a failing test still ends
 STALL_TIMEOUT_S = 0.3
+HUNG_S = 8.0  # how long the hung PD's event loop is blocked: longer than deadline + the Abort's 5 s
+DEADLINE_S = 2.0
 WAIT_S = 30.0  # bound of every wait loop
 
 
@@ -76,6 +82,7 @@ def setup(tiny_model_dir):
         # Load polling off: the proxy must not touch the frozen engine, so only the
         # watchdog can notice the stall.
         proxies["freeze"] = ProxyOnly(model_dir, [frozen.address, cluster.pd_addresses[0]], [], load_poll_s=0).start()
+        proxies["hung"] = ProxyOnly(model_dir, [cluster.pd_addresses[0]], [], load_poll_s=0).start()
         yield cluster, raising, frozen, proxies
     finally:
         for pd in cluster.pds[1:]:
@@ -168,3 +175,27 @@ def test_a_frozen_step_loop_turns_pd_not_ready_and_traffic_moves_to_the_other_pd
     else:
         pytest.fail("the proxy never routed to the recovered PD")
     assert cluster.leaks() == {}
+
+
+def test_late_504s_a_hung_pd_answers_at_the_deadline_and_is_cleaned_up_after(setup) -> None:
+    cluster, _, _, proxies = setup
+    hanging = threading.Event()
+
+    def hang() -> None:  # blocks the loop that serves the cluster's PDs: nothing there answers, not even Abort
+        hanging.set()
+        time.sleep(HUNG_S)
+
+    cluster.loop.call_soon_threadsafe(hang)
+    assert hanging.wait(WAIT_S)
+    started = time.monotonic()
+    reply = httpx.post(
+        f"http://127.0.0.1:{proxies['hung'].port}/v1/chat/completions",
+        json={"messages": [user_message("Anyone there?", [])], "max_tokens": MAX_TOKENS},
+        headers={"X-Request-Timeout": str(DEADLINE_S)},
+        timeout=WAIT_S,
+    )
+    elapsed = time.monotonic() - started
+    assert reply.status_code == 504 and reply.json()["error"]["code"] == "timeout"
+    assert DEADLINE_S <= elapsed < DEADLINE_S + 0.5, elapsed
+    print(f"hung PD: 504 after {elapsed:.2f} s on a {DEADLINE_S} s deadline")  # reported, not asserted
+    assert cluster.leaks(settle_s=HUNG_S + 10) == {}  # PD woke up, saw the cancel and the Abort

@@ -3,17 +3,20 @@
 The cluster (proxy -> encoder -> PD, or proxy -> colocated PD) runs on
 loopback, once per model and mode; requests go through the official
 ``openai`` client, streaming and not. Models: LLaVA (CLIP and SigLIP towers),
-Qwen2.5-VL and Qwen2-VL (dynamic resolution, multimodal RoPE).
+Qwen2.5-VL and Qwen2-VL (dynamic resolution, multimodal RoPE), and a Qwen2.5-VL
+copy whose generation_config lists an EOS id the model emits.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from cluster_support import InProcessCluster
-from oracle_support import make_image, user_message
+from oracle_support import Oracle, make_image, user_message
 
 MAX_TOKENS = 24
 
@@ -54,13 +57,13 @@ def _model(client) -> str:
     return client.models.list().data[0].id
 
 
-def _chat(client, messages, stream: bool):
+def _chat(client, messages, stream: bool, max_tokens: int = MAX_TOKENS, **extensions):
     kwargs = dict(
         model=_model(client),
         messages=messages,
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         temperature=0,
-        extra_body={"return_token_ids": True},
+        extra_body={"return_token_ids": True, **extensions},
     )
     if not stream:
         reply = client.chat.completions.create(**kwargs)
@@ -173,3 +176,85 @@ def test_an_image_the_processor_refuses_is_a_400_and_serving_goes_on(client, ora
     assert refused.value.body["code"] == "invalid_image" and "aspect ratio" in refused.value.body["message"]
     messages = [user_message("And this?", [make_image(10)])]
     assert _chat(client, messages, stream=False)[0] == oracle.generate(messages, [make_image(10)], MAX_TOKENS)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize(("cluster", "case"), [("llava", "text_only"), ("qwen2.5", "one_image")], indirect=["cluster"])
+def test_min_tokens_equals_generate_min_new_tokens(client, oracle, case, stream):
+    """A stop token the model picks early is held off for min_tokens outputs, as ``min_new_tokens`` does.
+
+    The stop token is the plain run's second token, so without min_tokens the
+    request stops at once; with it, the masked logits change the greedy path.
+    """
+    text, images = CASES[case]
+    messages = [user_message(text, images)]
+    stop_id = oracle.generate(messages, images, MAX_TOKENS)[1]
+    stops = {"eos_token_id": [*oracle.eos_token_ids, stop_id]}
+    early = oracle.generate(messages, images, MAX_TOKENS, **stops)
+    assert len(early) <= 2 and early[-1] == stop_id
+    assert _chat(client, messages, stream, stop_token_ids=[stop_id])[0] == early
+    for min_tokens in (6, MAX_TOKENS):
+        expected = oracle.generate(messages, images, MAX_TOKENS, min_new_tokens=min_tokens, **stops)
+        assert stop_id not in expected[:min_tokens] and len(expected) > min_tokens - 1
+        token_ids, content, finish, usage = _chat(
+            client, messages, stream, stop_token_ids=[stop_id], min_tokens=min_tokens
+        )
+        assert token_ids == expected
+        assert content == oracle.decode([t for t in expected if t != stop_id])
+        assert finish == ("stop" if expected[-1] in stops["eos_token_id"] else "length")
+        assert usage.completion_tokens == len(expected)
+
+
+EXTRA_EOS_CASE = "one_image"
+
+
+@pytest.fixture(scope="module")
+def extra_eos(build_model, oracle_for, tmp_path_factory):
+    """(cluster, oracle, eos id) on a copy of the tiny Qwen2.5-VL whose generation_config lists a third
+    EOS id: the token the model's greedy output for ``EXTRA_EOS_CASE`` takes second.
+
+    The built-in models never emit their own EOS ids; this one they do, as a non-first id of the list.
+    """
+    source = build_model("qwen2.5-vl-tiny")
+    text, images = CASES[EXTRA_EOS_CASE]
+    eos_id = oracle_for("qwen2.5-vl-tiny").generate([user_message(text, images)], images, MAX_TOKENS)[1]
+    model_dir = tmp_path_factory.mktemp("models") / "qwen2.5-vl-tiny-extra-eos"
+    shutil.copytree(source, model_dir)
+    config_path = model_dir / "generation_config.json"
+    generation_config = json.loads(config_path.read_text())
+    listed = generation_config["eos_token_id"]
+    assert isinstance(listed, list) and len(listed) == 2 and eos_id not in listed
+    generation_config["eos_token_id"] = [*listed, eos_id]
+    config_path.write_text(json.dumps(generation_config))
+    oracle = Oracle(str(model_dir))
+    assert oracle.eos_token_ids == [*listed, eos_id]
+    cluster = InProcessCluster(str(model_dir)).start()
+    yield cluster, oracle, eos_id
+    cluster.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_every_eos_id_of_the_checkpoint_stops_and_is_held_off_by_min_tokens(extra_eos, oracle_for, stream):
+    """Any of the checkpoint's EOS ids ends a request, ``min_tokens`` masks them all, ``ignore_eos``
+    ignores them all: as ``generate()`` does with its ``eos_token_id`` list."""
+    cluster, oracle, eos_id = extra_eos
+    text, images = CASES[EXTRA_EOS_CASE]
+    messages = [user_message(text, images)]
+    with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        early = oracle.generate(messages, images, MAX_TOKENS)
+        assert early[-1] == eos_id and len(early) == 2  # generate() stops on the third id
+        token_ids, _, finish, usage = _chat(client, messages, stream)
+        assert (token_ids, finish, usage.completion_tokens) == (early, "stop", 2)
+
+        held_off = oracle.generate(messages, images, MAX_TOKENS, min_new_tokens=6)
+        assert eos_id not in held_off[:6] and len(held_off) > 5
+        token_ids, _, finish, _ = _chat(client, messages, stream, min_tokens=6)
+        assert token_ids == held_off
+        assert finish == ("stop" if held_off[-1] in oracle.eos_token_ids else "length")
+
+        # With ignore_eos the run is the original checkpoint's, whose own EOS ids never come.
+        unstopped = oracle_for("qwen2.5-vl-tiny").generate(messages, images, MAX_TOKENS)
+        assert len(unstopped) == MAX_TOKENS and unstopped[1] == eos_id
+        token_ids, _, finish, _ = _chat(client, messages, stream, ignore_eos=True)
+        assert (token_ids, finish) == (unstopped, "length")
+    assert cluster.leaks() == {}, "something was left reserved, pending or referenced"

@@ -368,8 +368,8 @@ async def test_a_starting_pd_is_not_serving_until_warmed_up(tiny_model_dir, monk
     warmed, release = asyncio.Event(), asyncio.Event()
     real_warm_up = pd_server.warm_up
 
-    async def held_warm_up(engine, eos_token_id, **options):
-        await real_warm_up(engine, eos_token_id, **options)
+    async def held_warm_up(engine, **options):
+        await real_warm_up(engine, **options)
         warmed.set()
         await release.wait()  # start-up stays here until the test has looked
 

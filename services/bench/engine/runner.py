@@ -70,7 +70,7 @@ class EngineRunner:
         self.engine.start()
         from services.pd.server import warm_up
 
-        self.loop.run_until_complete(warm_up(self.engine, self.facts["eos_token_id"]))
+        self.loop.run_until_complete(warm_up(self.engine))
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -78,8 +78,9 @@ class ModelProcessing(ABC):
 
     Attributes: ``family`` (config ``model_type``), ``model_id`` (directory
     name or hub id), ``image_token`` and ``image_token_id`` (the placeholder a
-    processor expands per image), ``eos_token_id`` (first of ``eos_token_ids``,
-    the ids ``generate()`` stops on), ``hidden_size`` (LM embedding width),
+    processor expands per image), ``eos_token_ids`` (every id ``generate()``
+    stops on: stopping and min_tokens masking need all of them),
+    ``eos_token_id`` (the first of them), ``hidden_size`` (LM embedding width),
     ``max_model_len`` (LM positions), ``uses_mrope`` (the LM takes 3-D
     multimodal rotary positions; items then carry grids).
     """

@@ -16,6 +16,12 @@ The window covers output tokens only, so that for any tokenizer whose decode
 is prefix-stable (byte-level BPE, Metaspace) the concatenated text equals
 ``tokenizer.decode(output_ids, skip_special_tokens=...)``; with prompt context
 a Metaspace tokenizer would keep the first token's leading space.
+
+With ``min_tokens`` the text of the first ``min_tokens`` tokens never holds a
+stop: a stop string counts only when it ends in text decoded from a later
+token (vLLM's rule). That text is held back as usual while it may begin a
+stop string, and marked ``protected`` so that a later search skips matches
+ending inside it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         del prompt_token_ids  # see the class docstring
@@ -51,6 +58,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._held = ""  # decoded text not emitted yet: it may begin a stop string
+        self._num_protected = 0  # leading characters of _held no stop string may end in (min_tokens)
+        self._min_tokens = min_tokens
         self._stopped = False
 
     @property
@@ -71,11 +80,13 @@ class IncrementalDetokenizer:
         """
         if self._stopped:
             return "", True
-        decoded = []
+        released = []
         for token_id in token_ids:
             self._token_ids.append(int(token_id))
-            decoded.append(self._decode_step())
-        return self._release("".join(decoded), final=False), self._stopped
+            text = self._decode_step()
+            if not self._stopped:
+                released.append(self._release(text, final=False))
+        return "".join(released), self._stopped
 
     def flush(self) -> str:
         """Return all remaining text (the request ended): held text and any
@@ -104,24 +115,31 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _release(self, text: str, *, final: bool) -> str:
-        """Add ``text`` to the held text; return what can no longer start a stop string."""
+        """Add ``text`` (decoded up to the newest token) to the held text; return what can no
+        longer start a stop string. Within ``min_tokens`` all of it is protected."""
         held = self._held + text
         if not self._stop:
             self._held = ""
             return held
-        cut = _first_stop(held, self._stop)
-        if cut is not None:
-            self._held = ""
-            self._stopped = True
-            return held[:cut]
+        if len(self._token_ids) <= self._min_tokens:
+            protected = len(held)
+        else:
+            protected = self._num_protected
+            cut = _first_stop(held, self._stop, protected)
+            if cut is not None:
+                self._held = ""
+                self._stopped = True
+                return held[:cut]
         keep = 0 if final else _stop_prefix_len(held, self._stop)
-        self._held = held[len(held) - keep :] if keep else ""
-        return held[: len(held) - keep]
+        num_released = len(held) - keep
+        self._held = held[num_released:]
+        self._num_protected = max(0, protected - num_released)
+        return held[:num_released]
 
 
-def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    """Index of the earliest occurrence of any stop string, or None."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+def _first_stop(text: str, stop: tuple[str, ...], protected: int = 0) -> int | None:
+    """Index of the earliest occurrence of any stop string that ends after ``text[:protected]``, or None."""
+    hits = [i for i in (text.find(s, max(0, protected - len(s) + 1)) for s in stop) if i >= 0]
     return min(hits) if hits else None
 
 

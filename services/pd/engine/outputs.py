@@ -51,6 +51,7 @@ class ScheduledChunk:
     sample: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0  # tokens generated so far (seeds per-step RNG)
+    masked_token_ids: tuple[int, ...] = ()  # ids the sample must not take (stop tokens before min_tokens)
     rope: MRopePlan | None = None  # the request's plan (shared, immutable), not just this chunk's
 
     @property

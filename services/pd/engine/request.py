@@ -74,6 +74,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token
+    # The first min_tokens outputs are never a stop: EOS and stop tokens are masked out of their
+    # sampling and a stop string ends the request only from output min_tokens + 1 on (<= max_tokens).
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -105,7 +108,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     mm_spans: list[MultiModalSpan] = field(default_factory=list)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends the request (a checkpoint may name several)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -147,6 +150,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def masked_token_ids(self) -> tuple[int, ...]:
+        """Token ids its next sample must not take: its stop tokens while ``min_tokens`` are not reached.
+
+        The stop tokens are every EOS id (unless ``ignore_eos``) and ``stop_token_ids``;
+        masking them is transformers' ``MinNewTokensLengthLogitsProcessor``.
+        """
+        sampling = self.sampling
+        if len(self.output_token_ids) >= sampling.min_tokens:
+            return ()
+        eos = () if sampling.ignore_eos else self.eos_token_ids
+        return eos + sampling.stop_token_ids
 
     @property
     def is_decoding(self) -> bool:

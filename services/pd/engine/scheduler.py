@@ -266,6 +266,7 @@ class Scheduler:
                 sample=end == request.num_tokens,
                 sampling=request.sampling,
                 num_output_tokens=len(request.output_token_ids),
+                masked_token_ids=request.masked_token_ids,
                 rope=rope_plan(request),
             )
         )
@@ -323,9 +324,11 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         sampling = request.sampling
-        if token_id == request.eos_token_id and not sampling.ignore_eos:
+        # Within min_tokens a stop token is not a stop (the sampler masks them; this holds even if it did not).
+        may_stop = len(request.output_token_ids) > sampling.min_tokens
+        if may_stop and not sampling.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token_id in sampling.stop_token_ids:
+        if may_stop and token_id in sampling.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

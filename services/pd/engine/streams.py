@@ -38,7 +38,7 @@ class RequestStreams:
 
     def open(self, request: Request) -> None:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self._tokenizer, request.prompt_token_ids, request.sampling.stop
+            self._tokenizer, request.prompt_token_ids, request.sampling.stop, min_tokens=request.sampling.min_tokens
         )
 
     def add_token(self, request: Request, sampled: SampledToken) -> bool:

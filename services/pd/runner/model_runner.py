@@ -232,7 +232,12 @@ class ModelRunner:
             return ModelRunnerOutput()
         logits = self.compute_logits(scheduler_output, embeddings or {})
         sampling = [c for c in scheduler_output.chunks if c.sample]
-        tokens = self.sampler.sample(logits, [c.sampling for c in sampling], [c.num_output_tokens for c in sampling])
+        tokens = self.sampler.sample(
+            logits,
+            [c.sampling for c in sampling],
+            [c.num_output_tokens for c in sampling],
+            [c.masked_token_ids for c in sampling],
+        )
         return ModelRunnerOutput(sampled={c.request_id: t for c, t in zip(sampling, tokens)})
 
     def compute_logits(

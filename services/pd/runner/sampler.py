@@ -1,4 +1,4 @@
-"""Token sampling for one step: greedy, temperature, top-k, top-p, logprobs.
+"""Token sampling for one step: masked tokens, greedy, temperature, top-k, top-p, logprobs.
 
 Greedy rows are one batched argmax. Random rows share one sort-based top-k /
 top-p filter; the draw uses the exponential-race trick (argmax of
@@ -10,6 +10,11 @@ key is ``step_seed(seed, num_output_tokens)``: the draw for a given token
 depends only on the request, never on which other requests share the batch,
 and a preempted and recomputed request draws the same tokens again. The
 runner therefore keeps no per-request RNG state.
+
+Masked tokens (a request's stop tokens before its ``min_tokens``, see
+``Request.masked_token_ids``) get ``-inf`` logits first, for all rows in one
+scatter, as transformers' ``MinNewTokensLengthLogitsProcessor`` does; the
+logprobs still come from the unmasked logits.
 
 Host to device: each step's per-row settings go up in one copy per dtype,
 from page-locked memory on CUDA and without blocking (``to_device``); the only
@@ -54,26 +59,31 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
+        masked_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[SampledToken]:
         """Sample from ``logits [N, vocab]``; row ``i`` uses ``params[i]``.
 
         ``num_output_tokens[i]`` is how many tokens request ``i`` has generated
-        before this one (it picks the seeded draw).
+        before this one (it picks the seeded draw). ``masked_token_ids[i]``:
+        ids row ``i`` must not take (empty for most rows; None = none at all).
         """
         if logits.shape[0] != len(params) or len(params) != len(num_output_tokens):
             raise ValueError("logits rows, params and num_output_tokens must have the same length")
+        if masked_token_ids is not None and len(masked_token_ids) != len(params):
+            raise ValueError("masked_token_ids must have one entry per row")
         logits = logits.float()
+        scores = _masked(logits, masked_token_ids) if masked_token_ids is not None else logits
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:  # the common step: one argmax, no row indices to upload
-            return _with_logprobs(logits, logits.argmax(dim=-1), params)
+            return _with_logprobs(logits, scores.argmax(dim=-1), params)
         token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         if greedy_rows:
             rows = _index(greedy_rows, logits.device)
-            token_ids[rows] = logits[rows].argmax(dim=-1)
+            token_ids[rows] = scores[rows].argmax(dim=-1)
         rows = _index(random_rows, logits.device)
         token_ids[rows] = self._sample_random(
-            logits[rows],
+            scores[rows],
             [params[i] for i in random_rows],
             [num_output_tokens[i] for i in random_rows],
         )
@@ -118,6 +128,23 @@ class Sampler:
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(rows, dtype=torch.long), device)
+
+
+def _masked(logits: torch.Tensor, masked_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``logits [N, vocab]`` with ``-inf`` at ``(i, t)`` for every ``t`` in ``masked_token_ids[i]``.
+
+    A copy (the logprobs are the unmasked ones), made only when a row has
+    something masked. The (row, id) pairs go up in one copy and are set in
+    one scatter, whatever the number of rows.
+    """
+    rows = [i for i, ids in enumerate(masked_token_ids) if ids]
+    if not rows:
+        return logits
+    pairs = [(i, t) for i in rows for t in masked_token_ids[i]]
+    index = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), logits.device)  # [2, num_pairs]
+    masked = logits.clone()
+    masked[index[0], index[1]] = float("-inf")
+    return masked
 
 
 def seeded_exponential(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

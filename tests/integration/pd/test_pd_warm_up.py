@@ -9,10 +9,10 @@ from services.pd.server import build_engine, warm_up
 
 
 async def test_warm_up_of_every_path_runs_decodes_sampling_and_a_prefix_hit(tiny_model_dir):
-    engine, facts = build_engine(pd_config(str(tiny_model_dir)))
+    engine, _ = build_engine(pd_config(str(tiny_model_dir)))
     engine.start()
     try:
-        await warm_up(engine, facts["eos_token_id"], every_path=True)
+        await warm_up(engine, every_path=True)
         stats = await engine.stats()
     finally:
         engine.shutdown()

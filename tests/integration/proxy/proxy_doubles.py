@@ -64,6 +64,8 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
         self.hold_first_token.set()
         self.hold_after_first = asyncio.Event()  # cleared = Generate pauses after its first message
         self.hold_after_first.set()
+        self.hold_abort = asyncio.Event()  # cleared = Abort is recorded, then hangs (a hung PD)
+        self.hold_abort.set()
         self.pieces = ["Hello", " world", "!"]
         self.finish_reason = epd_pb2.FINISH_REASON_STOP
         self.num_active = 0  # Generate calls in progress
@@ -157,6 +159,7 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
 
     async def Abort(self, request, context):
         self.aborts.append(request.request_id)
+        await self.hold_abort.wait()
         return epd_pb2.AbortResponse()
 
     async def GetLoad(self, request, context):

@@ -6,7 +6,7 @@ import asyncio
 import json
 
 import grpc
-from proxy_doubles import Failure, image_message, png_data_url
+from proxy_doubles import Failure, image_message, png_data_url, wait_until
 
 from services.common.pb import epd_pb2
 from services.proxy.routing import rendezvous_weight
@@ -236,7 +236,7 @@ async def test_deadline_is_504(cluster_factory):
     reply = await cluster.client.post("/v1/chat/completions", json=TEXT)
     assert reply.status_code == 504
     assert reply.json()["error"]["code"] == "timeout"
-    assert cluster.pd.aborts
+    await wait_until(lambda: cluster.pd.aborts)  # the answer leaves at the deadline; the Abort follows it
 
 
 async def test_completions_text_and_token_ids(cluster_factory):

@@ -111,3 +111,35 @@ async def test_a_full_image_queue_is_a_clean_503_and_frees_up(cluster_factory):
     assert [r.status_code for r in await asyncio.gather(*admitted)] == [200, 200]
     await wait_until(lambda: state.image_pool.num_admitted == 0)
     assert (await cluster.client.post("/v1/chat/completions", json=body)).status_code == 200
+
+
+async def test_work_before_limits_a_large_body_is_parsed_off_the_event_loop_and_refused_before_rendering(
+    cluster_factory, monkeypatch
+):
+    """Second review, 4: two legal 28.6 MiB bodies stretched another stream's largest token gap to 6.5 s
+    (parsed on the event loop; every message rendered before the length check)."""
+    import services.proxy.app as app_module
+    from services.proxy.http_util import parse_body
+
+    cluster = await cluster_factory(http=True)
+    parsed_on: list[str] = []
+
+    def recording_parse(raw, model):
+        parsed_on.append(threading.current_thread().name)
+        return parse_body(raw, model)
+
+    monkeypatch.setattr(app_module, "parse_body", recording_parse)
+    rendered: list[int] = []
+    preprocessor = cluster.app.state.proxy.preprocessor
+    real_render = preprocessor.render
+    monkeypatch.setattr(preprocessor, "render", lambda messages: rendered.append(1) or real_render(messages))
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
+        small = await client.post("/v1/chat/completions", json=TEXT)
+        large = await client.post(
+            "/v1/chat/completions", content=_huge_chat(28 * MB), headers={"Content-Type": "application/json"}
+        )
+    assert small.status_code == 200 and large.status_code == 400
+    assert large.json()["error"]["code"] == "context_length_exceeded"
+    # The small body was parsed inline, on the event loop's thread; the large one on the text pool.
+    assert parsed_on[0] == threading.current_thread().name and parsed_on[1].startswith("proxy-text")
+    assert rendered == [1]  # the small request only: the large one was refused from its text's length

@@ -29,12 +29,12 @@ def test_grids_become_span_grids_and_plan_positions():
         mm_items=[_item(2, 6, (1, 2, 3))],
         sampling=epd_pb2.SamplingParams(max_tokens=2),
     )
-    request = request_from_pb(message, eos_token_id=None, vocab_size=10, max_model_len=64, uses_grids=True)
+    request = request_from_pb(message, eos_token_ids=(), vocab_size=10, max_model_len=64, uses_grids=True)
     assert request.mm_spans[0].grid == (1, 2, 3)
     assert request.rope_plan is not None and request.rope_plan.delta == -3
     assert request.rope_plan.positions(8, 10) == ([5, 6], [5, 6], [5, 6])  # text after it, then generated
     text = epd_pb2.GenerateRequest(request_id="t", prompt_token_ids=[1, 2], sampling=epd_pb2.SamplingParams())
-    assert request_from_pb(text, eos_token_id=None, vocab_size=10, max_model_len=64).rope_plan is None
+    assert request_from_pb(text, eos_token_ids=(), vocab_size=10, max_model_len=64).rope_plan is None
 
 
 @pytest.mark.parametrize(

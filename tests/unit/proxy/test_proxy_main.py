@@ -138,3 +138,59 @@ def test_a_built_in_preset_is_served_under_its_name():
     assert default_served_name("", "tiny-v1") == "tiny"  # the README's curl example uses "tiny"
     assert default_served_name("bench", "bench-v1") == "bench"
     assert default_served_name("/models/llava", "llava") == "llava"
+
+
+def test_ignore_unknown_fields_is_off_unless_asked(monkeypatch):
+    assert config_from_args(parse([])).ignore_unknown_fields is False
+    assert config_from_args(parse(["--ignore-unknown-fields"])).ignore_unknown_fields is True
+    monkeypatch.setenv("EPD_IGNORE_UNKNOWN_FIELDS", "1")
+    assert config_from_args(parse([])).ignore_unknown_fields is True
+    assert config_from_args(parse(["--no-ignore-unknown-fields"])).ignore_unknown_fields is False
+
+
+def test_help_explains_ignore_unknown_fields():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--ignore-unknown-fields" in text and "EPD_IGNORE_UNKNOWN_FIELDS" in text
+    assert "X-EPD-Ignored-Fields" in text and "instead of refusing them with a 400" in text
+
+
+def test_time_limit_and_server_flags():
+    from services.proxy.main import uvicorn_limits
+
+    defaults = config_from_args(parse([]))
+    assert (defaults.body_timeout_s, defaults.first_token_timeout_s, defaults.inter_token_timeout_s) == (30, 0, 60)
+    assert defaults.write_timeout_s == 30 and uvicorn_limits(defaults) == {
+        "limit_concurrency": 2048,
+        "timeout_keep_alive": 5.0,
+    }
+    config = config_from_args(
+        parse(
+            [
+                "--body-timeout-s",
+                "2",
+                "--first-token-timeout-s",
+                "3",
+                "--inter-token-timeout-s",
+                "0",
+                "--write-timeout-s",
+                "4",
+                "--max-concurrency",
+                "0",
+                "--keep-alive-timeout-s",
+                "1",
+            ]
+        )
+    )
+    assert (config.body_timeout_s, config.first_token_timeout_s, config.inter_token_timeout_s) == (2, 3, 0)
+    assert config.write_timeout_s == 4
+    assert uvicorn_limits(config) == {"limit_concurrency": None, "timeout_keep_alive": 1.0}
+
+
+def test_time_limit_flags_read_the_environment_and_refuse_nonsense(monkeypatch, capsys):
+    monkeypatch.setenv("EPD_BODY_TIMEOUT_S", "7")
+    assert config_from_args(parse([])).body_timeout_s == 7
+    for bad in (["--body-timeout-s", "0"], ["--inter-token-timeout-s", "-1"], ["--max-concurrency", "-1"]):
+        assert run(parse([*bad, "--log-level", "error"])) == 2
+    capsys.readouterr()

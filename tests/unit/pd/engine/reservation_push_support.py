@@ -65,7 +65,7 @@ class PushClient:
     def __init__(self, core: EngineCore) -> None:
         self.hidden_size = core.hidden_size
         self.servicer = PrefillDecodeServicer(
-            InlineBridge(core), PdConfig(model="unused"), eos_token_id=None, vocab_size=16, max_model_len=64
+            InlineBridge(core), PdConfig(model="unused"), eos_token_ids=(), vocab_size=16, max_model_len=64
         )
         self.loop = asyncio.new_event_loop()
 

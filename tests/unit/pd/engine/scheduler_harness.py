@@ -16,6 +16,8 @@ from services.pd.engine.outputs import Failed, Finished, SchedulerOutput
 from services.pd.engine.request import MultiModalSpan, Request, SamplingParams
 
 EOS = 2
+OTHER_EOS = 0
+EOS_IDS = (EOS, OTHER_EOS)  # every request's EOS ids: two, as the tiny Qwen checkpoint lists
 TOKEN = 7  # what the runner double samples unless told otherwise
 IMG = 0  # image placeholder token
 LEASE = 100.0
@@ -79,7 +81,7 @@ class Harness:
             list(prompt),
             SamplingParams(max_tokens=max_tokens, **sampling),
             mm_spans=spans,
-            eos_token_id=EOS,
+            eos_token_ids=EOS_IDS,
         )
         self.core.add_request(request)
         self.requests[request_id] = request

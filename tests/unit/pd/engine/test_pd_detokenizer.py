@@ -167,3 +167,41 @@ def test_text_is_unchanged_with_skipped_special_tokens_between_characters(tokeni
     detok = IncrementalDetokenizer(tokenizer, PROMPT)
     out = "".join(detok.add_tokens([i])[0] for i in ids) + detok.flush()
     assert out == tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def _stream_one_by_one(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[str, int | None]:
+    """The text and the 1-based index of the token that completed a stop string (None: no stop)."""
+    text = ""
+    for index, token_id in enumerate(ids, start=1):
+        delta, stopped = detok.add_tokens([token_id])
+        text += delta
+        if stopped:
+            return text, index
+    return text + detok.flush(), None
+
+
+def test_no_stop_string_ends_in_the_first_min_tokens_tokens(tokenizer):
+    ids = _encode(tokenizer, "Hello world, this is plain ASCII.")
+    hello_end = next(i for i in range(1, len(ids) + 1) if "Hello" in tokenizer.decode(ids[:i]))
+    this_end = next(i for i in range(1, len(ids) + 1) if "this" in tokenizer.decode(ids[:i]))
+    assert hello_end < this_end
+    # Without min_tokens "Hello" stops at once; with it, only a stop completed after token min_tokens counts.
+    assert _stream_one_by_one(IncrementalDetokenizer(tokenizer, PROMPT, stop=["Hello", "this"]), ids) == ("", hello_end)
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=["Hello", "this"], min_tokens=hello_end)
+    assert _stream_one_by_one(detok, ids) == ("Hello world, ", this_end)
+    # A stop completed by token min_tokens + 1 counts.
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=["this"], min_tokens=this_end - 1)
+    assert _stream_one_by_one(detok, ids) == ("Hello world, ", this_end)
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=["this"], min_tokens=this_end)
+    assert _stream_one_by_one(detok, ids) == (tokenizer.decode(ids), None)
+
+
+def test_a_stop_string_begun_within_min_tokens_and_completed_after_counts(tokenizer):
+    ids = _encode(tokenizer, "Hello world, this")
+    stop = "world,"
+    begun = next(i for i in range(1, len(ids) + 1) if "wor" in tokenizer.decode(ids[:i]))
+    ended = next(i for i in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:i]))
+    if begun == ended:
+        pytest.skip("the stop string does not span tokens with this vocabulary")
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=[stop], min_tokens=begun)
+    assert _stream_one_by_one(detok, ids) == ("Hello ", ended)

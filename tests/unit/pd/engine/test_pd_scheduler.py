@@ -6,7 +6,7 @@ See ``scheduler_harness.py``: hand-made model outputs, no model, no torch.
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import EOS, IMG, TOKEN, chunk_of, force_preempt, refusal
+from scheduler_harness import EOS, IMG, OTHER_EOS, TOKEN, chunk_of, force_preempt, refusal
 
 from services.pd.engine.errors import ErrorKind
 from services.pd.engine.request import RequestStatus
@@ -254,7 +254,8 @@ def test_prefix_hit_with_images(h):
     "sampling, tokens, status, num_out",
     [
         ({}, [TOKEN, EOS], RequestStatus.FINISHED_STOPPED, 2),
-        ({"ignore_eos": True}, [EOS, EOS, EOS, EOS], RequestStatus.FINISHED_LENGTH, 4),
+        ({}, [TOKEN, OTHER_EOS], RequestStatus.FINISHED_STOPPED, 2),  # any of the EOS ids stops
+        ({"ignore_eos": True}, [EOS, OTHER_EOS, EOS, OTHER_EOS], RequestStatus.FINISHED_LENGTH, 4),
         ({"stop_token_ids": (42,)}, [TOKEN, 42], RequestStatus.FINISHED_STOPPED, 2),
         ({}, [TOKEN] * 4, RequestStatus.FINISHED_LENGTH, 4),
     ],

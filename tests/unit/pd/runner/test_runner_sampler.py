@@ -173,3 +173,50 @@ def test_seeded_rows_build_no_generator_and_upload_nothing_from_pageable_memory(
     monkeypatch.setattr(torch, "tensor", tensor_without_device)
     monkeypatch.setattr(torch, "Generator", no_generator)
     assert _ids(Sampler().sample(logits, params, [3] * 6)) == expected
+
+
+def _hf_min_new_tokens(logits_row, prompt_len, num_output, min_tokens, stop_ids) -> torch.Tensor:
+    """transformers' ``MinNewTokensLengthLogitsProcessor`` on one row (the oracle of the mask)."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    processor = MinNewTokensLengthLogitsProcessor(prompt_len, min_tokens, list(stop_ids))
+    input_ids = torch.zeros(1, prompt_len + num_output, dtype=torch.long)
+    return processor(input_ids, logits_row[None])[0]
+
+
+def test_masked_token_ids_match_transformers_min_new_tokens():
+    logits = _logits(5, seed=5)
+    favourites = logits.argmax(dim=-1).tolist()
+    # Rows 0, 2 and 4 are within min_tokens and mask their stop tokens (the row's argmax among them).
+    rows = [
+        (3, 0, (favourites[0], 11)),
+        (3, 3, (favourites[1],)),
+        (2, 1, (favourites[2],)),
+        (0, 0, ()),
+        (4, 2, (favourites[4], 1, 2)),
+    ]
+    masked = [ids if n < m else () for m, n, ids in rows]
+    expected = torch.stack([_hf_min_new_tokens(logits[i], 7, n, m, ids or (0,)) for i, (m, n, ids) in enumerate(rows)])
+    params = [SamplingParams(temperature=0.0, logprobs=1)] * 5
+    out = _sampler().sample(logits, params, [n for _, n, _ in rows], masked)
+    assert _ids(out) == expected.argmax(dim=-1).tolist()
+    assert [_ids(out)[i] == favourites[i] for i in range(5)] == [False, True, False, True, False]
+    # logprobs stay those of the unmasked logits
+    unmasked = logits.log_softmax(dim=-1)
+    assert [t.logprob for t in out] == pytest.approx([unmasked[i, t.token_id].item() for i, t in enumerate(out)])
+
+
+def test_random_rows_never_draw_a_masked_token():
+    logits = torch.zeros(200, VOCAB)
+    logits[:, :3] = 20.0  # nearly all mass on tokens 0..2
+    params = [SamplingParams(temperature=1.0, seed=i if i % 2 else None) for i in range(200)]
+    masked = [(0, 1) if i % 3 else () for i in range(200)]
+    drawn = _ids(_sampler().sample(logits, params, [0] * 200, masked))
+    assert all(t not in (0, 1) for t, m in zip(drawn, masked) if m)
+    assert {t for t, m in zip(drawn, masked) if m} == {2}
+    assert {t for t, m in zip(drawn, masked) if not m} >= {0, 1}
+
+
+def test_masked_token_ids_need_one_entry_per_row():
+    with pytest.raises(ValueError):
+        _sampler().sample(_logits(2), [SamplingParams()] * 2, [0, 0], [()])

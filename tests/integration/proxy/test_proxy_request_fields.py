@@ -1,0 +1,281 @@
+"""Every request field is honoured or refused: unknown and unimplemented fields, the lenient flag, min_tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import openai
+import pytest
+
+SECRET = "zebra-secret-42"
+CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+COMPLETION = {"prompt": "Once", "max_tokens": 8}
+BODIES = [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
+IGNORED = "X-EPD-Ignored-Fields"
+
+
+def openai_client(cluster) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def assert_refused(reply, code: str, param: str | None) -> dict:
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
+    assert SECRET not in reply.text and IGNORED not in reply.headers
+    return error
+
+
+def image_part(**extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", **extra}}
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+async def test_an_unknown_top_level_field_is_refused_by_name(cluster_factory, path, body):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, "temprature": SECRET})
+    error = assert_refused(reply, "unknown_parameter", "temprature")
+    assert error["message"] == "Unknown field temprature."
+    assert cluster.pd.generates == []
+
+
+@pytest.mark.parametrize(
+    ("message", "extra", "param"),
+    [
+        ({"role": "user", "content": "Hi.", "colour": SECRET}, {}, "messages[0].colour"),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "Hi.", "cache_control": SECRET}]},
+            {},
+            "messages[0].content[0].cache_control",
+        ),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "Look."}, image_part(size=SECRET)]},
+            {},
+            "messages[0].content[1].image_url.size",
+        ),
+        (CHAT["messages"][0], {"response_format": {"type": "text", "strict": SECRET}}, "response_format.strict"),
+        (CHAT["messages"][0], {"stream": True, "stream_options": {"usage": SECRET}}, "stream_options.usage"),
+    ],
+    ids=["message", "text_part", "image_url", "response_format", "stream_options"],
+)
+async def test_an_unknown_nested_key_is_refused_with_its_path(cluster_factory, message, extra, param):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post("/v1/chat/completions", json={**CHAT, "messages": [message], **extra})
+    assert_refused(reply, "unknown_parameter", param)
+    assert cluster.pd.generates == []
+
+
+async def test_a_key_that_is_no_plain_name_is_refused_without_repeating_it(cluster_factory):
+    cluster = await cluster_factory()
+    message = {"role": "user", "content": "Hi.", f"{SECRET} with spaces": 1}
+    reply = await cluster.client.post("/v1/chat/completions", json={**CHAT, "messages": [message]})
+    assert_refused(reply, "unknown_parameter", "messages[0]")
+    reply = await cluster.client.post("/v1/completions", json={**COMPLETION, "x" * 65: 1})
+    assert_refused(reply, "unknown_parameter", None)
+
+
+async def test_the_sdk_sees_unknown_fields_refused(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body={"best_of_n": SECRET}
+            )
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("unknown_parameter", "best_of_n")
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(
+                model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"skip_special_tokens": False}
+            )
+        assert caught.value.body["param"] == "skip_special_tokens"  # a vLLM field this server does not honour
+    finally:
+        await client.close()
+    assert cluster.pd.generates == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("store", True),
+        ("reasoning_effort", "low"),
+        ("metadata", {"k": SECRET}),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("service_tier", "flex"),
+        ("prediction", {"type": "content", "content": SECRET}),
+        ("web_search_options", {}),
+        ("verbosity", "low"),
+        ("functions", [{"name": "f"}]),
+    ],
+)
+async def test_the_sdk_sees_openai_fields_we_do_not_implement_refused(cluster_factory, field, value):
+    cluster = await cluster_factory(http=True, ignore_unknown_fields=True)  # refused whatever the flag
+    client = openai_client(cluster)
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model="tiny-llava", messages=CHAT["messages"], max_tokens=3, **{field: value}
+            )
+    finally:
+        await client.close()
+    body = caught.value.body
+    assert (body["code"], body["param"], body["message"]) == (
+        "unsupported_parameter",
+        field,
+        f"{field} is not supported.",
+    )
+    assert SECRET not in str(body)
+    assert cluster.pd.generates == []
+
+
+async def test_the_sdk_defaults_and_no_op_values_are_served(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        reply = await client.chat.completions.create(
+            model="tiny-llava",
+            messages=[{"role": "system", "content": "Be brief."}, *CHAT["messages"]],
+            max_completion_tokens=3,
+            n=1,
+            seed=7,
+            user="u-1",
+            safety_identifier="s-1",
+            prompt_cache_key="greeting",
+            temperature=0.5,
+            top_p=0.9,
+            stop=["\n\n"],
+            logprobs=True,
+            top_logprobs=2,
+            presence_penalty=0,
+            frequency_penalty=0,
+            store=False,
+            modalities=["text"],
+            service_tier="auto",
+            parallel_tool_calls=False,
+            response_format={"type": "text"},
+            metadata={},
+        )
+        # The SDK's own message object goes back as history (refusal, tool_calls, ... as the reply had them).
+        history = [*CHAT["messages"], reply.choices[0].message, {"role": "user", "content": "Again."}]
+        again = await client.chat.completions.create(model="tiny-llava", messages=history, max_tokens=3)
+        stream = await client.chat.completions.create(
+            model="tiny-llava",
+            messages=CHAT["messages"],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": False},
+        )
+        chunks = [chunk async for chunk in stream]
+        completion = await client.completions.create(
+            model="tiny-llava", prompt="Once", max_tokens=3, n=1, seed=1, user="u", best_of=1, echo=False, suffix=None
+        )
+    finally:
+        await client.close()
+    assert reply.choices[0].finish_reason and again.choices[0].message.content is not None
+    assert chunks[-1].usage is not None and completion.choices[0].text is not None
+    assert len(cluster.pd.generates) == 4
+
+
+async def test_assistant_history_with_tool_calls_or_a_refusal_is_refused(cluster_factory):
+    cluster = await cluster_factory()
+    for key, value in (("tool_calls", [{"id": SECRET}]), ("refusal", SECRET), ("tool_call_id", SECRET)):
+        history = [*CHAT["messages"], {"role": "assistant", "content": "Hi.", key: value}]
+        reply = await cluster.client.post("/v1/chat/completions", json={**CHAT, "messages": history})
+        assert_refused(reply, "unsupported_parameter", f"messages[1].{key}")
+    assert cluster.pd.generates == []
+
+
+async def test_include_obfuscation_true_is_refused(cluster_factory):
+    cluster = await cluster_factory()
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True}}
+    reply = await cluster.client.post("/v1/chat/completions", json=body)
+    assert_refused(reply, "unsupported_parameter", "stream_options.include_obfuscation")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "body"), BODIES)
+async def test_the_lenient_flag_ignores_unknown_fields_and_names_them(cluster_factory, caplog, path, body, stream):
+    cluster = await cluster_factory(ignore_unknown_fields=True)
+    request = {**body, "stream": stream, "zeta": SECRET, "alpha": {"nested": SECRET}}
+    if "messages" in body:
+        request["messages"] = [
+            {"role": "user", "content": [{"type": "text", "text": "Hi.", "cache_control": SECRET}], "colour": 1},
+            {"role": "user", "content": "Again.", "colour": 2},
+        ]
+    with caplog.at_level(logging.WARNING, logger="services.proxy.app"):
+        reply = await cluster.client.post(path, json=request)
+    assert reply.status_code == 200, reply.text
+    expected = "zeta,alpha" + (",messages.colour,messages.content.cache_control" if "messages" in body else "")
+    assert reply.headers[IGNORED] == expected
+    lines = [r.getMessage() for r in caplog.records if "ignored unknown fields" in r.getMessage()]
+    assert lines == [f"{path}: ignored unknown fields {expected}"]
+    assert SECRET not in caplog.text
+    assert len(cluster.pd.generates) == 1
+
+
+async def test_the_ignored_fields_header_is_bounded(cluster_factory):
+    cluster = await cluster_factory(ignore_unknown_fields=True)
+    many = {f"field_{i:02d}": i for i in range(40)}
+    reply = await cluster.client.post("/v1/completions", json={**COMPLETION, **many, "y" * 64: 1, "a b": 1})
+    assert reply.status_code == 200, reply.text
+    names = reply.headers[IGNORED].split(",")
+    assert names == [f"field_{i:02d}" for i in range(16)] + ["..."]
+    reply = await cluster.client.post("/v1/completions", json={**COMPLETION, f"{SECRET} x": 1, "y" * 64: 1})
+    assert reply.headers[IGNORED] == "?," + "y" * 64  # a name that is no plain identifier is not repeated
+
+
+async def test_without_unknown_fields_no_header_is_sent(cluster_factory):
+    cluster = await cluster_factory(ignore_unknown_fields=True)
+    reply = await cluster.client.post("/v1/completions", json=COMPLETION)
+    assert reply.status_code == 200 and IGNORED not in reply.headers
+
+
+# ----------------------------------------------------------------------------- min_tokens
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+async def test_min_tokens_travels_to_pd(cluster_factory, path, body):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, "min_tokens": 5})
+    assert reply.status_code == 200, reply.text
+    reply = await cluster.client.post(path, json={**body, "min_tokens": 8})  # equal to max_tokens
+    assert reply.status_code == 200, reply.text
+    reply = await cluster.client.post(path, json=body)
+    assert [g.sampling.min_tokens for g in cluster.pd.generates] == [5, 8, 0]
+    assert [g.sampling.HasField("min_tokens") for g in cluster.pd.generates] == [True, True, False]
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize("value", [9, -1, 2**32, "3", 2.5, None], ids=str)
+async def test_min_tokens_outside_0_to_max_tokens_is_refused(cluster_factory, path, body, value):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, "min_tokens": value})
+    error = assert_refused(reply, "invalid_request", "min_tokens")
+    if value == 9:
+        assert error["message"] == "min_tokens must be at most max_tokens (8)."
+    assert cluster.pd.generates == []
+
+
+async def test_min_tokens_above_the_default_max_tokens_is_refused(cluster_factory):
+    cluster = await cluster_factory(default_max_tokens=4)
+    reply = await cluster.client.post("/v1/completions", json={"prompt": "Once", "min_tokens": 5})
+    assert_refused(reply, "invalid_request", "min_tokens")
+    reply = await cluster.client.post("/v1/completions", json={"prompt": "Once", "min_tokens": 4})
+    assert reply.status_code == 200, reply.text
+
+
+async def test_the_sdk_sends_min_tokens_in_extra_body(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava", messages=CHAT["messages"], max_tokens=6, extra_body={"min_tokens": 6}
+        )
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(
+                model="tiny-llava", prompt="Once", max_tokens=2, extra_body={"min_tokens": 3}
+            )
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_request", "min_tokens")
+    finally:
+        await client.close()
+    assert [g.sampling.min_tokens for g in cluster.pd.generates] == [6]

@@ -1,0 +1,61 @@
+"""fields.py: undeclared fields judged by name and value; the header's bounds; the README's table kept true."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from services.proxy.errors import UnknownFieldError, UnsupportedFeatureError
+from services.proxy.fields import (
+    EXTENSIONS,
+    IGNORED_FIELDS_HEADER,
+    MAX_HEADER_CHARS,
+    NOT_IMPLEMENTED,
+    check_fields,
+    ignored_fields_header,
+)
+from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+@pytest.mark.parametrize(("field", "value"), [("store", 0), ("store", None), ("parallel_tool_calls", 1)])
+def test_a_no_op_value_must_have_the_no_op_type(field, value):
+    if value is None:
+        assert check_fields(chat(**{field: value})) == []
+        return
+    with pytest.raises(UnsupportedFeatureError):  # 0 is not false, 1 is not true
+        check_fields(chat(**{field: value}))
+
+
+def test_unknown_fields_are_refused_or_listed_once_without_indexes():
+    body = chat(messages=[{"role": "user", "content": "a", "x": 1}, {"role": "user", "content": "b", "x": 2}], y=3)
+    with pytest.raises(UnknownFieldError) as refused:
+        check_fields(body)
+    assert refused.value.param == "y" and refused.value.code == "unknown_parameter"
+    assert check_fields(body, ignore_unknown=True) == ["y", "messages.x"]
+    assert check_fields(CompletionRequest.model_validate({"prompt": "p"}), ignore_unknown=True) == []
+
+
+def test_the_header_is_bounded_in_names_and_characters():
+    assert ignored_fields_header([]) == {}
+    assert ignored_fields_header(["a", "b"]) == {IGNORED_FIELDS_HEADER: "a,b"}
+    long = [f"{'n' * 60}{i:02d}" for i in range(12)]
+    value = ignored_fields_header(long)[IGNORED_FIELDS_HEADER]
+    assert len(value) <= MAX_HEADER_CHARS and value.endswith(",...") and value.split(",")[0] == long[0]
+
+
+def test_the_readme_table_names_every_extension_and_unimplemented_field():
+    text = README.read_text()
+    table = text[text.index("### Request fields") :]
+    table = table[: table.index("\n\n`min_tokens`")]
+    named = set(re.findall(r"[`.]([a-z_]+)", table))
+    assert set(EXTENSIONS) <= named
+    for fields in NOT_IMPLEMENTED.values():
+        assert set(fields) <= named
