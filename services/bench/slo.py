@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -38,7 +35,6 @@ from services.common import cli_args
 
 BURST_WORDS = (8, 120)
 """Prompt words of a burst request, drawn uniformly (the range a chat turn spans)."""
-READY_TIMEOUT_S = 300.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,19 +127,10 @@ def _words() -> tuple[str, ...]:
 def _serve(model_dir, up_args, env, specs, bodies, arrivals) -> dict[str, Any]:
     """Starts ``epd up``, warms it, runs the schedule, stops it; the run's summary."""
     from services.bench.serve.client import run_schedule
-    from services.bench.serve.procs import free_port
+    from services.bench.serve.procs import epd_up
 
-    port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port)]
-    argv += ["--encoder-base-port", str(free_port()), "--pd-base-port", str(free_port())]
-    argv += ["--encoder-metrics-base-port", "-1", "--pd-metrics-base-port", "-1", "--launcher-metrics-port", "-1"]
-    child_env = {**os.environ, **env}
-    log = open(os.devnull, "wb")  # noqa: SIM115 - closed with the child below
-    child = subprocess.Popen([*argv, *up_args], env=child_env, stdout=log, stderr=log, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
     label = " ".join(["epd up", *up_args, *(f"{k}={v}" for k, v in env.items())])
-    try:
-        _wait_ready(child, base_url)
+    with epd_up(model_dir, up_args, env) as base_url:
         print(f"[slo] {label}: ready, warming up", file=sys.stderr)
         warm = sorted({0, *(i for i, s in enumerate(specs) if s.images)})[:2]
         asyncio.run(
@@ -155,32 +142,11 @@ def _serve(model_dir, up_args, env, specs, bodies, arrivals) -> dict[str, Any]:
         started = time.perf_counter()
         records = asyncio.run(run_schedule([base_url], specs, bodies, arrivals))
         wall_s = time.perf_counter() - started
-    finally:
-        child.send_signal(signal.SIGINT)
-        try:
-            child.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-        log.close()
     return {"label": label, **_summary(records, wall_s)}
 
 
 def _renumbered(spec):
     return replace(spec, index=-1)
-
-
-def _wait_ready(child: subprocess.Popen, base_url: str) -> None:
-    from services.bench.serve.procs import proxy_ready
-
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"epd up exited with code {child.returncode} before it was ready")
-        if proxy_ready(base_url):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"epd up was not ready within {READY_TIMEOUT_S:.0f} s")
 
 
 def _summary(records, wall_s: float) -> dict[str, Any]:

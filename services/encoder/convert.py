@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common import tensors
-from services.common.grids import grid_from_pb
+from services.common.encode_items import ProcessFile, item_pixels
 from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2
 from services.encoder.errors import InvalidInput
@@ -65,38 +65,26 @@ def _check_id(value: str, what: str) -> str:
     return value
 
 
-def _parse_pixels(message: epd_pb2.EncodeItem, index: int, layout: PixelLayout) -> tuple[torch.Tensor, Grid | None]:
-    if not message.HasField("pixel_values"):
-        raise InvalidInput(f"item {index}: pixel_values is required")
-    try:
-        pixels = tensors.from_pb(message.pixel_values)
-        grid = grid_from_pb(message)
-    except ValueError:
-        raise InvalidInput(f"item {index}: pixel_values or grid is not valid") from None
-    if pixels.dtype not in tensors.PIXEL_DTYPES:
-        raise InvalidInput(f"item {index}: pixel_values must be float32, float16 or bfloat16")
-    try:
-        layout.check(pixels, grid)
-    except ValueError as error:
-        raise InvalidInput(f"item {index}: {error}") from None
-    if not layout.uses_grids and (
-        pixels.dim() != 3 or pixels.shape[0] != 3 or pixels.shape[1] == 0 or pixels.shape[2] == 0
-    ):
-        raise InvalidInput(f"item {index}: pixel_values must have shape [3, H, W]")
-    if not bool(torch.isfinite(pixels).all()):
-        raise InvalidInput(f"item {index}: pixel_values must be finite")
-    return pixels, grid
-
-
-def _parse_item(item: epd_pb2.EncodeItem, index: int, layout: PixelLayout) -> EncodeItemWork:
+def _parse_item(
+    item: epd_pb2.EncodeItem, index: int, layout: PixelLayout, process_file: ProcessFile | None
+) -> EncodeItemWork:
     mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
     reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
-    pixels, grid = _parse_pixels(item, index, layout)
+    try:
+        pixels, grid = item_pixels(item, index, layout, process_file)
+    except ValueError as error:
+        raise InvalidInput(str(error)) from None
     return EncodeItemWork(mm_hash=mm_hash, reservation_id=reservation_id, pixel_values=pixels, grid=grid)
 
 
-def parse_encode_request(request: epd_pb2.EncodeRequest, layout: PixelLayout = PixelLayout()) -> EncodeWork:
-    """Validates an ``EncodeRequest`` against the vision module's ``layout``; raises ``InvalidInput``."""
+def parse_encode_request(
+    request: epd_pb2.EncodeRequest, layout: PixelLayout = PixelLayout(), process_file: ProcessFile | None = None
+) -> EncodeWork:
+    """Validates an ``EncodeRequest`` against the vision module's ``layout``; raises ``InvalidInput``.
+
+    ``process_file`` turns image files into pixels (None: pixel_values only);
+    it decodes and processes images, so call this off the event loop.
+    """
     request_id = _check_id(request.request_id, "request_id")
     address = request.pd_address
     if not address:
@@ -105,7 +93,7 @@ def parse_encode_request(request: epd_pb2.EncodeRequest, layout: PixelLayout = P
         raise InvalidInput("pd_address is malformed")
     if not request.items:
         raise InvalidInput("items must not be empty")
-    items = tuple(_parse_item(item, index, layout) for index, item in enumerate(request.items))
+    items = tuple(_parse_item(item, index, layout, process_file) for index, item in enumerate(request.items))
     return EncodeWork(request_id=request_id, pd_address=address, items=items)
 
 

@@ -101,7 +101,9 @@ class EncoderServer:
         )
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
-        servicer = EncoderServicer(batcher, pusher, cache, metrics, layout=vision.layout)
+        servicer = EncoderServicer(
+            batcher, pusher, cache, metrics, layout=vision.layout, process_file=vision.process_file
+        )
 
         def register(server: grpc.aio.Server) -> None:
             epd_pb2_grpc.add_EncoderServicer_to_server(servicer, server)

@@ -15,6 +15,7 @@ import time
 import grpc
 
 from services.common import grpc_utils
+from services.common.encode_items import ProcessFile
 from services.common.logs import log_request
 from services.common.models.vision_io import PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
@@ -61,8 +62,10 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         cache: EmbeddingCache,
         metrics: EncoderMetrics | None = None,
         layout: PixelLayout = PixelLayout(),
+        process_file: ProcessFile | None = None,
     ) -> None:
         self._layout = layout  # what the vision module takes: checked before anything is queued
+        self._process_file = process_file  # image files -> pixels
         self._batcher = batcher
         self._pusher = pusher
         self._cache = cache
@@ -77,7 +80,8 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         request_id = grpc_utils.request_id_of(context)  # until the request body is validated
         outcomes: list[ItemOutcome] = []
         try:
-            work = parse_encode_request(request, self._layout)
+            # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
+            work = await asyncio.to_thread(parse_encode_request, request, self._layout, self._process_file)
             request_id = work.request_id
             outcomes = await self._encode_all(work, deadline, remaining)
             status = "OK"

@@ -37,7 +37,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, tensors
-from services.common.grids import grid_from_pb
+from services.common.encode_items import ProcessFile, item_pixels
 from services.common.logs import log_request
 from services.common.models.loaded_vision import LoadedVision
 from services.common.models.vision_io import Grid, PixelLayout
@@ -186,30 +186,16 @@ def _check_id(value: str, what: str) -> str:
     return value
 
 
-def _parse_pixels(item: epd_pb2.EncodeItem, index: int, layout: PixelLayout) -> tuple[torch.Tensor, Grid | None]:
-    shape = "[t*h*w, D] patches with a grid" if layout.uses_grids else "[3, H, W]"
-    invalid = EngineError(ErrorKind.INVALID_ARGUMENT, f"item {index}: pixel_values must be a finite float {shape}")
-    if not item.HasField("pixel_values"):
-        raise invalid
-    try:
-        pixels = tensors.from_pb(item.pixel_values)
-        grid = grid_from_pb(item)
-        layout.check(pixels, grid)
-    except ValueError:
-        raise invalid from None
-    if pixels.dtype not in tensors.PIXEL_DTYPES or pixels.numel() == 0:
-        raise invalid
-    if not layout.uses_grids and (pixels.dim() != 3 or pixels.shape[0] != 3):
-        raise invalid
-    if not bool(torch.isfinite(pixels).all()):
-        raise invalid
-    return pixels, grid
-
-
 def parse_encode_request(
-    request: epd_pb2.EncodeRequest, deadline: float, layout: PixelLayout = PixelLayout()
+    request: epd_pb2.EncodeRequest,
+    deadline: float,
+    layout: PixelLayout = PixelLayout(),
+    process_file: ProcessFile | None = None,
 ) -> list[ColocatedItem]:
-    """Validates an EncodeRequest into items; ``pd_address`` is not used (the reservations are ours)."""
+    """Validates an EncodeRequest into items; ``pd_address`` is not used (the reservations are ours).
+
+    ``process_file`` turns image files into pixels (``encode_items``); call this off the event loop.
+    """
     request_id = check_request_id(request.request_id)
     if not request.items:
         raise EngineError(ErrorKind.INVALID_ARGUMENT, "items must not be empty")
@@ -217,7 +203,10 @@ def parse_encode_request(
     for index, item in enumerate(request.items):
         reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
         mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
-        pixels, grid = _parse_pixels(item, index, layout)
+        try:
+            pixels, grid = item_pixels(item, index, layout, process_file)
+        except ValueError as error:
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
         items.append(ColocatedItem(request_id, reservation_id, mm_hash, pixels, deadline, grid))
     return items
 
@@ -234,7 +223,10 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
         deadline = float("inf") if remaining is None else time.monotonic() + remaining
         status = "CANCELLED"
         try:
-            done = await self._encoder.encode(parse_encode_request(request, deadline, self._encoder.vision.layout))
+            vision = self._encoder.vision
+            # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
+            items = await asyncio.to_thread(parse_encode_request, request, deadline, vision.layout, vision.process_file)
+            done = await self._encoder.encode(items)
             status = "OK"
         except EngineError as error:
             status = error.kind.name

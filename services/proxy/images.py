@@ -1,21 +1,23 @@
 """Strict decoding of client images (data URL payloads and fetched bytes).
 
 Order of checks matters: each one runs before the work it protects.
-The base64 alphabet is checked while decoding; the format is sniffed from
-the magic bytes against an allow-list; width × height come from the header
-and are checked before a single pixel is decoded; Pillow's own decompression
-bomb guard (``Image.MAX_IMAGE_PIXELS``) stays on; a truncated or corrupt
-file fails in ``load()`` here, before any encoder work is spent on it.
+The base64 alphabet is checked while decoding; the file itself is checked
+and decoded by ``services.common.image_files`` (format allow-list, width ×
+height from the header before a pixel is decoded, Pillow's bomb guard on, a
+truncated file fails in ``load()``), whose errors become the precise 400s
+here, before any encoder work is spent on the image.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from services.common import image_files
 from services.proxy.errors import (
     ImageTooLargeError,
     InvalidBase64Error,
@@ -23,9 +25,6 @@ from services.proxy.errors import (
     TruncatedImageError,
     UnsupportedImageFormatError,
 )
-
-ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-"""Pillow format names accepted; animated GIF/WEBP use their first frame."""
 
 _DATA_PREFIX = "data:"
 
@@ -65,61 +64,26 @@ def _data_url_payload(url: str) -> bytes:
     return data
 
 
-def pixel_limit(max_pixels: int) -> int:
-    """The stricter of our cap and Pillow's own bomb guard (which is never switched off)."""
-    guard = Image.MAX_IMAGE_PIXELS
-    return min(max_pixels, guard) if guard else max_pixels
-
-
-def _open(data: bytes, max_pixels: int) -> Image.Image:
-    """Opens image bytes lazily (header only) and checks width × height; nothing is decoded yet."""
-    max_pixels = pixel_limit(max_pixels)
-    try:
-        # ``formats`` restricts the plugins Pillow may try, so a TIFF, PSD,
-        # SVG-ish or any other parser never sees client bytes.
-        image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # the warning, when warnings are errors
-        raise ImageTooLargeError("The image has too many pixels.", "image_url") from None
-    except UnidentifiedImageError:
-        raise UnsupportedImageFormatError("The image is not a PNG, JPEG, WEBP or GIF file.", "image_url") from None
-    except (OSError, SyntaxError, ValueError, EOFError):
-        raise TruncatedImageError("The image header is corrupt.", "image_url") from None
-    width, height = image.size
-    if width <= 0 or height <= 0:
-        image.close()
-        raise TruncatedImageError("The image has no pixels.", "image_url")
-    if width * height > max_pixels:
-        image.close()
-        raise ImageTooLargeError(f"The image has {width * height} pixels; the limit is {max_pixels}.", "image_url")
-    return image
-
-
 def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
     """``(width, height)`` from the header alone (same checks as decoding, no pixel decoded)."""
-    with _open(data, max_pixels) as image:
-        return image.size
+    with _as_api_errors():
+        return image_files.image_size(data, max_pixels)
 
 
 def decode_image_bytes(data: bytes, max_pixels: int) -> Image.Image:
-    """Opens, size-checks and fully decodes image bytes; returns an RGB image.
+    """Opens, size-checks and fully decodes image bytes; returns an RGB image (``image_files``)."""
+    with _as_api_errors():
+        return image_files.decode_image_bytes(data, max_pixels)
 
-    An RGB file is returned as decoded, without the copy ``convert`` would
-    make; any other mode is converted and its decoded original dropped at
-    once, so one full-size buffer is held, not two.
-    """
-    image = _open(data, max_pixels)
+
+@contextmanager
+def _as_api_errors() -> Iterator[None]:
+    """``image_files`` errors as the 400s they are at the API (``param``: image_url)."""
     try:
-        image.seek(0)  # first frame of an animation
-        image.load()
-        if image.mode == "RGB":
-            return image
-        # convert() allocates the RGB copy; still inside the try because
-        # a lazily-decoded plugin may read more data here.
-        with image:
-            return image.convert("RGB")
-    except Image.DecompressionBombError:
-        image.close()
-        raise ImageTooLargeError("The image has too many pixels.", "image_url") from None
-    except (OSError, SyntaxError, ValueError, EOFError, MemoryError):
-        image.close()
-        raise TruncatedImageError("The image data is truncated or corrupt.", "image_url") from None
+        yield
+    except image_files.UnsupportedFormatError as error:
+        raise UnsupportedImageFormatError(str(error), "image_url") from None
+    except image_files.TooManyPixelsError as error:
+        raise ImageTooLargeError(str(error), "image_url") from None
+    except image_files.ImageFileError as error:
+        raise TruncatedImageError(str(error), "image_url") from None

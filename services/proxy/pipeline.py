@@ -46,8 +46,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common import grpc_utils, wire
-from services.common.grids import grid_to_pb
+from services.common import grpc_utils
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.errors import ApiError, from_grpc, internal_error, no_backend, stalled
@@ -368,14 +367,7 @@ class Pipeline:
         request = epd_pb2.EncodeRequest(
             request_id=attempt.request_id,
             pd_address=attempt.pd.address,
-            items=[
-                epd_pb2.EncodeItem(
-                    mm_hash=image.mm_hash,
-                    reservation_id=reservation_id,
-                    pixel_values=wire.array_to_pb(image.pixel_values),
-                    grid=grid_to_pb(image.patch_grid),
-                )
-            ],
+            items=[image.encode_item_pb(reservation_id)],
         )
         tried: list[str] = []
         last: BackendError | None = None

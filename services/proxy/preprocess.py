@@ -13,8 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from services.common.grids import grid_to_pb
 from services.common.hashing import mm_hash
 from services.common.models.processing import UnsupportedImageError
@@ -39,7 +37,7 @@ class Adapter(Protocol):
     max_model_len: int
 
     def num_image_tokens(self, height: int, width: int) -> int: ...
-    def process_image(self, image_processor: Any, image: Any) -> Any: ...  # -> processing.ProcessedImage
+    def image_shape(self, height: int, width: int) -> Any: ...  # -> processing.ImageShape
     def processor_settings(self) -> dict: ...
 
 
@@ -50,11 +48,20 @@ class ImageItem:
     mm_hash: str
     offset: int  # first placeholder position in Prompt.token_ids
     num_tokens: int  # placeholder count == embedding rows
-    pixel_values: np.ndarray  # float32 from the checkpoint's image processor: [3, H, W], or patches (see grids)
+    image_file: bytes  # as the client sent it: the encoder decodes and processes it
     # Dynamic-resolution models only (else None): the patch grid goes to the
     # encoder, the same grid in LM tokens (t*h*w == num_tokens) to PD.
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
+
+    def encode_item_pb(self, reservation_id: str) -> epd_pb2.EncodeItem:
+        """The encoder's item for this image."""
+        return epd_pb2.EncodeItem(
+            mm_hash=self.mm_hash,
+            reservation_id=reservation_id,
+            image_file=self.image_file,
+            grid=grid_to_pb(self.patch_grid),
+        )
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,7 @@ class ProcessedImage:
 
     mm_hash: str
     num_tokens: int  # placeholder count for its size
-    pixel_values: np.ndarray  # float32 from the checkpoint's image processor (processing.ProcessedImage)
+    image_file: bytes  # the client's file; its decoded pixels are gone
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
 
@@ -249,17 +256,18 @@ class Preprocessor:
         return tuple(self._process(payload) for payload in payloads)
 
     def _process(self, payload: bytes) -> ProcessedImage:
-        """Decodes one image, runs the checkpoint's image processor on it (400 if it refuses), hashes it."""
+        """Decodes one image (400 if it is not a good file), counts its tokens (400 if the processor
+        would refuse its shape) and hashes its pixels; the encoder gets the file itself."""
         self.faults.before_decode()
         image = decode_image_bytes(payload, self.max_image_pixels)
         try:
-            item = self.adapter.process_image(self.processor.image_processor, image)
+            shape = self.adapter.image_shape(image.height, image.width)
             return ProcessedImage(
-                mm_hash=mm_hash(image, self._hash_settings(item.patch_grid), self.adapter.model_id),
-                num_tokens=item.num_tokens,
-                pixel_values=item.pixel_values,
-                patch_grid=item.patch_grid,
-                token_grid=item.token_grid,
+                mm_hash=mm_hash(image, self._hash_settings(shape.patch_grid), self.adapter.model_id),
+                num_tokens=shape.num_tokens,
+                image_file=payload,
+                patch_grid=shape.patch_grid,
+                token_grid=shape.token_grid,
             )
         except UnsupportedImageError as error:
             raise ImageError(str(error), "image_url") from None
@@ -281,7 +289,7 @@ class Preprocessor:
                 mm_hash=image.mm_hash,
                 offset=offset,
                 num_tokens=image.num_tokens,
-                pixel_values=image.pixel_values,
+                image_file=image.image_file,
                 patch_grid=image.patch_grid,
                 token_grid=image.token_grid,
             )

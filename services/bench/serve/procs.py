@@ -11,6 +11,7 @@ binding port 0 and releasing it. Output goes to one log file per process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,3 +253,37 @@ def proxy_ready(base_url: str, timeout_s: float = 2.0) -> bool:
         return False
     backends = [*report.get("pd", {}).values(), *report.get("encoder", {}).values()]
     return all(bool(ok) for ok in backends)
+
+
+READY_TIMEOUT_S = 300.0
+
+
+@contextlib.contextmanager
+def epd_up(model_dir: str, up_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """``epd up`` on free loopback ports as a child process; yields the proxy's base URL once every
+    backend is ready, and stops it with SIGINT (Ctrl-C) on exit. Its output goes to /dev/null."""
+    port = free_port()
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port)]
+    argv += ["--encoder-base-port", str(free_port()), "--pd-base-port", str(free_port())]
+    argv += ["--encoder-metrics-base-port", "-1", "--pd-metrics-base-port", "-1", "--launcher-metrics-port", "-1"]
+    base_url = f"http://127.0.0.1:{port}"
+    with open(os.devnull, "wb") as log:
+        child = subprocess.Popen(
+            [*argv, *up_args], env={**os.environ, **(env or {})}, stdout=log, stderr=log, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not proxy_ready(base_url):
+                if child.poll() is not None:
+                    raise RuntimeError(f"epd up exited with code {child.returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"epd up was not ready within {READY_TIMEOUT_S:.0f} s")
+                time.sleep(0.5)
+            yield base_url
+        finally:
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()

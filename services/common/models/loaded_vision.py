@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
+from services.common.encode_items import ProcessFile, file_processor
 from services.common.models.pixel_layout import Grid, PixelLayout
 from services.common.models.vision_io import batch_key, encode_images
 
@@ -31,6 +32,7 @@ class LoadedVision:
     hidden_size: int  # LM hidden size == embedding row width
     sample_grid: Grid | None = None  # sample_pixels' patch grid (dynamic-resolution towers)
     layout: PixelLayout = PixelLayout()  # what pixel tensors the module takes
+    process_file: ProcessFile | None = None  # image files (EncodeItem.image_file) -> pixels
 
     @classmethod
     def load(cls, model: str, device: str, dtype: str) -> LoadedVision:
@@ -47,8 +49,9 @@ class LoadedVision:
         torch_dtype = resolve_dtype(dtype, torch_device)
         exact_float32(torch_device, torch_dtype)
         adapter = load_adapter(str(ensure_model(model)))
+        image_processor = adapter.load_processor().image_processor
         blank = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE))
-        sample = adapter.process_image(adapter.load_processor().image_processor, blank)
+        sample = adapter.process_image(image_processor, blank)
         return cls(
             module=adapter.load_vision(torch_device, torch_dtype).eval(),
             device=torch_device,
@@ -58,6 +61,7 @@ class LoadedVision:
             hidden_size=adapter.hidden_size,
             sample_grid=sample.patch_grid,
             layout=adapter.pixel_layout(),
+            process_file=file_processor(adapter, image_processor),
         )
 
     def encode(self, images: Sequence[tuple[torch.Tensor, Grid | None]]) -> list[torch.Tensor]:

@@ -64,6 +64,15 @@ class ProcessedImage:
     token_grid: Grid | None = None
 
 
+@dataclass(frozen=True)
+class ImageShape:
+    """What an image of some size becomes for the LM, known without its pixels (``ProcessedImage`` less pixels)."""
+
+    num_tokens: int
+    patch_grid: Grid | None = None
+    token_grid: Grid | None = None
+
+
 class ModelProcessing(ABC):
     """The torch-free half of one checkpoint of one model family: everything but weights.
 
@@ -97,6 +106,11 @@ class ModelProcessing(ABC):
     @abstractmethod
     def process_image(self, image_processor: Any, image: Any) -> ProcessedImage:
         """One RGB PIL image through the checkpoint's image processor; ``UnsupportedImageError`` if it cannot."""
+
+    def image_shape(self, height: int, width: int) -> ImageShape:
+        """Tokens and grids of an image of this size, without its pixels (the proxy's count);
+        ``UnsupportedImageError`` if the processor cannot take it. Grids: dynamic-resolution models only."""
+        return ImageShape(self.num_image_tokens(height, width))
 
     @abstractmethod
     def pixel_layout(self) -> PixelLayout:

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedConfig
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from .configs import text_config_of
 from .pixel_layout import PixelLayout
 from .processing import (
+    ImageShape,
     ModelProcessing,
     ProcessedImage,
     UnsupportedImageError,
@@ -101,6 +103,26 @@ class QwenVLProcessing(ModelProcessing):
             num_tokens=t * h * w // (merge * merge),
             patch_grid=(t, h, w),
             token_grid=(t, h // merge, w // merge),
+        )
+
+    def image_shape(self, height: int, width: int) -> ImageShape:
+        """The processor's resize rule (``smart_resize``) applied to the size alone."""
+        processor = self._processor.image_processor
+        try:
+            height, width = smart_resize(
+                height,
+                width,
+                factor=processor.patch_size * self.merge_size,
+                min_pixels=processor.size["shortest_edge"],
+                max_pixels=processor.size["longest_edge"],
+            )
+        except ValueError:  # aspect ratios above 200:1
+            raise UnsupportedImageError(_SHAPE_REFUSED) from None
+        merge, patch = self.merge_size, processor.patch_size
+        return ImageShape(
+            num_tokens=(height // patch) * (width // patch) // (merge * merge),
+            patch_grid=(1, height // patch, width // patch),
+            token_grid=(1, height // patch // merge, width // patch // merge),
         )
 
     def pixel_layout(self) -> PixelLayout:

@@ -252,16 +252,18 @@ class PdLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., embedding_tokens_reserved: _Optional[int] = ..., embedding_tokens_ready: _Optional[int] = ..., embedding_tokens_capacity: _Optional[int] = ..., num_reservations: _Optional[int] = ...) -> None: ...
 
 class EncodeItem(_message.Message):
-    __slots__ = ("mm_hash", "reservation_id", "pixel_values", "grid")
+    __slots__ = ("mm_hash", "reservation_id", "pixel_values", "grid", "image_file")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
     GRID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FILE_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     reservation_id: str
     pixel_values: Tensor
     grid: ImageGrid
-    def __init__(self, mm_hash: _Optional[str] = ..., reservation_id: _Optional[str] = ..., pixel_values: _Optional[_Union[Tensor, _Mapping]] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ...) -> None: ...
+    image_file: bytes
+    def __init__(self, mm_hash: _Optional[str] = ..., reservation_id: _Optional[str] = ..., pixel_values: _Optional[_Union[Tensor, _Mapping]] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ..., image_file: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "pd_address", "items")

@@ -198,7 +198,7 @@ class FakeEncoder(epd_pb2_grpc.EncoderServicer):
             await self.push_failures[request.pd_address].raise_in(context)
         pd = self.pds_by_address[request.pd_address]
         for item in request.items:
-            assert item.pixel_values.dtype == epd_pb2.DTYPE_FLOAT32 and len(item.pixel_values.shape) == 3
+            assert item.image_file and not item.HasField("pixel_values")  # the proxy sends the client's file
             pd.fill(item.reservation_id)
         return epd_pb2.EncodeResponse(
             items=[

@@ -5,11 +5,11 @@ from __future__ import annotations
 import base64
 import io
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from services.common.encode_items import file_processor, item_pixels
 from services.proxy.errors import (
     InvalidBase64Error,
     PlaceholderMismatchError,
@@ -69,15 +69,19 @@ def test_placeholder_expansion_matches_the_hf_processor(preprocessor):
     assert [i.offset for i in prompt.images] == sorted(i.offset for i in prompt.images)
 
 
-def test_pixel_values_match_the_hf_processor(preprocessor):
+def test_the_encoder_gets_the_file_and_makes_the_hf_processors_pixels_of_it(preprocessor):
     image = picture(50, 20, seed=3)
     prompt = preprocessor.chat_prompt([user("look", data_url(image))])
     expected = preprocessor.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
     [item] = prompt.images
-    assert item.pixel_values.dtype == np.float32 and item.pixel_values.ndim == 3
-    torch.testing.assert_close(torch.from_numpy(item.pixel_values), expected.float())
-    # numpy pixels (the proxy imports no torch) are the very bytes torch's pixels were.
-    assert item.pixel_values.tobytes() == expected.float().contiguous().numpy().tobytes()
+    pb = item.encode_item_pb("reservation")
+    assert pb.image_file == item.image_file and not pb.HasField("pixel_values")
+    adapter = preprocessor.adapter
+    process_file = file_processor(adapter, adapter.load_processor().image_processor)
+    pixels, grid = item_pixels(pb, 0, adapter.pixel_layout(), process_file)
+    assert grid is None and pixels.dtype == torch.float32 and pixels.dim() == 3
+    torch.testing.assert_close(pixels, expected.float())
+    assert pixels.numpy().tobytes() == expected.float().contiguous().numpy().tobytes()
 
 
 def test_string_and_text_part_content_tokenize_the_same(preprocessor):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from oracle_support import data_url, make_image, user_message
 
+from services.common.encode_items import file_processor, item_pixels
 from services.common.pb import epd_pb2
 from services.proxy.errors import ImageError, ImageTooLargeError, PlaceholderMismatchError
 from services.proxy.preprocess import Preprocessor
@@ -29,7 +30,18 @@ def test_placeholders_grids_and_pixels_match_transformers(preprocessor, oracle_f
     assert prompt.token_ids == oracle.prompt_ids(messages, images)
     reference = oracle.inputs(messages, images)
     assert [item.patch_grid for item in prompt.images] == [tuple(g.tolist()) for g in reference["image_grid_thw"]]
-    pixels = torch.cat([torch.from_numpy(item.pixel_values) for item in prompt.images])
+    # The proxy sends each image file; the encoder's reading of the wire decodes and processes
+    # it into exactly the processor's pixels, with the grid the proxy counted.
+    adapter = preprocessor.adapter
+    process_file = file_processor(adapter, adapter.load_processor().image_processor)
+    finished = []
+    for item in prompt.images:
+        pb = item.encode_item_pb("reservation")
+        assert pb.image_file and not pb.HasField("pixel_values")
+        pixels, grid = item_pixels(pb, 0, adapter.pixel_layout(), process_file)
+        assert grid == item.patch_grid
+        finished.append(pixels)
+    pixels = torch.cat(finished)
     torch.testing.assert_close(pixels, reference["pixel_values"])
     assert pixels.numpy().tobytes() == reference["pixel_values"].float().contiguous().numpy().tobytes()
     for item in prompt.images:

@@ -15,7 +15,6 @@ _CHILD = textwrap.dedent(
     from PIL import Image
 
     import services.proxy.app, services.proxy.main
-    from services.common import wire
     from services.common.models.supported import load_processing
     from services.proxy.preprocess import Preprocessor
 
@@ -27,8 +26,8 @@ _CHILD = textwrap.dedent(
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]
     prompt = preprocessor.chat_prompt([{"role": "user", "content": content}])
     [item] = prompt.images
-    message = wire.array_to_pb(item.pixel_values)
-    assert list(message.shape) == list(item.pixel_values.shape) and message.data == item.pixel_values.tobytes()
+    message = item.encode_item_pb("reservation")
+    assert message.image_file == item.image_file and message.ByteSize() > len(item.image_file)
     assert sys.modules["torch"] is None
     print(item.num_tokens, len(prompt.token_ids))
     """

@@ -1,0 +1,87 @@
+"""The pixels of one ``EncodeItem``, validated: the encoder's and the colocated PD's one reading of the wire.
+
+An item carries either ``pixel_values`` (processed by the checkpoint's image
+processor, float) or ``image_file`` (the client's image file, which the
+vision side decodes under the proxy's rules and processes itself: the same
+pixels from far fewer bytes). Errors name the item and the rule, never the
+values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.common import image_files, tensors
+from services.common.grids import grid_from_pb
+from services.common.models.pixel_layout import Grid, PixelLayout
+from services.common.pb import epd_pb2
+
+MAX_FILE_PIXELS = 8192 * 8192
+"""Largest image file a vision side decodes (the proxy's own cap, ``--max-image-pixels``, is lower by default)."""
+
+ProcessFile = Callable[[bytes], tuple[np.ndarray, Grid | None]]
+"""An image file -> its processed float32 pixels and patch grid (``file_processor``)."""
+
+
+def file_processor(adapter: Any, image_processor: Any) -> ProcessFile:
+    """Decodes an image file (``image_files``, at most ``MAX_FILE_PIXELS``) and runs ``adapter``'s
+    image processor on it; ValueError for a file it refuses. CPU work: call it off the event loop."""
+
+    def process(data: bytes) -> tuple[np.ndarray, Grid | None]:
+        with image_files.decoded(data, _max_file_pixels()) as image:
+            processed = adapter.process_image(image_processor, image)
+        return processed.pixel_values, processed.patch_grid
+
+    return process
+
+
+def _max_file_pixels() -> int:
+    return MAX_FILE_PIXELS
+
+
+def item_pixels(
+    item: epd_pb2.EncodeItem, index: int, layout: PixelLayout, process_file: ProcessFile | None = None
+) -> tuple[torch.Tensor, Grid | None]:
+    """The processed pixels and patch grid of ``item``; ValueError unless they fit ``layout``.
+
+    ``process_file`` is None where image files are not taken. It decodes and
+    processes the image: call this off the event loop.
+    """
+    has_pixels, has_file = item.HasField("pixel_values"), bool(item.image_file)
+    if has_pixels == has_file:
+        raise ValueError(f"item {index}: exactly one of pixel_values and image_file is required")
+    what = "pixel_values" if has_pixels else "image_file"
+    try:
+        grid = grid_from_pb(item)
+        pixels = tensors.from_pb(item.pixel_values) if has_pixels else None
+    except ValueError:
+        raise ValueError(f"item {index}: {what} or grid is not valid") from None
+    if pixels is None:
+        pixels = _process(item.image_file, grid, index, process_file)
+    elif pixels.dtype not in tensors.PIXEL_DTYPES:
+        raise ValueError(f"item {index}: pixel_values must be float32, float16 or bfloat16")
+    try:
+        layout.check(pixels, grid)
+    except ValueError as error:
+        raise ValueError(f"item {index}: {error}") from None
+    if not layout.uses_grids and (pixels.dim() != 3 or pixels.shape[0] != 3 or 0 in pixels.shape):
+        raise ValueError(f"item {index}: pixel_values must have shape [3, H, W]")
+    if has_pixels and not bool(torch.isfinite(pixels).all()):
+        raise ValueError(f"item {index}: pixel_values must be finite")
+    return pixels, grid
+
+
+def _process(data: bytes, grid: Grid | None, index: int, process_file: ProcessFile | None) -> torch.Tensor:
+    if process_file is None:
+        raise ValueError(f"item {index}: image_file is not taken here; send pixel_values")
+    try:
+        pixels, file_grid = process_file(data)
+    except ValueError as error:  # image_files' refusals, and the processor's (e.g. an extreme aspect ratio)
+        raise ValueError(f"item {index}: image_file: {error}") from None
+    if grid != file_grid:
+        raise ValueError(f"item {index}: grid must be the patch grid of the image")
+    return torch.from_numpy(pixels)
