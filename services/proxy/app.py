@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from services.proxy.http_util import (
     EventStreamResponse,
     WriteBound,
     check_json_content_type,
+    check_message_count,
     parse_body,
     read_body,
     request_timeout,
@@ -81,7 +82,7 @@ from services.proxy.workers import WorkPool
 
 log = logging.getLogger(__name__)
 
-BodyT = TypeVar("BodyT", ChatCompletionRequest, CompletionRequest)
+T = TypeVar("T")
 PARSE_INLINE_BYTES = 64 * 1024
 """Bodies up to this size are parsed on the event loop (microseconds); larger ones on the text pool."""
 
@@ -135,14 +136,9 @@ async def chat_completions(request: Request) -> Response:
     timeout_s = request_timeout(request, state.config.request_timeout_s)
     raw = await _read_body(request, state, trace, timeout_s)
     check_json_content_type(request)
-    body = await _parse(state, raw, ChatCompletionRequest, trace.started + timeout_s)
-    ignored = _check_fields(request, state, body)
-    state.check_model(body.model)
-    check_supported(body, state.config.max_n)
-    check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
-    messages = body.messages_as_dicts()
-    urls = image_urls(messages)
-    state.preprocessor.check_image_count(len(urls))
+    body, ignored, messages, urls = await _off_loop_if_large(
+        state, raw, trace.started + timeout_s, _read_chat, state, raw
+    )
     sources = await image_sources(urls, state.fetcher, trace.started + timeout_s - time.monotonic())
     deadline = trace.started + timeout_s
     token_ids = await state.text_pool.run(state.preprocessor.chat_tokens, messages, deadline=deadline)
@@ -159,11 +155,7 @@ async def completions(request: Request) -> Response:
     timeout_s = request_timeout(request, state.config.request_timeout_s)
     raw = await _read_body(request, state, trace, timeout_s)
     check_json_content_type(request)
-    body = await _parse(state, raw, CompletionRequest, trace.started + timeout_s)
-    ignored = _check_fields(request, state, body)
-    state.check_model(body.model)
-    check_supported(body, state.config.max_n)
-    check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
+    body, ignored = await _off_loop_if_large(state, raw, trace.started + timeout_s, _read_completion, state, raw)
     prompt_input = body.prompt
     if isinstance(prompt_input, list) and prompt_input and not isinstance(prompt_input[0], int):
         if len(prompt_input) != 1:
@@ -182,21 +174,46 @@ async def _read_body(request: Request, state: ProxyState, trace: Trace, timeout_
     return await read_body(request, state.config.max_body_bytes, min(state.config.body_timeout_s, left_s))
 
 
-async def _parse(state: ProxyState, raw: bytes, model: type[BodyT], deadline: float) -> BodyT:
-    """``parse_body``; a body over ``PARSE_INLINE_BYTES`` is parsed on the text pool, off the event loop,
-    so one large legal body does not hold up every stream's next token."""
+async def _off_loop_if_large(state: ProxyState, raw: bytes, deadline: float, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``: inline for a body up to ``PARSE_INLINE_BYTES``, else on the text pool, so that the
+    Python work of one large legal body (parsing, field checks, walking its messages) does not hold up
+    every stream's next token on the event loop."""
     if len(raw) <= PARSE_INLINE_BYTES:
-        return parse_body(raw, model)
-    return await state.text_pool.run(parse_body, raw, model, deadline=deadline)
+        return fn(*args)
+    return await state.text_pool.run(fn, *args, deadline=deadline)
 
 
-def _check_fields(request: Request, state: ProxyState, body: _SamplingFields) -> list[str]:
+def _read_chat(state: ProxyState, raw: bytes) -> tuple[ChatCompletionRequest, list[str], list[dict], list[str]]:
+    """A chat body, parsed and checked before any work is spent: with its ignored fields, messages and image URLs."""
+    check_message_count(raw, state.config.max_messages)
+    body = parse_body(raw, ChatCompletionRequest)
+    ignored = _check_fields(state, body, "/v1/chat/completions")
+    _check_sampling(state, body)
+    messages = body.messages_as_dicts()
+    urls = image_urls(messages)
+    state.preprocessor.check_image_count(len(urls))
+    return body, ignored, messages, urls
+
+
+def _read_completion(state: ProxyState, raw: bytes) -> tuple[CompletionRequest, list[str]]:
+    """A completions body, parsed and checked before any work is spent, with its ignored fields."""
+    body = parse_body(raw, CompletionRequest)
+    ignored = _check_fields(state, body, "/v1/completions")
+    _check_sampling(state, body)
+    return body, ignored
+
+
+def _check_sampling(state: ProxyState, body: _SamplingFields) -> None:
+    state.check_model(body.model)
+    check_supported(body, state.config.max_n)
+    check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
+
+
+def _check_fields(state: ProxyState, body: _SamplingFields, path: str) -> list[str]:
     """Refuses undeclared fields (``fields.py``); under ``--ignore-unknown-fields`` logs the ignored names once."""
     ignored = check_fields(body, ignore_unknown=state.config.ignore_unknown_fields)
     if ignored:
-        log.warning(
-            "%s: ignored unknown fields %s", request.url.path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER]
-        )
+        log.warning("%s: ignored unknown fields %s", path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER])
     return ignored
 
 

@@ -41,6 +41,7 @@ class ProxyConfig:
     max_concurrency: int = 2048  # connections + requests beyond which new requests get 503; 0 = no limit
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_images_per_request: int = 8
+    max_messages: int = 2048  # chat messages of one request, bounded before the body is parsed
     max_image_pixels: int = 4096 * 4096  # width × height, read from the header before decoding
     max_request_pixels: int = 2 * 4096 * 4096  # all images of one request together, from their headers
     max_model_len: int = 0  # prompt + completion cap; 0 = the model's (match PD's flag)
@@ -95,6 +96,7 @@ class ProxyConfig:
         positive = {
             "request_timeout_s": self.request_timeout_s,
             "max_body_bytes": self.max_body_bytes,
+            "max_messages": self.max_messages,
             "max_image_pixels": self.max_image_pixels,
             "max_request_pixels": self.max_request_pixels,
             "image_threads": self.image_threads,

@@ -157,6 +157,26 @@ def describe_validation_error(errors: list) -> tuple[str, str | None]:
     return (f"{location}: {detail}" if location else detail), (location or None)
 
 
+PARTS_PER_MESSAGE = 16
+"""Content parts a chat message may have on average (``check_message_count``)."""
+
+
+def check_message_count(raw: bytes, max_messages: int) -> None:
+    """400 when a chat body has more than ``max_messages`` messages or ``PARTS_PER_MESSAGE`` times as many
+    content parts, counted in the raw bytes before parsing (the parse's cost grows with them).
+
+    In JSON a quote inside a string is escaped, so the bytes ``"role"`` and ``"type"`` occur only as keys
+    or as a whole string value: their counts bound the messages and the content parts from above (a value
+    that is exactly "role" or "type" counts too, which a body near the limit could notice).
+    """
+    if raw.count(b'"role"') > max_messages or raw.count(b'"type"') > PARTS_PER_MESSAGE * max_messages:
+        raise RequestError(
+            f"The request has more than {max_messages} messages (or {PARTS_PER_MESSAGE * max_messages} content "
+            "parts); send fewer.",
+            "messages",
+        )
+
+
 def parse_body(raw: bytes, model: type[ModelT]) -> ModelT:
     """Validates JSON against ``model``; errors become a 400 naming the field, never the value."""
     try:

@@ -100,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--max-images", type=int, default=8, help="most images in one request")
     add(
         parser,
+        "--max-messages",
+        type=int,
+        default=2048,
+        help="most chat messages in one request (and 16 content parts a message), counted in the raw body before "
+        "it is parsed, so a body of many small messages costs no parsing to refuse",
+    )
+    add(
+        parser,
         "--max-image-pixels",
         type=int,
         default=4096 * 4096,
@@ -226,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_concurrency=args.max_concurrency,
         keep_alive_timeout_s=args.keep_alive_timeout_s,
         max_images_per_request=args.max_images,
+        max_messages=args.max_messages,
         max_image_pixels=args.max_image_pixels,
         max_request_pixels=args.max_request_pixels,
         max_model_len=args.max_model_len,

@@ -143,3 +143,30 @@ async def test_work_before_limits_a_large_body_is_parsed_off_the_event_loop_and_
     # The small body was parsed inline, on the event loop's thread; the large one on the text pool.
     assert parsed_on[0] == threading.current_thread().name and parsed_on[1].startswith("proxy-text")
     assert rendered == [1]  # the small request only: the large one was refused from its text's length
+
+
+async def test_work_before_limits_a_body_of_too_many_messages_is_refused_before_parsing(cluster_factory, monkeypatch):
+    """Second review, 4: the cost of parsing a body grows with its messages; too many are refused unparsed."""
+    import json
+
+    import services.proxy.app as app_module
+
+    cluster = await cluster_factory(http=True, max_messages=8)
+    parsed: list[int] = []
+    real_parse = app_module.parse_body
+    monkeypatch.setattr(app_module, "parse_body", lambda raw, model: parsed.append(1) or real_parse(raw, model))
+    message = {"role": "user", "content": "hi"}
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
+        many = await client.post("/v1/chat/completions", json={**TEXT, "messages": [message] * 9})
+        parts = [{"type": "text", "text": "x"}] * (16 * 8 + 1)
+        many_parts = await client.post(
+            "/v1/chat/completions", json={**TEXT, "messages": [{**message, "content": parts}]}
+        )
+        eight = await client.post("/v1/chat/completions", json={**TEXT, "messages": [message] * 8})
+        quoted = await client.post(  # "role" inside a string is escaped: it does not count
+            "/v1/chat/completions", json={**TEXT, "messages": [{**message, "content": json.dumps({"role": 1}) * 20}]}
+        )
+    for reply in (many, many_parts):
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+    assert eight.status_code == 200 and quoted.status_code == 200
+    assert parsed == [1, 1]  # only the two bodies within the limit were parsed
