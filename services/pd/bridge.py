@@ -135,7 +135,17 @@ class EngineBridge:
             self.core.add_request(request)
             self._listeners[request.request_id] = post
 
-        await self.call(admit)
+        try:
+            await self.call(admit)
+        except asyncio.CancelledError:
+            # The caller went away while admission was queued: ``admit`` still runs on the
+            # engine thread, so end the request right after it (only if it is this call's).
+            def abandon() -> None:
+                if self._listeners.get(request.request_id) is post:
+                    self._abort(request.request_id)
+
+            self._inbox.put(abandon)
+            raise
         return events
 
     def abort(self, request_id: str) -> None:

@@ -60,11 +60,26 @@ class MediaPolicy:
         return False
 
 
+# IPv6 ranges whose last 32 bits are an IPv4 address that packets may end up at: NAT64's well-known
+# prefix (RFC 6052), SIIT's IPv4-translated addresses (RFC 2765) and the deprecated IPv4-compatible ones.
+_EMBEDS_IPV4_LOW_BITS = tuple(ipaddress.ip_network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
+# IPv6 ranges refused whatever they hold: NAT64 local-use (its IPv4 may sit at other bit positions) and
+# the deprecated site-local range, which Python still counts as global.
+_NEVER_PUBLIC_V6 = tuple(ipaddress.ip_network(n) for n in ("64:ff9b:1::/48", "fec0::/10"))
+
+
 def is_public_address(address: str) -> bool:
-    """True only for globally routable unicast addresses."""
+    """True only for globally routable unicast addresses; an IPv6 address that carries an IPv4 one
+    (mapped, 6to4, NAT64, SIIT, IPv4-compatible) is judged by the IPv4 address it carries."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if any(ip in network for network in _NEVER_PUBLIC_V6):
+            return False
+        carried = ip.ipv4_mapped or ip.sixtofour
+        if carried is None and any(ip in network for network in _EMBEDS_IPV4_LOW_BITS):
+            carried = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if carried is not None:
+            ip = carried
     return ip.is_global and not ip.is_multicast
 
 

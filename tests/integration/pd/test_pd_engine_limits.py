@@ -167,3 +167,26 @@ def test_frozen_step_loop_reports_not_serving_then_recovers(stub, cluster):
     assert frozen.result(10) is True
     _wait_for(lambda: _ready_status(address) == serving, what="SERVING again")
     stream.cancel()
+
+
+def test_a_generate_cancelled_during_admission_leaves_no_orphaned_generation(stub, cluster):
+    """First review: when Generate was cancelled while its admission was queued, the request was admitted
+    afterwards with no one to abort it, and ran to its max_tokens holding KV."""
+    engine = cluster.pds[0].engine
+    release = threading.Event()
+    frozen = asyncio.run_coroutine_threadsafe(engine.call(release.wait, 30), cluster.loop)
+    try:
+        request = _request(new_request_id(), [1, 2, 3], max_tokens=2000, ignore_eos=True)  # seconds of decoding
+        with pytest.raises(grpc.RpcError) as info:
+            next(stub.Generate(request, timeout=0.5))  # admission waits behind the frozen engine thread
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        release.set()
+    assert frozen.result(10) is True
+
+    def unfinished() -> bool:
+        return asyncio.run_coroutine_threadsafe(
+            engine.call(engine.core.scheduler.has_unfinished_requests), cluster.loop
+        ).result(10)
+
+    _wait_for(lambda: not unfinished(), timeout=2.0, what="no request left in the engine")

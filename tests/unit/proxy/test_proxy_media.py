@@ -75,6 +75,15 @@ def test_host_patterns():
         ("fd00::1", False),
         ("::ffff:127.0.0.1", False),
         ("::ffff:10.0.0.1", False),
+        # IPv6 forms that carry an IPv4 address are judged by it (first review: these counted as public)
+        ("64:ff9b::a9fe:a9fe", False),  # NAT64 to 169.254.169.254
+        ("64:ff9b::808:808", True),  # NAT64 to 8.8.8.8
+        ("64:ff9b:1::a9fe:a9fe", False),  # NAT64 local-use
+        ("2002:7f00:1::1", False),  # 6to4 of 127.0.0.1
+        ("2002:808:808::1", True),  # 6to4 of 8.8.8.8
+        ("::ffff:0:7f00:1", False),  # SIIT of 127.0.0.1
+        ("::7f00:1", False),  # IPv4-compatible 127.0.0.1
+        ("fec0::1", False),  # deprecated site-local
     ],
 )
 def test_only_globally_routable_addresses_are_public(address, public):
