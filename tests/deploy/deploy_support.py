@@ -50,9 +50,15 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return instructions
 
 
+def image_model_step() -> str:
+    """The Dockerfile's RUN that builds the demo model (a shell command)."""
+    (step,) = [rest for kind, rest in dockerfile_instructions() if kind == "RUN" and "make-model" in rest]
+    return step
+
+
 def image_model_build() -> tuple[list[str], str]:
-    """The Dockerfile's ``epd make-model`` step (argv after ``epd``) and the directory it writes."""
-    (argv,) = [rest.split()[1:] for kind, rest in dockerfile_instructions() if kind == "RUN" and "make-model" in rest]
+    """The ``epd make-model`` command of that step (argv after ``epd``) and the directory it writes."""
+    argv = image_model_step().split("&&")[0].split()[1:]
     out = flag(argv, "--out")
     assert argv[0] == "make-model" and out, argv
     return argv, out

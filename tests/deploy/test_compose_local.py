@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 from cluster_support import free_ports
-from deploy_support import REPO, duration_s, flag, image_model_build, load_compose, with_defaults
+from deploy_support import REPO, duration_s, flag, image_model_build, image_model_step, load_compose, with_defaults
 from oracle_support import data_url, make_image
 
 START_TIMEOUT_S = 120.0
@@ -238,10 +238,14 @@ def test_compose_services_run_as_local_processes(tmp_path):
         (host.secrets_dir / name).write_text(secrets.token_urlsafe(32))
     host.map_ports(services)
     # What the image build does (deploy/Dockerfile); no compose service builds a model.
-    make_model, image_model_dir = image_model_build()
+    _, image_model_dir = image_model_build()
     host.image_models_dir = image_model_dir.rsplit("/", 1)[0]
-    _run_one_shot(host, "image-model", {"command": make_model}, tmp_path)
-    assert (host.models_dir / image_model_dir.rsplit("/", 1)[1] / "config.json").is_file()
+    step = {"entrypoint": ["/bin/sh", "-c"], "command": [image_model_step()]}
+    _run_one_shot(host, "image-model", step, tmp_path)
+    files = [p for p in (host.models_dir / image_model_dir.rsplit("/", 1)[1]).rglob("*") if p.is_file()]
+    assert "config.json" in {p.name for p in files} and "model.safetensors" in {p.name for p in files}
+    # Root builds it, uid 10001 serves it: every file must be readable by others.
+    assert [p.name for p in files if not p.stat().st_mode & 0o004] == []
     running: dict[str, Running] = {}
     try:
         for wave in _start_waves(services, wanted):
