@@ -17,6 +17,7 @@
 #   CA_BUNDLE         a PEM file given to the build as the secret ca_bundle
 #   BUILD_NETWORK     e.g. `host`, for an index served on the host's 127.0.0.1
 #   SKIP_BUILD=1      use the EPD_IMAGE that is already there
+#   NO_CACHE=1        build every layer again (the build time of a first build)
 #   EPD_PROXY_PORT    host port of the proxy (default 18000, on 127.0.0.1)
 #   RECOVER_S         how long a killed service may take to be healthy again (30)
 #   RESULTS           a file to append the figures to (key=value lines)
@@ -60,6 +61,8 @@ export EPD_INTERNAL_TOKEN_SECRET_FILE=$WORK/internal-token
 compose=($COMPOSE -p "$PROJECT" -f deploy/docker-compose.yml)
 ticker_pid=
 cleanup() {
+  local job
+  for job in $(jobs -p); do kill "$job" 2> /dev/null || true; done
   if [ -n "$ticker_pid" ]; then kill "$ticker_pid" 2> /dev/null || true; fi
   "${compose[@]}" down > /dev/null 2>&1 || true
   rm -rf "$WORK"
@@ -84,6 +87,7 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
   done
   if [ -n "${CA_BUNDLE:-}" ]; then build+=(--secret "id=ca_bundle,src=$CA_BUNDLE"); fi
   if [ -n "${BUILD_NETWORK:-}" ]; then build+=(--network "$BUILD_NETWORK"); fi
+  if [ "${NO_CACHE:-0}" = 1 ]; then build+=(--no-cache); fi
   t0=$(now)
   "${build[@]}" . >&2
   record build_s "$(since "$t0")"
@@ -138,15 +142,17 @@ grep -q '"finish_reason"' "$WORK/reply" || fail "no finish_reason: $(cat "$WORK/
 grep -q '^data: \[DONE\]' "$WORK/reply" || fail "the stream did not end with [DONE]"
 log "the README's requests answered 200"
 
-# --- SIGKILL a service; it must come back by itself ---------------------------
+# --- SIGKILL a service's process; it must come back by itself ----------------
 # 40 requests, one every 0.5 s, the kill after the 10th. Each request is what
 # a client with retries sends (the OpenAI SDK retries 5xx and refused
 # connections): curl retries for up to RECOVER_S seconds.
-send_around_kill() {  # $1 = results file; runs in the background
-  for _ in $(seq 1 40); do
-    (curl -s -o /dev/null -w '%{http_code}\n' --max-time 60 --retry 10 --retry-all-errors --retry-delay 1 \
+send_around_kill() {  # $1 = results file (one HTTP status a line, 000: no answer); runs in the background
+  # (-o a regular file: a retry truncates it, and /dev/null cannot be truncated)
+  for n in $(seq 1 40); do
+    (code=$(curl -sS -o "$1.$n" -w '%{http_code}' --max-time 60 --retry 60 --retry-all-errors --retry-delay 1 \
       --retry-max-time "$RECOVER_S" "$BASE/v1/chat/completions" -H 'Content-Type: application/json' \
-      -d @"$WORK/chat.json" >> "$1" || echo 000 >> "$1") &
+      -d @"$WORK/chat.json" 2>> "$1.err") || true
+    echo "${code:-000}" >> "$1") &
     sleep 0.5
   done
   wait
@@ -162,7 +168,13 @@ kill_and_recover() {  # $1 = service, $2 = gRPC port, $3 = ready service name
   local sender=$!
   sleep 5
   t0=$(now)
-  $ENGINE kill --signal KILL "$id" > /dev/null
+  # SIGKILL of the service's process, the child of the container's init: what
+  # a crash or the OOM killer does. (Not `$ENGINE kill`: Podman marks a
+  # container it killed as stopped by the user and never restarts it.)
+  # The exec's own status is lost when the container dies under it; the
+  # restart count below says whether the kill happened.
+  $ENGINE exec "$id" python -c \
+    'import os; os.kill(int(open("/proc/1/task/1/children").read().split()[0]), 9)' > /dev/null 2>&1 || true
   until [ "$($ENGINE inspect -f '{{.RestartCount}}' "$id")" -gt "$restarts" ] \
     && $ENGINE exec "$id" epd health --address "127.0.0.1:$2" --service "$3" > /dev/null 2>&1; do
     awk -v t="$(since "$t0")" -v m="$RECOVER_S" 'BEGIN { exit !(t > m) }' \
@@ -173,7 +185,8 @@ kill_and_recover() {  # $1 = service, $2 = gRPC port, $3 = ready service name
   wait "$sender"
   ok=$(grep -c '^200$' "$WORK/$1.codes" || true)
   record "${1}_requests_ok" "$ok/40"
-  [ "$ok" -ge 38 ] || fail "only $ok of 40 requests around the $1 kill succeeded: $(sort "$WORK/$1.codes" | uniq -c | tr '\n' ' ')"
+  [ "$ok" -ge 38 ] || fail "only $ok of 40 requests around the $1 kill succeeded: \
+$(sort "$WORK/$1.codes" | uniq -c | tr '\n' ' ') $(sort "$WORK/$1.codes.err" 2> /dev/null | uniq -c)"
 }
 
 kill_and_recover encoder 50051 epd.v1.Encoder
