@@ -26,13 +26,19 @@ def _works(*command: str) -> bool:
         return False
 
 
-def _engine() -> tuple[str, str] | None:
-    """``(engine, compose command)`` for the first engine that answers, with a compose that runs."""
-    if _works("docker", "info") and _works("docker", "compose", "version"):
-        return "docker", "docker compose"
-    if _works("podman", "info") and _works("podman-compose", "version"):
-        return "podman", "podman-compose"
-    return None
+def _engine() -> tuple[str, str] | str:
+    """``(engine, compose command)`` for the first engine that answers with a compose that runs, else why not."""
+    if _works("docker", "info"):
+        if _works("docker", "compose", "version"):
+            return "docker", "docker compose"
+        why = "`docker info` works but `docker compose` does not"
+    else:
+        why = "`docker info` fails"
+    if _works("podman", "info"):
+        if _works("podman-compose", "version"):
+            return "podman", "podman-compose"
+        return f"{why}; `podman info` works but podman-compose is not installed (pip install podman-compose)"
+    return f"{why}; `podman info` fails: no container engine here"
 
 
 def test_the_script_is_valid_shell():
@@ -44,8 +50,8 @@ def test_the_script_is_valid_shell():
 @pytest.mark.timeout(3600)
 def test_compose_stack_in_a_container_engine():
     found = _engine()
-    if found is None:
-        pytest.skip("no container engine here: neither `docker info` nor `podman info` works (with a compose)")
+    if isinstance(found, str):
+        pytest.skip(found)
     engine, compose = found
     env = {**os.environ, "ENGINE": engine, "COMPOSE": compose}
     result = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=3500)
