@@ -1,7 +1,9 @@
 """deploy/test-containers.sh in a real engine: build, up, requests, SIGKILL and recovery, drain, down.
 
-Marked ``containers`` and skipped where no engine works (no Docker daemon,
-no Podman); it takes minutes where one does. The script's own figures
+Marked ``containers``: it runs only when selected (``pytest -m containers``)
+and is skipped where no engine works (no Docker daemon, no Podman); it takes
+minutes where one does. The environment reaches the script (build arguments,
+SKIP_BUILD, CA_BUNDLE, ...). The script's own figures
 (build, ready and recovery seconds) are printed and, with $RESULTS, recorded.
 """
 
@@ -48,7 +50,11 @@ def test_the_script_is_valid_shell():
 
 @pytest.mark.containers
 @pytest.mark.timeout(3600)
-def test_compose_stack_in_a_container_engine():
+def test_compose_stack_in_a_container_engine(request):
+    # Opt-in: it builds an image (minutes, and a base image to pull), which a
+    # plain `pytest` run on a machine that merely has an engine should not do.
+    if "containers" not in (request.config.getoption("-m") or ""):
+        pytest.skip("opt-in: run with `pytest -m containers` (builds the image and runs the stack)")
     found = _engine()
     if isinstance(found, str):
         pytest.skip(found)
