@@ -12,6 +12,7 @@ DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 GPU_COMPOSE_FILE = DEPLOY / "docker-compose.gpu.yml"
 K8S_DIR = DEPLOY / "k8s"
+DOCKERFILE = DEPLOY / "Dockerfile"
 
 READY_SERVICE = {"pd": "epd.v1.PrefillDecode", "encoder": "epd.v1.Encoder"}
 """gRPC health service name that means "ready", per EPD command."""
@@ -22,12 +23,45 @@ GRACE_FLAG = {"pd": "--grace", "encoder": "--grace", "proxy": "--grace"}
 DEFAULT_GRACE_S = {"pd": 30.0, "encoder": 10.0, "proxy": 30.0}
 """Each server's drain time when its grace flag is not given (their --help defaults)."""
 
+RESTARTS_AFTER_A_CRASH = ("always", "unless-stopped")
+"""Compose restart policies that bring a killed container back (``on-failure`` does not in every engine)."""
+
 _DEFAULT_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
 
 def load_compose() -> dict:
     return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` for each instruction of deploy/Dockerfile, continuation lines joined."""
+    instructions, pending = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending += line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        keyword, _, rest = pending.strip().partition(" ")
+        instructions.append((keyword.upper(), " ".join(rest.split())))
+        pending = ""
+    return instructions
+
+
+def image_model_step() -> str:
+    """The Dockerfile's RUN that builds the demo model (a shell command)."""
+    (step,) = [rest for kind, rest in dockerfile_instructions() if kind == "RUN" and "make-model" in rest]
+    return step
+
+
+def image_model_build() -> tuple[list[str], str]:
+    """The ``epd make-model`` command of that step (argv after ``epd``) and the directory it writes."""
+    argv = image_model_step().split("&&")[0].split()[1:]
+    out = flag(argv, "--out")
+    assert argv[0] == "make-model" and out, argv
+    return argv, out
 
 
 def load_k8s() -> list[dict]:
@@ -41,6 +75,29 @@ def load_k8s() -> list[dict]:
                 doc["__file__"] = path.name
                 docs.append(doc)
     return docs
+
+
+def restart_blockers(services: dict) -> list[str]:
+    """Why some service of a compose file would stay down after a crash (``[]``: none would).
+
+    Every service here is long-running, so each needs a restart policy that
+    brings a killed container back. A dependency is a blocker when it does
+    not restart itself (Podman, and Docker with ``on-failure`` in some
+    versions, will not restart a container while a dependency is stopped) or
+    when the condition is that it completed: a one-shot step, always stopped.
+    """
+    restarting = {name for name, service in services.items() if service.get("restart") in RESTARTS_AFTER_A_CRASH}
+    problems = [f"{name} does not restart after a crash" for name in services if name not in restarting]
+    for name, service in services.items():
+        depends_on = service.get("depends_on") or {}
+        if isinstance(depends_on, list):  # the short syntax: service_started
+            depends_on = dict.fromkeys(depends_on, {"condition": "service_started"})
+        for dependency, spec in depends_on.items():
+            if dependency not in restarting:
+                problems.append(f"{name} depends on {dependency}, which does not restart")
+            if (spec or {}).get("condition") == "service_completed_successfully":
+                problems.append(f"{name} waits for {dependency} to complete")
+    return problems
 
 
 def with_defaults(text: str) -> str:

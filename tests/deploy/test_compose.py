@@ -18,11 +18,14 @@ from deploy_support import (
     DEPLOY,
     GPU_COMPOSE_FILE,
     READY_SERVICE,
+    dockerfile_instructions,
     duration_s,
     flag,
     grace_s,
+    image_model_build,
     load_compose,
     parse_epd_args,
+    restart_blockers,
     with_defaults,
 )
 
@@ -97,13 +100,16 @@ def test_server_commands_parse_with_the_real_cli(services):
         assert args.host == "0.0.0.0", f"{name} must listen on the compose network"
 
 
-def test_only_the_proxy_publishes_a_port(services):
+def test_only_the_proxy_publishes_a_port_on_loopback_by_default(services):
     for name, service in services.items():
         if name in MONITORING:  # opt-in profile, loopback only
             assert service["profiles"] == ["monitoring"]
             assert all(with_defaults(p).startswith("127.0.0.1:") for p in service.get("ports", []))
         elif name == "proxy":
-            assert [with_defaults(p) for p in service["ports"]] == [f"8000:{flag(service['command'], '--port')}"]
+            port = flag(service["command"], "--port")
+            assert [with_defaults(p) for p in service["ports"]] == [f"127.0.0.1:8000:{port}"]
+            # EPD_PROXY_BIND opens it to other interfaces, EPD_PROXY_PORT moves it.
+            assert service["ports"] == [f"${{EPD_PROXY_BIND:-127.0.0.1}}:${{EPD_PROXY_PORT:-8000}}:{port}"]
         else:
             assert "ports" not in service, name
 
@@ -118,9 +124,8 @@ def test_encoder_can_be_scaled(services):
 
 
 def test_start_order_and_health_checks(services):
-    one_shot = {"condition": "service_completed_successfully"}
-    assert services["pd"]["depends_on"] == {"model": one_shot}
-    assert services["encoder"]["depends_on"] == {"model": one_shot}
+    # PD and encoders start at once; the proxy waits until both are healthy.
+    assert "depends_on" not in services["pd"] and "depends_on" not in services["encoder"]
     assert services["proxy"]["depends_on"] == {
         "pd": {"condition": "service_healthy"},
         "encoder": {"condition": "service_healthy"},
@@ -144,6 +149,116 @@ def test_start_order_and_health_checks(services):
         "--http",
         f"http://127.0.0.1:{port}/health",
     ]
+
+
+def test_every_service_restarts_after_a_crash(services):
+    assert restart_blockers(services) == []
+
+
+def test_the_merged_stacks_restart_after_a_crash():
+    """The same on what the engine runs: both files merged, every profile on, as ``docker-compose config`` prints."""
+    import yaml
+
+    for files in ([COMPOSE_FILE], [COMPOSE_FILE, GPU_COMPOSE_FILE]):
+        args = [arg for path in files for arg in ("-f", str(path))]
+        result = _docker_compose(*args, "--profile", "monitoring")
+        assert result.returncode == 0, result.stderr
+        merged = yaml.safe_load(result.stdout)["services"]
+        assert set(merged) == set(SERVERS) | set(MONITORING)
+        assert restart_blockers(merged) == [], files
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        # What the stack did before: a one-shot step every server waited for.
+        (
+            lambda s: s.update(
+                model={"command": ["make-model"], "restart": "no"},
+                pd={**s["pd"], "depends_on": {"model": {"condition": "service_completed_successfully"}}},
+            ),
+            [
+                "model does not restart after a crash",
+                "pd depends on model, which does not restart",
+                "pd waits for model to complete",
+            ],
+        ),
+        (
+            lambda s: s["encoder"].pop("restart"),
+            ["encoder does not restart after a crash", "proxy depends on encoder, which does not restart"],
+        ),
+        (
+            lambda s: s["pd"].update(restart="on-failure"),
+            ["pd does not restart after a crash", "proxy depends on pd, which does not restart"],
+        ),
+        (lambda s: s["proxy"].update(depends_on=["pd"]), []),
+    ],
+)
+def test_restart_blockers_are_found(services, change, expected):
+    import copy
+
+    changed = copy.deepcopy(services)
+    change(changed)
+    assert restart_blockers(changed) == expected
+
+
+def test_the_served_model_is_the_one_built_into_the_image(services):
+    """No start-up step builds it: a restarted container needs nothing but its image."""
+    _, model_dir = image_model_build()
+    assert ("ENV", f"EPD_MODEL={model_dir}") in dockerfile_instructions()
+    for name in SERVERS:
+        assert with_defaults(services[name]["environment"]["EPD_MODEL"]) == model_dir
+        assert "volumes" not in services[name], "nothing to keep: no volume, so none left behind"
+
+
+def test_no_anonymous_volumes(services):
+    """Every mount is a named volume of this file or a bind of a file here, and each image VOLUME is covered.
+
+    A VOLUME declared by an image and not mounted becomes a new anonymous
+    volume for every container on every ``up``, left behind by ``down``.
+    """
+    named = set(load_compose()["volumes"])
+    assert not [rest for kind, rest in dockerfile_instructions() if kind == "VOLUME"], "the EPD image declares a VOLUME"
+    image_volumes = {"prometheus": {"/prometheus"}, "grafana": {"/var/lib/grafana"}}  # from their images' Dockerfiles
+    for name, service in services.items():
+        targets = set()
+        for volume in service.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            assert source in named or source.startswith("./"), f"{name}: {volume} is neither named nor a bind"
+            targets.add(target)
+        assert image_volumes.get(name, set()) <= targets, f"{name}: its image's VOLUME would be anonymous"
+
+
+def test_the_documented_token_command_makes_a_file_the_container_user_can_read(tmp_path):
+    """Written under umask 077 it would be 0600 and unreadable by uid 10001; the command sets its own umask."""
+    header = COMPOSE_FILE.read_text().split("x-epd-service:")[0]
+    (command,) = [
+        line.lstrip("# ").split("   #")[0] for line in header.splitlines() if "> deploy/internal-token" in line
+    ]
+    (tmp_path / "deploy").mkdir()
+    subprocess.run(["/bin/sh", "-c", f"umask 077; {command}"], cwd=tmp_path, check=True, timeout=30)
+    token = tmp_path / "deploy" / "internal-token"
+    assert token.stat().st_mode & 0o777 == 0o644
+    assert len(token.read_text()) >= 40 and "\n" not in token.read_text()
+
+
+def test_build_arguments_are_the_dockerfiles(services):
+    """Compose passes only arguments the Dockerfile declares; the GPU override builds from a CUDA base with the same ones."""
+    import yaml
+
+    declared = {rest.split("=")[0] for kind, rest in dockerfile_instructions() if kind == "ARG"}
+    for name in SERVERS:
+        build = services[name]["build"]
+        assert build["dockerfile"] == "deploy/Dockerfile" and set(build["args"]) <= declared
+    cpu_args = services["pd"]["build"]["args"]
+    assert {"BASE_IMAGE", "TORCH_EXTRA_INDEX_URL", "TORCH_FIND_LINKS"} <= set(cpu_args)
+    gpu = yaml.safe_load(GPU_COMPOSE_FILE.read_text())["services"]
+    for name in ("pd", "encoder"):
+        args = gpu[name]["build"]["args"]
+        assert set(args) == set(cpu_args)
+        assert with_defaults(args["BASE_IMAGE"]).startswith("nvidia/cuda:")
+        assert "/whl/cu" in with_defaults(args["TORCH_EXTRA_INDEX_URL"])
+        assert with_defaults(gpu[name]["image"]) != with_defaults(services[name]["image"])
 
 
 def test_stop_grace_period_outlasts_each_servers_drain(services):

@@ -2,12 +2,15 @@
 
 There is no Docker engine here, so this runs what each container would run,
 in the order ``depends_on`` gives, and rewrites only what one host needs:
-service DNS names -> 127.0.0.1, container ports -> free ports, the /models
-volume and /run/secrets -> temporary directories (the secret: a fresh token),
-``--host 0.0.0.0`` -> 127.0.0.1, and the image's ENTRYPOINT ``epd`` -> ``python -m services.cli``. Then one chat
-completion with an image goes through the proxy, and SIGTERM stops every
-server with exit code 0 within its compose stop_grace_period.
-"""
+service DNS names -> 127.0.0.1, container ports -> free ports, the image's
+model directory, /models and /run/secrets -> temporary directories (the
+secret: a fresh token), ``--host 0.0.0.0`` -> 127.0.0.1, and the image's
+ENTRYPOINT ``epd`` -> ``python -m services.cli``. The image's own
+``epd make-model`` step runs first, as the image build does. Then a chat
+completion with an image goes through the proxy; the encoder and then PD are
+SIGKILLed and started again with nothing but their own command (what a
+restart policy does), and requests succeed again; SIGTERM stops every server
+with exit code 0 within its compose stop_grace_period."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import httpx
 from cluster_support import free_ports
-from deploy_support import REPO, duration_s, flag, load_compose, with_defaults
+from deploy_support import REPO, duration_s, flag, image_model_build, image_model_step, load_compose, with_defaults
 from oracle_support import data_url, make_image
 
 START_TIMEOUT_S = 120.0
@@ -47,7 +50,8 @@ class SingleHost:
     """Rewrites compose commands and environments for processes sharing one host."""
 
     service_names: set[str]
-    models_dir: Path
+    models_dir: Path  # stands for /models and for the image's model directory
+    image_models_dir: str = "/opt/epd/models"
     port_map: dict[int, int] = field(default_factory=dict)
     secrets_dir: Path | None = None  # where /run/secrets/<name> lives on this host
 
@@ -61,6 +65,7 @@ class SingleHost:
 
     def text(self, value: str) -> str:
         value = with_defaults(str(value)).replace("0.0.0.0", "127.0.0.1")
+        value = re.sub(rf"(?<![\w.-]){re.escape(self.image_models_dir)}(?=/|\s|$)", str(self.models_dir), value)
         value = re.sub(r"(?<![\w.-])/models(?=/|\s|$)", str(self.models_dir), value)
         if self.secrets_dir is not None:
             value = re.sub(r"(?<![\w.-])/run/secrets(?=/)", str(self.secrets_dir), value)
@@ -167,25 +172,28 @@ def _start_waves(services: dict, wanted: list[str]) -> list[list[str]]:
     return waves
 
 
-def _chat_with_image(base_url: str) -> None:
+def _chat_with_image(base_url: str, attempts: int = 1) -> None:
+    """One chat completion with an image; ``attempts`` > 1 retries 502/503/504 once a second (the proxy
+    re-resolves and re-probes a restarted backend on its own schedule)."""
+    body = {
+        "max_tokens": 4,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": data_url(make_image(seed=3, size=(40, 32)))}},
+                ],
+            }
+        ],
+    }
     with httpx.Client(base_url=base_url, timeout=60) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
-        reply = client.post(
-            "/v1/chat/completions",
-            json={
-                "model": model,
-                "max_tokens": 4,
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "text", "text": "What is in this picture?"},
-                            {"type": "image_url", "image_url": {"url": data_url(make_image(seed=3, size=(40, 32)))}},
-                        ],
-                    }
-                ],
-            },
-        )
+        for _ in range(attempts):
+            reply = client.post("/v1/chat/completions", json={"model": model, **body})
+            if reply.status_code not in (502, 503, 504):
+                break
+            time.sleep(1.0)
     assert reply.status_code == 200, reply.text[:500]
     choice = reply.json()["choices"][0]
     assert choice["finish_reason"] in ("length", "stop")
@@ -210,31 +218,42 @@ def _stop(running: list[Running], services: dict) -> None:
     assert codes == {item.name: 0 for item in running}, f"exit codes on SIGTERM: {codes}{details}"
 
 
+def _restart_after_sigkill(host: SingleHost, item: Running, services: dict, tmp: Path) -> Running:
+    """SIGKILL, then the same command again and nothing else (what ``restart: unless-stopped`` does)."""
+    item.process.kill()
+    item.process.wait(timeout=10)
+    restarted = _start(host, item.name, services[item.name], tmp)
+    env = host.environment(services[item.name], tmp / "cache")
+    _wait_healthy(host, restarted, services[item.name]["healthcheck"], env)
+    return restarted
+
+
 def test_compose_services_run_as_local_processes(tmp_path):
     services = load_compose()["services"]
-    wanted = ["model", "pd", "encoder", "proxy"]
+    wanted = ["pd", "encoder", "proxy"]
     host = SingleHost(service_names=set(services), models_dir=tmp_path / "models", secrets_dir=tmp_path / "secrets")
     host.models_dir.mkdir()
     host.secrets_dir.mkdir()
     for name in load_compose()["secrets"]:  # what `docker compose` would mount from each secret's file
         (host.secrets_dir / name).write_text(secrets.token_urlsafe(32))
     host.map_ports(services)
-    running: list[Running] = []
+    # What the image build does (deploy/Dockerfile); no compose service builds a model.
+    _, image_model_dir = image_model_build()
+    host.image_models_dir = image_model_dir.rsplit("/", 1)[0]
+    step = {"entrypoint": ["/bin/sh", "-c"], "command": [image_model_step()]}
+    _run_one_shot(host, "image-model", step, tmp_path)
+    files = [p for p in (host.models_dir / image_model_dir.rsplit("/", 1)[1]).rglob("*") if p.is_file()]
+    assert "config.json" in {p.name for p in files} and "model.safetensors" in {p.name for p in files}
+    # Root builds it, uid 10001 serves it: every file must be readable by others.
+    assert [p.name for p in files if not p.stat().st_mode & 0o004] == []
+    running: dict[str, Running] = {}
     try:
         for wave in _start_waves(services, wanted):
-            servers = []
-            for name in wave:
-                if "healthcheck" in services[name]:
-                    servers.append(_start(host, name, services[name], tmp_path))
-                else:
-                    _run_one_shot(host, name, services[name], tmp_path)
-            running.extend(servers)
+            servers = [_start(host, name, services[name], tmp_path) for name in wave]
+            running.update((server.name, server) for server in servers)
             for server in servers:
                 env = host.environment(services[server.name], tmp_path / "cache")
                 _wait_healthy(host, server, services[server.name]["healthcheck"], env)
-        assert (host.models_dir / "tiny" / "config.json").is_file()
-        # A second `up` re-runs the one-shot model step over the filled volume.
-        _run_one_shot(host, "model", services["model"], tmp_path)
 
         proxy_port = host.port_map[int(flag(services["proxy"]["command"], "--port"))]
         _chat_with_image(f"http://127.0.0.1:{proxy_port}")
@@ -244,9 +263,13 @@ def test_compose_services_run_as_local_processes(tmp_path):
             url = f"http://127.0.0.1:{port}/metrics"
             assert httpx.get(url, timeout=10).status_code == 401
             assert httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code == 200
-        _stop(list(reversed(running)), services)
+
+        for name in ("encoder", "pd"):
+            running[name] = _restart_after_sigkill(host, running[name], services, tmp_path)
+            _chat_with_image(f"http://127.0.0.1:{proxy_port}", attempts=20)
+        _stop([running[name] for name in reversed(wanted)], services)
     finally:
-        for item in running:
+        for item in running.values():
             if item.process.poll() is None:
                 item.process.kill()
                 item.process.wait(timeout=10)

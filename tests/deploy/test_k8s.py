@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import yaml
 from deploy_support import (
@@ -9,12 +12,16 @@ from deploy_support import (
     READY_SERVICE,
     flag,
     grace_s,
+    image_model_build,
     load_compose,
     load_k8s,
     parse_epd_args,
+    with_defaults,
 )
 
 SERVERS = ("pd", "encoder", "proxy")
+K8S_SCHEMA_VERSION = "1.30.0"
+"""The oldest Kubernetes whose schemas the manifests are checked against (native gRPC probes are GA since 1.27)."""
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +98,7 @@ def test_resources_and_grace(docs):
         deployment = docs[("Deployment", name)]
         spec = deployment["spec"]["template"]["spec"]
         container = _main_container(deployment)
-        for part in [container, *spec["initContainers"]]:
+        for part in [container, *spec.get("initContainers", [])]:
             assert {"cpu", "memory"} <= set(part["resources"]["requests"]), part["name"]
             assert "memory" in part["resources"]["limits"], part["name"]
         assert spec["terminationGracePeriodSeconds"] > grace_s(container["args"]), name
@@ -124,21 +131,24 @@ def test_proxy_service(docs):
     assert _ports(_main_container(deployment))[port["targetPort"]] == port["port"]
 
 
-def test_every_pod_gets_the_configured_model(docs):
-    model_dir = docs[("ConfigMap", "epd-config")]["data"]["EPD_MODEL"]
-    compose_model = load_compose()["services"]["model"]
+def test_every_pod_serves_the_model_built_into_the_image(docs):
+    """The same checkpoint as compose, from the image: no init step, no shared volume."""
+    _, image_model_dir = image_model_build()
+    assert docs[("ConfigMap", "epd-config")]["data"]["EPD_MODEL"] == image_model_dir
+    compose_env = load_compose()["services"]["pd"]["environment"]
+    assert with_defaults(compose_env["EPD_MODEL"]) == image_model_dir
     for name in SERVERS:
         spec = docs[("Deployment", name)]["spec"]["template"]["spec"]
-        (init,) = spec["initContainers"]
-        # The same idempotent build step as the compose `model` service.
-        assert init["command"] == compose_model["entrypoint"] and init["args"] == compose_model["command"]
-        assert f"--out {model_dir}" in init["args"][0]
-        mounts = {m["name"]: m for m in _main_container(docs[("Deployment", name)])["volumeMounts"]}
-        init_mounts = {m["name"]: m for m in init["volumeMounts"]}
-        assert model_dir.startswith(mounts["models"]["mountPath"] + "/") and mounts["models"]["readOnly"]
-        assert init_mounts["models"]["mountPath"] == mounts["models"]["mountPath"]
-        volumes = {v["name"]: v for v in spec["volumes"]}
-        assert "emptyDir" in volumes["models"]
+        assert "initContainers" not in spec
+        assert "models" not in {v["name"] for v in spec["volumes"]}
+
+
+def test_crashed_containers_restart(docs):
+    """A Deployment's pods restart their containers (``Always``), and nothing a restart waits on runs first."""
+    for name in SERVERS:
+        spec = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        assert spec.get("restartPolicy", "Always") == "Always"
+        assert "initContainers" not in spec
 
 
 def test_kustomization_lists_every_manifest_and_the_image(docs):
@@ -149,23 +159,51 @@ def test_kustomization_lists_every_manifest_and_the_image(docs):
     used = set()
     for name in SERVERS:
         spec = docs[("Deployment", name)]["spec"]["template"]["spec"]
-        used |= {c["image"].split(":")[0] for c in [*spec["containers"], *spec["initContainers"]]}
+        used |= {c["image"].split(":")[0] for c in [*spec["containers"], *spec.get("initContainers", [])]}
     assert used == {image["name"]}
 
 
-def test_kubectl_kustomize_renders_every_object():
-    import shutil
-    import subprocess
-
+def _kustomize() -> list[dict]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl is not installed")
+        pytest.skip("kubectl is not installed (Debian: apt-get install kubernetes-client)")
     result = subprocess.run([kubectl, "kustomize", str(K8S_DIR)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def test_kubectl_kustomize_renders_every_object():
+    rendered = _kustomize()
     assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == {
         (d["kind"], d["metadata"]["name"]) for d in load_k8s()
     }
+
+
+def _validate(doc: dict) -> None:
+    """Strict validation against the Kubernetes OpenAPI schemas shipped by ``kubernetes-validate``."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    doc = {k: v for k, v in doc.items() if k != "__file__"}
+    kubernetes_validate.validate(doc, K8S_SCHEMA_VERSION, strict=True)
+
+
+def test_manifests_validate_against_the_kubernetes_schemas():
+    for doc in load_k8s():
+        _validate(doc)
+
+
+def test_rendered_objects_validate_against_the_kubernetes_schemas():
+    for doc in _kustomize():
+        _validate(doc)
+
+
+def test_the_schema_check_catches_a_broken_object(docs):
+    import copy
+
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    broken = copy.deepcopy(docs[("Deployment", "pd")])
+    broken["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["periodSecond"] = 10  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate(broken)
 
 
 def _component(selector: dict) -> str:
