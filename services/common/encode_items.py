@@ -2,9 +2,9 @@
 
 An item carries either ``pixel_values`` (processed by the checkpoint's image
 processor, float) or ``image_file`` (the client's image file, which the
-vision side decodes under the proxy's rules and processes itself: the same
-pixels from far fewer bytes). Errors name the item and the rule, never the
-values.
+vision side decodes under the proxy's rules, processes and hashes itself:
+the same pixels from far fewer bytes, under an ``mm_hash`` it has checked).
+Errors name the item and the rule, never the values.
 """
 
 from __future__ import annotations
@@ -17,24 +17,28 @@ import torch
 
 from services.common import image_files, tensors
 from services.common.grids import grid_from_pb
+from services.common.hashing import hash_settings, mm_hash
 from services.common.models.pixel_layout import Grid, PixelLayout
 from services.common.pb import epd_pb2
 
 MAX_FILE_PIXELS = 8192 * 8192
 """Largest image file a vision side decodes (the proxy's own cap, ``--max-image-pixels``, is lower by default)."""
 
-ProcessFile = Callable[[bytes], tuple[np.ndarray, Grid | None]]
-"""An image file -> its processed float32 pixels and patch grid (``file_processor``)."""
+ProcessFile = Callable[[bytes], tuple[np.ndarray, Grid | None, str]]
+"""An image file -> its processed float32 pixels, patch grid and ``mm_hash`` (``file_processor``)."""
 
 
 def file_processor(adapter: Any, image_processor: Any) -> ProcessFile:
-    """Decodes an image file (``image_files``, at most ``MAX_FILE_PIXELS``) and runs ``adapter``'s
-    image processor on it; ValueError for a file it refuses. CPU work: call it off the event loop."""
+    """Decodes an image file (``image_files``, at most ``MAX_FILE_PIXELS``), runs ``adapter``'s image
+    processor on it and hashes it as the proxy does; ValueError for a file it refuses. CPU work: call it
+    off the event loop."""
+    settings = adapter.processor_settings()
 
-    def process(data: bytes) -> tuple[np.ndarray, Grid | None]:
+    def process(data: bytes) -> tuple[np.ndarray, Grid | None, str]:
         with image_files.decoded(data, _max_file_pixels()) as image:
             processed = adapter.process_image(image_processor, image)
-        return processed.pixel_values, processed.patch_grid
+            digest = mm_hash(image, hash_settings(settings, processed.patch_grid), adapter.model_id)
+        return processed.pixel_values, processed.patch_grid, digest
 
     return process
 
@@ -61,7 +65,7 @@ def item_pixels(
     except ValueError:
         raise ValueError(f"item {index}: {what} or grid is not valid") from None
     if pixels is None:
-        pixels = _process(item.image_file, grid, index, process_file)
+        pixels = _process(item, grid, index, process_file)
     elif pixels.dtype not in tensors.PIXEL_DTYPES:
         raise ValueError(f"item {index}: pixel_values must be float32, float16 or bfloat16")
     try:
@@ -75,13 +79,18 @@ def item_pixels(
     return pixels, grid
 
 
-def _process(data: bytes, grid: Grid | None, index: int, process_file: ProcessFile | None) -> torch.Tensor:
+def _process(item: epd_pb2.EncodeItem, grid: Grid | None, index: int, process_file: ProcessFile | None) -> torch.Tensor:
     if process_file is None:
         raise ValueError(f"item {index}: image_file is not taken here; send pixel_values")
     try:
-        pixels, file_grid = process_file(data)
+        pixels, file_grid, digest = process_file(item.image_file)
     except ValueError as error:  # image_files' refusals, and the processor's (e.g. an extreme aspect ratio)
         raise ValueError(f"item {index}: image_file: {error}") from None
     if grid != file_grid:
         raise ValueError(f"item {index}: grid must be the patch grid of the image")
+    # The hash names the embedding in every cache downstream: one that is not this image's own would
+    # plant this image's embedding under another image's name. Proxy and encoder hash alike only when
+    # they serve the same checkpoint (its id and processor settings are in the hash).
+    if item.mm_hash != digest:
+        raise ValueError(f"item {index}: mm_hash is not the hash of the image (same checkpoint as the proxy?)")
     return torch.from_numpy(pixels)

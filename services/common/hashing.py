@@ -3,14 +3,15 @@
 The hash covers the decoded pixels, the image-processor settings and the
 model id, so the same picture re-encoded as PNG or JPEG-lossless hashes the
 same, while a different processor configuration or model never shares an
-embedding. Clients cannot supply a hash: the proxy always computes it.
+embedding. Clients cannot supply a hash: the proxy always computes it, and
+an encoder given the image file computes it again and refuses a mismatch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from PIL import Image
@@ -22,6 +23,12 @@ def _canonical(settings: Mapping[str, Any]) -> bytes:
 
 STRIP_BYTES = 1 << 20
 """Pixels are hashed a strip of rows at a time: a full ``tobytes()`` copy of a 16-megapixel image is 48 MiB."""
+
+
+def hash_settings(processor_settings: Mapping[str, Any], grid: Sequence[int] | None) -> Mapping[str, Any]:
+    """What ``mm_hash`` covers besides the pixels: the processor settings, and the patch grid where there is
+    one (it follows from pixels + settings; hashing it too keeps the hash honest should the resize rule change)."""
+    return processor_settings if grid is None else {**processor_settings, "grid": list(grid)}
 
 
 def mm_hash(image: Image.Image, processor_settings: Mapping[str, Any], model_id: str) -> str:

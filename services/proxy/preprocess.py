@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.common.grids import grid_to_pb
-from services.common.hashing import mm_hash
+from services.common.hashing import hash_settings, mm_hash
 from services.common.models.processing import UnsupportedImageError
 from services.common.pb import epd_pb2
 from services.proxy.errors import (
@@ -263,7 +263,7 @@ class Preprocessor:
         try:
             shape = self.adapter.image_shape(image.height, image.width)
             return ProcessedImage(
-                mm_hash=mm_hash(image, self._hash_settings(shape.patch_grid), self.adapter.model_id),
+                mm_hash=mm_hash(image, hash_settings(self._settings, shape.patch_grid), self.adapter.model_id),
                 num_tokens=shape.num_tokens,
                 image_file=payload,
                 patch_grid=shape.patch_grid,
@@ -273,11 +273,6 @@ class Preprocessor:
             raise ImageError(str(error), "image_url") from None
         finally:
             image.close()  # the decoded pixels go now, not when the request ends
-
-    def _hash_settings(self, grid: tuple[int, int, int] | None) -> dict:
-        # The grid follows from pixels + settings; hashing it too keeps the
-        # hash honest should the resize rule ever change.
-        return self._settings if grid is None else {**self._settings, "grid": list(grid)}
 
     def assemble(self, token_ids: Sequence[int], images: Sequence[ProcessedImage]) -> Prompt:
         """Expands each image token of ``token_ids`` into its image's span."""

@@ -12,6 +12,7 @@ from PIL import Image
 
 from services.common import encode_items, wire
 from services.common.encode_items import file_processor, item_pixels
+from services.common.hashing import hash_settings, mm_hash
 from services.common.pb import epd_pb2
 
 QWEN = "qwen2.5-vl-tiny"
@@ -32,9 +33,14 @@ def _file(image: Image.Image, kind: str = "PNG") -> bytes:
     return out.getvalue()
 
 
-def _item(grid, **fields) -> epd_pb2.EncodeItem:
+def _item(grid, mm_hash="m", **fields) -> epd_pb2.EncodeItem:
     grid_pb = None if grid is None else epd_pb2.ImageGrid(t=grid[0], h=grid[1], w=grid[2])
-    return epd_pb2.EncodeItem(mm_hash="m", reservation_id="r", grid=grid_pb, **fields)
+    return epd_pb2.EncodeItem(mm_hash=mm_hash, reservation_id="r", grid=grid_pb, **fields)
+
+
+def _hash(adapter, image, grid) -> str:
+    """The proxy's mm_hash of ``image`` (``Preprocessor``)."""
+    return mm_hash(image, hash_settings(adapter.processor_settings(), grid), adapter.model_id)
 
 
 @pytest.mark.parametrize("size", [(64, 64), (97, 33), (17, 400), (1000, 750), (31, 31)])
@@ -48,9 +54,8 @@ def test_an_image_file_becomes_the_processors_own_pixels_with_the_proxys_grid(qw
         reference.patch_grid,
         reference.token_grid,
     )
-    pixels, grid = item_pixels(
-        _item(shape.patch_grid, image_file=_file(image)), 0, adapter.pixel_layout(), process_file
-    )
+    item = _item(shape.patch_grid, _hash(adapter, image, shape.patch_grid), image_file=_file(image))
+    pixels, grid = item_pixels(item, 0, adapter.pixel_layout(), process_file)
     assert grid == reference.patch_grid
     assert pixels.numpy().tobytes() == reference.pixel_values.tobytes()  # bit for bit
 
@@ -101,3 +106,17 @@ def test_where_files_are_not_taken_pixel_values_still_are(tiny_model_dir):
     )
     pixels, grid = item_pixels(pixel_item, 0, adapter.pixel_layout(), None)
     assert grid is None and torch.equal(pixels, torch.from_numpy(processed.pixel_values))
+
+
+def test_an_image_file_under_another_images_hash_is_refused(qwen):
+    """First review, still open then: PD's embedding cache could be poisoned through an honest encoder
+    (an embedding stored under whatever mm_hash the call named)."""
+    adapter, _, process_file = qwen
+    image, other = make_image(10, (64, 48)), make_image(11, (64, 48))
+    grid = adapter.image_shape(image.height, image.width).patch_grid
+    data = _file(image)
+    honest = _item(grid, _hash(adapter, image, grid), image_file=data)
+    assert item_pixels(honest, 0, adapter.pixel_layout(), process_file)[1] == grid
+    forged = _item(grid, _hash(adapter, other, grid), image_file=data)
+    with pytest.raises(ValueError, match="item 0: mm_hash is not the hash of the image"):
+        item_pixels(forged, 0, adapter.pixel_layout(), process_file)
