@@ -41,6 +41,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; past this a seen token is as good as banned anyway
+MAX_PRESENCE_PENALTY = 2.0  # presence and frequency: OpenAI's [-2, 2]
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII: ids end up in logs and metadata
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -126,6 +128,7 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
     if params.max_tokens and params.min_tokens > params.max_tokens:
         raise _invalid("min_tokens must not exceed max_tokens")
+    repetition_penalty, presence_penalty, frequency_penalty = _penalties(params)
     max_tokens = min(params.max_tokens or max_tokens_cap, max_tokens_cap)
     return SamplingParams(
         temperature=float(temperature),
@@ -138,7 +141,24 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
         min_tokens=min(params.min_tokens, max_tokens),  # the context's room ends a request all the same
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
     )
+
+
+def _penalties(params: epd_pb2.SamplingParams) -> tuple[float, float, float]:
+    """``(repetition, presence, frequency)``: unset = off; out of range (NaN included) is refused."""
+    repetition = params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
+    presence = params.presence_penalty if params.HasField("presence_penalty") else 0.0
+    frequency = params.frequency_penalty if params.HasField("frequency_penalty") else 0.0
+    if not 0.0 < repetition <= MAX_REPETITION_PENALTY:
+        raise _invalid(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+    if not (-MAX_PRESENCE_PENALTY <= presence <= MAX_PRESENCE_PENALTY):
+        raise _invalid(f"presence_penalty must be in [-{MAX_PRESENCE_PENALTY:g}, {MAX_PRESENCE_PENALTY:g}]")
+    if not (-MAX_PRESENCE_PENALTY <= frequency <= MAX_PRESENCE_PENALTY):
+        raise _invalid(f"frequency_penalty must be in [-{MAX_PRESENCE_PENALTY:g}, {MAX_PRESENCE_PENALTY:g}]")
+    return float(repetition), float(presence), float(frequency)
 
 
 def request_from_pb(

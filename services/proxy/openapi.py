@@ -148,8 +148,6 @@ def _limits(config: ProxyConfig) -> dict[str, dict[str, Any]]:
                 "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
             }
         ),
-        "presence_penalty": _nullable({"const": 0}),
-        "frequency_penalty": _nullable({"const": 0}),
         "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
         "tools": _nullable({"type": "array", "maxItems": 0}),
         "tool_choice": _nullable({"const": "none"}),

@@ -15,8 +15,6 @@ def check_supported(body: _SamplingFields, max_n: int = 1) -> None:
     """Rejects valid OpenAI parameters this server does not implement (never drops them silently)."""
     if body.n is not None and body.n > max_n:
         raise RequestError(f"n must be at most {max_n}.", "n")
-    if body.presence_penalty or body.frequency_penalty:
-        raise UnsupportedFeatureError("presence_penalty and frequency_penalty are not supported.", "presence_penalty")
     if body.logit_bias:
         raise UnsupportedFeatureError("logit_bias is not supported.", "logit_bias")
     if body.stream_options is not None and not body.stream:
@@ -137,6 +135,13 @@ def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingP
         params.seed = body.seed
     if body.min_tokens:
         params.min_tokens = body.min_tokens
+    if body.repetition_penalty is not None:
+        # float32 on the wire: a positive penalty below its range would arrive as 0 (invalid).
+        params.repetition_penalty = max(body.repetition_penalty, MIN_FLOAT32)
+    if body.presence_penalty is not None:
+        params.presence_penalty = body.presence_penalty
+    if body.frequency_penalty is not None:
+        params.frequency_penalty = body.frequency_penalty
     logprobs = requested_logprobs(body)
     if logprobs is not None:
         params.logprobs = logprobs

@@ -4,7 +4,8 @@ The cluster (proxy -> encoder -> PD, or proxy -> colocated PD) runs on
 loopback, once per model and mode; requests go through the official
 ``openai`` client, streaming and not. Models: LLaVA (CLIP and SigLIP towers),
 Qwen2.5-VL and Qwen2-VL (dynamic resolution, multimodal RoPE), and a Qwen2.5-VL
-copy whose generation_config lists an EOS id the model emits.
+copy whose generation_config lists an EOS id the model emits. With
+``repetition_penalty`` the output equals ``generate(repetition_penalty=...)``.
 """
 
 from __future__ import annotations
@@ -202,6 +203,33 @@ def test_min_tokens_equals_generate_min_new_tokens(client, oracle, case, stream)
         assert token_ids == expected
         assert content == oracle.decode([t for t in expected if t != stop_id])
         assert finish == ("stop" if expected[-1] in stops["eos_token_id"] else "length")
+        assert usage.completion_tokens == len(expected)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize(
+    ("cluster", "case"),
+    [("llava", "text_only"), ("llava", "one_image"), ("qwen2.5", "text_only")],
+    indirect=["cluster"],
+)
+def test_repetition_penalty_equals_generate(client, oracle, case, stream):
+    """Greedy with ``repetition_penalty`` (over prompt and output, image placeholders included) is
+    ``generate(repetition_penalty=...)``, token for token; both a penalty and a reward.
+
+    The tiny models never repeat a token of their own, so the history holds
+    their first answer: the second one then leans on the prompt's tokens,
+    which a penalty pushes away.
+    """
+    text, images = CASES[case]
+    first = oracle.decode(oracle.generate([user_message(text, images)], images, MAX_TOKENS))
+    messages = [user_message(text, images), {"role": "assistant", "content": first}, user_message("Again.", [])]
+    plain = oracle.generate(messages, images, MAX_TOKENS)
+    for penalty in (3.0, 0.5):
+        expected = oracle.generate(messages, images, MAX_TOKENS, repetition_penalty=penalty)
+        assert expected != plain  # the penalty changes the greedy path
+        token_ids, content, finish, usage = _chat(client, messages, stream, repetition_penalty=penalty)
+        assert token_ids == expected
+        assert content == oracle.decode(expected)
         assert usage.completion_tokens == len(expected)
 
 

@@ -1,4 +1,4 @@
-"""Token sampling for one step: masked tokens, greedy, temperature, top-k, top-p, logprobs.
+"""Token sampling for one step: masked tokens, penalties, greedy, temperature, top-k, top-p, logprobs.
 
 Greedy rows are one batched argmax. Random rows share one sort-based top-k /
 top-p filter; the draw uses the exponential-race trick (argmax of
@@ -13,8 +13,11 @@ runner therefore keeps no per-request RNG state.
 
 Masked tokens (a request's stop tokens before its ``min_tokens``, see
 ``Request.masked_token_ids``) get ``-inf`` logits first, for all rows in one
-scatter, as transformers' ``MinNewTokensLengthLogitsProcessor`` does; the
-logprobs still come from the unmasked logits.
+scatter, as transformers' ``MinNewTokensLengthLogitsProcessor`` does. Then
+the rows with a penalty (those with a ``TokenHistory``) are penalised, all
+at once (``penalties.py``). Both change greedy rows too; both are skipped
+outright in a step where no row asks for them. The logprobs still come from
+the unmodified logits, as vLLM's do by default.
 
 Host to device: each step's per-row settings go up in one copy per dtype,
 from page-locked memory on CUDA and without blocking (``to_device``); the only
@@ -28,8 +31,9 @@ from collections.abc import Sequence
 import torch
 
 from services.pd.engine.outputs import SampledToken
-from services.pd.engine.request import SamplingParams
+from services.pd.engine.request import SamplingParams, TokenHistory
 from services.pd.runner.attention_metadata import to_device
+from services.pd.runner.penalties import apply_penalties
 
 _MASK_64 = (1 << 64) - 1
 _MASK_32 = (1 << 32) - 1
@@ -60,19 +64,20 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         masked_token_ids: Sequence[Sequence[int]] | None = None,
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> list[SampledToken]:
         """Sample from ``logits [N, vocab]``; row ``i`` uses ``params[i]``.
 
         ``num_output_tokens[i]`` is how many tokens request ``i`` has generated
         before this one (it picks the seeded draw). ``masked_token_ids[i]``:
         ids row ``i`` must not take (empty for most rows; None = none at all).
+        ``histories[i]``: the tokens row ``i``'s penalties look at (None for a
+        row without penalties; None = no row has any).
         """
         if logits.shape[0] != len(params) or len(params) != len(num_output_tokens):
             raise ValueError("logits rows, params and num_output_tokens must have the same length")
-        if masked_token_ids is not None and len(masked_token_ids) != len(params):
-            raise ValueError("masked_token_ids must have one entry per row")
         logits = logits.float()
-        scores = _masked(logits, masked_token_ids) if masked_token_ids is not None else logits
+        scores = processed_logits(logits, params, masked_token_ids, histories)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:  # the common step: one argmax, no row indices to upload
@@ -124,6 +129,30 @@ class Sampler:
             self._generator = torch.Generator(device=device)
             self._generator.seed()
         return self._generator
+
+
+def processed_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    masked_token_ids: Sequence[Sequence[int]] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
+) -> torch.Tensor:
+    """The scores greedy rows take the argmax of and random rows sample from (before temperature).
+
+    vLLM's order: masked ids, then penalties. ``logits`` is never changed
+    (the logprobs are its); it is returned as is when no row asks for either.
+    """
+    if masked_token_ids is not None and len(masked_token_ids) != len(params):
+        raise ValueError("masked_token_ids must have one entry per row")
+    if histories is not None and len(histories) != len(params):
+        raise ValueError("histories must have one entry per row")
+    scores = _masked(logits, masked_token_ids) if masked_token_ids is not None else logits
+    if histories is not None:
+        penalised = [(i, history) for i, history in enumerate(histories) if history is not None]
+        if penalised:
+            rows = [i for i, _ in penalised]
+            scores = apply_penalties(scores, rows, [params[i] for i in rows], [h for _, h in penalised])
+    return scores
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

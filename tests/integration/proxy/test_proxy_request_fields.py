@@ -279,3 +279,72 @@ async def test_the_sdk_sends_min_tokens_in_extra_body(cluster_factory):
     finally:
         await client.close()
     assert [g.sampling.min_tokens for g in cluster.pd.generates] == [6]
+
+
+# ----------------------------------------------------------------------------- penalties
+
+
+async def test_the_sdk_sends_the_penalties_and_they_travel_to_pd(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava",
+            messages=CHAT["messages"],
+            max_tokens=3,
+            presence_penalty=0.5,
+            frequency_penalty=-2,
+            extra_body={"repetition_penalty": 1.3},
+        )
+        await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, frequency_penalty=2.0)
+        await client.completions.create(
+            model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"repetition_penalty": 1e-300}
+        )
+    finally:
+        await client.close()
+    sent = [g.sampling for g in cluster.pd.generates]
+    assert [(s.repetition_penalty, s.presence_penalty, s.frequency_penalty) for s in sent[:2]] == [
+        (pytest.approx(1.3), 0.5, -2.0),
+        (0.0, 0.0, 2.0),  # unset: PD's default, 1.0
+    ]
+    assert [s.HasField("repetition_penalty") for s in sent] == [True, False, True]
+    assert sent[2].repetition_penalty > 0  # below float32's range: sent as its smallest positive, not 0
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", 100.5),
+        ("repetition_penalty", "1.2"),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("frequency_penalty", 3),
+        ("frequency_penalty", "high"),
+    ],
+    ids=str,
+)
+async def test_penalties_out_of_range_are_refused_by_name(cluster_factory, path, body, field, value):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, field: value})
+    assert_refused(reply, "invalid_request", field)
+    assert cluster.pd.generates == []
+
+
+async def test_the_sdk_sees_a_bad_penalty_refused(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body={"repetition_penalty": 0}
+            )
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_request", "repetition_penalty")
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, presence_penalty=-4)
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_request", "presence_penalty")
+    finally:
+        await client.close()
+    assert cluster.pd.generates == []

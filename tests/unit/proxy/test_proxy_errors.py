@@ -174,7 +174,6 @@ def test_stop_accepts_string_or_list_and_bounds_it():
 @pytest.mark.parametrize(
     "fields",
     [
-        {"presence_penalty": 0.5},
         {"tools": [{"type": "function"}]},
         {"response_format": {"type": "json_object"}},
         {"logit_bias": {"1": 2.0}},

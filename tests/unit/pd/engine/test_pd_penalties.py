@@ -1,0 +1,68 @@
+"""Penalties on PD: the wire's checks, and the history a sampling chunk carries only when a penalty is on."""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_harness import TOKEN, chunk_of
+
+from services.common.pb import epd_pb2
+from services.pd import convert
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.request import Request, SamplingParams
+
+
+def _sampling(**fields) -> SamplingParams:
+    return convert.sampling_from_pb(epd_pb2.SamplingParams(max_tokens=4, **fields), 16)
+
+
+def test_the_wire_carries_the_penalties_and_unset_means_off():
+    sampling = _sampling(repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=2.0)
+    assert (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) == (1.25, -0.5, 2.0)
+    default = _sampling()
+    assert (default.repetition_penalty, default.presence_penalty, default.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert not default.uses_penalties and sampling.uses_penalties
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": -1.0},
+        {"repetition_penalty": 101.0},
+        {"repetition_penalty": float("nan")},
+        {"presence_penalty": 2.5},
+        {"presence_penalty": float("-inf")},
+        {"frequency_penalty": -2.01},
+        {"frequency_penalty": float("nan")},
+    ],
+    ids=str,
+)
+def test_the_wire_refuses_penalties_out_of_range(fields):
+    with pytest.raises(EngineError) as refused:
+        _sampling(**fields)
+    assert refused.value.kind is ErrorKind.INVALID_ARGUMENT
+    assert next(iter(fields)) in str(refused.value)
+
+
+def test_the_history_holds_the_prompt_only_for_repetition_penalty():
+    prompt = [1, 2, 3]
+    assert Request("r", prompt, SamplingParams()).penalty_history is None
+    repetition = Request("r", prompt, SamplingParams(repetition_penalty=1.2))
+    repetition.output_token_ids.append(TOKEN)
+    assert repetition.penalty_history == ([1, 2, 3], (TOKEN,))
+    presence = Request("p", prompt, SamplingParams(presence_penalty=0.1))
+    assert presence.penalty_history == ((), ())
+
+
+def test_only_sampling_chunks_of_penalised_requests_carry_a_history(h):
+    penalised = h.add("a", list(range(10, 16)), max_tokens=3, repetition_penalty=1.5)
+    h.add("b", [4, 5, 6], max_tokens=3)
+    out, _ = h.step(prefill_budget=4)  # "a" gets a prefill chunk that does not sample
+    assert not chunk_of(out, "a").sample and chunk_of(out, "a").history is None
+    out, _ = h.step()
+    assert chunk_of(out, "a").history == (list(range(10, 16)), ())
+    out, _ = h.step()
+    assert chunk_of(out, "a").history == (list(range(10, 16)), (TOKEN,))
+    assert chunk_of(out, "b").sample and chunk_of(out, "b").history is None
+    assert penalised.output_token_ids == [TOKEN, TOKEN]
+    h.run()
