@@ -120,6 +120,8 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         raise _invalid("temperature must be between 0 and 100")
     if not 0.0 < top_p <= 1.0:
         raise _invalid("top_p must be in (0, 1]")
+    if not 0.0 <= params.min_p <= 1.0:  # unset reads 0.0, off
+        raise _invalid("min_p must be in [0, 1]")
     if params.HasField("logprobs") and params.logprobs > MAX_LOGPROBS:
         raise _invalid(f"logprobs must be at most {MAX_LOGPROBS}")
     if len(params.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LEN for s in params.stop):
@@ -144,6 +146,7 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
+        min_p=float(params.min_p),
     )
 
 

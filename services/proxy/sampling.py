@@ -138,6 +138,8 @@ def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingP
     if body.repetition_penalty is not None:
         # float32 on the wire: a positive penalty below its range would arrive as 0 (invalid).
         params.repetition_penalty = max(body.repetition_penalty, MIN_FLOAT32)
+    if body.min_p:
+        params.min_p = body.min_p
     if body.presence_penalty is not None:
         params.presence_penalty = body.presence_penalty
     if body.frequency_penalty is not None:

@@ -80,6 +80,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # per output occurrence (OpenAI's)
     # extension (vLLM): divides a seen token's logit (prompt or output) when positive, multiplies it otherwise
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension (vLLM): relative to the top token
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=256)  # accepted (OpenAI end-user id), not used
     safety_identifier: str | None = Field(default=None, max_length=256)  # user's successor; accepted, not used

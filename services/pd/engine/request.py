@@ -91,6 +91,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (random rows; 0 = off)
 
     @property
     def greedy(self) -> bool:

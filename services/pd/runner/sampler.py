@@ -1,7 +1,7 @@
-"""Token sampling for one step: masked tokens, penalties, greedy, temperature, top-k, top-p, logprobs.
+"""Token sampling for one step: masked tokens, penalties, greedy, temperature, min-p, top-k, top-p, logprobs.
 
-Greedy rows are one batched argmax. Random rows share one sort-based top-k /
-top-p filter; the draw uses the exponential-race trick (argmax of
+Greedy rows are one batched argmax. Random rows share one sort-based min-p /
+top-k / top-p filter (``warp``); the draw uses the exponential-race trick (argmax of
 ``probs / Exp(1)`` is a sample from ``probs``), so each row's noise can come
 from wherever it must. Unseeded rows take theirs from one shared generator.
 Seeded rows take counter-based noise: a hash of the row's key and each token
@@ -95,17 +95,11 @@ class Sampler:
         return _with_logprobs(logits, token_ids, params)
 
     def _sample_random(self, logits, params, num_output_tokens) -> torch.Tensor:
-        device = logits.device
-        # One upload per dtype: [temperature, top_p] rows and [top_k, key] rows.
-        floats = to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params]]), device)
+        # One upload of [top_k, key] rows (the floats go up in warp()).
         keys = [step_seed(p.seed, n) if p.seed is not None else 0 for p, n in zip(params, num_output_tokens)]
-        longs = to_device(torch.tensor([[p.top_k for p in params], keys], dtype=torch.long), device)
-        temperature, top_p = floats[0], floats[1]
+        longs = to_device(torch.tensor([[p.top_k for p in params], keys], dtype=torch.long), logits.device)
         top_k, row_keys = longs[0], longs[1]
-        sorted_logits, sorted_ids = (logits / temperature[:, None]).sort(dim=-1, descending=True)
-        _apply_top_k(sorted_logits, top_k)
-        if any(p.top_p < 1.0 for p in params):
-            _apply_top_p(sorted_logits, top_p)
+        sorted_logits, sorted_ids = warp(logits, params, top_k)
         probs = sorted_logits.softmax(dim=-1)
         noise = self._exponential_noise(probs, sorted_ids, params, row_keys)
         choice = (probs / noise).argmax(dim=-1, keepdim=True)
@@ -153,6 +147,31 @@ def processed_logits(
             rows = [i for i, _ in penalised]
             scores = apply_penalties(scores, rows, [params[i] for i in rows], [h for _, h in penalised])
     return scores
+
+
+def warp(
+    logits: torch.Tensor, params: Sequence[SamplingParams], top_k: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows' scores as they are drawn from: ``(sorted_logits, sorted_ids)``, each ``[R, vocab]``.
+
+    Temperature, then min_p, top-k and top-p, in vLLM's order (transformers
+    applies min_p last; top-k commutes with it, top-p does not). Filtered
+    entries are ``-inf``; each row is sorted by logit, descending.
+    ``top_k [R]``: the rows' top_k already on the device (uploaded here when None).
+    """
+    device = logits.device
+    # One upload of [temperature, top_p, min_p] rows.
+    floats = to_device(torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params]).T.contiguous(), device)
+    temperature, top_p, min_p = floats[0], floats[1], floats[2]
+    if top_k is None:
+        top_k = to_device(torch.tensor([p.top_k for p in params], dtype=torch.long), device)
+    sorted_logits, sorted_ids = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+    if any(p.min_p > 0.0 for p in params):
+        _apply_min_p(sorted_logits, min_p)
+    _apply_top_k(sorted_logits, top_k)
+    if any(p.top_p < 1.0 for p in params):
+        _apply_top_p(sorted_logits, top_p)
+    return sorted_logits, sorted_ids
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -207,6 +226,13 @@ def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
     whose result a device's integer kernels need not agree on): the constant in two 16-bit halves."""
     low, high = constant & 0xFFFF, constant >> 16
     return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK_32
+
+
+def _apply_min_p(sorted_logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens less probable than ``min_p`` times the top token (transformers' ``MinPLogitsWarper``;
+    the top token always stays, ``min_p = 0`` keeps all)."""
+    probs = sorted_logits.softmax(dim=-1)
+    sorted_logits.masked_fill_(probs < min_p[:, None] * probs[:, :1], float("-inf"))
 
 
 def _apply_top_k(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> None:

@@ -348,3 +348,33 @@ async def test_the_sdk_sees_a_bad_penalty_refused(cluster_factory):
     finally:
         await client.close()
     assert cluster.pd.generates == []
+
+
+# ----------------------------------------------------------------------------- min_p
+
+
+async def test_the_sdk_sends_min_p_and_it_travels_to_pd(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body={"min_p": 0.1}
+        )
+        await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"min_p": 0})
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"min_p": 2})
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_request", "min_p")
+    finally:
+        await client.close()
+    sent = [g.sampling for g in cluster.pd.generates]
+    assert [s.min_p for s in sent] == [pytest.approx(0.1), 0.0]
+    assert not sent[1].HasField("min_p")  # 0 is off: PD's default
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize("value", [-0.01, 1.01, "0.1", True], ids=str)
+async def test_min_p_outside_0_to_1_is_refused(cluster_factory, path, body, value):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, "min_p": value})
+    assert_refused(reply, "invalid_request", "min_p")
+    assert cluster.pd.generates == []

@@ -1,4 +1,5 @@
-"""Penalties on PD: the wire's checks, and the history a sampling chunk carries only when a penalty is on."""
+"""Sampling extensions on PD: the wire's checks (penalties, min_p), and the history a sampling chunk
+carries only when a penalty is on."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def test_the_wire_refuses_penalties_out_of_range(fields):
         _sampling(**fields)
     assert refused.value.kind is ErrorKind.INVALID_ARGUMENT
     assert next(iter(fields)) in str(refused.value)
+
+
+def test_the_wire_carries_min_p_and_refuses_it_out_of_range():
+    assert _sampling(min_p=0.25).min_p == 0.25
+    assert _sampling().min_p == 0.0
+    for value in (-0.1, 1.5, float("nan")):
+        with pytest.raises(EngineError) as refused:
+            _sampling(min_p=value)
+        assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and "min_p" in str(refused.value)
 
 
 def test_the_history_holds_the_prompt_only_for_repetition_penalty():
