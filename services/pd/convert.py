@@ -43,6 +43,8 @@ MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; past this a seen token is as good as banned anyway
 MAX_PRESENCE_PENALTY = 2.0  # presence and frequency: OpenAI's [-2, 2]
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI's API
+MAX_LOGIT_BIAS = 100.0
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII: ids end up in logs and metadata
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -128,6 +130,10 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries")
+    if any(not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in params.logit_bias.values()):
+        raise _invalid(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
     if params.max_tokens and params.min_tokens > params.max_tokens:
         raise _invalid("min_tokens must not exceed max_tokens")
     repetition_penalty, presence_penalty, frequency_penalty = _penalties(params)
@@ -147,6 +153,7 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         min_p=float(params.min_p),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in params.logit_bias.items())),
     )
 
 
@@ -185,6 +192,8 @@ def request_from_pb(
     if any(t >= vocab_size for t in sampling.stop_token_ids):
         # They would index the logits (masked before min_tokens); the model cannot produce them anyway.
         raise _invalid("stop_token_ids contains an id outside the vocabulary")
+    if any(t >= vocab_size for t, _ in sampling.logit_bias):
+        raise _invalid("logit_bias names an id outside the vocabulary")  # it would index the logits
     request = Request(
         request_id=message.request_id,
         prompt_token_ids=prompt,

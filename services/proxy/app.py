@@ -62,6 +62,7 @@ from services.proxy.responses import (
     stream_events,
 )
 from services.proxy.sampling import (
+    check_logit_bias,
     check_stop_token_ids,
     check_supported,
     choice_sampling,
@@ -134,6 +135,7 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
     check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
+    check_logit_bias(body.logit_bias, len(state.preprocessor.tokenizer))
     messages = body.messages_as_dicts()
     urls = image_urls(messages)
     state.preprocessor.check_image_count(len(urls))
@@ -158,6 +160,7 @@ async def completions(request: Request) -> Response:
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
     check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
+    check_logit_bias(body.logit_bias, len(state.preprocessor.tokenizer))
     prompt_input = body.prompt
     if isinstance(prompt_input, list) and prompt_input and not isinstance(prompt_input[0], int):
         if len(prompt_input) != 1:

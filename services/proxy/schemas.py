@@ -81,7 +81,7 @@ class _SamplingFields(_Body):
     # extension (vLLM): divides a seen token's logit (prompt or output) when positive, multiplies it otherwise
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension (vLLM): relative to the top token
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> bias; checked in sampling.check_logit_bias
     user: str | None = Field(default=None, max_length=256)  # accepted (OpenAI end-user id), not used
     safety_identifier: str | None = Field(default=None, max_length=256)  # user's successor; accepted, not used
 

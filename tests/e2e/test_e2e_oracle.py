@@ -233,6 +233,22 @@ def test_repetition_penalty_equals_generate(client, oracle, case, stream):
         assert usage.completion_tokens == len(expected)
 
 
+@pytest.mark.parametrize("cluster", ["llava"], indirect=True)
+def test_logit_bias_equals_generate_sequence_bias(client, oracle):
+    """``logit_bias`` is ``generate(sequence_bias=...)`` with one-token sequences: banning the plain
+    run's first token and favouring another change the greedy path the same way."""
+    text, images = CASES["text_only"]
+    messages = [user_message(text, images)]
+    plain = oracle.generate(messages, images, MAX_TOKENS)
+    logit_bias = {plain[0]: -100.0, plain[3]: 2.0}
+    expected = oracle.generate(
+        messages, images, MAX_TOKENS, sequence_bias={(token,): bias for token, bias in logit_bias.items()}
+    )
+    assert expected[0] != plain[0]
+    token_ids, _, _, _ = _chat(client, messages, stream=False, logit_bias={str(t): b for t, b in logit_bias.items()})
+    assert token_ids == expected
+
+
 EXTRA_EOS_CASE = "one_image"
 
 

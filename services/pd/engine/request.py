@@ -92,6 +92,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability (random rows; 0 = off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by id
 
     @property
     def greedy(self) -> bool:

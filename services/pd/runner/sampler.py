@@ -13,9 +13,10 @@ runner therefore keeps no per-request RNG state.
 
 Masked tokens (a request's stop tokens before its ``min_tokens``, see
 ``Request.masked_token_ids``) get ``-inf`` logits first, for all rows in one
-scatter, as transformers' ``MinNewTokensLengthLogitsProcessor`` does. Then
-the rows with a penalty (those with a ``TokenHistory``) are penalised, all
-at once (``penalties.py``). Both change greedy rows too; both are skipped
+scatter, as transformers' ``MinNewTokensLengthLogitsProcessor`` does; the
+``logit_bias`` entries of all rows are added in one more. Then the rows with
+a penalty (those with a ``TokenHistory``) are penalised, all
+at once (``penalties.py``). All three change greedy rows too; each is skipped
 outright in a step where no row asks for them. The logprobs still come from
 the unmodified logits, as vLLM's do by default.
 
@@ -133,14 +134,18 @@ def processed_logits(
 ) -> torch.Tensor:
     """The scores greedy rows take the argmax of and random rows sample from (before temperature).
 
-    vLLM's order: masked ids, then penalties. ``logits`` is never changed
-    (the logprobs are its); it is returned as is when no row asks for either.
+    vLLM's order: masked ids and logit biases, then penalties. ``logits`` is
+    never changed (the logprobs are its); it is returned as is when no row
+    asks for any of them.
     """
     if masked_token_ids is not None and len(masked_token_ids) != len(params):
         raise ValueError("masked_token_ids must have one entry per row")
     if histories is not None and len(histories) != len(params):
         raise ValueError("histories must have one entry per row")
     scores = _masked(logits, masked_token_ids) if masked_token_ids is not None else logits
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        scores = _biased(scores, biased, params)
     if histories is not None:
         penalised = [(i, history) for i, history in enumerate(histories) if history is not None]
         if penalised:
@@ -193,6 +198,19 @@ def _masked(logits: torch.Tensor, masked_token_ids: Sequence[Sequence[int]]) -> 
     masked = logits.clone()
     masked[index[0], index[1]] = float("-inf")
     return masked
+
+
+def _biased(scores: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``scores`` plus each row's ``logit_bias`` at its token ids (a new tensor).
+
+    All (row, id) pairs go up in one copy, the biases in another, and are
+    added in one ``index_put``. Ids are unique within a row.
+    """
+    pairs = [(i, t) for i in rows for t, _ in params[i].logit_bias]
+    biases = [b for i in rows for _, b in params[i].logit_bias]
+    index = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), scores.device)  # [2, num_pairs]
+    values = to_device(torch.tensor(biases, dtype=scores.dtype), scores.device)
+    return scores.index_put((index[0], index[1]), values, accumulate=True)
 
 
 def seeded_exponential(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

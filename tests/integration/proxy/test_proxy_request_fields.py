@@ -378,3 +378,79 @@ async def test_min_p_outside_0_to_1_is_refused(cluster_factory, path, body, valu
     reply = await cluster.client.post(path, json={**body, "min_p": value})
     assert_refused(reply, "invalid_request", "min_p")
     assert cluster.pd.generates == []
+
+
+# ----------------------------------------------------------------------------- logit_bias
+
+
+async def test_the_sdk_sends_logit_bias_and_it_travels_to_pd(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    vocab_size = len(cluster.app.state.proxy.preprocessor.tokenizer)
+    client = openai_client(cluster)
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava",
+            messages=CHAT["messages"],
+            max_tokens=3,
+            logit_bias={"0": 100, str(vocab_size - 1): -100, "42": 2.5},
+        )
+        await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, logit_bias={})
+    finally:
+        await client.close()
+    sent = [g.sampling for g in cluster.pd.generates]
+    assert dict(sent[0].logit_bias) == {0: 100.0, vocab_size - 1: -100.0, 42: 2.5}
+    assert dict(sent[1].logit_bias) == {}
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize(
+    "logit_bias",
+    [
+        {"vocab": 1.0},  # replaced by the vocabulary size: one past the last id
+        {"4294967296": 1.0},
+        {"-1": 1.0},
+        {"07": 1.0},
+        {" 7": 1.0},
+        {SECRET: 1.0},
+        {"5": 100.5},
+        {"5": -101},
+        {"5": "high"},
+        {str(i): 1.0 for i in range(301)},
+    ],
+    ids=[
+        "id_is_vocab_size",
+        "above_uint32",
+        "negative",
+        "leading_zero",
+        "space",
+        "word",
+        "above_100",
+        "below_minus_100",
+        "string_value",
+        "too_many",
+    ],
+)
+async def test_a_bad_logit_bias_is_refused_before_any_work(cluster_factory, path, body, logit_bias):
+    cluster = await cluster_factory()
+    if "vocab" in logit_bias:
+        logit_bias = {str(len(cluster.app.state.proxy.preprocessor.tokenizer)): 1.0}
+    reply = await cluster.client.post(path, json={**body, "logit_bias": logit_bias})
+    assert_refused(reply, "invalid_request", "logit_bias")
+    assert cluster.pd.generates == []
+
+
+async def test_the_sdk_sees_a_logit_bias_outside_the_vocabulary_refused(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    vocab_size = len(cluster.app.state.proxy.preprocessor.tokenizer)
+    client = openai_client(cluster)
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(
+                model="tiny-llava", prompt="Once", max_tokens=3, logit_bias={str(vocab_size): 5}
+            )
+    finally:
+        await client.close()
+    body = caught.value.body
+    assert (body["code"], body["param"]) == ("invalid_request", "logit_bias")
+    assert body["message"] == f"logit_bias token ids must be in [0, {vocab_size})."
+    assert cluster.pd.generates == []

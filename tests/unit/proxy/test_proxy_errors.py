@@ -176,7 +176,6 @@ def test_stop_accepts_string_or_list_and_bounds_it():
     [
         {"tools": [{"type": "function"}]},
         {"response_format": {"type": "json_object"}},
-        {"logit_bias": {"1": 2.0}},
     ],
 )
 def test_unsupported_parameters_are_rejected_not_dropped(fields):

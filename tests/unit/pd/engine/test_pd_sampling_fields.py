@@ -1,5 +1,5 @@
-"""Sampling extensions on PD: the wire's checks (penalties, min_p), and the history a sampling chunk
-carries only when a penalty is on."""
+"""Sampling extensions on PD: the wire's checks (penalties, min_p, logit_bias), and the history a sampling
+chunk carries only when a penalty is on."""
 
 from __future__ import annotations
 
@@ -52,6 +52,38 @@ def test_the_wire_carries_min_p_and_refuses_it_out_of_range():
         with pytest.raises(EngineError) as refused:
             _sampling(min_p=value)
         assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and "min_p" in str(refused.value)
+
+
+def _request(**fields) -> Request:
+    sampling = epd_pb2.SamplingParams(max_tokens=4, **fields)
+    message = epd_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=sampling)
+    return convert.request_from_pb(message, eos_token_ids=(2,), vocab_size=100, max_model_len=64)
+
+
+def test_the_wire_carries_logit_bias_sorted_by_id():
+    assert _request(logit_bias={99: -100.0, 0: 100.0, 5: 0.5}).sampling.logit_bias == (
+        (0, 100.0),
+        (5, 0.5),
+        (99, -100.0),
+    )
+    assert _request().sampling.logit_bias == ()
+
+
+@pytest.mark.parametrize(
+    "logit_bias",
+    [
+        {100: 1.0},  # outside the vocabulary
+        {1: 100.5},
+        {1: float("-inf")},
+        {1: float("nan")},
+        {i: 1.0 for i in range(convert.MAX_LOGIT_BIAS_ENTRIES + 1)},
+    ],
+    ids=["id_outside_vocab", "above_100", "minus_inf", "nan", "too_many"],
+)
+def test_the_wire_refuses_a_logit_bias_the_logits_cannot_take(logit_bias):
+    with pytest.raises(EngineError) as refused:
+        _request(logit_bias=logit_bias)
+    assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and "logit_bias" in str(refused.value)
 
 
 def test_the_history_holds_the_prompt_only_for_repetition_penalty():
