@@ -154,6 +154,11 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         frequency_penalty=frequency_penalty,
         min_p=float(params.min_p),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in params.logit_bias.items())),
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(
+            params.spaces_between_special_tokens if params.HasField("spaces_between_special_tokens") else True
+        ),
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
 
 

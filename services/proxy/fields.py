@@ -34,6 +34,9 @@ EXTENSIONS = (
     "stop_token_ids",
     "ignore_eos",
     "return_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
 )
 """vLLM-compatible request fields beyond OpenAI's, all honoured (README: "Request fields")."""
 

@@ -163,6 +163,11 @@ def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingP
         params.repetition_penalty = max(body.repetition_penalty, MIN_FLOAT32)
     if body.min_p:
         params.min_p = body.min_p
+    if not body.skip_special_tokens:
+        params.skip_special_tokens = False
+    if not body.spaces_between_special_tokens:
+        params.spaces_between_special_tokens = False
+    params.include_stop_str_in_output = body.include_stop_str_in_output
     if body.logit_bias:
         params.logit_bias.update({int(key): bias for key, bias in body.logit_bias.items()})  # checked already
     if body.presence_penalty is not None:

@@ -249,6 +249,27 @@ def test_logit_bias_equals_generate_sequence_bias(client, oracle):
     assert token_ids == expected
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("cluster", ["llava"], indirect=True)
+def test_include_stop_str_in_output_keeps_the_stop_string_and_a_stop_token_adds_no_text(client, oracle, stream):
+    text, images = CASES["text_only"]
+    messages = [user_message(text, images)]
+    plain = oracle.generate(messages, images, MAX_TOKENS)
+    full = oracle.decode(plain)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    start = full.index(stop)
+    for include, expected in ((False, full[:start]), (True, full[: start + len(stop)])):
+        _, content, finish, _ = _chat(client, messages, stream, stop=[stop], include_stop_str_in_output=include)
+        assert (content, finish) == (expected, "stop")
+    # A stop token ends the text before its own text, unless asked (vLLM's rule); its id is reported either way.
+    stop_id = plain[5]
+    for include, decoded in ((False, plain[:5]), (True, plain[:6])):
+        token_ids, content, finish, _ = _chat(
+            client, messages, stream, stop_token_ids=[stop_id], include_stop_str_in_output=include
+        )
+        assert (token_ids, content, finish) == (plain[:6], oracle.decode(decoded), "stop")
+
+
 EXTRA_EOS_CASE = "one_image"
 
 

@@ -93,6 +93,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability (random rows; 0 = off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by id
+    # Detokenizer options (vLLM's); include_stop_str_in_output also keeps a stop token's text.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @property
     def greedy(self) -> bool:

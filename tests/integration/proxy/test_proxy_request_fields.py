@@ -85,9 +85,9 @@ async def test_the_sdk_sees_unknown_fields_refused(cluster_factory):
         assert (caught.value.body["code"], caught.value.body["param"]) == ("unknown_parameter", "best_of_n")
         with pytest.raises(openai.BadRequestError) as caught:
             await client.completions.create(
-                model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"skip_special_tokens": False}
+                model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"truncate_prompt_tokens": 2}
             )
-        assert caught.value.body["param"] == "skip_special_tokens"  # a vLLM field this server does not honour
+        assert caught.value.body["param"] == "truncate_prompt_tokens"  # a vLLM field this server does not honour
     finally:
         await client.close()
     assert cluster.pd.generates == []
@@ -453,4 +453,45 @@ async def test_the_sdk_sees_a_logit_bias_outside_the_vocabulary_refused(cluster_
     body = caught.value.body
     assert (body["code"], body["param"]) == ("invalid_request", "logit_bias")
     assert body["message"] == f"logit_bias token ids must be in [0, {vocab_size})."
+    assert cluster.pd.generates == []
+
+
+# ----------------------------------------------------------------------------- detokenizer options
+
+DETOKENIZER_OPTIONS = ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+
+
+async def test_the_sdk_sends_the_detokenizer_options_and_they_travel_to_pd(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    flipped = {"skip_special_tokens": False, "spaces_between_special_tokens": False, "include_stop_str_in_output": True}
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body=flipped
+        )
+        await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3)
+        await client.completions.create(
+            model="tiny-llava",
+            prompt="Once",
+            max_tokens=3,
+            extra_body={"skip_special_tokens": True, "include_stop_str_in_output": False},
+        )
+    finally:
+        await client.close()
+    sent = [g.sampling for g in cluster.pd.generates]
+    assert [tuple(getattr(s, name) for name in DETOKENIZER_OPTIONS) for s in sent] == [
+        (False, False, True),
+        (False, False, False),  # unset: PD's defaults, vLLM's (true, true, false)
+        (False, False, False),
+    ]
+    assert [s.HasField("skip_special_tokens") for s in sent] == [True, False, False]
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize("field", DETOKENIZER_OPTIONS)
+@pytest.mark.parametrize("value", ["yes", 1, None], ids=str)
+async def test_a_detokenizer_option_that_is_no_boolean_is_refused(cluster_factory, path, body, field, value):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, field: value})
+    assert_refused(reply, "invalid_request", field)
     assert cluster.pd.generates == []

@@ -1,5 +1,5 @@
-"""Sampling extensions on PD: the wire's checks (penalties, min_p, logit_bias), and the history a sampling
-chunk carries only when a penalty is on."""
+"""Sampling extensions on PD: the wire's checks (penalties, min_p, logit_bias, detokenizer options), and
+the history a sampling chunk carries only when a penalty is on."""
 
 from __future__ import annotations
 
@@ -84,6 +84,17 @@ def test_the_wire_refuses_a_logit_bias_the_logits_cannot_take(logit_bias):
     with pytest.raises(EngineError) as refused:
         _request(logit_bias=logit_bias)
     assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and "logit_bias" in str(refused.value)
+
+
+def test_the_wire_carries_the_detokenizer_options_and_unset_means_vllm_defaults():
+    default = _sampling()
+    assert (default.skip_special_tokens, default.spaces_between_special_tokens) == (True, True)
+    assert default.include_stop_str_in_output is False
+    sampling = _sampling(
+        skip_special_tokens=False, spaces_between_special_tokens=False, include_stop_str_in_output=True
+    )
+    assert (sampling.skip_special_tokens, sampling.spaces_between_special_tokens) == (False, False)
+    assert sampling.include_stop_str_in_output is True
 
 
 def test_the_history_holds_the_prompt_only_for_repetition_penalty():
