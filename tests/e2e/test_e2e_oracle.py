@@ -233,6 +233,37 @@ def test_repetition_penalty_equals_generate(client, oracle, case, stream):
         assert usage.completion_tokens == len(expected)
 
 
+def _openai_penalties(prompt_len: int, presence: float, frequency: float):
+    """A ``generate()`` logits processor of OpenAI's formula over the output tokens (no transformers one exists)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            output = input_ids[:, prompt_len:]
+            counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+            return scores - frequency * counts - presence * (counts > 0)
+
+    return LogitsProcessorList([OpenAIPenalties()])
+
+
+@pytest.mark.parametrize("cluster", ["qwen2.5"], indirect=True)
+def test_presence_and_frequency_penalties_equal_generate_with_openais_formula(client, oracle):
+    """The tiny models never repeat themselves unprompted: the largest reward (-2, -2) makes this one
+    repeat its output's tokens (frequency counts above one); the largest penalty leaves it as it was."""
+    text, images = CASES["text_only"]
+    messages = [user_message(text, images)]
+    plain = oracle.generate(messages, images, MAX_TOKENS)
+    prompt_len = len(oracle.prompt_ids(messages, images))
+    for presence, frequency in ((-2.0, -2.0), (2.0, 2.0)):
+        processors = _openai_penalties(prompt_len, presence, frequency)
+        expected = oracle.generate(messages, images, MAX_TOKENS, logits_processor=processors)
+        assert (expected != plain) == (presence < 0)
+        assert (len(set(expected)) < len(expected)) == (presence < 0)  # repeats: counts above one
+        token_ids = _chat(client, messages, False, presence_penalty=presence, frequency_penalty=frequency)[0]
+        assert token_ids == expected
+
+
 @pytest.mark.parametrize("cluster", ["llava"], indirect=True)
 def test_logit_bias_equals_generate_sequence_bias(client, oracle):
     """``logit_bias`` is ``generate(sequence_bias=...)`` with one-token sequences: banning the plain
