@@ -41,6 +41,10 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; past this a seen token is as good as banned anyway
+MAX_PRESENCE_PENALTY = 2.0  # presence and frequency: OpenAI's [-2, 2]
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI's API
+MAX_LOGIT_BIAS = 100.0
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII: ids end up in logs and metadata
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -118,14 +122,21 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         raise _invalid("temperature must be between 0 and 100")
     if not 0.0 < top_p <= 1.0:
         raise _invalid("top_p must be in (0, 1]")
+    if not 0.0 <= params.min_p <= 1.0:  # unset reads 0.0, off
+        raise _invalid("min_p must be in [0, 1]")
     if params.HasField("logprobs") and params.logprobs > MAX_LOGPROBS:
         raise _invalid(f"logprobs must be at most {MAX_LOGPROBS}")
     if len(params.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LEN for s in params.stop):
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries")
+    if any(not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in params.logit_bias.values()):
+        raise _invalid(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
     if params.max_tokens and params.min_tokens > params.max_tokens:
         raise _invalid("min_tokens must not exceed max_tokens")
+    repetition_penalty, presence_penalty, frequency_penalty = _penalties(params)
     max_tokens = min(params.max_tokens or max_tokens_cap, max_tokens_cap)
     return SamplingParams(
         temperature=float(temperature),
@@ -138,7 +149,31 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
         min_tokens=min(params.min_tokens, max_tokens),  # the context's room ends a request all the same
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_p=float(params.min_p),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in params.logit_bias.items())),
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(
+            params.spaces_between_special_tokens if params.HasField("spaces_between_special_tokens") else True
+        ),
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
+
+
+def _penalties(params: epd_pb2.SamplingParams) -> tuple[float, float, float]:
+    """``(repetition, presence, frequency)``: unset = off; out of range (NaN included) is refused."""
+    repetition = params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
+    presence = params.presence_penalty if params.HasField("presence_penalty") else 0.0
+    frequency = params.frequency_penalty if params.HasField("frequency_penalty") else 0.0
+    if not 0.0 < repetition <= MAX_REPETITION_PENALTY:
+        raise _invalid(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+    if not (-MAX_PRESENCE_PENALTY <= presence <= MAX_PRESENCE_PENALTY):
+        raise _invalid(f"presence_penalty must be in [-{MAX_PRESENCE_PENALTY:g}, {MAX_PRESENCE_PENALTY:g}]")
+    if not (-MAX_PRESENCE_PENALTY <= frequency <= MAX_PRESENCE_PENALTY):
+        raise _invalid(f"frequency_penalty must be in [-{MAX_PRESENCE_PENALTY:g}, {MAX_PRESENCE_PENALTY:g}]")
+    return float(repetition), float(presence), float(frequency)
 
 
 def request_from_pb(
@@ -162,6 +197,8 @@ def request_from_pb(
     if any(t >= vocab_size for t in sampling.stop_token_ids):
         # They would index the logits (masked before min_tokens); the model cannot produce them anyway.
         raise _invalid("stop_token_ids contains an id outside the vocabulary")
+    if any(t >= vocab_size for t, _ in sampling.logit_bias):
+        raise _invalid("logit_bias names an id outside the vocabulary")  # it would index the logits
     request = Request(
         request_id=message.request_id,
         prompt_token_ids=prompt,

@@ -65,6 +65,7 @@ from services.proxy.responses import (
     stream_events,
 )
 from services.proxy.sampling import (
+    check_logit_bias,
     check_stop_token_ids,
     check_supported,
     choice_sampling,
@@ -207,6 +208,7 @@ def _check_sampling(state: ProxyState, body: _SamplingFields) -> None:
     state.check_model(body.model)
     check_supported(body, state.config.max_n)
     check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
+    check_logit_bias(body.logit_bias, len(state.preprocessor.tokenizer))
 
 
 def _check_fields(state: ProxyState, body: _SamplingFields, path: str) -> list[str]:

@@ -26,7 +26,18 @@ from pydantic import BaseModel
 from services.proxy.errors import UnknownFieldError, UnsupportedFeatureError
 from services.proxy.schemas import ChatCompletionRequest, ChatMessage, StreamOptions
 
-EXTENSIONS = ("top_k", "min_tokens", "stop_token_ids", "ignore_eos", "return_token_ids")
+EXTENSIONS = (
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "return_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
 """vLLM-compatible request fields beyond OpenAI's, all honoured (README: "Request fields")."""
 
 _DISABLED = (None, False)

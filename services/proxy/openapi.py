@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from services.proxy.config import ProxyConfig
 from services.proxy.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS
-from services.proxy.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from services.proxy.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
 
 _REF = "#/components/schemas/{model}"
@@ -148,9 +148,14 @@ def _limits(config: ProxyConfig) -> dict[str, dict[str, Any]]:
                 "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
             }
         ),
-        "presence_penalty": _nullable({"const": 0}),
-        "frequency_penalty": _nullable({"const": 0}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+        "logit_bias": _nullable(
+            {
+                "type": "object",
+                "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,9})$"},
+                "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+            }
+        ),
         "tools": _nullable({"type": "array", "maxItems": 0}),
         "tool_choice": _nullable({"const": "none"}),
         "response_format": _nullable(

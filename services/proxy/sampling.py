@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from services.common.pb import epd_pb2
 from services.proxy.errors import PromptTooLongError, RequestError, UnsupportedFeatureError
 from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -9,16 +11,15 @@ from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _Sa
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MIN_FLOAT32 = 1.1754943508222875e-38  # smallest normal float32
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI's API
+MAX_LOGIT_BIAS = 100.0
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # decimal, no leading zeros: one spelling per id
 
 
 def check_supported(body: _SamplingFields, max_n: int = 1) -> None:
     """Rejects valid OpenAI parameters this server does not implement (never drops them silently)."""
     if body.n is not None and body.n > max_n:
         raise RequestError(f"n must be at most {max_n}.", "n")
-    if body.presence_penalty or body.frequency_penalty:
-        raise UnsupportedFeatureError("presence_penalty and frequency_penalty are not supported.", "presence_penalty")
-    if body.logit_bias:
-        raise UnsupportedFeatureError("logit_bias is not supported.", "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
     if isinstance(body, ChatCompletionRequest):
@@ -61,6 +62,26 @@ def check_stop_token_ids(token_ids: list[int] | None, vocab_size: int) -> None:
     """Refuses stop token ids the model cannot produce, before any work is spent on the request."""
     if token_ids and any(not 0 <= t < vocab_size for t in token_ids):
         raise RequestError(f"stop_token_ids must be in [0, {vocab_size}).", "stop_token_ids")
+
+
+def check_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """``logit_bias`` as token id -> bias, checked before any work is spent on the request.
+
+    OpenAI's shape: keys are token ids written in decimal, values in
+    [-100, 100], at most 300 entries; each id must be in the vocabulary.
+    """
+    if not logit_bias:
+        return {}
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise RequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries.", "logit_bias")
+    if not all(_TOKEN_ID_KEY.fullmatch(key) for key in logit_bias):
+        raise RequestError("logit_bias keys must be token ids (decimal, no leading zeros).", "logit_bias")
+    biases = {int(key): bias for key, bias in logit_bias.items()}
+    if any(token_id >= vocab_size for token_id in biases):
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab_size}).", "logit_bias")
+    if any(not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in biases.values()):
+        raise RequestError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}].", "logit_bias")
+    return biases
 
 
 def resolve_max_tokens(
@@ -137,6 +158,22 @@ def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingP
         params.seed = body.seed
     if body.min_tokens:
         params.min_tokens = body.min_tokens
+    if body.repetition_penalty is not None:
+        # float32 on the wire: a positive penalty below its range would arrive as 0 (invalid).
+        params.repetition_penalty = max(body.repetition_penalty, MIN_FLOAT32)
+    if body.min_p:
+        params.min_p = body.min_p
+    if not body.skip_special_tokens:
+        params.skip_special_tokens = False
+    if not body.spaces_between_special_tokens:
+        params.spaces_between_special_tokens = False
+    params.include_stop_str_in_output = body.include_stop_str_in_output
+    if body.logit_bias:
+        params.logit_bias.update({int(key): bias for key, bias in body.logit_bias.items()})  # checked already
+    if body.presence_penalty is not None:
+        params.presence_penalty = body.presence_penalty
+    if body.frequency_penalty is not None:
+        params.frequency_penalty = body.frequency_penalty
     logprobs = requested_logprobs(body)
     if logprobs is not None:
         params.logprobs = logprobs

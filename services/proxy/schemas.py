@@ -76,9 +76,15 @@ class _SamplingFields(_Body):
     return_token_ids: bool = False  # extension: choices carry the generated token ids
     min_tokens: int = Field(default=0, ge=0, lt=2**32)  # extension: no stop before this many tokens (<= max_tokens)
     n: int | None = Field(default=None, ge=1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # over output tokens (OpenAI's)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # per output occurrence (OpenAI's)
+    # extension (vLLM): divides a seen token's logit (prompt or output) when positive, multiplies it otherwise
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension (vLLM): relative to the top token
+    skip_special_tokens: bool = True  # extension (vLLM): special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # extension (vLLM): to the tokenizer's decode
+    include_stop_str_in_output: bool = False  # extension (vLLM): the stop string (or token) ends the text
+    logit_bias: dict[str, float] | None = None  # token id -> bias; checked in sampling.check_logit_bias
     user: str | None = Field(default=None, max_length=256)  # accepted (OpenAI end-user id), not used
     safety_identifier: str | None = Field(default=None, max_length=256)  # user's successor; accepted, not used
 

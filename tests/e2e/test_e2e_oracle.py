@@ -4,7 +4,8 @@ The cluster (proxy -> encoder -> PD, or proxy -> colocated PD) runs on
 loopback, once per model and mode; requests go through the official
 ``openai`` client, streaming and not. Models: LLaVA (CLIP and SigLIP towers),
 Qwen2.5-VL and Qwen2-VL (dynamic resolution, multimodal RoPE), and a Qwen2.5-VL
-copy whose generation_config lists an EOS id the model emits.
+copy whose generation_config lists an EOS id the model emits. With
+``repetition_penalty`` the output equals ``generate(repetition_penalty=...)``.
 """
 
 from __future__ import annotations
@@ -203,6 +204,101 @@ def test_min_tokens_equals_generate_min_new_tokens(client, oracle, case, stream)
         assert content == oracle.decode([t for t in expected if t != stop_id])
         assert finish == ("stop" if expected[-1] in stops["eos_token_id"] else "length")
         assert usage.completion_tokens == len(expected)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize(
+    ("cluster", "case"),
+    [("llava", "text_only"), ("llava", "one_image"), ("qwen2.5", "text_only")],
+    indirect=["cluster"],
+)
+def test_repetition_penalty_equals_generate(client, oracle, case, stream):
+    """Greedy with ``repetition_penalty`` (over prompt and output, image placeholders included) is
+    ``generate(repetition_penalty=...)``, token for token; both a penalty and a reward.
+
+    The tiny models never repeat a token of their own, so the history holds
+    their first answer: the second one then leans on the prompt's tokens,
+    which a penalty pushes away.
+    """
+    text, images = CASES[case]
+    first = oracle.decode(oracle.generate([user_message(text, images)], images, MAX_TOKENS))
+    messages = [user_message(text, images), {"role": "assistant", "content": first}, user_message("Again.", [])]
+    plain = oracle.generate(messages, images, MAX_TOKENS)
+    for penalty in (3.0, 0.5):
+        expected = oracle.generate(messages, images, MAX_TOKENS, repetition_penalty=penalty)
+        assert expected != plain  # the penalty changes the greedy path
+        token_ids, content, finish, usage = _chat(client, messages, stream, repetition_penalty=penalty)
+        assert token_ids == expected
+        assert content == oracle.decode(expected)
+        assert usage.completion_tokens == len(expected)
+
+
+def _openai_penalties(prompt_len: int, presence: float, frequency: float):
+    """A ``generate()`` logits processor of OpenAI's formula over the output tokens (no transformers one exists)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            output = input_ids[:, prompt_len:]
+            counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+            return scores - frequency * counts - presence * (counts > 0)
+
+    return LogitsProcessorList([OpenAIPenalties()])
+
+
+@pytest.mark.parametrize("cluster", ["qwen2.5"], indirect=True)
+def test_presence_and_frequency_penalties_equal_generate_with_openais_formula(client, oracle):
+    """The tiny models never repeat themselves unprompted: the largest reward (-2, -2) makes this one
+    repeat its output's tokens (frequency counts above one); the largest penalty leaves it as it was."""
+    text, images = CASES["text_only"]
+    messages = [user_message(text, images)]
+    plain = oracle.generate(messages, images, MAX_TOKENS)
+    prompt_len = len(oracle.prompt_ids(messages, images))
+    for presence, frequency in ((-2.0, -2.0), (2.0, 2.0)):
+        processors = _openai_penalties(prompt_len, presence, frequency)
+        expected = oracle.generate(messages, images, MAX_TOKENS, logits_processor=processors)
+        assert (expected != plain) == (presence < 0)
+        assert (len(set(expected)) < len(expected)) == (presence < 0)  # repeats: counts above one
+        token_ids = _chat(client, messages, False, presence_penalty=presence, frequency_penalty=frequency)[0]
+        assert token_ids == expected
+
+
+@pytest.mark.parametrize("cluster", ["llava"], indirect=True)
+def test_logit_bias_equals_generate_sequence_bias(client, oracle):
+    """``logit_bias`` is ``generate(sequence_bias=...)`` with one-token sequences: banning the plain
+    run's first token and favouring another change the greedy path the same way."""
+    text, images = CASES["text_only"]
+    messages = [user_message(text, images)]
+    plain = oracle.generate(messages, images, MAX_TOKENS)
+    logit_bias = {plain[0]: -100.0, plain[3]: 2.0}
+    expected = oracle.generate(
+        messages, images, MAX_TOKENS, sequence_bias={(token,): bias for token, bias in logit_bias.items()}
+    )
+    assert expected[0] != plain[0]
+    token_ids, _, _, _ = _chat(client, messages, stream=False, logit_bias={str(t): b for t, b in logit_bias.items()})
+    assert token_ids == expected
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("cluster", ["llava"], indirect=True)
+def test_include_stop_str_in_output_keeps_the_stop_string_and_a_stop_token_adds_no_text(client, oracle, stream):
+    text, images = CASES["text_only"]
+    messages = [user_message(text, images)]
+    plain = oracle.generate(messages, images, MAX_TOKENS)
+    full = oracle.decode(plain)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    start = full.index(stop)
+    for include, expected in ((False, full[:start]), (True, full[: start + len(stop)])):
+        _, content, finish, _ = _chat(client, messages, stream, stop=[stop], include_stop_str_in_output=include)
+        assert (content, finish) == (expected, "stop")
+    # A stop token ends the text before its own text, unless asked (vLLM's rule); its id is reported either way.
+    stop_id = plain[5]
+    for include, decoded in ((False, plain[:5]), (True, plain[:6])):
+        token_ids, content, finish, _ = _chat(
+            client, messages, stream, stop_token_ids=[stop_id], include_stop_str_in_output=include
+        )
+        assert (token_ids, content, finish) == (plain[:6], oracle.decode(decoded), "stop")
 
 
 EXTRA_EOS_CASE = "one_image"

@@ -92,7 +92,7 @@ CASES = [
     ("stop_too_many", {"json": chat(SECRET, stop=[SECRET] * 100)}, 400, "invalid_request"),
     ("stop_too_long", {"json": chat(SECRET, stop=SECRET * 100)}, 400, "invalid_request"),
     ("user_too_long", {"json": chat(SECRET, user=SECRET * 100)}, 400, "invalid_request"),
-    ("logit_bias_unsupported", {"json": chat(SECRET, logit_bias={SECRET: 5})}, 400, "unsupported_parameter"),
+    ("logit_bias_not_an_id", {"json": chat(SECRET, logit_bias={SECRET: 5})}, 400, "invalid_request"),
     (
         "response_format_json",
         {"json": chat(SECRET, response_format={"type": "json_object"})},

@@ -22,6 +22,12 @@ stop: a stop string counts only when it ends in text decoded from a later
 token (vLLM's rule). That text is held back as usual while it may begin a
 stop string, and marked ``protected`` so that a later search skips matches
 ending inside it.
+
+Options (vLLM's): ``skip_special_tokens`` (default true) leaves special
+tokens out of the text; ``spaces_between_special_tokens`` (default true) goes
+to the tokenizer's ``decode`` when false (fast tokenizers ignore it, as
+vLLM's detokenizer does); ``include_stop_str_in_output`` keeps the stop
+string that ends the text (what follows it is dropped all the same).
 """
 
 from __future__ import annotations
@@ -49,11 +55,17 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        *,
+        spaces_between_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         del prompt_token_ids  # see the class docstring
         self._stop = tuple(s for s in stop if s)
-        self._skip_special_tokens = skip_special_tokens
+        self._decode_options: dict[str, bool] = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:  # only when asked: the default call stays the tokenizer's own
+            self._decode_options["spaces_between_special_tokens"] = False
+        self._include_stop = include_stop_str_in_output
         self._token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -112,7 +124,7 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(token_ids, **self._decode_options)
 
     def _release(self, text: str, *, final: bool) -> str:
         """Add ``text`` (decoded up to the newest token) to the held text; return what can no
@@ -125,11 +137,12 @@ class IncrementalDetokenizer:
             protected = len(held)
         else:
             protected = self._num_protected
-            cut = _first_stop(held, self._stop, protected)
-            if cut is not None:
+            hit = _first_stop(held, self._stop, protected)
+            if hit is not None:
+                start, stop = hit
                 self._held = ""
                 self._stopped = True
-                return held[:cut]
+                return held[: start + len(stop)] if self._include_stop else held[:start]
         keep = 0 if final else _stop_prefix_len(held, self._stop)
         num_released = len(held) - keep
         self._held = held[num_released:]
@@ -137,10 +150,11 @@ class IncrementalDetokenizer:
         return held[:num_released]
 
 
-def _first_stop(text: str, stop: tuple[str, ...], protected: int = 0) -> int | None:
-    """Index of the earliest occurrence of any stop string that ends after ``text[:protected]``, or None."""
-    hits = [i for i in (text.find(s, max(0, protected - len(s) + 1)) for s in stop) if i >= 0]
-    return min(hits) if hits else None
+def _first_stop(text: str, stop: tuple[str, ...], protected: int = 0) -> tuple[int, str] | None:
+    """``(index, stop string)`` of the earliest occurrence of any stop string that ends after
+    ``text[:protected]`` (the first listed among those at that index), or None."""
+    hits = [(i, s) for s in stop if (i := text.find(s, max(0, protected - len(s) + 1))) >= 0]
+    return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
 def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from services.pd.engine.errors import EngineError
 from services.pd.engine.positions import MRopePlan
-from services.pd.engine.request import Request, RequestStatus, SamplingParams
+from services.pd.engine.request import Request, RequestStatus, SamplingParams, TokenHistory
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class ScheduledChunk:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0  # tokens generated so far (seeds per-step RNG)
     masked_token_ids: tuple[int, ...] = ()  # ids the sample must not take (stop tokens before min_tokens)
+    history: TokenHistory | None = None  # what the penalties look at; None = no penalty (sampling chunks only)
     rope: MRopePlan | None = None  # the request's plan (shared, immutable), not just this chunk's
 
     @property

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from services.pd.engine.positions import MRopePlan, build_plan
 
@@ -61,6 +63,13 @@ class CachedPrefix:
         return span.end <= self.num_tokens
 
 
+class TokenHistory(NamedTuple):
+    """A request's tokens as its penalties see them (``Request.penalty_history``)."""
+
+    prompt_token_ids: Sequence[int]  # empty when only the output counts
+    output_token_ids: Sequence[int]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (domain form of ``epd.v1.SamplingParams``)."""
@@ -77,10 +86,26 @@ class SamplingParams:
     # The first min_tokens outputs are never a stop: EOS and stop tokens are masked out of their
     # sampling and a stop string ends the request only from output min_tokens + 1 on (<= max_tokens).
     min_tokens: int = 0
+    # Penalties over the request's history (vLLM's): repetition over prompt and output tokens
+    # (1.0 = off), presence and frequency over output tokens only (0.0 = off).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (random rows; 0 = off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by id
+    # Detokenizer options (vLLM's); include_stop_str_in_output also keeps a stop token's text.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs the request's token history (``Request.penalty_history``)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -163,6 +188,20 @@ class Request:
             return ()
         eos = () if sampling.ignore_eos else self.eos_token_ids
         return eos + sampling.stop_token_ids
+
+    @property
+    def penalty_history(self) -> TokenHistory | None:
+        """The tokens its penalties look at, or None when it uses none (most requests).
+
+        The prompt only when ``repetition_penalty`` is on (presence and
+        frequency look at the output alone); it is the request's own list (a
+        prompt never changes), the output a snapshot (it grows after the step).
+        """
+        sampling = self.sampling
+        if not sampling.uses_penalties:
+            return None
+        prompt = self.prompt_token_ids if sampling.repetition_penalty != 1.0 else ()
+        return TokenHistory(prompt, tuple(self.output_token_ids))
 
     @property
     def is_decoding(self) -> bool:

@@ -252,6 +252,7 @@ class Scheduler:
     def _add_chunk(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
         start = request.num_computed_tokens
         end = start + num_new
+        sample = end == request.num_tokens
         request.status = RequestStatus.RUNNING
         spans.end_embedding_wait(request, now)
         if request.timings.first_scheduled is None:
@@ -263,10 +264,11 @@ class Scheduler:
                 start_pos=start,
                 block_ids=list(request.block_ids),
                 image_slices=spans.image_slices(request.mm_spans, start, end),
-                sample=end == request.num_tokens,
+                sample=sample,
                 sampling=request.sampling,
                 num_output_tokens=len(request.output_token_ids),
                 masked_token_ids=request.masked_token_ids,
+                history=request.penalty_history if sample else None,
                 rope=rope_plan(request),
             )
         )

@@ -11,7 +11,7 @@ from typing import Any
 
 from services.pd.engine.detokenizer import IncrementalDetokenizer
 from services.pd.engine.outputs import Event, RequestEvent, SampledToken, TokenDelta
-from services.pd.engine.request import Request
+from services.pd.engine.request import Request, RequestStatus
 
 
 class RequestStreams:
@@ -37,18 +37,30 @@ class RequestStreams:
         return bool(self._events)
 
     def open(self, request: Request) -> None:
+        sampling = request.sampling
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self._tokenizer, request.prompt_token_ids, request.sampling.stop, min_tokens=request.sampling.min_tokens
+            self._tokenizer,
+            request.prompt_token_ids,
+            sampling.stop,
+            sampling.skip_special_tokens,
+            sampling.min_tokens,
+            spaces_between_special_tokens=sampling.spaces_between_special_tokens,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
         )
 
     def add_token(self, request: Request, sampled: SampledToken) -> bool:
         """Queues the token's text delta; True when it completed a stop string.
 
         A request already finished (its last token) gets the text held back
-        for a possible stop string too.
+        for a possible stop string too. The token that stopped it (EOS or a
+        stop token: the only way a request is ``FINISHED_STOPPED`` before its
+        text is read) adds no text unless ``include_stop_str_in_output``, as
+        in vLLM; its id is reported all the same.
         """
         detokenizer = self._detokenizers[request.request_id]
-        text, stopped = detokenizer.add_tokens([sampled.token_id])
+        stop_token = request.status is RequestStatus.FINISHED_STOPPED
+        decoded = [] if stop_token and not request.sampling.include_stop_str_in_output else [sampled.token_id]
+        text, stopped = detokenizer.add_tokens(decoded)
         if request.is_finished and not stopped:
             text += detokenizer.flush()
         logprobs = [sampled] if request.sampling.logprobs is not None else []

@@ -3,7 +3,7 @@
 ``model_runner.ModelRunner`` executes one ``SchedulerOutput`` (packed or
 static decode path), with paged attention (``attention``,
 ``attention_metadata``, ``flex_decode``), CUDA graphs (``decode_graphs``),
-sampling (``sampler``), the CPU linear backend (``cpu_linear``) and KV cache
+sampling (``sampler``, ``penalties``), the CPU linear backend (``cpu_linear``) and KV cache
 sizing from device memory (``kv_sizing``).
 
 May import: torch, transformers, ``services.common`` and the engine's hand-off

@@ -237,6 +237,7 @@ class ModelRunner:
             [c.sampling for c in sampling],
             [c.num_output_tokens for c in sampling],
             [c.masked_token_ids for c in sampling],
+            [c.history for c in sampling],
         )
         return ModelRunnerOutput(sampled={c.request_id: t for c, t in zip(sampling, tokens)})
 

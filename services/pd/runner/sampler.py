@@ -1,7 +1,7 @@
-"""Token sampling for one step: masked tokens, greedy, temperature, top-k, top-p, logprobs.
+"""Token sampling for one step: masked tokens, penalties, greedy, temperature, min-p, top-k, top-p, logprobs.
 
-Greedy rows are one batched argmax. Random rows share one sort-based top-k /
-top-p filter; the draw uses the exponential-race trick (argmax of
+Greedy rows are one batched argmax. Random rows share one sort-based min-p /
+top-k / top-p filter (``warp``); the draw uses the exponential-race trick (argmax of
 ``probs / Exp(1)`` is a sample from ``probs``), so each row's noise can come
 from wherever it must. Unseeded rows take theirs from one shared generator.
 Seeded rows take counter-based noise: a hash of the row's key and each token
@@ -14,7 +14,11 @@ runner therefore keeps no per-request RNG state.
 Masked tokens (a request's stop tokens before its ``min_tokens``, see
 ``Request.masked_token_ids``) get ``-inf`` logits first, for all rows in one
 scatter, as transformers' ``MinNewTokensLengthLogitsProcessor`` does; the
-logprobs still come from the unmasked logits.
+``logit_bias`` entries of all rows are added in one more. Then the rows with
+a penalty (those with a ``TokenHistory``) are penalised, all
+at once (``penalties.py``). All three change greedy rows too; each is skipped
+outright in a step where no row asks for them. The logprobs still come from
+the unmodified logits, as vLLM's do by default.
 
 Host to device: each step's per-row settings go up in one copy per dtype,
 from page-locked memory on CUDA and without blocking (``to_device``); the only
@@ -28,8 +32,9 @@ from collections.abc import Sequence
 import torch
 
 from services.pd.engine.outputs import SampledToken
-from services.pd.engine.request import SamplingParams
+from services.pd.engine.request import SamplingParams, TokenHistory
 from services.pd.runner.attention_metadata import to_device
+from services.pd.runner.penalties import apply_penalties
 
 _MASK_64 = (1 << 64) - 1
 _MASK_32 = (1 << 32) - 1
@@ -60,19 +65,20 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         masked_token_ids: Sequence[Sequence[int]] | None = None,
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> list[SampledToken]:
         """Sample from ``logits [N, vocab]``; row ``i`` uses ``params[i]``.
 
         ``num_output_tokens[i]`` is how many tokens request ``i`` has generated
         before this one (it picks the seeded draw). ``masked_token_ids[i]``:
         ids row ``i`` must not take (empty for most rows; None = none at all).
+        ``histories[i]``: the tokens row ``i``'s penalties look at (None for a
+        row without penalties; None = no row has any).
         """
         if logits.shape[0] != len(params) or len(params) != len(num_output_tokens):
             raise ValueError("logits rows, params and num_output_tokens must have the same length")
-        if masked_token_ids is not None and len(masked_token_ids) != len(params):
-            raise ValueError("masked_token_ids must have one entry per row")
         logits = logits.float()
-        scores = _masked(logits, masked_token_ids) if masked_token_ids is not None else logits
+        scores = processed_logits(logits, params, masked_token_ids, histories)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:  # the common step: one argmax, no row indices to upload
@@ -90,17 +96,11 @@ class Sampler:
         return _with_logprobs(logits, token_ids, params)
 
     def _sample_random(self, logits, params, num_output_tokens) -> torch.Tensor:
-        device = logits.device
-        # One upload per dtype: [temperature, top_p] rows and [top_k, key] rows.
-        floats = to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params]]), device)
+        # One upload of [top_k, key] rows (the floats go up in warp()).
         keys = [step_seed(p.seed, n) if p.seed is not None else 0 for p, n in zip(params, num_output_tokens)]
-        longs = to_device(torch.tensor([[p.top_k for p in params], keys], dtype=torch.long), device)
-        temperature, top_p = floats[0], floats[1]
+        longs = to_device(torch.tensor([[p.top_k for p in params], keys], dtype=torch.long), logits.device)
         top_k, row_keys = longs[0], longs[1]
-        sorted_logits, sorted_ids = (logits / temperature[:, None]).sort(dim=-1, descending=True)
-        _apply_top_k(sorted_logits, top_k)
-        if any(p.top_p < 1.0 for p in params):
-            _apply_top_p(sorted_logits, top_p)
+        sorted_logits, sorted_ids = warp(logits, params, top_k)
         probs = sorted_logits.softmax(dim=-1)
         noise = self._exponential_noise(probs, sorted_ids, params, row_keys)
         choice = (probs / noise).argmax(dim=-1, keepdim=True)
@@ -126,6 +126,59 @@ class Sampler:
         return self._generator
 
 
+def processed_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    masked_token_ids: Sequence[Sequence[int]] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
+) -> torch.Tensor:
+    """The scores greedy rows take the argmax of and random rows sample from (before temperature).
+
+    vLLM's order: masked ids and logit biases, then penalties. ``logits`` is
+    never changed (the logprobs are its); it is returned as is when no row
+    asks for any of them.
+    """
+    if masked_token_ids is not None and len(masked_token_ids) != len(params):
+        raise ValueError("masked_token_ids must have one entry per row")
+    if histories is not None and len(histories) != len(params):
+        raise ValueError("histories must have one entry per row")
+    scores = _masked(logits, masked_token_ids) if masked_token_ids is not None else logits
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        scores = _biased(scores, biased, params)
+    if histories is not None:
+        penalised = [(i, history) for i, history in enumerate(histories) if history is not None]
+        if penalised:
+            rows = [i for i, _ in penalised]
+            scores = apply_penalties(scores, rows, [params[i] for i in rows], [h for _, h in penalised])
+    return scores
+
+
+def warp(
+    logits: torch.Tensor, params: Sequence[SamplingParams], top_k: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows' scores as they are drawn from: ``(sorted_logits, sorted_ids)``, each ``[R, vocab]``.
+
+    Temperature, then min_p, top-k and top-p, in vLLM's order (transformers
+    applies min_p last; top-k commutes with it, top-p does not). Filtered
+    entries are ``-inf``; each row is sorted by logit, descending.
+    ``top_k [R]``: the rows' top_k already on the device (uploaded here when None).
+    """
+    device = logits.device
+    # One upload of [temperature, top_p, min_p] rows.
+    floats = to_device(torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params]).T.contiguous(), device)
+    temperature, top_p, min_p = floats[0], floats[1], floats[2]
+    if top_k is None:
+        top_k = to_device(torch.tensor([p.top_k for p in params], dtype=torch.long), device)
+    sorted_logits, sorted_ids = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+    if any(p.min_p > 0.0 for p in params):
+        _apply_min_p(sorted_logits, min_p)
+    _apply_top_k(sorted_logits, top_k)
+    if any(p.top_p < 1.0 for p in params):
+        _apply_top_p(sorted_logits, top_p)
+    return sorted_logits, sorted_ids
+
+
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(rows, dtype=torch.long), device)
 
@@ -145,6 +198,19 @@ def _masked(logits: torch.Tensor, masked_token_ids: Sequence[Sequence[int]]) -> 
     masked = logits.clone()
     masked[index[0], index[1]] = float("-inf")
     return masked
+
+
+def _biased(scores: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``scores`` plus each row's ``logit_bias`` at its token ids (a new tensor).
+
+    All (row, id) pairs go up in one copy, the biases in another, and are
+    added in one ``index_put``. Ids are unique within a row.
+    """
+    pairs = [(i, t) for i in rows for t, _ in params[i].logit_bias]
+    biases = [b for i in rows for _, b in params[i].logit_bias]
+    index = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), scores.device)  # [2, num_pairs]
+    values = to_device(torch.tensor(biases, dtype=scores.dtype), scores.device)
+    return scores.index_put((index[0], index[1]), values, accumulate=True)
 
 
 def seeded_exponential(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -178,6 +244,13 @@ def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
     whose result a device's integer kernels need not agree on): the constant in two 16-bit halves."""
     low, high = constant & 0xFFFF, constant >> 16
     return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK_32
+
+
+def _apply_min_p(sorted_logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens less probable than ``min_p`` times the top token (transformers' ``MinPLogitsWarper``;
+    the top token always stays, ``min_p = 0`` keeps all)."""
+    probs = sorted_logits.softmax(dim=-1)
+    sorted_logits.masked_fill_(probs < min_p[:, None] * probs[:, :1], float("-inf"))
 
 
 def _apply_top_k(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> None:

@@ -85,9 +85,9 @@ async def test_the_sdk_sees_unknown_fields_refused(cluster_factory):
         assert (caught.value.body["code"], caught.value.body["param"]) == ("unknown_parameter", "best_of_n")
         with pytest.raises(openai.BadRequestError) as caught:
             await client.completions.create(
-                model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"skip_special_tokens": False}
+                model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"truncate_prompt_tokens": 2}
             )
-        assert caught.value.body["param"] == "skip_special_tokens"  # a vLLM field this server does not honour
+        assert caught.value.body["param"] == "truncate_prompt_tokens"  # a vLLM field this server does not honour
     finally:
         await client.close()
     assert cluster.pd.generates == []
@@ -279,3 +279,219 @@ async def test_the_sdk_sends_min_tokens_in_extra_body(cluster_factory):
     finally:
         await client.close()
     assert [g.sampling.min_tokens for g in cluster.pd.generates] == [6]
+
+
+# ----------------------------------------------------------------------------- penalties
+
+
+async def test_the_sdk_sends_the_penalties_and_they_travel_to_pd(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava",
+            messages=CHAT["messages"],
+            max_tokens=3,
+            presence_penalty=0.5,
+            frequency_penalty=-2,
+            extra_body={"repetition_penalty": 1.3},
+        )
+        await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, frequency_penalty=2.0)
+        await client.completions.create(
+            model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"repetition_penalty": 1e-300}
+        )
+    finally:
+        await client.close()
+    sent = [g.sampling for g in cluster.pd.generates]
+    assert [(s.repetition_penalty, s.presence_penalty, s.frequency_penalty) for s in sent[:2]] == [
+        (pytest.approx(1.3), 0.5, -2.0),
+        (0.0, 0.0, 2.0),  # unset: PD's default, 1.0
+    ]
+    assert [s.HasField("repetition_penalty") for s in sent] == [True, False, True]
+    assert sent[2].repetition_penalty > 0  # below float32's range: sent as its smallest positive, not 0
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", 100.5),
+        ("repetition_penalty", "1.2"),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("frequency_penalty", 3),
+        ("frequency_penalty", "high"),
+    ],
+    ids=str,
+)
+async def test_penalties_out_of_range_are_refused_by_name(cluster_factory, path, body, field, value):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, field: value})
+    assert_refused(reply, "invalid_request", field)
+    assert cluster.pd.generates == []
+
+
+async def test_the_sdk_sees_a_bad_penalty_refused(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body={"repetition_penalty": 0}
+            )
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_request", "repetition_penalty")
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, presence_penalty=-4)
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_request", "presence_penalty")
+    finally:
+        await client.close()
+    assert cluster.pd.generates == []
+
+
+# ----------------------------------------------------------------------------- min_p
+
+
+async def test_the_sdk_sends_min_p_and_it_travels_to_pd(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body={"min_p": 0.1}
+        )
+        await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"min_p": 0})
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"min_p": 2})
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_request", "min_p")
+    finally:
+        await client.close()
+    sent = [g.sampling for g in cluster.pd.generates]
+    assert [s.min_p for s in sent] == [pytest.approx(0.1), 0.0]
+    assert not sent[1].HasField("min_p")  # 0 is off: PD's default
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize("value", [-0.01, 1.01, "0.1", True], ids=str)
+async def test_min_p_outside_0_to_1_is_refused(cluster_factory, path, body, value):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, "min_p": value})
+    assert_refused(reply, "invalid_request", "min_p")
+    assert cluster.pd.generates == []
+
+
+# ----------------------------------------------------------------------------- logit_bias
+
+
+async def test_the_sdk_sends_logit_bias_and_it_travels_to_pd(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    vocab_size = len(cluster.app.state.proxy.preprocessor.tokenizer)
+    client = openai_client(cluster)
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava",
+            messages=CHAT["messages"],
+            max_tokens=3,
+            logit_bias={"0": 100, str(vocab_size - 1): -100, "42": 2.5},
+        )
+        await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, logit_bias={})
+    finally:
+        await client.close()
+    sent = [g.sampling for g in cluster.pd.generates]
+    assert dict(sent[0].logit_bias) == {0: 100.0, vocab_size - 1: -100.0, 42: 2.5}
+    assert dict(sent[1].logit_bias) == {}
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize(
+    "logit_bias",
+    [
+        {"vocab": 1.0},  # replaced by the vocabulary size: one past the last id
+        {"4294967296": 1.0},
+        {"-1": 1.0},
+        {"07": 1.0},
+        {" 7": 1.0},
+        {SECRET: 1.0},
+        {"5": 100.5},
+        {"5": -101},
+        {"5": "high"},
+        {str(i): 1.0 for i in range(301)},
+    ],
+    ids=[
+        "id_is_vocab_size",
+        "above_uint32",
+        "negative",
+        "leading_zero",
+        "space",
+        "word",
+        "above_100",
+        "below_minus_100",
+        "string_value",
+        "too_many",
+    ],
+)
+async def test_a_bad_logit_bias_is_refused_before_any_work(cluster_factory, path, body, logit_bias):
+    cluster = await cluster_factory()
+    if "vocab" in logit_bias:
+        logit_bias = {str(len(cluster.app.state.proxy.preprocessor.tokenizer)): 1.0}
+    reply = await cluster.client.post(path, json={**body, "logit_bias": logit_bias})
+    assert_refused(reply, "invalid_request", "logit_bias")
+    assert cluster.pd.generates == []
+
+
+async def test_the_sdk_sees_a_logit_bias_outside_the_vocabulary_refused(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    vocab_size = len(cluster.app.state.proxy.preprocessor.tokenizer)
+    client = openai_client(cluster)
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(
+                model="tiny-llava", prompt="Once", max_tokens=3, logit_bias={str(vocab_size): 5}
+            )
+    finally:
+        await client.close()
+    body = caught.value.body
+    assert (body["code"], body["param"]) == ("invalid_request", "logit_bias")
+    assert body["message"] == f"logit_bias token ids must be in [0, {vocab_size})."
+    assert cluster.pd.generates == []
+
+
+# ----------------------------------------------------------------------------- detokenizer options
+
+DETOKENIZER_OPTIONS = ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+
+
+async def test_the_sdk_sends_the_detokenizer_options_and_they_travel_to_pd(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    flipped = {"skip_special_tokens": False, "spaces_between_special_tokens": False, "include_stop_str_in_output": True}
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body=flipped
+        )
+        await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3)
+        await client.completions.create(
+            model="tiny-llava",
+            prompt="Once",
+            max_tokens=3,
+            extra_body={"skip_special_tokens": True, "include_stop_str_in_output": False},
+        )
+    finally:
+        await client.close()
+    sent = [g.sampling for g in cluster.pd.generates]
+    assert [tuple(getattr(s, name) for name in DETOKENIZER_OPTIONS) for s in sent] == [
+        (False, False, True),
+        (False, False, False),  # unset: PD's defaults, vLLM's (true, true, false)
+        (False, False, False),
+    ]
+    assert [s.HasField("skip_special_tokens") for s in sent] == [True, False, False]
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+@pytest.mark.parametrize("field", DETOKENIZER_OPTIONS)
+@pytest.mark.parametrize("value", ["yes", 1, None], ids=str)
+async def test_a_detokenizer_option_that_is_no_boolean_is_refused(cluster_factory, path, body, field, value):
+    cluster = await cluster_factory()
+    reply = await cluster.client.post(path, json={**body, field: value})
+    assert_refused(reply, "invalid_request", field)
+    assert cluster.pd.generates == []

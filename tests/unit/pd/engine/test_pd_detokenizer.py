@@ -1,4 +1,4 @@
-"""IncrementalDetokenizer with a real byte-level BPE tokenizer (trained in-test, tiny vocab)."""
+"""IncrementalDetokenizer with a real byte-level BPE tokenizer (trained in-test, tiny vocab), and its options."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from services.pd.engine.detokenizer import IncrementalDetokenizer
+from services.pd.engine.outputs import SampledToken
+from services.pd.engine.request import Request, RequestStatus, SamplingParams
+from services.pd.engine.streams import RequestStreams
 
 TEXTS = [
     "Hello world, this is plain ASCII.",
@@ -205,3 +208,71 @@ def test_a_stop_string_begun_within_min_tokens_and_completed_after_counts(tokeni
         pytest.skip("the stop string does not span tokens with this vocabulary")
     detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=[stop], min_tokens=begun)
     assert _stream_one_by_one(detok, ids) == ("Hello ", ended)
+
+
+# ------------------------------------------------------------------ options (vLLM's)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_drops_what_follows(tokenizer):
+    ids = _encode(tokenizer, "Hello world, this is plain")
+    for group_sizes in ((1,), (4,)):
+        detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=["this", "world"], include_stop_str_in_output=True)
+        deltas, stopped = _stream(detok, ids, group_sizes)
+        assert stopped and "".join(deltas) == "Hello world"
+    text = "emoji 🎉🚀 party"
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=["🎉🚀"], include_stop_str_in_output=True)
+    deltas, stopped = _stream(detok, _encode(tokenizer, text))
+    assert stopped and "".join(deltas) == "emoji 🎉🚀"
+
+
+def test_include_stop_str_in_output_still_honours_min_tokens(tokenizer):
+    ids = _encode(tokenizer, "stop and stop again")
+    within = len(_encode(tokenizer, "stop"))  # the first "stop" ends within min_tokens
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=["stop"], min_tokens=within, include_stop_str_in_output=True)
+    deltas, stopped = _stream(detok, ids)
+    assert stopped and "".join(deltas) == "stop and stop"
+
+
+class _RecordingTokenizer:
+    """The tokenizer with every decode call's options recorded."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.options = tokenizer, []
+
+    def decode(self, token_ids, **options):
+        self.options.append(options)
+        return self.tokenizer.decode(token_ids, **options)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_spaces_between_special_tokens_goes_to_decode_only_when_false(tokenizer, skip):
+    ids = _encode(tokenizer, "ab") + [tokenizer.bos_token_id, tokenizer.eos_token_id] + _encode(tokenizer, "cd")
+    default = _RecordingTokenizer(tokenizer)
+    text = "".join(_stream(IncrementalDetokenizer(default, PROMPT, skip_special_tokens=skip), ids)[0])
+    assert {tuple(o.items()) for o in default.options} == {(("skip_special_tokens", skip),)}
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+    recorded = _RecordingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(recorded, PROMPT, skip_special_tokens=skip, spaces_between_special_tokens=False)
+    text = "".join(_stream(detok, ids)[0])
+    assert {tuple(o.items()) for o in recorded.options} == {
+        (("skip_special_tokens", skip), ("spaces_between_special_tokens", False))
+    }
+    # A fast tokenizer ignores the option (as vLLM's fast detokenizer does): the text is decode()'s.
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=False)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_adds_no_text_unless_include_stop_str_in_output(tokenizer, include):
+    ids = _encode(tokenizer, "ab cd")
+    stop_id = _encode(tokenizer, " party")[0]
+    streams = RequestStreams(tokenizer)
+    request = Request("r", [1], SamplingParams(stop_token_ids=(stop_id,), include_stop_str_in_output=include))
+    streams.open(request)
+    for token_id in [*ids, stop_id]:
+        request.output_token_ids.append(token_id)
+        if token_id == stop_id:  # the scheduler ends it on its stop token before the text is read
+            request.status = RequestStatus.FINISHED_STOPPED
+        streams.add_token(request, SampledToken(token_id))
+    events = [e.event for e in streams.take()]
+    assert [t for e in events for t in e.token_ids] == [*ids, stop_id]  # the id is reported either way
+    assert "".join(e.text for e in events) == tokenizer.decode([*ids, stop_id] if include else ids)
