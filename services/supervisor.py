@@ -13,9 +13,10 @@ which service, how it exited and its last output lines.
 
 Policy (``CrashHistory``) is pure and clock-driven; processes, readiness
 checks and output forwarding are injected so the loop is testable with
-tiny processes. Every child's output goes through the launcher (forwarded
-line by line, unchanged, so JSON log lines stay JSON) and its last lines
-are kept for the crash report.
+tiny processes. Every child's output is drained continuously by the
+launcher (forwarded line by line, unchanged, so JSON log lines stay JSON;
+dropped rather than waited for when nobody reads ``epd up``'s own output)
+and its last lines are kept for the crash report.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -43,6 +45,8 @@ MAX_LINE_CHARS = 500
 """A kept line longer than this is cut (forwarding is unchanged)."""
 POLL_S = 0.2
 """How often exits are noticed and restarts are due-checked."""
+MAX_PENDING_LINES = 10_000
+"""Children's output lines waiting for ``epd up``'s own output; beyond this they are dropped, never waited for."""
 
 
 @dataclass(frozen=True)
@@ -110,29 +114,79 @@ class ServiceSpec:
         return self.name.split("-")[0]
 
 
-class OutputTail:
-    """Forwards a child's output line by line to ``sink`` and keeps its last lines."""
+class OutputForwarder:
+    """Writes the children's output lines to ``sink`` on a thread of its own; never blocks a reader.
 
-    def __init__(self, stream: IO[bytes], sink: IO[bytes], num_lines: int = TAIL_LINES) -> None:
-        self._lines: deque[str] = deque(maxlen=num_lines)
+    ``epd up``'s own output may be a pipe that nobody reads (``epd up | head``,
+    a parent that stopped reading): a write there blocks for good. The pumps
+    that drain the children's pipes therefore only queue lines here; when
+    ``max_pending_lines`` are waiting, further lines are dropped and counted
+    (``num_dropped``; a note says how many once the sink takes writes again),
+    so a child never blocks on its own stdout and the cluster keeps serving.
+    """
+
+    def __init__(self, sink: IO[bytes], max_pending_lines: int = MAX_PENDING_LINES) -> None:
+        self.num_dropped = 0
+        self._sink = sink
+        self._pending: queue.Queue[bytes] = queue.Queue(max_pending_lines)
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._pump, args=(stream, sink), daemon=True, name="child-output")
+        self._thread = threading.Thread(target=self._write, daemon=True, name="child-output-writer")
         self._thread.start()
 
-    def _pump(self, stream: IO[bytes], sink: IO[bytes]) -> None:
+    def put(self, raw: bytes) -> None:
+        """Queues one line for the sink, or drops it when the sink is not keeping up (never waits)."""
+        try:
+            self._pending.put_nowait(raw)
+        except queue.Full:
+            with self._lock:
+                self.num_dropped += 1
+
+    def _write(self) -> None:
+        reported = 0
+        while True:
+            raw = self._pending.get()
+            try:
+                with self._lock:
+                    dropped = self.num_dropped
+                if dropped > reported:
+                    note = f"epd: {dropped - reported} lines of the services' output were dropped (nobody read them)\n"
+                    self._sink.write(note.encode())
+                    reported = dropped
+                self._sink.write(raw)
+                self._sink.flush()
+            except (OSError, ValueError):
+                pass  # our own output is gone; the pumps keep draining regardless
+            finally:
+                self._pending.task_done()
+
+    def flush(self, wait_s: float = 1.0) -> None:
+        """Waits up to ``wait_s`` for the queued lines to reach the sink."""
+        end = time.monotonic() + wait_s
+        while self._pending.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.01)
+
+
+class OutputTail:
+    """Drains a child's output continuously: each line goes to ``forwarder`` and its last lines are kept."""
+
+    def __init__(self, stream: IO[bytes], forwarder: OutputForwarder, num_lines: int = TAIL_LINES) -> None:
+        self._lines: deque[str] = deque(maxlen=num_lines)
+        self._lock = threading.Lock()
+        self._forwarder = forwarder
+        self._thread = threading.Thread(target=self._pump, args=(stream, forwarder), daemon=True, name="child-output")
+        self._thread.start()
+
+    def _pump(self, stream: IO[bytes], forwarder: OutputForwarder) -> None:
         with stream:
             for raw in iter(lambda: stream.readline(65536), b""):
-                try:
-                    sink.write(raw)
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass  # our own output is gone; keep draining so the child never blocks
+                forwarder.put(raw)
                 with self._lock:
                     self._lines.append(raw.decode("utf-8", "replace").rstrip()[:MAX_LINE_CHARS])
 
     def lines(self, wait_s: float = 1.0) -> list[str]:
-        """The last lines (after up to ``wait_s`` for the pipe to drain, when the child has exited)."""
+        """The last lines (after up to ``wait_s`` for the pipe to drain and reach the sink, when the child has exited)."""
         self._thread.join(wait_s)
+        self._forwarder.flush(wait_s)
         with self._lock:
             return list(self._lines)
 
@@ -152,18 +206,24 @@ def _death_signal() -> Callable[[], None] | None:
     return lambda: prctl(1, signal.SIGTERM)
 
 
-def spawn_process(spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
-    """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *spec.argv],
-        env={**os.environ, **spec.env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_death_signal(),
-    )
-    assert process.stdout is not None
-    return process, OutputTail(process.stdout, sys.stderr.buffer)
+class ProcessSpawner:
+    """Starts ``python -m services.cli <argv>`` for a spec; its output drained into ``forwarder``."""
+
+    def __init__(self, forwarder: OutputForwarder) -> None:
+        self.forwarder = forwarder
+
+    def __call__(self, spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
+        """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *spec.argv],
+            env={**os.environ, **spec.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_death_signal(),
+        )
+        assert process.stdout is not None
+        return process, OutputTail(process.stdout, self.forwarder)
 
 
 class ChildState(enum.IntEnum):
@@ -266,7 +326,7 @@ class Supervisor:
         policy: RestartPolicy,
         *,
         is_ready: ReadyCheck,
-        spawn: Spawn = spawn_process,
+        spawn: Spawn | None = None,
         metrics: LauncherMetrics | None = None,
         say: Say = _say,
         clock: Callable[[], float] = time.monotonic,
@@ -276,7 +336,7 @@ class Supervisor:
         self.ready_timeout_s = ready_timeout_s  # for restarted children; None = wait forever
         self.children = [Child(spec, CrashHistory(policy)) for spec in specs]
         self._is_ready = is_ready
-        self._spawn = spawn
+        self._spawn = spawn or ProcessSpawner(OutputForwarder(sys.stderr.buffer))
         self.metrics = metrics or LauncherMetrics()
         self._say = say
         self._clock = clock

@@ -18,6 +18,7 @@ import pytest
 
 from services.supervisor import (
     CrashHistory,
+    OutputForwarder,
     OutputTail,
     RestartPolicy,
     ServiceSpec,
@@ -68,6 +69,7 @@ class StandIns:
 
     def __init__(self) -> None:
         self.sink = io.BytesIO()
+        self.forwarder = OutputForwarder(self.sink)
         self.scripts: dict[str, str] = {}
         self.num_spawned: dict[str, int] = {}
 
@@ -77,7 +79,7 @@ class StandIns:
             [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.num_spawned[spec.name] = self.num_spawned.get(spec.name, 0) + 1
-        return process, OutputTail(process.stdout, self.sink)
+        return process, OutputTail(process.stdout, self.forwarder)
 
 
 async def alive(spec: ServiceSpec) -> bool:
@@ -225,3 +227,28 @@ async def test_a_start_up_that_takes_too_long_is_reported():
             await supervisor.wait_ready(0.1, asyncio.Event())
     finally:
         supervisor.stop_all(grace_s=5)
+
+
+# -- finding 7: children's output is drained ------------------------------------------------
+CHATTY = "import sys\nfor i in range(20000): print('request', i, 'x' * 80)\nsys.stdout.flush()\nsys.exit(7)"
+
+
+async def test_a_childs_output_is_drained_when_nobody_reads_the_launchers_output():
+    """A child logging ~1.8 MB while ``epd up``'s own stderr is an unread pipe: it must not block on its stdout.
+
+    Before, the pump wrote each line to the launcher's stderr itself, so once that pipe's
+    64 KiB filled, the pump stopped reading, the child's pipe filled and every write of the
+    child blocked (the cluster froze after 302 requests' log lines).
+    """
+    read_end, write_end = os.pipe()  # the launcher's stderr that nobody reads
+    sink = os.fdopen(write_end, "wb")
+    forwarder = OutputForwarder(sink, max_pending_lines=100)
+    process = subprocess.Popen([sys.executable, "-c", CHATTY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tail = OutputTail(process.stdout, forwarder)
+    try:
+        assert await asyncio.to_thread(process.wait, 30) == 7  # finished writing: never blocked
+        assert tail.lines(wait_s=5)[-1].startswith("request 19999 ")
+        assert forwarder.num_dropped > 0  # what the unread pipe could not take was dropped, not waited for
+    finally:
+        process.kill()
+        os.close(read_end)  # the blocked write now fails (EPIPE); the writer thread carries on
