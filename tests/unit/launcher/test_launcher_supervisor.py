@@ -8,16 +8,20 @@ service (that is ``tests/e2e/test_e2e_up_supervision.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from services import launcher
 from services.supervisor import (
     CrashHistory,
+    HealthPolicy,
     OutputForwarder,
     OutputTail,
     RestartPolicy,
@@ -134,11 +138,48 @@ async def test_a_killed_child_is_restarted_and_the_others_keep_running():
     assert all(child.process.poll() is not None for child in supervisor.children)
 
 
-async def test_a_crash_looping_child_ends_supervision_naming_it_with_its_last_lines():
+async def test_a_crash_loop_takes_out_only_that_service_while_the_others_keep_serving():
+    """One replica's crash loop: it is left down and named; before, it stopped the whole cluster."""
+    stand_ins, said = StandIns(), []
+    policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.01)
+    supervisor = Supervisor(
+        _specs(("encoder-0", RUN_FOREVER), ("pd-0", RUN_FOREVER), ("proxy", RUN_FOREVER)),
+        policy,
+        is_ready=alive,
+        spawn=stand_ins.spawn,
+        say=said.append,
+    )
+    stop = asyncio.Event()
+    try:
+        supervisor.start_all()
+        await supervisor.wait_ready(30, stop)
+        stand_ins.scripts["encoder-0"] = CRASH  # every restart now fails at once
+        os.kill(supervisor.children[0].pid, signal.SIGKILL)
+        task = asyncio.create_task(supervisor.supervise(stop))
+        await _until(lambda: _metric(supervisor, "epd_launcher_crash_looping", "encoder-0") == 1, "the crash loop")
+        await asyncio.sleep(0.5)
+        assert not task.done()  # supervision goes on for the others
+        assert all(c.process.poll() is None for c in supervisor.children[1:])
+        stop.set()
+        assert await task is None
+    finally:
+        supervisor.stop_all(grace_s=5)
+    assert stand_ins.num_spawned == {"encoder-0": 3, "pd-0": 1, "proxy": 1}  # the others were never touched
+    assert _metric(supervisor, "epd_launcher_crash_looping", "pd-0") == 0
+    [line] = [line for line in said if "crash-looping" in line]
+    assert line.startswith(
+        "epd: encoder-0 is crash-looping: it exited with code 3 after 2 restarts within 60s; it stays down, "
+        "the others keep serving."
+    )
+    assert "| boom: port in use" in line  # its last output lines
+    assert b"boom: port in use" in stand_ins.sink.getvalue()  # output is forwarded as it comes
+
+
+async def test_a_crash_looping_proxy_ends_supervision_naming_it_with_its_last_lines():
     stand_ins = StandIns()
     policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.01)
     supervisor = Supervisor(
-        _specs(("encoder-0", RUN_FOREVER), ("proxy", RUN_FOREVER)),
+        _specs(("pd-0", RUN_FOREVER), ("proxy", RUN_FOREVER)),
         policy,
         is_ready=alive,
         spawn=stand_ins.spawn,
@@ -148,19 +189,17 @@ async def test_a_crash_looping_child_ends_supervision_naming_it_with_its_last_li
     try:
         supervisor.start_all()
         await supervisor.wait_ready(30, stop)
-        stand_ins.scripts["encoder-0"] = CRASH  # every restart now fails at once
-        os.kill(supervisor.children[0].pid, signal.SIGKILL)
+        stand_ins.scripts["proxy"] = CRASH
+        os.kill(supervisor.children[1].pid, signal.SIGKILL)
         crash = await asyncio.wait_for(supervisor.supervise(stop), 60)
     finally:
         supervisor.stop_all(grace_s=5)
-    assert crash is not None and crash.name == "encoder-0"
+    assert crash is not None and crash.name == "proxy"
     assert crash.exit == "exited with code 3" and crash.num_restarts == 2
     assert crash.tail[-1] == "boom: port in use"
-    message = crash.message()
-    assert message.startswith("encoder-0 is crash-looping: it exited with code 3 after 2 restarts")
-    assert "| boom: port in use" in message
-    assert stand_ins.num_spawned["proxy"] == 1  # the others were never touched
-    assert b"boom: port in use" in stand_ins.sink.getvalue()  # output is forwarded as it comes
+    assert crash.message().startswith("proxy is crash-looping: it exited with code 3 after 2 restarts")
+    assert "stopping the cluster" in crash.message()
+    assert stand_ins.num_spawned["pd-0"] == 1
 
 
 async def test_a_restarted_child_that_never_becomes_ready_is_killed_and_ends_in_a_crash_loop():
@@ -252,3 +291,79 @@ async def test_a_childs_output_is_drained_when_nobody_reads_the_launchers_output
     finally:
         process.kill()
         os.close(read_end)  # the blocked write now fails (EPIPE); the writer thread carries on
+
+
+# -- finding 7: health by RPC, not by process liveness --------------------------------------
+HTTP_HEALTH = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+print("up", flush=True)
+server.serve_forever()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_hung_child_is_detected_by_rpc_and_restarted():
+    """A SIGSTOPped child is alive as a process but answers no RPC: it must be killed and restarted.
+
+    Before, liveness was ``poll()``: the stopped child stayed "up" with 0 restarts.
+    """
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+
+    def spawn(spec: ServiceSpec):
+        process = subprocess.Popen(
+            [sys.executable, "-c", HTTP_HEALTH, str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
+
+    async def answers(spec: ServiceSpec) -> bool:  # the launcher's liveness RPC for the proxy
+        return await asyncio.to_thread(launcher._http_answers, spec.address, 0.3)
+
+    said: list[str] = []
+    supervisor = Supervisor(
+        [ServiceSpec("proxy", (), address, None)],
+        RestartPolicy(max_restarts=3, window_s=60, backoff_s=0.05),
+        is_ready=answers,
+        is_alive=answers,
+        health=HealthPolicy(interval_s=0.1, timeout_s=0.3, max_failures=3),
+        spawn=spawn,
+        say=said.append,
+    )
+    stop = asyncio.Event()
+    stopped_pid = None
+    try:
+        supervisor.start_all()
+        await supervisor.wait_ready(30, stop)
+        task = asyncio.create_task(supervisor.supervise(stop))
+        await asyncio.sleep(0.5)  # healthy checks pass: nothing happens
+        assert _metric(supervisor, "epd_launcher_restarts_total", "proxy") == 0
+        [child] = supervisor.children
+        stopped_pid = child.pid
+        os.kill(stopped_pid, signal.SIGSTOP)
+        await _until(
+            lambda: child.pid != stopped_pid and _metric(supervisor, "epd_launcher_service_up", "proxy") == 1,
+            "the hung child restarted",
+            timeout_s=20,
+        )
+        stop.set()
+        assert await task is None
+    finally:
+        if stopped_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped_pid, signal.SIGKILL)
+        supervisor.stop_all(grace_s=5)
+    assert _metric(supervisor, "epd_launcher_health_kills_total", "proxy") == 1
+    assert _metric(supervisor, "epd_launcher_restarts_total", "proxy") == 1
+    assert any("proxy" in line and "did not answer 3 health checks in a row" in line for line in said)
+    assert any("proxy stopped answering health checks (3 in a row); restarting it" in line for line in said)
