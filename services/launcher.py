@@ -308,7 +308,10 @@ def launcher_security(
     if args.metrics_require_token:
         env[cli_args.env_name("--metrics-require-token")] = "1"
     transport = dataclasses.replace(
-        given, token=given.token or env.get(security.TOKEN_ENV), metrics_auth=args.metrics_require_token
+        given,
+        token=given.token or env.get(security.TOKEN_ENV),
+        metrics_auth=args.metrics_require_token,
+        launch_key=None,  # the launcher proves nothing; it checks its children's proofs
     )
     return transport, env
 
@@ -333,20 +336,32 @@ def _http_answers(address: str, timeout_s: float) -> bool:
 
 
 def _alive_check(transport: security.InternalSecurity, timeout_s: float):
-    """Liveness by RPC: gRPC health ``""`` (NOT_SERVING once a PD's engine is dead or stuck), the proxy's HTTP."""
+    """Liveness by RPC: gRPC health ``""`` (NOT_SERVING once a PD's engine is dead or stuck), the proxy's HTTP.
 
-    async def is_alive(spec: ServiceSpec) -> bool:
+    A gRPC child must also prove its launch key (``launch_proof``), and no token is sent on these calls.
+    """
+
+    async def is_alive(spec: ServiceSpec, launch_key: str) -> bool:
         if spec.health_service is not None:
-            return await grpc_utils.check_health(spec.address, "", timeout=timeout_s, security=transport)
+            return await grpc_utils.check_health(
+                spec.address, "", timeout=timeout_s, security=transport, launch_key=launch_key
+            )
         return await asyncio.to_thread(_http_answers, spec.address, timeout_s)
 
     return is_alive
 
 
 def _ready_check(transport: security.InternalSecurity):
-    async def is_ready(spec: ServiceSpec) -> bool:
+    """Readiness: SERVING for the child's service, from a listener that proves this start's launch key.
+
+    The proxy's HTTP ``/health`` is not challenged: nobody sends the internal token to the proxy's port.
+    """
+
+    async def is_ready(spec: ServiceSpec, launch_key: str) -> bool:
         if spec.health_service is not None:
-            return await grpc_utils.check_health(spec.address, spec.health_service, timeout=1.0, security=transport)
+            return await grpc_utils.check_health(
+                spec.address, spec.health_service, timeout=1.0, security=transport, launch_key=launch_key
+            )
         return await asyncio.to_thread(_http_ready, spec.address)
 
     return is_ready

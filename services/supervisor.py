@@ -26,6 +26,7 @@ and its last lines are kept for the crash report.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import os
 import queue
@@ -41,6 +42,7 @@ from typing import IO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from services.common import launch_proof
 from services.common.metrics_http import MetricDoc
 
 TAIL_LINES = 20
@@ -274,6 +276,7 @@ class Child:
     not_ready_in_s: float | None = None  # set when supervision killed it for not becoming ready
     num_failed_checks: int = 0  # consecutive liveness checks not answered in time
     killed_as_hung: bool = False  # set when supervision killed it for failing its liveness checks
+    launch_key: str = field(default="", repr=False)  # this start's secret (``launch_proof``); checks demand its proof
     check: asyncio.Task[bool] | None = None  # the liveness check in flight
     next_check_at: float = 0.0
 
@@ -366,7 +369,8 @@ class LauncherMetrics:
 
 
 Say = Callable[[str], None]
-ReadyCheck = Callable[[ServiceSpec], Awaitable[bool]]
+ReadyCheck = Callable[[ServiceSpec, str], Awaitable[bool]]
+"""``(spec, launch_key) -> ready/alive``: must hold only when the listener proves it holds ``launch_key``."""
 Spawn = Callable[[ServiceSpec], tuple[subprocess.Popen, OutputTail]]
 
 
@@ -408,7 +412,11 @@ class Supervisor:
             self.metrics.crash_looping.labels(spec.name).set(0)
 
     def _start(self, child: Child) -> None:
-        child.process, child.output = self._spawn(child.spec)
+        # A new key for every start: only this process can prove it, so a listener that took the
+        # port while the child was down is never taken for it (see ``services/common/launch_proof.py``).
+        child.launch_key = launch_proof.new_launch_key()
+        spec = dataclasses.replace(child.spec, env={**child.spec.env, launch_proof.LAUNCH_KEY_ENV: child.launch_key})
+        child.process, child.output = self._spawn(spec)
         child.state, child.started_at, child.not_ready_in_s = ChildState.STARTING, self._clock(), None
         child.num_failed_checks, child.killed_as_hung = 0, False
         self.metrics.up.labels(child.spec.name).set(0)
@@ -437,7 +445,7 @@ class Supervisor:
     async def _check_starting(self) -> bool:
         """Asks every starting child whether it is ready now; True when all children run."""
         starting = [c for c in self.children if c.state is ChildState.STARTING and c.process.poll() is None]
-        answers = await asyncio.gather(*(self._is_ready(c.spec) for c in starting))
+        answers = await asyncio.gather(*(self._is_ready(c.spec, c.launch_key) for c in starting))
         for child, ready in zip(starting, answers):
             if ready and child.process.poll() is None:
                 child.state, child.next_check_at = ChildState.RUNNING, self._clock() + self.health.interval_s
@@ -494,7 +502,7 @@ class Supervisor:
             return
         if child.check is None:
             if now >= child.next_check_at:
-                child.check = asyncio.ensure_future(self._alive_within_timeout(child.spec))
+                child.check = asyncio.ensure_future(self._alive_within_timeout(child.spec, child.launch_key))
             return
         if not child.check.done():
             return
@@ -510,10 +518,10 @@ class Supervisor:
             )
             child.process.kill()
 
-    async def _alive_within_timeout(self, spec: ServiceSpec) -> bool:
+    async def _alive_within_timeout(self, spec: ServiceSpec, launch_key: str) -> bool:
         assert self._is_alive is not None
         try:
-            return await asyncio.wait_for(self._is_alive(spec), self.health.timeout_s)
+            return await asyncio.wait_for(self._is_alive(spec, launch_key), self.health.timeout_s)
         except (TimeoutError, OSError):
             return False
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common import cli_args
+from services.common import cli_args, launch_proof
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,9 @@ class InternalSecurity:
     """Serve gRPC server reflection (for grpcurl and similar tools)."""
     metrics_auth: bool = False
     """``/metrics`` answers only requests carrying ``Authorization: Bearer <token>`` (needs ``token``)."""
+    launch_key: str | None = None
+    """This start's key from ``epd up`` (``$EPD_LAUNCH_KEY``): health checks are answered with a proof of it
+    (``launch_proof``), so the launcher can tell this process from another on its port. None = not launched so."""
 
     def __post_init__(self) -> None:
         if self.token is not None:
@@ -126,6 +129,8 @@ class InternalSecurity:
             parts.append("reflection")
         if self.metrics_auth:
             parts.append("metrics-token")
+        if self.launch_key is not None:
+            parts.append("launch-proof")
         return "+".join(parts)
 
     def __repr__(self) -> str:
@@ -344,4 +349,5 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         tls_server_name=getattr(args, "tls_server_name", ""),
         reflection=bool(getattr(args, "grpc_reflection", False)),
         metrics_auth=bool(getattr(args, "metrics_require_token", False)),
+        launch_key=environ.get(launch_proof.LAUNCH_KEY_ENV) or None,
     )

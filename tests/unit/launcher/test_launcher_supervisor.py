@@ -16,9 +16,12 @@ import socket
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from services import launcher
+from services.common import grpc_utils, launch_proof, security
+from services.common.security import InternalSecurity
 from services.supervisor import (
     CrashHistory,
     HealthPolicy,
@@ -86,7 +89,7 @@ class StandIns:
         return process, OutputTail(process.stdout, self.forwarder)
 
 
-async def alive(spec: ServiceSpec) -> bool:
+async def alive(spec: ServiceSpec, launch_key: str) -> bool:
     return True
 
 
@@ -205,7 +208,7 @@ async def test_a_crash_looping_proxy_ends_supervision_naming_it_with_its_last_li
 async def test_a_restarted_child_that_never_becomes_ready_is_killed_and_ends_in_a_crash_loop():
     stand_ins, said = StandIns(), []
 
-    async def only_first_start_ready(spec):  # a restart wedges in start-up (alive, never ready)
+    async def only_first_start_ready(spec, launch_key):  # a restart wedges in start-up (alive, never ready)
         return stand_ins.num_spawned[spec.name] == 1
 
     policy = RestartPolicy(max_restarts=1, window_s=60, backoff_s=0.01)
@@ -237,7 +240,7 @@ async def test_a_child_that_exits_during_start_up_aborts_with_its_output():
     stand_ins = StandIns()
     supervisor = Supervisor(_specs(("pd-0", CRASH)), RestartPolicy(), is_ready=alive, spawn=stand_ins.spawn)
 
-    async def never_ready(spec):
+    async def never_ready(spec, launch_key):
         return False
 
     supervisor._is_ready = never_ready
@@ -254,7 +257,7 @@ async def test_a_child_that_exits_during_start_up_aborts_with_its_output():
 async def test_a_start_up_that_takes_too_long_is_reported():
     stand_ins = StandIns()
 
-    async def never_ready(spec):
+    async def never_ready(spec, launch_key):
         return False
 
     supervisor = Supervisor(
@@ -327,7 +330,7 @@ async def test_a_hung_child_is_detected_by_rpc_and_restarted():
         )
         return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
 
-    async def answers(spec: ServiceSpec) -> bool:  # the launcher's liveness RPC for the proxy
+    async def answers(spec: ServiceSpec, launch_key: str) -> bool:  # the launcher's liveness RPC for the proxy
         return await asyncio.to_thread(launcher._http_answers, spec.address, 0.3)
 
     said: list[str] = []
@@ -367,3 +370,75 @@ async def test_a_hung_child_is_detected_by_rpc_and_restarted():
     assert _metric(supervisor, "epd_launcher_restarts_total", "proxy") == 1
     assert any("proxy" in line and "did not answer 3 health checks in a row" in line for line in said)
     assert any("proxy stopped answering health checks (3 in a row); restarting it" in line for line in said)
+
+
+# -- finding 7: a restarted child's port is verified before anything is trusted ---------------------
+class RecordMetadata(grpc.aio.ServerInterceptor):
+    """What every call to the impostor carried."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    async def intercept_service(self, continuation, handler_call_details):
+        self.seen.extend((key, str(value)) for key, value in handler_call_details.invocation_metadata or ())
+        return await continuation(handler_call_details)
+
+
+async def _serving(launch_key: str | None, interceptor: RecordMetadata | None = None):
+    server = await grpc_utils.start_server(
+        "127.0.0.1",
+        0,
+        "epd.v1.PrefillDecode",
+        lambda _: None,
+        interceptors=[interceptor] if interceptor else [],
+        security=InternalSecurity(launch_key=launch_key),
+    )
+    await server.set_ready(True)
+    return server
+
+
+async def test_a_listener_on_a_restarting_childs_port_never_receives_the_token():
+    """A local process that binds a restarting PD's port and answers SERVING: not ready, no token.
+
+    Before, the launcher's readiness and liveness calls carried the internal token to whatever
+    listened on the port, and a listener answering SERVING was taken for the restarted child.
+    """
+    token = "t" * 32
+    transport = InternalSecurity(token=token)
+    recorder = RecordMetadata()
+    impostor = await _serving(launch_key=None, interceptor=recorder)
+    genuine_key = launch_proof.new_launch_key()
+    genuine = await _serving(launch_key=genuine_key)
+    try:
+        is_ready, is_alive = launcher._ready_check(transport), launcher._alive_check(transport, 1.0)
+        impostor_spec = ServiceSpec("pd-0", (), f"127.0.0.1:{impostor.port}", "epd.v1.PrefillDecode")
+        for _ in range(5):
+            assert not await is_ready(impostor_spec, launch_proof.new_launch_key())
+            assert not await is_alive(impostor_spec, launch_proof.new_launch_key())
+        assert recorder.seen and all(key != security.AUTH_METADATA_KEY for key, _ in recorder.seen)
+        assert not any(token in value for _, value in recorder.seen)
+        # The child started with the key proves it; the same child with another start's key does not.
+        genuine_spec = ServiceSpec("pd-1", (), f"127.0.0.1:{genuine.port}", "epd.v1.PrefillDecode")
+        assert await is_ready(genuine_spec, genuine_key) and await is_alive(genuine_spec, genuine_key)
+        assert not await is_ready(genuine_spec, launch_proof.new_launch_key())
+    finally:
+        await impostor.stop(0)
+        await genuine.stop(0)
+
+
+def test_every_start_of_a_child_gets_its_own_launch_key_in_its_environment():
+    keys: list[str] = []
+
+    def spawn(spec: ServiceSpec):
+        keys.append(spec.env[launch_proof.LAUNCH_KEY_ENV])
+        process = subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE)
+        return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
+
+    supervisor = Supervisor(_specs(("pd-0", "")), RestartPolicy(), is_ready=alive, spawn=spawn)
+    try:
+        supervisor.start_all()
+        supervisor._start(supervisor.children[0])
+    finally:
+        supervisor.stop_all(grace_s=5)
+    assert len(keys) == 2 and keys[0] != keys[1] and all(len(key) == 64 for key in keys)
+    assert supervisor.children[0].launch_key == keys[1]
