@@ -7,7 +7,8 @@ compose and Kubernetes files read one from a secret:
 - **Shared token.** Every internal call carries ``authorization: Bearer <token>``
   metadata; a server refuses a missing or wrong token with UNAUTHENTICATED
   (constant-time comparison). ``grpc.health.v1.Health`` is exempt, so probes
-  need no secret. Without TLS the token crosses the network in clear text: it
+  need no secret, and clients never send it there (a health probe or watch
+  may reach whatever took a restarting peer's port). Without TLS the token crosses the network in clear text: it
   keeps stray callers out, not eavesdroppers.
 - **TLS / mTLS from PEM files.** ``--tls-cert`` + ``--tls-key`` turn TLS on.
   ``--tls-ca`` adds peer checks: servers then demand a client certificate
@@ -171,7 +172,7 @@ class InternalSecurity:
         return ()
 
     def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
-        """Interceptors that attach the token to every call of a channel (all four arities)."""
+        """Interceptors that attach the token to every call of a channel but health (all four arities)."""
         if self.token is None:
             return []
         entry = (AUTH_METADATA_KEY, f"Bearer {self.token}")
@@ -239,6 +240,11 @@ class _AttachToken:
         self._entry = entry
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method.startswith(HEALTH_METHOD_PREFIX):
+            # Health is exempt on the server, so the token would only inform whoever listens: a
+            # probe or watch may reach a process that took a restarting peer's port.
+            return details
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(*self._entry)
         return details._replace(metadata=metadata)

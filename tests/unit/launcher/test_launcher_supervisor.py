@@ -18,6 +18,7 @@ import sys
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import launcher
 from services.common import grpc_utils, launch_proof, security
@@ -424,6 +425,25 @@ async def test_a_listener_on_a_restarting_childs_port_never_receives_the_token()
     finally:
         await impostor.stop(0)
         await genuine.stop(0)
+
+
+async def test_health_calls_never_carry_the_token_to_whatever_listens():
+    """The proxy's health watch and any probe use channels that attach the token: not to health."""
+    recorder = RecordMetadata()
+    listener = await _serving(launch_key=None, interceptor=recorder)
+    token = "t" * 32
+    try:
+        async with grpc_utils.aio_channel(f"127.0.0.1:{listener.port}", InternalSecurity(token=token)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            async for _ in stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5):
+                break
+            assert not any(token in value for _, value in recorder.seen)
+            with pytest.raises(grpc.aio.AioRpcError):  # any other method still carries it
+                await channel.unary_unary("/epd.v1.PrefillDecode/GetLoad")(b"", timeout=5)
+            assert (security.AUTH_METADATA_KEY, f"Bearer {token}") in recorder.seen
+    finally:
+        await listener.stop(0)
 
 
 def test_every_start_of_a_child_gets_its_own_launch_key_in_its_environment():
