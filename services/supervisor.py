@@ -276,7 +276,7 @@ class Child:
     not_ready_in_s: float | None = None  # set when supervision killed it for not becoming ready
     num_failed_checks: int = 0  # consecutive liveness checks not answered in time
     killed_as_hung: bool = False  # set when supervision killed it for failing its liveness checks
-    launch_key: str = field(default="", repr=False)  # this start's secret (``launch_proof``); checks demand its proof
+    launch_key: str = field(default_factory=launch_proof.new_launch_key, repr=False)  # its secret for this run
     check: asyncio.Task[bool] | None = None  # the liveness check in flight
     next_check_at: float = 0.0
 
@@ -412,11 +412,13 @@ class Supervisor:
             self.metrics.crash_looping.labels(spec.name).set(0)
 
     def _start(self, child: Child) -> None:
-        # A new key for every start: only this process can prove it, so a listener that took the
-        # port while the child was down is never taken for it (see ``services/common/launch_proof.py``).
-        child.launch_key = launch_proof.new_launch_key()
-        spec = dataclasses.replace(child.spec, env={**child.spec.env, launch_proof.LAUNCH_KEY_ENV: child.launch_key})
-        child.process, child.output = self._spawn(spec)
+        # Only this child can prove its key, so a listener that took the port while it was down
+        # is never taken for it (see ``services/common/launch_proof.py``).
+        env = {**child.spec.env, launch_proof.LAUNCH_KEY_ENV: child.launch_key}
+        if child.spec.kind == "proxy":  # the one that sends encoders and PDs the token verifies them too
+            peers = {c.spec.address: c.launch_key for c in self.children if c.spec.health_service is not None}
+            env[launch_proof.PEER_KEYS_ENV] = launch_proof.format_peer_keys(peers)
+        child.process, child.output = self._spawn(dataclasses.replace(child.spec, env=env))
         child.state, child.started_at, child.not_ready_in_s = ChildState.STARTING, self._clock(), None
         child.num_failed_checks, child.killed_as_hung = 0, False
         self.metrics.up.labels(child.spec.name).set(0)

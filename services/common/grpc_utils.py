@@ -238,23 +238,33 @@ async def check_health(
     With ``launch_key``, the server must also prove it holds that key (``launch_proof``);
     then no token is sent, whatever ``security`` holds: the listener is not verified yet.
     """
-    metadata: tuple[tuple[str, str], ...] = ()
-    challenge = ""
     if launch_key is not None:
         security = dataclasses.replace(security, token=None, metrics_auth=False)
-        challenge = launch_proof.new_challenge()
-        metadata = ((launch_proof.CHALLENGE_METADATA_KEY, challenge),)
     async with aio_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=service_name)
         try:
-            call = stub.Check(health_pb2.HealthCheckRequest(service=service_name), timeout=timeout, metadata=metadata)
-            reply = await call
-            trailers = await call.trailing_metadata()
+            if launch_key is not None:
+                reply = await proven_check(stub, request, launch_key, timeout)
+            else:
+                reply = await stub.Check(request, timeout=timeout)
         except grpc.aio.AioRpcError:
             return False
-        if launch_key is not None and not launch_proof.verify(launch_key, challenge, trailers):
-            return False  # some other process on the port: not the child, whatever it says
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return reply is not None and reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def proven_check(
+    stub: health_pb2_grpc.HealthStub, request: health_pb2.HealthCheckRequest, launch_key: str, timeout: float
+) -> health_pb2.HealthCheckResponse | None:
+    """A health Check that carries a fresh challenge: the reply, or None when the server did not prove
+    ``launch_key`` (some other process on the port, whatever it says). ``AioRpcError`` as from any call.
+    """
+    challenge = launch_proof.new_challenge()
+    call = stub.Check(request, timeout=timeout, metadata=((launch_proof.CHALLENGE_METADATA_KEY, challenge),))
+    reply = await call
+    if not launch_proof.verify(launch_key, challenge, await call.trailing_metadata()):
+        return None
+    return reply
 
 
 async def wait_healthy(

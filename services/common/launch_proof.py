@@ -2,14 +2,19 @@
 
 While a child of ``epd up`` restarts, its port is free: any local process
 can bind it and answer health checks. Such a listener must neither be taken
-for the child nor be sent the internal token. So each start of a child gets
-a fresh random key, the **launch key** (256 bits), in its environment
-(``EPD_LAUNCH_KEY``; like the token it never appears on a command line, and
+for the child nor be sent the internal token. So each child of one ``epd
+up`` run (each slot: ``pd-0``, ``encoder-1``, ...) gets a random key of its
+own, the **launch key** (256 bits), in its environment (``EPD_LAUNCH_KEY``;
+like the token it never appears on a command line, and
 ``/proc/<pid>/environ`` is readable only by the same user, who could read
-the token anyway). Only the launcher and that one process know it.
+the token anyway). The launcher knows every key; the proxy is given those
+of the encoders and PDs it calls (``EPD_PEER_LAUNCH_KEYS``), since it is the
+one that sends them the token.
 
-The launcher proves a listener with a challenge-response on the health
-RPC, which needs no token (nothing secret is ever sent to the listener):
+A verifier (the launcher's readiness and liveness checks; the proxy, on
+every newly opened health watch, before the instance is routable again)
+proves a listener with a challenge-response on the health RPC, which needs
+no token (and no client sends it there, ``security``):
 
 1. it sends ``Health/Check`` with metadata ``epd-launch-challenge``: a
    fresh random value (128 bits) for every check, so an answer cannot be
@@ -21,13 +26,20 @@ RPC, which needs no token (nothing secret is ever sent to the listener):
    running one that keeps failing is killed and restarted.
 
 Why it holds: a listener that is not the child has no launch key, and the
-challenge is unpredictable, so it cannot compute the proof. It cannot get
-one from a genuine child either: every other child has a different key, and
-the genuine child for this port cannot be listening on it (the impostor
-holds it; servers bind without ``SO_REUSEPORT``). A key leaked from an
-earlier start is worthless, since every start gets a new one. The proof is
-keyed, so it reveals nothing about the key. The launcher itself never sends
-the token on a health call, verified or not.
+challenge is unpredictable, so it cannot compute the proof, nor reuse one it
+collected earlier from the genuine child (anyone may send it challenges of
+their choosing; the verifier's will not be among them). It cannot relay the
+challenge to a genuine child either: every other child has a different key,
+and the genuine child for this port cannot be listening on it (the impostor
+holds it; servers bind without ``SO_REUSEPORT``). The proof is keyed, so it
+reveals nothing about the key. A fresh run of ``epd up`` draws new keys.
+
+What it does not cover: a connection that drops and is re-established
+between the proxy's check and its next call (the watch stream ends with the
+connection, which takes the instance out of rotation, so the window is that
+of one event-loop turn), and an encoder's push to a PD (the encoder dials
+the PD the proxy picked, which the proxy had verified, but on a connection
+of its own).
 """
 
 from __future__ import annotations
@@ -35,10 +47,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 LAUNCH_KEY_ENV = "EPD_LAUNCH_KEY"
-"""Environment variable carrying one start's launch key to the child (hex)."""
+"""Environment variable carrying a child's own launch key (hex)."""
+PEER_KEYS_ENV = "EPD_PEER_LAUNCH_KEYS"
+"""Environment variable of the proxy: ``host:port=key`` of each peer, comma-separated."""
 CHALLENGE_METADATA_KEY = "epd-launch-challenge"
 """gRPC metadata key of the launcher's challenge on a health call."""
 PROOF_METADATA_KEY = "epd-launch-proof"
@@ -49,8 +63,24 @@ _DOMAIN = b"epd-launch-proof\0"
 
 
 def new_launch_key() -> str:
-    """A fresh key for one start of one child."""
+    """A fresh key for one child of one run."""
     return secrets.token_hex(32)
+
+
+def format_peer_keys(keys: Mapping[str, str]) -> str:
+    """``{address: key}`` as ``PEER_KEYS_ENV``'s value."""
+    return ",".join(f"{address}={key}" for address, key in keys.items())
+
+
+def parse_peer_keys(text: str) -> tuple[tuple[str, str], ...]:
+    """``PEER_KEYS_ENV``'s value as ``(address, key)`` pairs (ValueError when malformed)."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        address, sep, key = item.partition("=")
+        if not sep or not address or not key:
+            raise ValueError(f"${PEER_KEYS_ENV}: expected host:port=key items")
+        pairs.append((address, key))
+    return tuple(pairs)
 
 
 def new_challenge() -> str:

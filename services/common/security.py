@@ -97,8 +97,15 @@ class InternalSecurity:
     metrics_auth: bool = False
     """``/metrics`` answers only requests carrying ``Authorization: Bearer <token>`` (needs ``token``)."""
     launch_key: str | None = None
-    """This start's key from ``epd up`` (``$EPD_LAUNCH_KEY``): health checks are answered with a proof of it
-    (``launch_proof``), so the launcher can tell this process from another on its port. None = not launched so."""
+    """This process's key from ``epd up`` (``$EPD_LAUNCH_KEY``): health checks are answered with a proof of it
+    (``launch_proof``), so peers can tell this process from another on its port. None = not launched so."""
+    peer_launch_keys: tuple[tuple[str, str], ...] = ()
+    """``(address, key)`` of the peers ``epd up`` started (``$EPD_PEER_LAUNCH_KEYS``): a peer at such an
+    address counts as ready only once it proved that key, before any call with the token goes there."""
+
+    def peer_launch_key(self, address: str) -> str | None:
+        """The key the listener at ``address`` must prove, or None when it was not given."""
+        return dict(self.peer_launch_keys).get(address)
 
     def __post_init__(self) -> None:
         if self.token is not None:
@@ -356,4 +363,5 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         reflection=bool(getattr(args, "grpc_reflection", False)),
         metrics_auth=bool(getattr(args, "metrics_require_token", False)),
         launch_key=environ.get(launch_proof.LAUNCH_KEY_ENV) or None,
+        peer_launch_keys=launch_proof.parse_peer_keys(environ.get(launch_proof.PEER_KEYS_ENV, "")),
     )

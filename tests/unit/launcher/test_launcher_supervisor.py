@@ -446,19 +446,31 @@ async def test_health_calls_never_carry_the_token_to_whatever_listens():
         await listener.stop(0)
 
 
-def test_every_start_of_a_child_gets_its_own_launch_key_in_its_environment():
-    keys: list[str] = []
+def test_each_child_has_its_own_launch_key_and_the_proxy_is_given_its_peers():
+    envs: list[tuple[str, dict]] = []
 
     def spawn(spec: ServiceSpec):
-        keys.append(spec.env[launch_proof.LAUNCH_KEY_ENV])
+        envs.append((spec.name, dict(spec.env)))
         process = subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE)
         return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
 
-    supervisor = Supervisor(_specs(("pd-0", "")), RestartPolicy(), is_ready=alive, spawn=spawn)
+    specs = [
+        ServiceSpec("pd-0", (), "127.0.0.1:5001", "epd.v1.PrefillDecode"),
+        ServiceSpec("encoder-0", (), "127.0.0.1:5002", "epd.v1.Encoder"),
+        ServiceSpec("proxy", (), "127.0.0.1:5003", None),
+    ]
+    supervisor = Supervisor(specs, RestartPolicy(), is_ready=alive, spawn=spawn)
     try:
         supervisor.start_all()
-        supervisor._start(supervisor.children[0])
+        supervisor._start(supervisor.children[0])  # a restart keeps the key the proxy knows
     finally:
         supervisor.stop_all(grace_s=5)
-    assert len(keys) == 2 and keys[0] != keys[1] and all(len(key) == 64 for key in keys)
-    assert supervisor.children[0].launch_key == keys[1]
+    key = {name: env[launch_proof.LAUNCH_KEY_ENV] for name, env in envs}
+    assert len(set(key.values())) == 3 and all(len(k) == 64 for k in key.values())
+    assert [env[launch_proof.LAUNCH_KEY_ENV] for name, env in envs if name == "pd-0"] == [key["pd-0"]] * 2
+    proxy_env = dict(envs)["proxy"]
+    assert dict(launch_proof.parse_peer_keys(proxy_env[launch_proof.PEER_KEYS_ENV])) == {
+        "127.0.0.1:5001": key["pd-0"],
+        "127.0.0.1:5002": key["encoder-0"],
+    }
+    assert all(launch_proof.PEER_KEYS_ENV not in env for name, env in envs if name != "proxy")
