@@ -32,9 +32,9 @@ import urllib.request
 
 from services.common import cli_args, grpc_utils, security
 from services.common.metrics_http import MetricsHttpServer
+from services.launcher_metrics import LauncherMetrics
 from services.supervisor import (
     HealthPolicy,
-    LauncherMetrics,
     RestartPolicy,
     ServiceSpec,
     StartupFailed,

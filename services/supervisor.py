@@ -18,9 +18,10 @@ the proxy or every PD is crash-looping.
 Policy (``CrashHistory``) is pure and clock-driven; processes, readiness
 checks and output forwarding are injected so the loop is testable with
 tiny processes. Every child's output is drained continuously by the
-launcher (forwarded line by line, unchanged, so JSON log lines stay JSON;
-dropped rather than waited for when nobody reads ``epd up``'s own output)
-and its last lines are kept for the crash report.
+launcher (``services/child_output.py``): forwarded line by line, unchanged,
+so JSON log lines stay JSON, dropped rather than waited for when nobody
+reads ``epd up``'s own output, and its last lines kept for the crash report. ``epd up``'s own metrics
+are in ``services/launcher_metrics.py``.
 """
 
 from __future__ import annotations
@@ -29,30 +30,20 @@ import asyncio
 import dataclasses
 import enum
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-
+from services.child_output import OutputForwarder, OutputTail
 from services.common import launch_proof
-from services.common.metrics_http import MetricDoc
+from services.launcher_metrics import LauncherMetrics
 
-TAIL_LINES = 20
-"""Output lines kept per child for the crash report."""
-MAX_LINE_CHARS = 500
-"""A kept line longer than this is cut (forwarding is unchanged)."""
 POLL_S = 0.2
 """How often exits are noticed and restarts are due-checked."""
-MAX_PENDING_LINES = 10_000
-"""Children's output lines waiting for ``epd up``'s own output; beyond this they are dropped, never waited for."""
 
 
 @dataclass(frozen=True)
@@ -118,83 +109,6 @@ class ServiceSpec:
     @property
     def kind(self) -> str:
         return self.name.split("-")[0]
-
-
-class OutputForwarder:
-    """Writes the children's output lines to ``sink`` on a thread of its own; never blocks a reader.
-
-    ``epd up``'s own output may be a pipe that nobody reads (``epd up | head``,
-    a parent that stopped reading): a write there blocks for good. The pumps
-    that drain the children's pipes therefore only queue lines here; when
-    ``max_pending_lines`` are waiting, further lines are dropped and counted
-    (``num_dropped``; a note says how many once the sink takes writes again),
-    so a child never blocks on its own stdout and the cluster keeps serving.
-    """
-
-    def __init__(self, sink: IO[bytes], max_pending_lines: int = MAX_PENDING_LINES) -> None:
-        self.num_dropped = 0
-        self._sink = sink
-        self._pending: queue.Queue[bytes] = queue.Queue(max_pending_lines)
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._write, daemon=True, name="child-output-writer")
-        self._thread.start()
-
-    def put(self, raw: bytes) -> None:
-        """Queues one line for the sink, or drops it when the sink is not keeping up (never waits)."""
-        try:
-            self._pending.put_nowait(raw)
-        except queue.Full:
-            with self._lock:
-                self.num_dropped += 1
-
-    def _write(self) -> None:
-        reported = 0
-        while True:
-            raw = self._pending.get()
-            try:
-                with self._lock:
-                    dropped = self.num_dropped
-                if dropped > reported:
-                    note = f"epd: {dropped - reported} lines of the services' output were dropped (nobody read them)\n"
-                    self._sink.write(note.encode())
-                    reported = dropped
-                self._sink.write(raw)
-                self._sink.flush()
-            except (OSError, ValueError):
-                pass  # our own output is gone; the pumps keep draining regardless
-            finally:
-                self._pending.task_done()
-
-    def flush(self, wait_s: float = 1.0) -> None:
-        """Waits up to ``wait_s`` for the queued lines to reach the sink."""
-        end = time.monotonic() + wait_s
-        while self._pending.unfinished_tasks and time.monotonic() < end:
-            time.sleep(0.01)
-
-
-class OutputTail:
-    """Drains a child's output continuously: each line goes to ``forwarder`` and its last lines are kept."""
-
-    def __init__(self, stream: IO[bytes], forwarder: OutputForwarder, num_lines: int = TAIL_LINES) -> None:
-        self._lines: deque[str] = deque(maxlen=num_lines)
-        self._lock = threading.Lock()
-        self._forwarder = forwarder
-        self._thread = threading.Thread(target=self._pump, args=(stream, forwarder), daemon=True, name="child-output")
-        self._thread.start()
-
-    def _pump(self, stream: IO[bytes], forwarder: OutputForwarder) -> None:
-        with stream:
-            for raw in iter(lambda: stream.readline(65536), b""):
-                forwarder.put(raw)
-                with self._lock:
-                    self._lines.append(raw.decode("utf-8", "replace").rstrip()[:MAX_LINE_CHARS])
-
-    def lines(self, wait_s: float = 1.0) -> list[str]:
-        """The last lines (after up to ``wait_s`` for the pipe to drain and reach the sink, when the child has exited)."""
-        self._thread.join(wait_s)
-        self._forwarder.flush(wait_s)
-        with self._lock:
-            return list(self._lines)
 
 
 def _death_signal() -> Callable[[], None] | None:
@@ -310,62 +224,6 @@ class CrashLoop:
             f"{self.name} is crash-looping: it {self.exit} after {self.num_restarts} restarts within "
             f"{self.window_s:.0f}s; {outcome}. Its last output lines:{lines}"
         )
-
-
-METRICS = (
-    MetricDoc(
-        "epd_launcher_restarts_total",
-        "counter",
-        ("service",),
-        "restarts of a child of `epd up` after it exited unexpectedly",
-    ),
-    MetricDoc(
-        "epd_launcher_service_up",
-        "gauge",
-        ("service",),
-        "1 while the child is running and has reported ready, 0 while starting or waiting to restart",
-    ),
-    MetricDoc(
-        "epd_launcher_crash_looping",
-        "gauge",
-        ("service",),
-        "1 once the child crash-looped and was left down (the others keep serving), else 0",
-    ),
-    MetricDoc(
-        "epd_launcher_health_kills_total",
-        "counter",
-        ("service",),
-        "children killed because they stopped answering their liveness RPC (hung), then restarted",
-    ),
-)
-
-
-class LauncherMetrics:
-    """``epd_launcher_*`` on a registry of its own (served by ``epd up --launcher-metrics-port``)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.restarts = Counter(
-            "epd_launcher_restarts", "Child restarts after an unexpected exit", ["service"], registry=self.registry
-        )
-        self.up = Gauge(
-            "epd_launcher_service_up", "1 while the child runs and reported ready", ["service"], registry=self.registry
-        )
-        self.crash_looping = Gauge(
-            "epd_launcher_crash_looping",
-            "1 once the child crash-looped and was left down",
-            ["service"],
-            registry=self.registry,
-        )
-        self.health_kills = Counter(
-            "epd_launcher_health_kills",
-            "Children killed for failing their liveness checks",
-            ["service"],
-            registry=self.registry,
-        )
-
-    async def render(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 Say = Callable[[str], None]

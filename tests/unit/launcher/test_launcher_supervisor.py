@@ -21,13 +21,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import launcher
+from services.child_output import OutputForwarder, OutputTail
 from services.common import grpc_utils, launch_proof, security
 from services.common.security import InternalSecurity
 from services.supervisor import (
     CrashHistory,
     HealthPolicy,
-    OutputForwarder,
-    OutputTail,
     RestartPolicy,
     ServiceSpec,
     StartupFailed,
