@@ -311,7 +311,8 @@ def launcher_security(
         given,
         token=given.token or env.get(security.TOKEN_ENV),
         metrics_auth=args.metrics_require_token,
-        launch_key=None,  # the launcher proves nothing; it checks its children's proofs
+        launch_key=None,  # the launcher proves nothing and checks its children itself (``Supervisor``)
+        peer_launch_keys=(),
     )
     return transport, env
 

@@ -20,8 +20,8 @@ checks and output forwarding are injected so the loop is testable with
 tiny processes. Every child's output is drained continuously by the
 launcher (``services/child_output.py``): forwarded line by line, unchanged,
 so JSON log lines stay JSON, dropped rather than waited for when nobody
-reads ``epd up``'s own output, and its last lines kept for the crash report. ``epd up``'s own metrics
-are in ``services/launcher_metrics.py``.
+reads ``epd up``'s own output, and its last lines kept for the crash report.
+``epd up``'s own metrics are in ``services/launcher_metrics.py``.
 """
 
 from __future__ import annotations
@@ -279,6 +279,9 @@ class Supervisor:
         child.process, child.output = self._spawn(dataclasses.replace(child.spec, env=env))
         child.state, child.started_at, child.not_ready_in_s = ChildState.STARTING, self._clock(), None
         child.num_failed_checks, child.killed_as_hung = 0, False
+        if child.check is not None:  # a check of the previous process says nothing about this one
+            child.check.cancel()
+            child.check = None
         self.metrics.up.labels(child.spec.name).set(0)
 
     def start_all(self) -> None:
@@ -382,7 +385,7 @@ class Supervisor:
         assert self._is_alive is not None
         try:
             return await asyncio.wait_for(self._is_alive(spec, launch_key), self.health.timeout_s)
-        except (TimeoutError, OSError):
+        except Exception:  # unanswered, refused or broken: a failed check either way, never a crash of supervision
             return False
 
     def _kill_if_not_ready(self, child: Child, now: float) -> None:
