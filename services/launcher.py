@@ -30,7 +30,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from services.common import cli_args, grpc_utils, security
+from services.common import cli_args, grpc_utils, launch_proof, security
 from services.common.metrics_http import MetricsHttpServer
 from services.launcher_metrics import LauncherMetrics
 from services.supervisor import (
@@ -317,29 +317,41 @@ def launcher_security(
     return transport, env
 
 
-def _http_ready(address: str) -> bool:
+def _http_health(address: str, launch_key: str, timeout_s: float) -> int | None:
+    """The status of the proxy's ``/health`` when the listener proved ``launch_key``, else None.
+
+    The challenge travels as a request header and the proof as a response header, as on gRPC
+    (``services/common/launch_proof.py``); any status counts, a 503 included.
+    """
+    challenge = launch_proof.new_challenge()
+    request = urllib.request.Request(
+        f"http://{address}/health", headers={launch_proof.CHALLENGE_METADATA_KEY: challenge}
+    )
     try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=2) as reply:
-            return reply.status == 200
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            status, headers = reply.status, reply.headers
+    except urllib.error.HTTPError as error:
+        status, headers = error.code, error.headers
     except OSError:
-        return False
+        return None
+    if not launch_proof.verify(launch_key, challenge, list(headers.items())):
+        return None
+    return status
 
 
-def _http_answers(address: str, timeout_s: float) -> bool:
-    """Whether ``address`` answers HTTP ``/health`` at all: a 503 (no PD ready) is still a live proxy."""
-    try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False
+def _http_ready(address: str, launch_key: str) -> bool:
+    return _http_health(address, launch_key, 2.0) == 200
+
+
+def _http_answers(address: str, launch_key: str, timeout_s: float) -> bool:
+    """Whether the proxy answers ``/health`` at all: a 503 (no PD ready) is still a live proxy."""
+    return _http_health(address, launch_key, timeout_s) is not None
 
 
 def _alive_check(transport: security.InternalSecurity, timeout_s: float):
     """Liveness by RPC: gRPC health ``""`` (NOT_SERVING once a PD's engine is dead or stuck), the proxy's HTTP.
 
-    A gRPC child must also prove its launch key (``launch_proof``), and no token is sent on these calls.
+    The child must also prove its launch key (``launch_proof``), and no token is sent on these calls.
     """
 
     async def is_alive(spec: ServiceSpec, launch_key: str) -> bool:
@@ -347,23 +359,21 @@ def _alive_check(transport: security.InternalSecurity, timeout_s: float):
             return await grpc_utils.check_health(
                 spec.address, "", timeout=timeout_s, security=transport, launch_key=launch_key
             )
-        return await asyncio.to_thread(_http_answers, spec.address, timeout_s)
+        return await asyncio.to_thread(_http_answers, spec.address, launch_key, timeout_s)
 
     return is_alive
 
 
 def _ready_check(transport: security.InternalSecurity):
-    """Readiness: SERVING for the child's service, from a listener that proves this start's launch key.
-
-    The proxy's HTTP ``/health`` is not challenged: nobody sends the internal token to the proxy's port.
-    """
+    """Readiness: SERVING for the child's service (the proxy: ``/health`` 200), from a listener that proves
+    the child's launch key."""
 
     async def is_ready(spec: ServiceSpec, launch_key: str) -> bool:
         if spec.health_service is not None:
             return await grpc_utils.check_health(
                 spec.address, spec.health_service, timeout=1.0, security=transport, launch_key=launch_key
             )
-        return await asyncio.to_thread(_http_ready, spec.address)
+        return await asyncio.to_thread(_http_ready, spec.address, launch_key)
 
     return is_ready
 

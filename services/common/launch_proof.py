@@ -1,5 +1,8 @@
 """Proof that a listener is the child ``epd up`` started, not a process that took its port.
 
+(The proxy's HTTP ``/health`` answers the same challenge: request header
+``epd-launch-challenge``, response header ``epd-launch-proof``.)
+
 While a child of ``epd up`` restarts, its port is free: any local process
 can bind it and answer health checks. Such a listener must neither be taken
 for the child nor be sent the internal token. So each child of one ``epd
@@ -94,8 +97,9 @@ def proof(launch_key: str, challenge: str) -> str:
 
 
 def _value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    """The value under ``key``: gRPC metadata, or HTTP headers (whose names are case-insensitive)."""
     for name, value in metadata or ():
-        if name == key:
+        if name.lower() == key:
             return value if isinstance(value, str) else value.decode("ascii", "replace")
     return None
 

@@ -11,6 +11,7 @@ import asyncio
 
 import grpc
 
+from services import launcher
 from services.common import grpc_utils, launch_proof, security
 from services.common.security import InternalSecurity
 from services.proxy.instances import PdClient, Readiness
@@ -91,3 +92,15 @@ def test_the_proxy_reads_its_peers_keys_from_its_environment():
     assert config.peer_launch_key("127.0.0.1:50061") == "abc"
     assert config.peer_launch_key("127.0.0.1:50051") == "def"
     assert config.peer_launch_key("127.0.0.1:50062") is None
+
+
+async def test_the_proxy_proves_its_launch_key_on_http_health(cluster_factory):
+    """``epd up`` verifies a restarted proxy too: a listener on its port answering 200 is not the proxy."""
+    key = launch_proof.new_launch_key()
+    cluster = await cluster_factory(http=True, security=InternalSecurity(launch_key=key))
+    address = cluster.base_url.removeprefix("http://")
+    assert await asyncio.to_thread(launcher._http_ready, address, key)
+    assert await asyncio.to_thread(launcher._http_answers, address, key, 2.0)
+    assert not await asyncio.to_thread(launcher._http_ready, address, launch_proof.new_launch_key())
+    reply = await cluster.client.get("/health")  # no challenge, no proof
+    assert reply.status_code == 200 and launch_proof.PROOF_METADATA_KEY not in reply.headers

@@ -298,10 +298,15 @@ async def test_a_childs_output_is_drained_when_nobody_reads_the_launchers_output
 
 # -- finding 7: health by RPC, not by process liveness --------------------------------------
 HTTP_HEALTH = """
-import http.server, sys
-class Health(http.server.BaseHTTPRequestHandler):
+import http.server, os, sys
+from services.common import launch_proof
+class Health(http.server.BaseHTTPRequestHandler):  # a proxy's /health, answering epd up's challenge
     def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        self.send_response(200)
+        proof = launch_proof.answer(os.environ[launch_proof.LAUNCH_KEY_ENV], list(self.headers.items()))
+        if proof is not None:
+            self.send_header(launch_proof.PROOF_METADATA_KEY, proof)
+        self.end_headers(); self.wfile.write(b"ok")
     def log_message(self, *args):
         pass
 server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
@@ -326,12 +331,15 @@ async def test_a_hung_child_is_detected_by_rpc_and_restarted():
 
     def spawn(spec: ServiceSpec):
         process = subprocess.Popen(
-            [sys.executable, "-c", HTTP_HEALTH, str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            [sys.executable, "-c", HTTP_HEALTH, str(port)],
+            env={**os.environ, **spec.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
 
     async def answers(spec: ServiceSpec, launch_key: str) -> bool:  # the launcher's liveness RPC for the proxy
-        return await asyncio.to_thread(launcher._http_answers, spec.address, 0.3)
+        return await asyncio.to_thread(launcher._http_answers, spec.address, launch_key, 0.3)
 
     said: list[str] = []
     supervisor = Supervisor(
