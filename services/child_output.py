@@ -6,6 +6,7 @@ block, whatever the process on the other end of ``epd up``'s output does.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -34,6 +35,12 @@ class OutputForwarder:
     def __init__(self, sink: IO[bytes], max_pending_lines: int = MAX_PENDING_LINES) -> None:
         self.num_dropped = 0
         self._sink = sink
+        try:
+            # Written with os.write, not through ``sink``'s buffer: a write blocked on a full pipe then
+            # holds no lock of the interpreter's, and ``epd up`` can still exit cleanly.
+            self._fd: int | None = sink.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+            self._fd = None
         self._pending: queue.Queue[bytes] = queue.Queue(max_pending_lines)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._write, daemon=True, name="child-output-writer")
@@ -56,14 +63,22 @@ class OutputForwarder:
                     dropped = self.num_dropped
                 if dropped > reported:
                     note = f"epd: {dropped - reported} lines of the services' output were dropped (nobody read them)\n"
-                    self._sink.write(note.encode())
+                    self._emit(note.encode())
                     reported = dropped
-                self._sink.write(raw)
-                self._sink.flush()
+                self._emit(raw)
             except (OSError, ValueError):
                 pass  # our own output is gone; the pumps keep draining regardless
             finally:
                 self._pending.task_done()
+
+    def _emit(self, data: bytes) -> None:
+        if self._fd is None:
+            self._sink.write(data)
+            self._sink.flush()
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
 
     def flush(self, wait_s: float = 1.0) -> None:
         """Waits up to ``wait_s`` for the queued lines to reach the sink."""
