@@ -2,9 +2,11 @@
 
 Starts N encoders and M PDs, then the proxy in front of them, waits until
 every one reports ready and prints the URL. From then on a child that exits
-is restarted on its port with backoff while the others keep serving
-(``services/supervisor.py``); ``epd up`` itself stops only on Ctrl-C /
-SIGTERM, or when one service crash-loops, and then says which one and why.
+is restarted on its port with backoff while the others keep serving, and
+so is one that stops answering its health RPCs (``services/supervisor.py``);
+a service that crash-loops is left down, named in one log line, while the
+others serve. ``epd up`` itself stops on Ctrl-C / SIGTERM, or when the
+proxy or every PD crash-loops (nothing could serve), saying which and why.
 Stopping goes in order: proxy first (no new work arrives), then encoders,
 then PDs.
 
@@ -25,11 +27,19 @@ import os
 import secrets
 import signal
 import sys
+import urllib.error
 import urllib.request
 
-from services.common import cli_args, grpc_utils, security
+from services.common import cli_args, grpc_utils, launch_proof, security
 from services.common.metrics_http import MetricsHttpServer
-from services.supervisor import LauncherMetrics, RestartPolicy, ServiceSpec, StartupFailed, Supervisor
+from services.launcher_metrics import LauncherMetrics
+from services.supervisor import (
+    HealthPolicy,
+    RestartPolicy,
+    ServiceSpec,
+    StartupFailed,
+    Supervisor,
+)
 
 DEFAULT_LAUNCHER_METRICS_PORT = 9300
 """``epd up``'s own ``/metrics`` (restarts per service); encoders use 91xx and PDs 92xx."""
@@ -114,8 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-restarts",
         type=int,
         default=defaults.max_restarts,
-        help="restarts of one service allowed within --restart-window-s; one more exit is a crash loop and stops "
-        "epd up (0 = never restart: any exit stops the cluster)",
+        help="restarts of one service allowed within --restart-window-s; one more exit is a crash loop: that "
+        "service stays down while the others serve (epd up stops when the proxy or every PD is down; "
+        "0 = never restart)",
     )
     add(
         parser,
@@ -130,6 +141,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.backoff_s,
         help="delay before the first restart in a window; it doubles with each further restart (at most 30 s)",
+    )
+    health = HealthPolicy()
+    add(
+        parser,
+        "--health-interval-s",
+        type=float,
+        default=health.interval_s,
+        help="seconds between liveness RPCs to each running service (gRPC health; the proxy: HTTP /health)",
+    )
+    add(
+        parser,
+        "--health-timeout-s",
+        type=float,
+        default=health.timeout_s,
+        help="a liveness RPC not answered within this long failed",
+    )
+    add(
+        parser,
+        "--health-failures",
+        type=int,
+        default=health.max_failures,
+        help="consecutive failed liveness RPCs after which a running service is killed as hung (e.g. SIGSTOP) and "
+        "restarted (0 = liveness by process only)",
     )
     add(
         parser,
@@ -157,6 +191,13 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy:
         window_s=args.restart_window_s,
         backoff_s=args.restart_backoff_s,
         max_backoff_s=max(30.0, args.restart_backoff_s),
+    )
+
+
+def health_policy(args: argparse.Namespace) -> HealthPolicy:
+    """The liveness flags as a policy (ValueError when invalid)."""
+    return HealthPolicy(
+        interval_s=args.health_interval_s, timeout_s=args.health_timeout_s, max_failures=args.health_failures
     )
 
 
@@ -267,24 +308,72 @@ def launcher_security(
     if args.metrics_require_token:
         env[cli_args.env_name("--metrics-require-token")] = "1"
     transport = dataclasses.replace(
-        given, token=given.token or env.get(security.TOKEN_ENV), metrics_auth=args.metrics_require_token
+        given,
+        token=given.token or env.get(security.TOKEN_ENV),
+        metrics_auth=args.metrics_require_token,
+        launch_key=None,  # the launcher proves nothing and checks its children itself (``Supervisor``)
+        peer_launch_keys=(),
     )
     return transport, env
 
 
-def _http_ready(address: str) -> bool:
+def _http_health(address: str, launch_key: str, timeout_s: float) -> int | None:
+    """The status of the proxy's ``/health`` when the listener proved ``launch_key``, else None.
+
+    The challenge travels as a request header and the proof as a response header, as on gRPC
+    (``services/common/launch_proof.py``); any status counts, a 503 included.
+    """
+    challenge = launch_proof.new_challenge()
+    request = urllib.request.Request(
+        f"http://{address}/health", headers={launch_proof.CHALLENGE_METADATA_KEY: challenge}
+    )
     try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=2) as reply:
-            return reply.status == 200
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            status, headers = reply.status, reply.headers
+    except urllib.error.HTTPError as error:
+        status, headers = error.code, error.headers
     except OSError:
-        return False
+        return None
+    if not launch_proof.verify(launch_key, challenge, list(headers.items())):
+        return None
+    return status
+
+
+def _http_ready(address: str, launch_key: str) -> bool:
+    return _http_health(address, launch_key, 2.0) == 200
+
+
+def _http_answers(address: str, launch_key: str, timeout_s: float) -> bool:
+    """Whether the proxy answers ``/health`` at all: a 503 (no PD ready) is still a live proxy."""
+    return _http_health(address, launch_key, timeout_s) is not None
+
+
+def _alive_check(transport: security.InternalSecurity, timeout_s: float):
+    """Liveness by RPC: gRPC health ``""`` (NOT_SERVING once a PD's engine is dead or stuck), the proxy's HTTP.
+
+    The child must also prove its launch key (``launch_proof``), and no token is sent on these calls.
+    """
+
+    async def is_alive(spec: ServiceSpec, launch_key: str) -> bool:
+        if spec.health_service is not None:
+            return await grpc_utils.check_health(
+                spec.address, "", timeout=timeout_s, security=transport, launch_key=launch_key
+            )
+        return await asyncio.to_thread(_http_answers, spec.address, launch_key, timeout_s)
+
+    return is_alive
 
 
 def _ready_check(transport: security.InternalSecurity):
-    async def is_ready(spec: ServiceSpec) -> bool:
+    """Readiness: SERVING for the child's service (the proxy: ``/health`` 200), from a listener that proves
+    the child's launch key."""
+
+    async def is_ready(spec: ServiceSpec, launch_key: str) -> bool:
         if spec.health_service is not None:
-            return await grpc_utils.check_health(spec.address, spec.health_service, timeout=1.0, security=transport)
-        return await asyncio.to_thread(_http_ready, spec.address)
+            return await grpc_utils.check_health(
+                spec.address, spec.health_service, timeout=1.0, security=transport, launch_key=launch_key
+            )
+        return await asyncio.to_thread(_http_ready, spec.address, launch_key)
 
     return is_ready
 
@@ -315,8 +404,8 @@ async def _supervise(args: argparse.Namespace, supervisor: Supervisor, metrics_t
             return 130
         print(f"epd: cluster ready. OpenAI API at http://{args.host}:{args.port}/v1  (Ctrl-C to stop)", flush=True)
         crash = await supervisor.supervise(stop)
-        if crash is not None:
-            print(f"epd: {crash.message()}", file=sys.stderr, flush=True)
+        if crash is not None:  # the supervisor has said which service and why
+            print(f"epd: nothing can serve without {crash.name}; stopping the cluster", file=sys.stderr, flush=True)
             return 1
         print("epd: stopping ...", flush=True)
         return 0
@@ -346,6 +435,7 @@ def run(args: argparse.Namespace) -> int:
     problem = _usage_error(args)
     try:
         policy = restart_policy(args)
+        health = health_policy(args)
         transport, env = launcher_security(args)  # unreadable files fail here, before any child starts
     except ValueError as error:
         problem = problem or str(error)
@@ -372,6 +462,8 @@ def run(args: argparse.Namespace) -> int:
         is_ready=_ready_check(transport),
         metrics=LauncherMetrics(),
         ready_timeout_s=args.startup_timeout,
+        is_alive=_alive_check(transport, health.timeout_s),
+        health=health,
     )
     try:
         return asyncio.run(_supervise(args, supervisor, transport.metrics_token))

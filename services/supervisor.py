@@ -3,44 +3,45 @@
 A child that exits while ``epd up`` is not stopping is restarted with the
 same command on the same port after a backoff delay; the others keep
 serving, and the proxy's health watch takes the instance out of rotation
-and back in once it reports ready again. A restarted child that does not
-report ready within ``ready_timeout_s`` is killed and counts as one more
-exit, so a service wedged in start-up ends in a crash loop instead of
-leaving a hole nobody reports. When one service has been
+and back in once it reports ready again. A running child is also checked by
+RPC (``HealthPolicy``): one that stops answering, as a SIGSTOPped or wedged
+process does, is killed and restarted like one that exited. A restarted
+child that does not report ready within ``ready_timeout_s`` is killed and
+counts as one more exit, so a service wedged in start-up ends in a crash
+loop instead of leaving a hole nobody reports. When one service has been
 restarted ``max_restarts`` times within ``window_s`` and exits again, it
-is crash-looping: supervision ends and the caller stops the cluster, saying
-which service, how it exited and its last output lines.
+is crash-looping: it is left down (``epd_launcher_crash_looping``), one log
+line names it with how it exited and its last output lines, and the others
+keep serving. Supervision ends, and the caller stops the cluster, only when
+the proxy or every PD is crash-looping.
 
 Policy (``CrashHistory``) is pure and clock-driven; processes, readiness
 checks and output forwarding are injected so the loop is testable with
-tiny processes. Every child's output goes through the launcher (forwarded
-line by line, unchanged, so JSON log lines stay JSON) and its last lines
-are kept for the crash report.
+tiny processes. Every child's output is drained continuously by the
+launcher (``services/child_output.py``): forwarded line by line, unchanged,
+so JSON log lines stay JSON, dropped rather than waited for when nobody
+reads ``epd up``'s own output, and its last lines kept for the crash report.
+``epd up``'s own metrics are in ``services/launcher_metrics.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from services.child_output import OutputForwarder, OutputTail
+from services.common import launch_proof
+from services.launcher_metrics import LauncherMetrics
 
-from services.common.metrics_http import MetricDoc
-
-TAIL_LINES = 20
-"""Output lines kept per child for the crash report."""
-MAX_LINE_CHARS = 500
-"""A kept line longer than this is cut (forwarding is unchanged)."""
 POLL_S = 0.2
 """How often exits are noticed and restarts are due-checked."""
 
@@ -110,33 +111,6 @@ class ServiceSpec:
         return self.name.split("-")[0]
 
 
-class OutputTail:
-    """Forwards a child's output line by line to ``sink`` and keeps its last lines."""
-
-    def __init__(self, stream: IO[bytes], sink: IO[bytes], num_lines: int = TAIL_LINES) -> None:
-        self._lines: deque[str] = deque(maxlen=num_lines)
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._pump, args=(stream, sink), daemon=True, name="child-output")
-        self._thread.start()
-
-    def _pump(self, stream: IO[bytes], sink: IO[bytes]) -> None:
-        with stream:
-            for raw in iter(lambda: stream.readline(65536), b""):
-                try:
-                    sink.write(raw)
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass  # our own output is gone; keep draining so the child never blocks
-                with self._lock:
-                    self._lines.append(raw.decode("utf-8", "replace").rstrip()[:MAX_LINE_CHARS])
-
-    def lines(self, wait_s: float = 1.0) -> list[str]:
-        """The last lines (after up to ``wait_s`` for the pipe to drain, when the child has exited)."""
-        self._thread.join(wait_s)
-        with self._lock:
-            return list(self._lines)
-
-
 def _death_signal() -> Callable[[], None] | None:
     """What runs in the child before exec: SIGTERM it if the launcher dies (Linux ``PR_SET_PDEATHSIG``).
 
@@ -152,24 +126,53 @@ def _death_signal() -> Callable[[], None] | None:
     return lambda: prctl(1, signal.SIGTERM)
 
 
-def spawn_process(spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
-    """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *spec.argv],
-        env={**os.environ, **spec.env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_death_signal(),
-    )
-    assert process.stdout is not None
-    return process, OutputTail(process.stdout, sys.stderr.buffer)
+class ProcessSpawner:
+    """Starts ``python -m services.cli <argv>`` for a spec; its output drained into ``forwarder``."""
+
+    def __init__(self, forwarder: OutputForwarder) -> None:
+        self.forwarder = forwarder
+
+    def __call__(self, spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
+        """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *spec.argv],
+            env={**os.environ, **spec.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_death_signal(),
+        )
+        assert process.stdout is not None
+        return process, OutputTail(process.stdout, self.forwarder)
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """How a running child is checked by RPC, so that a hung one (SIGSTOP, a wedged loop) is restarted.
+
+    A child is alive when it answers its liveness RPC (gRPC health ``""``;
+    the proxy: any answer to HTTP ``/health``) within ``timeout_s``. A live
+    process that fails ``max_failures`` checks in a row is killed (SIGKILL,
+    which a stopped process cannot ignore) and restarted like one that exited.
+    """
+
+    interval_s: float = 2.0
+    """Time between the end of one check of a child and the start of the next."""
+    timeout_s: float = 2.0
+    """A check not answered within this long failed."""
+    max_failures: int = 3
+    """Consecutive failed checks that get a child killed and restarted (0 = never)."""
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.timeout_s <= 0 or self.max_failures < 0:
+            raise ValueError("health interval and timeout > 0 and max_failures >= 0 are required")
 
 
 class ChildState(enum.IntEnum):
     STARTING = 0  # spawned, not ready yet
-    RUNNING = 1  # reported ready
+    RUNNING = 1  # reported ready; checked for liveness every ``HealthPolicy.interval_s``
     WAITING = 2  # exited; restart due at ``restart_at``
+    FAILED = 3  # crash-looping: left down until ``epd up`` is restarted, the others keep serving
 
 
 @dataclass
@@ -185,6 +188,11 @@ class Child:
     num_restarts: int = 0
     started_at: float = 0.0
     not_ready_in_s: float | None = None  # set when supervision killed it for not becoming ready
+    num_failed_checks: int = 0  # consecutive liveness checks not answered in time
+    killed_as_hung: bool = False  # set when supervision killed it for failing its liveness checks
+    launch_key: str = field(default_factory=launch_proof.new_launch_key, repr=False)  # its secret for this run
+    check: asyncio.Task[bool] | None = None  # the liveness check in flight
+    next_check_at: float = 0.0
 
     @property
     def pid(self) -> int | None:
@@ -200,7 +208,7 @@ class StartupFailed(Exception):
 
 @dataclass(frozen=True)
 class CrashLoop:
-    """Why supervision gave up: the service, how it last exited, its last output lines."""
+    """A service that crash-looped: the service, how it last exited, its last output lines."""
 
     name: str
     exit: str
@@ -208,48 +216,19 @@ class CrashLoop:
     window_s: float
     tail: list[str]
 
-    def message(self) -> str:
+    def message(self, stopping: bool = True) -> str:
+        """The log line; ``stopping``: the whole cluster stops, else only this service stays down."""
         lines = "".join(f"\n  | {line}" for line in self.tail) or "\n  (no output)"
+        outcome = "stopping the cluster" if stopping else "it stays down, the others keep serving"
         return (
             f"{self.name} is crash-looping: it {self.exit} after {self.num_restarts} restarts within "
-            f"{self.window_s:.0f}s; stopping the cluster. Its last output lines:{lines}"
+            f"{self.window_s:.0f}s; {outcome}. Its last output lines:{lines}"
         )
-
-
-METRICS = (
-    MetricDoc(
-        "epd_launcher_restarts_total",
-        "counter",
-        ("service",),
-        "restarts of a child of `epd up` after it exited unexpectedly",
-    ),
-    MetricDoc(
-        "epd_launcher_service_up",
-        "gauge",
-        ("service",),
-        "1 while the child is running and has reported ready, 0 while starting or waiting to restart",
-    ),
-)
-
-
-class LauncherMetrics:
-    """``epd_launcher_*`` on a registry of its own (served by ``epd up --launcher-metrics-port``)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.restarts = Counter(
-            "epd_launcher_restarts", "Child restarts after an unexpected exit", ["service"], registry=self.registry
-        )
-        self.up = Gauge(
-            "epd_launcher_service_up", "1 while the child runs and reported ready", ["service"], registry=self.registry
-        )
-
-    async def render(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 Say = Callable[[str], None]
-ReadyCheck = Callable[[ServiceSpec], Awaitable[bool]]
+ReadyCheck = Callable[[ServiceSpec, str], Awaitable[bool]]
+"""``(spec, launch_key) -> ready/alive``: must hold only when the listener proves it holds ``launch_key``."""
 Spawn = Callable[[ServiceSpec], tuple[subprocess.Popen, OutputTail]]
 
 
@@ -266,27 +245,43 @@ class Supervisor:
         policy: RestartPolicy,
         *,
         is_ready: ReadyCheck,
-        spawn: Spawn = spawn_process,
+        spawn: Spawn | None = None,
         metrics: LauncherMetrics | None = None,
         say: Say = _say,
         clock: Callable[[], float] = time.monotonic,
         ready_timeout_s: float | None = None,
+        is_alive: ReadyCheck | None = None,
+        health: HealthPolicy | None = None,
     ) -> None:
         self.policy = policy
         self.ready_timeout_s = ready_timeout_s  # for restarted children; None = wait forever
         self.children = [Child(spec, CrashHistory(policy)) for spec in specs]
         self._is_ready = is_ready
-        self._spawn = spawn
+        self._is_alive = is_alive  # None = liveness by process only
+        self.health = health or HealthPolicy()
+        self._spawn = spawn or ProcessSpawner(OutputForwarder(sys.stderr.buffer))
         self.metrics = metrics or LauncherMetrics()
         self._say = say
         self._clock = clock
         for spec in specs:  # every series exists from the start, at 0
             self.metrics.restarts.labels(spec.name)
+            self.metrics.health_kills.labels(spec.name)
             self.metrics.up.labels(spec.name).set(0)
+            self.metrics.crash_looping.labels(spec.name).set(0)
 
     def _start(self, child: Child) -> None:
-        child.process, child.output = self._spawn(child.spec)
+        # Only this child can prove its key, so a listener that took the port while it was down
+        # is never taken for it (see ``services/common/launch_proof.py``).
+        env = {**child.spec.env, launch_proof.LAUNCH_KEY_ENV: child.launch_key}
+        if child.spec.kind == "proxy":  # the one that sends encoders and PDs the token verifies them too
+            peers = {c.spec.address: c.launch_key for c in self.children if c.spec.health_service is not None}
+            env[launch_proof.PEER_KEYS_ENV] = launch_proof.format_peer_keys(peers)
+        child.process, child.output = self._spawn(dataclasses.replace(child.spec, env=env))
         child.state, child.started_at, child.not_ready_in_s = ChildState.STARTING, self._clock(), None
+        child.num_failed_checks, child.killed_as_hung = 0, False
+        if child.check is not None:  # a check of the previous process says nothing about this one
+            child.check.cancel()
+            child.check = None
         self.metrics.up.labels(child.spec.name).set(0)
 
     def start_all(self) -> None:
@@ -313,34 +308,85 @@ class Supervisor:
     async def _check_starting(self) -> bool:
         """Asks every starting child whether it is ready now; True when all children run."""
         starting = [c for c in self.children if c.state is ChildState.STARTING and c.process.poll() is None]
-        answers = await asyncio.gather(*(self._is_ready(c.spec) for c in starting))
+        answers = await asyncio.gather(*(self._is_ready(c.spec, c.launch_key) for c in starting))
         for child, ready in zip(starting, answers):
             if ready and child.process.poll() is None:
-                child.state = ChildState.RUNNING
+                child.state, child.next_check_at = ChildState.RUNNING, self._clock() + self.health.interval_s
                 self.metrics.up.labels(child.spec.name).set(1)
                 again = " again" if child.num_restarts else ""
                 self._say(f"  {child.spec.name:<10} ready{again} on {child.spec.address} (pid {child.pid})")
         return all(c.state is ChildState.RUNNING for c in self.children)
 
     async def supervise(self, stop: asyncio.Event) -> CrashLoop | None:
-        """Restarts children that exit until ``stop`` is set (None) or one crash-loops (returned)."""
-        while not stop.is_set():
-            now = self._clock()
+        """Restarts children that exit or hang until ``stop`` is set (None) or the cluster cannot serve.
+
+        A crash-looping service is left down while the others keep serving;
+        supervision ends (returning it) only when the proxy, or every PD,
+        crash-looped: nothing could answer a request any more.
+        """
+        try:
+            while not stop.is_set():
+                now = self._clock()
+                for child in self.children:
+                    if child.state is ChildState.FAILED:
+                        continue
+                    if child.state is ChildState.WAITING:
+                        if now >= child.restart_at:
+                            self._start(child)
+                            self._say(
+                                f"epd: {child.spec.name} restarted (pid {child.pid}, restart {child.num_restarts})"
+                            )
+                        continue
+                    if child.process.poll() is None:
+                        self._kill_if_not_ready(child, now)
+                        self._check_alive(child, now)
+                        continue
+                    crash = self._on_exit(child, now)
+                    if crash is not None and self._cannot_serve(crash):
+                        return crash
+                await self._check_starting()
+                await _wait(stop, POLL_S)
+            return None
+        finally:
             for child in self.children:
-                if child.state is ChildState.WAITING:
-                    if now >= child.restart_at:
-                        self._start(child)
-                        self._say(f"epd: {child.spec.name} restarted (pid {child.pid}, restart {child.num_restarts})")
-                    continue
-                if child.process.poll() is None:
-                    self._kill_if_not_ready(child, now)
-                    continue
-                crash = self._on_exit(child, now)
-                if crash is not None:
-                    return crash
-            await self._check_starting()
-            await _wait(stop, POLL_S)
-        return None
+                if child.check is not None:
+                    child.check.cancel()
+
+    def _cannot_serve(self, crash: CrashLoop) -> bool:
+        """Whether the cluster is useless after ``crash``: the proxy or every PD is down for good."""
+        if crash.name == "proxy":
+            return True
+        pds = [c for c in self.children if c.spec.kind == "pd"]
+        return bool(pds) and all(c.state is ChildState.FAILED for c in pds)
+
+    def _check_alive(self, child: Child, now: float) -> None:
+        """Starts a due liveness check of a running child, or acts on the one that finished."""
+        if self._is_alive is None or self.health.max_failures == 0 or child.state is not ChildState.RUNNING:
+            return
+        if child.check is None:
+            if now >= child.next_check_at:
+                child.check = asyncio.ensure_future(self._alive_within_timeout(child.spec, child.launch_key))
+            return
+        if not child.check.done():
+            return
+        alive, child.check = child.check.result(), None
+        child.next_check_at = now + self.health.interval_s
+        child.num_failed_checks = 0 if alive else child.num_failed_checks + 1
+        if child.num_failed_checks >= self.health.max_failures and not child.killed_as_hung:
+            child.killed_as_hung = True
+            self.metrics.health_kills.labels(child.spec.name).inc()
+            self._say(
+                f"epd: {child.spec.name} (pid {child.pid}) did not answer {child.num_failed_checks} health checks "
+                f"in a row ({self.health.timeout_s:g}s each); killing it as hung"
+            )
+            child.process.kill()
+
+    async def _alive_within_timeout(self, spec: ServiceSpec, launch_key: str) -> bool:
+        assert self._is_alive is not None
+        try:
+            return await asyncio.wait_for(self._is_alive(spec, launch_key), self.health.timeout_s)
+        except Exception:  # unanswered, refused or broken: a failed check either way, never a crash of supervision
+            return False
 
     def _kill_if_not_ready(self, child: Child, now: float) -> None:
         """Kills a child still starting after ``ready_timeout_s``; its exit is then handled like any other."""
@@ -356,10 +402,16 @@ class Supervisor:
         how = describe_exit(child.process.returncode)
         if child.not_ready_in_s is not None:
             how = f"did not become ready within {child.not_ready_in_s:g}s"
+        if child.killed_as_hung:
+            how = f"stopped answering health checks ({child.num_failed_checks} in a row)"
         self.metrics.up.labels(child.spec.name).set(0)
         delay = child.history.on_exit(now)
         if delay is None:
-            return CrashLoop(child.spec.name, how, child.history.num_recent, self.policy.window_s, child.tail())
+            crash = CrashLoop(child.spec.name, how, child.history.num_recent, self.policy.window_s, child.tail())
+            child.state = ChildState.FAILED
+            self.metrics.crash_looping.labels(child.spec.name).set(1)
+            self._say(f"epd: {crash.message(stopping=self._cannot_serve(crash))}")
+            return crash
         child.num_restarts += 1
         child.state, child.restart_at = ChildState.WAITING, now + delay
         self.metrics.restarts.labels(child.spec.name).inc()

@@ -8,6 +8,7 @@ and 1 MiB push chunks; nothing else comes close.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common import launch_proof
 from services.common.logs import safe_request_id
 from services.common.security import NO_SECURITY, InternalSecurity
 
@@ -115,16 +117,28 @@ def request_id_of(context: grpc.aio.ServicerContext) -> str:
 
 
 class _HealthServicer(health.aio.HealthServicer):
-    """The stock asyncio health servicer, except that Watch streams end when the server stops.
+    """The stock asyncio health servicer, except that Watch streams end when the server stops,
+    and a Check carrying ``epd up``'s challenge is answered with this start's proof.
 
     A Watch never ends by itself, so without this every ``server.stop(grace)``
     would wait out its whole grace period for the proxies' health watches.
     A watcher sees the stream end (or NOT_SERVING first) and stops routing here.
+    ``launch_key``: see ``launch_proof`` (None: no proof is ever given).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, launch_key: str | None = None) -> None:
         super().__init__()
         self._closing = asyncio.Event()
+        self._launch_key = launch_key
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        if self._launch_key is not None:
+            answer = launch_proof.answer(self._launch_key, context.invocation_metadata())
+            if answer is not None:
+                context.set_trailing_metadata(((launch_proof.PROOF_METADATA_KEY, answer),))
+        return await super().Check(request, context)
 
     def close_watches(self) -> None:
         self._closing.set()
@@ -191,7 +205,7 @@ async def start_server(
         interceptors=[*security.server_interceptors(), *interceptors],
     )
     register(server)
-    health_servicer = _HealthServicer()
+    health_servicer = _HealthServicer(security.launch_key)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if security.reflection:
         # Imported only when asked for: reflection is off by default.
@@ -212,19 +226,45 @@ async def start_server(
 
 
 async def check_health(
-    address: str, service_name: str, timeout: float = 2.0, security: InternalSecurity = NO_SECURITY
+    address: str,
+    service_name: str,
+    timeout: float = 2.0,
+    security: InternalSecurity = NO_SECURITY,
+    launch_key: str | None = None,
 ) -> bool:
     """True when ``address`` reports SERVING for ``service_name`` (one-shot, own channel).
 
     Health needs no token, but with mTLS the handshake needs ``security``'s certificate.
+    With ``launch_key``, the server must also prove it holds that key (``launch_proof``);
+    then no token is sent, whatever ``security`` holds: the listener is not verified yet.
     """
+    if launch_key is not None:
+        security = dataclasses.replace(security, token=None, metrics_auth=False)
     async with aio_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=service_name)
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service_name), timeout=timeout)
+            if launch_key is not None:
+                reply = await proven_check(stub, request, launch_key, timeout)
+            else:
+                reply = await stub.Check(request, timeout=timeout)
         except grpc.aio.AioRpcError:
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return reply is not None and reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def proven_check(
+    stub: health_pb2_grpc.HealthStub, request: health_pb2.HealthCheckRequest, launch_key: str, timeout: float
+) -> health_pb2.HealthCheckResponse | None:
+    """A health Check that carries a fresh challenge: the reply, or None when the server did not prove
+    ``launch_key`` (some other process on the port, whatever it says). ``AioRpcError`` as from any call.
+    """
+    challenge = launch_proof.new_challenge()
+    call = stub.Check(request, timeout=timeout, metadata=((launch_proof.CHALLENGE_METADATA_KEY, challenge),))
+    reply = await call
+    if not launch_proof.verify(launch_key, challenge, await call.trailing_metadata()):
+        return None
+    return reply
 
 
 async def wait_healthy(

@@ -7,7 +7,8 @@ compose and Kubernetes files read one from a secret:
 - **Shared token.** Every internal call carries ``authorization: Bearer <token>``
   metadata; a server refuses a missing or wrong token with UNAUTHENTICATED
   (constant-time comparison). ``grpc.health.v1.Health`` is exempt, so probes
-  need no secret. Without TLS the token crosses the network in clear text: it
+  need no secret, and clients never send it there (a health probe or watch
+  may reach whatever took a restarting peer's port). Without TLS the token crosses the network in clear text: it
   keeps stray callers out, not eavesdroppers.
 - **TLS / mTLS from PEM files.** ``--tls-cert`` + ``--tls-key`` turn TLS on.
   ``--tls-ca`` adds peer checks: servers then demand a client certificate
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common import cli_args
+from services.common import cli_args, launch_proof
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,16 @@ class InternalSecurity:
     """Serve gRPC server reflection (for grpcurl and similar tools)."""
     metrics_auth: bool = False
     """``/metrics`` answers only requests carrying ``Authorization: Bearer <token>`` (needs ``token``)."""
+    launch_key: str | None = None
+    """This process's key from ``epd up`` (``$EPD_LAUNCH_KEY``): health checks are answered with a proof of it
+    (``launch_proof``), so peers can tell this process from another on its port. None = not launched so."""
+    peer_launch_keys: tuple[tuple[str, str], ...] = ()
+    """``(address, key)`` of the peers ``epd up`` started (``$EPD_PEER_LAUNCH_KEYS``): a peer at such an
+    address counts as ready only once it proved that key, before any call with the token goes there."""
+
+    def peer_launch_key(self, address: str) -> str | None:
+        """The key the listener at ``address`` must prove, or None when it was not given."""
+        return dict(self.peer_launch_keys).get(address)
 
     def __post_init__(self) -> None:
         if self.token is not None:
@@ -126,6 +137,8 @@ class InternalSecurity:
             parts.append("reflection")
         if self.metrics_auth:
             parts.append("metrics-token")
+        if self.launch_key is not None:
+            parts.append("launch-proof")
         return "+".join(parts)
 
     def __repr__(self) -> str:
@@ -166,7 +179,7 @@ class InternalSecurity:
         return ()
 
     def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
-        """Interceptors that attach the token to every call of a channel (all four arities)."""
+        """Interceptors that attach the token to every call of a channel but health (all four arities)."""
         if self.token is None:
             return []
         entry = (AUTH_METADATA_KEY, f"Bearer {self.token}")
@@ -234,6 +247,11 @@ class _AttachToken:
         self._entry = entry
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method.startswith(HEALTH_METHOD_PREFIX):
+            # Health is exempt on the server, so the token would only inform whoever listens: a
+            # probe or watch may reach a process that took a restarting peer's port.
+            return details
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(*self._entry)
         return details._replace(metadata=metadata)
@@ -344,4 +362,6 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         tls_server_name=getattr(args, "tls_server_name", ""),
         reflection=bool(getattr(args, "grpc_reflection", False)),
         metrics_auth=bool(getattr(args, "metrics_require_token", False)),
+        launch_key=environ.get(launch_proof.LAUNCH_KEY_ENV) or None,
+        peer_launch_keys=launch_proof.parse_peer_keys(environ.get(launch_proof.PEER_KEYS_ENV, "")),
     )

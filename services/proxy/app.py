@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from services.common import launch_proof
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
@@ -388,7 +389,13 @@ async def health(request: Request) -> JSONResponse:
     encoder_ok = not state.backends.has_encoders or any(report["encoder"].values())
     ok = pd_ok and encoder_ok
     body = {"status": "ok" if ok else "unavailable", **(report if state.guard.allows(request) else {})}
-    return JSONResponse(body, status_code=200 if ok else 503)
+    headers = {}
+    launch_key = state.config.security.launch_key
+    if launch_key is not None:  # ``epd up`` asks who answers on this port (services/common/launch_proof.py)
+        proof = launch_proof.answer(launch_key, list(request.headers.items()))
+        if proof is not None:
+            headers[launch_proof.PROOF_METADATA_KEY] = proof
+    return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
 
 async def metrics(request: Request) -> Response:

@@ -68,7 +68,10 @@ class Backends:
                 kind,
                 targets,
                 lambda address: client_cls(
-                    address, grpc_utils.aio_channel(address, config.security), breaker=breaker()
+                    address,
+                    grpc_utils.aio_channel(address, config.security),
+                    breaker=breaker(),
+                    launch_key=config.security.peer_launch_key(address),
                 ),
                 resolver=resolver,
                 on_added=monitor.watch,

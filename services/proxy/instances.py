@@ -162,9 +162,11 @@ class Instance:
         *,
         breaker: CircuitBreaker | None = None,
         clock: Clock = time.monotonic,
+        launch_key: str | None = None,
     ) -> None:
         self.address = address
         self.channel = channel
+        self.launch_key = launch_key  # ``epd up``'s key this instance must prove before it is ready (launch_proof)
         self.breaker = breaker or CircuitBreaker(clock=clock)
         self.readiness = Readiness.UNKNOWN
         self.num_outstanding = 0
@@ -177,7 +179,10 @@ class Instance:
 
     # -- routing view -----------------------------------------------------
     def routable(self) -> bool:
-        """Not known to be down: ready (or not yet checked), breaker allows, still listed."""
+        """Not known to be down: ready (or not yet checked, unless it has a launch key to prove first),
+        breaker allows, still listed."""
+        if self.readiness is Readiness.UNKNOWN and self.launch_key is not None:
+            return False
         return not self.retired and self.readiness is not Readiness.NOT_READY and self.breaker.allows()
 
     def last_resort(self) -> bool:

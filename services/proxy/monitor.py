@@ -5,7 +5,10 @@ own channel: the server pushes every change (NOT_SERVING while warming up or
 draining), and a dead process ends the stream at once, so a SIGKILLed
 instance is out of rotation within milliseconds, not a polling period. The
 stream is re-opened with capped backoff; the first answer of a recovered
-instance puts it back.
+instance puts it back. Under ``epd up`` an instance must first prove, on
+each newly opened stream, the launch key ``epd up`` gave it
+(``services/common/launch_proof.py``): a process that took a restarting
+instance's port is never ready, so no call with the token goes to it.
 
 Load comes from polling ``GetLoad`` on ready instances every
 ``load_interval_s`` (0 = off; routing then uses this proxy's own counts).
@@ -20,6 +23,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2
 
+from services.common import grpc_utils
 from services.proxy.instances import Instance, Readiness, serving
 
 log = logging.getLogger(__name__)
@@ -60,16 +64,41 @@ class Monitor:
         request = health_pb2.HealthCheckRequest(service=instance.service_name)
         backoff = self.retry_s
         while True:
+            proven = instance.launch_key is None
+            watch = instance.health_stub.Watch(request)
             try:
-                async for reply in instance.health_stub.Watch(request):
+                async for reply in watch:
+                    # The stream lives on one connection: proving the listener once per stream covers
+                    # every answer on it; a new connection means a new stream, proven again.
+                    if not proven and not (proven := await self._proven(instance, request)):
+                        break
                     instance.set_readiness(serving(reply))
                     backoff = self.retry_s
             except grpc.aio.AioRpcError:
                 pass
+            finally:
+                watch.cancel()
             # The stream ended: the process is gone, stopping, or unreachable.
             instance.set_readiness(Readiness.NOT_READY)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_retry_s)
+
+    async def _proven(self, instance: Instance, request: health_pb2.HealthCheckRequest) -> bool:
+        """Whether the listener proves ``instance.launch_key``; logged when it does not."""
+        assert instance.launch_key is not None
+        try:
+            reply = await grpc_utils.proven_check(
+                instance.health_stub, request, instance.launch_key, self.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        if reply is None:
+            log.warning(
+                "%s %s: the listener did not prove the launch key epd up gave this instance; not routing to it",
+                instance.kind,
+                instance.address,
+            )
+        return reply is not None
 
     async def _poll_load(self, instance: Instance) -> None:
         while True:

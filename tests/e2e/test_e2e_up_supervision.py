@@ -1,4 +1,4 @@
-"""``epd up`` keeps serving through a crash (issue 16's must-show), and stops on a crash loop.
+"""``epd up`` keeps serving through a crash (issue 16's must-show), and through one service's crash loop.
 
 One ``epd up --encoders 2 --pds 2`` on the tiny model serves a bounded mixed
 load (text and image requests, some of them streamed) while one encoder and
@@ -6,14 +6,17 @@ then one PD are SIGKILLed. Without a restart of ``epd up``: at least 95% of
 the requests succeed, every other one ends cleanly (an OpenAI error, or a
 stream's error event followed by ``[DONE]``; none is cut off silently), and
 both killed services are restarted on their ports and ready again within
-60 s. Then one encoder is killed and its port held, so that every restart
-fails: ``epd up`` must stop, naming that encoder, its exit and its last lines.
+60 s. A SIGSTOPped PD is found by its unanswered health RPCs, killed and
+restarted. Then one encoder is killed and its port held, so that every restart
+fails: ``epd up`` must leave that encoder down, name it with its exit and
+its last lines, and keep serving with the others.
 
 Before issue 16, ``epd up`` tore the whole cluster down at the first exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -243,6 +246,12 @@ def _restarts(cluster: Cluster) -> dict[str, float]:
     }
 
 
+def _launcher_metric(cluster: Cluster, name: str, service: str) -> float | None:
+    text = httpx.get(f"http://127.0.0.1:{cluster.launcher_metrics}/metrics", timeout=5).text
+    match = re.search(rf'{name}\{{service="{service}"\}} (\S+)', text)
+    return None if match is None else float(match.group(1))
+
+
 def test_a_killed_encoder_and_pd_are_restarted_while_the_cluster_keeps_serving(cluster):
     launcher = cluster.launcher
     proxy_pid = launcher.pid_of("proxy")
@@ -300,7 +309,28 @@ def test_a_killed_encoder_and_pd_are_restarted_while_the_cluster_keeps_serving(c
         assert all(send(client, index).ok for index in range(100, 104))
 
 
-def test_a_crash_looping_service_stops_epd_up_naming_it(cluster):
+def test_a_hung_pd_is_detected_by_rpc_and_restarted(cluster):
+    """Second review, 7: a SIGSTOPped PD stayed "up" with 0 restarts; now its health RPCs time out and it is
+    killed and restarted (default liveness: every 2 s, 2 s timeout, 3 failures in a row)."""
+    launcher = cluster.launcher
+    pid = launcher.pid_of("pd-1")
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        killed_at = launcher.wait_for(r"pd-1 \(pid \d+\) did not answer 3 health checks in a row", 60, after=stopped)[0]
+        ready_at = launcher.wait_for(r"pd-1\s+ready again", 60, after=killed_at)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    print(f"hung pd-1: killed {killed_at - stopped:.1f}s after SIGSTOP, ready again {ready_at - stopped:.1f}s after")
+    assert _launcher_metric(cluster, "epd_launcher_health_kills_total", "pd-1") == 1
+    assert launcher.wait_for(r"pd-1 stopped answering health checks \(3 in a row\); restarting it", 5)
+    with httpx.Client(base_url=cluster.base_url, timeout=30) as client:
+        assert all(send(client, index).ok for index in range(300, 304))
+
+
+def test_a_crash_loop_takes_out_only_that_service_while_the_others_keep_serving(cluster):
+    """Second review, 7: one encoder's crash loop left it down, named; before, it stopped the whole cluster."""
     launcher = cluster.launcher
     port = cluster.encoder_base + 1
     killed = _kill(launcher.pid_of("encoder-1"))
@@ -315,12 +345,17 @@ def test_a_crash_looping_service_stops_epd_up_naming_it(cluster):
                 assert time.monotonic() < end, "the killed encoder's port never freed"
                 time.sleep(0.02)
         holder.listen()
-        assert launcher.process.wait(180) == 1
+        pattern = r"encoder-1 is crash-looping: it exited with code 1 after 2 restarts within 60s; it stays down"
+        launcher.wait_for(pattern, 180, after=killed)
+        assert launcher.process.poll() is None  # epd up goes on
+        assert _launcher_metric(cluster, "epd_launcher_crash_looping", "encoder-1") == 1
+        assert _launcher_metric(cluster, "epd_launcher_crash_looping", "encoder-0") == 0
+        output = launcher.output()
+        tail = output[output.index("encoder-1 is crash-looping") :]
+        assert "| " in tail and "bind" in tail  # its last output lines, with the reason
+        # The others keep serving: text and images (on encoder-0) alike.
+        with httpx.Client(base_url=cluster.base_url, timeout=30) as client:
+            outcomes = [send(client, index) for index in range(200, 206)]
+        assert all(o.ok for o in outcomes), [(o.index, o.status, o.error_code) for o in outcomes]
     finally:
         holder.close()
-    launcher.wait_for("stopped", 30, after=killed)
-    message = launcher.wait_for(r"encoder-1 is crash-looping: it exited with code 1 after 2 restarts", 5)[1]
-    assert message is not None
-    output = launcher.output()
-    tail = output[output.index("encoder-1 is crash-looping") :]
-    assert "| " in tail and "bind" in tail  # its last output lines, with the reason

@@ -6,11 +6,12 @@ import re
 from pathlib import Path
 
 from services.encoder.metrics import METRICS as ENCODER_METRICS
+from services.launcher_metrics import METRICS as LAUNCHER_METRICS
 from services.pd.metrics import METRICS as PD_METRICS
 from services.proxy.metrics import METRICS as PROXY_METRICS
 
 README = Path(__file__).resolve().parents[3] / "README.md"
-ROW = re.compile(r"^\| (proxy|encoder|pd) \| (`[^|]+?) \| (counter|gauge|histogram) \|([^|]*)\|")
+ROW = re.compile(r"^\| (proxy|encoder|pd|launcher) \| (`[^|]+?) \| (counter|gauge|histogram) \|([^|]*)\|")
 
 
 def _names(cell: str) -> list[str]:
@@ -38,7 +39,12 @@ def _readme_rows() -> set[tuple[str, str, str, tuple[str, ...]]]:
 def test_the_readme_metric_table_matches_every_services_metric_docs():
     declared = {
         (service, doc.name, doc.type, tuple(doc.labels))
-        for service, docs in (("proxy", PROXY_METRICS), ("encoder", ENCODER_METRICS), ("pd", PD_METRICS))
+        for service, docs in (
+            ("proxy", PROXY_METRICS),
+            ("encoder", ENCODER_METRICS),
+            ("pd", PD_METRICS),
+            ("launcher", LAUNCHER_METRICS),
+        )
         for doc in docs
     }
     documented = _readme_rows()

@@ -74,3 +74,12 @@ def test_restart_flags_build_the_policy_and_bad_ones_are_usage_errors(clean_env,
     assert (policy.max_restarts, policy.window_s, policy.backoff_s) == (2, 30.0, 0.5)
     assert launcher.run(_args(["--max-restarts", "-1"])) == 2
     assert "max_restarts" in capsys.readouterr().err
+
+
+def test_health_flags_build_the_liveness_policy_and_bad_ones_are_usage_errors(clean_env, capsys):
+    health = launcher.health_policy(
+        _args(["--health-interval-s", "0.5", "--health-timeout-s", "1.5", "--health-failures", "4"])
+    )
+    assert (health.interval_s, health.timeout_s, health.max_failures) == (0.5, 1.5, 4)
+    assert launcher.run(_args(["--health-timeout-s", "0"])) == 2
+    assert "health" in capsys.readouterr().err

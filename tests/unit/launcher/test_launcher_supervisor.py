@@ -8,17 +8,25 @@ service (that is ``tests/e2e/test_e2e_up_supervision.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import launcher
+from services.child_output import OutputForwarder, OutputTail
+from services.common import grpc_utils, launch_proof, security
+from services.common.security import InternalSecurity
 from services.supervisor import (
     CrashHistory,
-    OutputTail,
+    HealthPolicy,
     RestartPolicy,
     ServiceSpec,
     StartupFailed,
@@ -68,6 +76,7 @@ class StandIns:
 
     def __init__(self) -> None:
         self.sink = io.BytesIO()
+        self.forwarder = OutputForwarder(self.sink)
         self.scripts: dict[str, str] = {}
         self.num_spawned: dict[str, int] = {}
 
@@ -77,10 +86,10 @@ class StandIns:
             [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.num_spawned[spec.name] = self.num_spawned.get(spec.name, 0) + 1
-        return process, OutputTail(process.stdout, self.sink)
+        return process, OutputTail(process.stdout, self.forwarder)
 
 
-async def alive(spec: ServiceSpec) -> bool:
+async def alive(spec: ServiceSpec, launch_key: str) -> bool:
     return True
 
 
@@ -132,11 +141,48 @@ async def test_a_killed_child_is_restarted_and_the_others_keep_running():
     assert all(child.process.poll() is not None for child in supervisor.children)
 
 
-async def test_a_crash_looping_child_ends_supervision_naming_it_with_its_last_lines():
+async def test_a_crash_loop_takes_out_only_that_service_while_the_others_keep_serving():
+    """One replica's crash loop: it is left down and named; before, it stopped the whole cluster."""
+    stand_ins, said = StandIns(), []
+    policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.01)
+    supervisor = Supervisor(
+        _specs(("encoder-0", RUN_FOREVER), ("pd-0", RUN_FOREVER), ("proxy", RUN_FOREVER)),
+        policy,
+        is_ready=alive,
+        spawn=stand_ins.spawn,
+        say=said.append,
+    )
+    stop = asyncio.Event()
+    try:
+        supervisor.start_all()
+        await supervisor.wait_ready(30, stop)
+        stand_ins.scripts["encoder-0"] = CRASH  # every restart now fails at once
+        os.kill(supervisor.children[0].pid, signal.SIGKILL)
+        task = asyncio.create_task(supervisor.supervise(stop))
+        await _until(lambda: _metric(supervisor, "epd_launcher_crash_looping", "encoder-0") == 1, "the crash loop")
+        await asyncio.sleep(0.5)
+        assert not task.done()  # supervision goes on for the others
+        assert all(c.process.poll() is None for c in supervisor.children[1:])
+        stop.set()
+        assert await task is None
+    finally:
+        supervisor.stop_all(grace_s=5)
+    assert stand_ins.num_spawned == {"encoder-0": 3, "pd-0": 1, "proxy": 1}  # the others were never touched
+    assert _metric(supervisor, "epd_launcher_crash_looping", "pd-0") == 0
+    [line] = [line for line in said if "crash-looping" in line]
+    assert line.startswith(
+        "epd: encoder-0 is crash-looping: it exited with code 3 after 2 restarts within 60s; it stays down, "
+        "the others keep serving."
+    )
+    assert "| boom: port in use" in line  # its last output lines
+    assert b"boom: port in use" in stand_ins.sink.getvalue()  # output is forwarded as it comes
+
+
+async def test_a_crash_looping_proxy_ends_supervision_naming_it_with_its_last_lines():
     stand_ins = StandIns()
     policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.01)
     supervisor = Supervisor(
-        _specs(("encoder-0", RUN_FOREVER), ("proxy", RUN_FOREVER)),
+        _specs(("pd-0", RUN_FOREVER), ("proxy", RUN_FOREVER)),
         policy,
         is_ready=alive,
         spawn=stand_ins.spawn,
@@ -146,25 +192,23 @@ async def test_a_crash_looping_child_ends_supervision_naming_it_with_its_last_li
     try:
         supervisor.start_all()
         await supervisor.wait_ready(30, stop)
-        stand_ins.scripts["encoder-0"] = CRASH  # every restart now fails at once
-        os.kill(supervisor.children[0].pid, signal.SIGKILL)
+        stand_ins.scripts["proxy"] = CRASH
+        os.kill(supervisor.children[1].pid, signal.SIGKILL)
         crash = await asyncio.wait_for(supervisor.supervise(stop), 60)
     finally:
         supervisor.stop_all(grace_s=5)
-    assert crash is not None and crash.name == "encoder-0"
+    assert crash is not None and crash.name == "proxy"
     assert crash.exit == "exited with code 3" and crash.num_restarts == 2
     assert crash.tail[-1] == "boom: port in use"
-    message = crash.message()
-    assert message.startswith("encoder-0 is crash-looping: it exited with code 3 after 2 restarts")
-    assert "| boom: port in use" in message
-    assert stand_ins.num_spawned["proxy"] == 1  # the others were never touched
-    assert b"boom: port in use" in stand_ins.sink.getvalue()  # output is forwarded as it comes
+    assert crash.message().startswith("proxy is crash-looping: it exited with code 3 after 2 restarts")
+    assert "stopping the cluster" in crash.message()
+    assert stand_ins.num_spawned["pd-0"] == 1
 
 
 async def test_a_restarted_child_that_never_becomes_ready_is_killed_and_ends_in_a_crash_loop():
     stand_ins, said = StandIns(), []
 
-    async def only_first_start_ready(spec):  # a restart wedges in start-up (alive, never ready)
+    async def only_first_start_ready(spec, launch_key):  # a restart wedges in start-up (alive, never ready)
         return stand_ins.num_spawned[spec.name] == 1
 
     policy = RestartPolicy(max_restarts=1, window_s=60, backoff_s=0.01)
@@ -196,7 +240,7 @@ async def test_a_child_that_exits_during_start_up_aborts_with_its_output():
     stand_ins = StandIns()
     supervisor = Supervisor(_specs(("pd-0", CRASH)), RestartPolicy(), is_ready=alive, spawn=stand_ins.spawn)
 
-    async def never_ready(spec):
+    async def never_ready(spec, launch_key):
         return False
 
     supervisor._is_ready = never_ready
@@ -213,7 +257,7 @@ async def test_a_child_that_exits_during_start_up_aborts_with_its_output():
 async def test_a_start_up_that_takes_too_long_is_reported():
     stand_ins = StandIns()
 
-    async def never_ready(spec):
+    async def never_ready(spec, launch_key):
         return False
 
     supervisor = Supervisor(
@@ -225,3 +269,215 @@ async def test_a_start_up_that_takes_too_long_is_reported():
             await supervisor.wait_ready(0.1, asyncio.Event())
     finally:
         supervisor.stop_all(grace_s=5)
+
+
+# -- finding 7: children's output is drained ------------------------------------------------
+CHATTY = "import sys\nfor i in range(20000): print('request', i, 'x' * 80)\nsys.stdout.flush()\nsys.exit(7)"
+
+
+async def test_a_childs_output_is_drained_when_nobody_reads_the_launchers_output():
+    """A child logging ~1.8 MB while ``epd up``'s own stderr is an unread pipe: it must not block on its stdout.
+
+    Before, the pump wrote each line to the launcher's stderr itself, so once that pipe's
+    64 KiB filled, the pump stopped reading, the child's pipe filled and every write of the
+    child blocked (the cluster froze after 302 requests' log lines).
+    """
+    read_end, write_end = os.pipe()  # the launcher's stderr that nobody reads
+    sink = os.fdopen(write_end, "wb")
+    forwarder = OutputForwarder(sink, max_pending_lines=100)
+    process = subprocess.Popen([sys.executable, "-c", CHATTY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tail = OutputTail(process.stdout, forwarder)
+    try:
+        assert await asyncio.to_thread(process.wait, 30) == 7  # finished writing: never blocked
+        assert tail.lines(wait_s=5)[-1].startswith("request 19999 ")
+        assert forwarder.num_dropped > 0  # what the unread pipe could not take was dropped, not waited for
+    finally:
+        process.kill()
+        os.close(read_end)  # the blocked write now fails (EPIPE); the writer thread carries on
+
+
+# -- finding 7: health by RPC, not by process liveness --------------------------------------
+HTTP_HEALTH = """
+import http.server, os, sys
+from services.common import launch_proof
+class Health(http.server.BaseHTTPRequestHandler):  # a proxy's /health, answering epd up's challenge
+    def do_GET(self):
+        self.send_response(200)
+        proof = launch_proof.answer(os.environ[launch_proof.LAUNCH_KEY_ENV], list(self.headers.items()))
+        if proof is not None:
+            self.send_header(launch_proof.PROOF_METADATA_KEY, proof)
+        self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+print("up", flush=True)
+server.serve_forever()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_hung_child_is_detected_by_rpc_and_restarted():
+    """A SIGSTOPped child is alive as a process but answers no RPC: it must be killed and restarted.
+
+    Before, liveness was ``poll()``: the stopped child stayed "up" with 0 restarts.
+    """
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+
+    def spawn(spec: ServiceSpec):
+        process = subprocess.Popen(
+            [sys.executable, "-c", HTTP_HEALTH, str(port)],
+            env={**os.environ, **spec.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
+
+    async def answers(spec: ServiceSpec, launch_key: str) -> bool:  # the launcher's liveness RPC for the proxy
+        return await asyncio.to_thread(launcher._http_answers, spec.address, launch_key, 0.3)
+
+    said: list[str] = []
+    supervisor = Supervisor(
+        [ServiceSpec("proxy", (), address, None)],
+        RestartPolicy(max_restarts=3, window_s=60, backoff_s=0.05),
+        is_ready=answers,
+        is_alive=answers,
+        health=HealthPolicy(interval_s=0.1, timeout_s=0.3, max_failures=3),
+        spawn=spawn,
+        say=said.append,
+    )
+    stop = asyncio.Event()
+    stopped_pid = None
+    try:
+        supervisor.start_all()
+        await supervisor.wait_ready(30, stop)
+        task = asyncio.create_task(supervisor.supervise(stop))
+        await asyncio.sleep(0.5)  # healthy checks pass: nothing happens
+        assert _metric(supervisor, "epd_launcher_restarts_total", "proxy") == 0
+        [child] = supervisor.children
+        stopped_pid = child.pid
+        os.kill(stopped_pid, signal.SIGSTOP)
+        await _until(
+            lambda: child.pid != stopped_pid and _metric(supervisor, "epd_launcher_service_up", "proxy") == 1,
+            "the hung child restarted",
+            timeout_s=20,
+        )
+        stop.set()
+        assert await task is None
+    finally:
+        if stopped_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped_pid, signal.SIGKILL)
+        supervisor.stop_all(grace_s=5)
+    assert _metric(supervisor, "epd_launcher_health_kills_total", "proxy") == 1
+    assert _metric(supervisor, "epd_launcher_restarts_total", "proxy") == 1
+    assert any("proxy" in line and "did not answer 3 health checks in a row" in line for line in said)
+    assert any("proxy stopped answering health checks (3 in a row); restarting it" in line for line in said)
+
+
+# -- finding 7: a restarted child's port is verified before anything is trusted ---------------------
+class RecordMetadata(grpc.aio.ServerInterceptor):
+    """What every call to the impostor carried."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    async def intercept_service(self, continuation, handler_call_details):
+        self.seen.extend((key, str(value)) for key, value in handler_call_details.invocation_metadata or ())
+        return await continuation(handler_call_details)
+
+
+async def _serving(launch_key: str | None, interceptor: RecordMetadata | None = None):
+    server = await grpc_utils.start_server(
+        "127.0.0.1",
+        0,
+        "epd.v1.PrefillDecode",
+        lambda _: None,
+        interceptors=[interceptor] if interceptor else [],
+        security=InternalSecurity(launch_key=launch_key),
+    )
+    await server.set_ready(True)
+    return server
+
+
+async def test_a_listener_on_a_restarting_childs_port_never_receives_the_token():
+    """A local process that binds a restarting PD's port and answers SERVING: not ready, no token.
+
+    Before, the launcher's readiness and liveness calls carried the internal token to whatever
+    listened on the port, and a listener answering SERVING was taken for the restarted child.
+    """
+    token = "t" * 32
+    transport = InternalSecurity(token=token)
+    recorder = RecordMetadata()
+    impostor = await _serving(launch_key=None, interceptor=recorder)
+    genuine_key = launch_proof.new_launch_key()
+    genuine = await _serving(launch_key=genuine_key)
+    try:
+        is_ready, is_alive = launcher._ready_check(transport), launcher._alive_check(transport, 1.0)
+        impostor_spec = ServiceSpec("pd-0", (), f"127.0.0.1:{impostor.port}", "epd.v1.PrefillDecode")
+        for _ in range(5):
+            assert not await is_ready(impostor_spec, launch_proof.new_launch_key())
+            assert not await is_alive(impostor_spec, launch_proof.new_launch_key())
+        assert recorder.seen and all(key != security.AUTH_METADATA_KEY for key, _ in recorder.seen)
+        assert not any(token in value for _, value in recorder.seen)
+        # The child started with the key proves it; the same child with another start's key does not.
+        genuine_spec = ServiceSpec("pd-1", (), f"127.0.0.1:{genuine.port}", "epd.v1.PrefillDecode")
+        assert await is_ready(genuine_spec, genuine_key) and await is_alive(genuine_spec, genuine_key)
+        assert not await is_ready(genuine_spec, launch_proof.new_launch_key())
+    finally:
+        await impostor.stop(0)
+        await genuine.stop(0)
+
+
+async def test_health_calls_never_carry_the_token_to_whatever_listens():
+    """The proxy's health watch and any probe use channels that attach the token: not to health."""
+    recorder = RecordMetadata()
+    listener = await _serving(launch_key=None, interceptor=recorder)
+    token = "t" * 32
+    try:
+        async with grpc_utils.aio_channel(f"127.0.0.1:{listener.port}", InternalSecurity(token=token)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            async for _ in stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5):
+                break
+            assert not any(token in value for _, value in recorder.seen)
+            with pytest.raises(grpc.aio.AioRpcError):  # any other method still carries it
+                await channel.unary_unary("/epd.v1.PrefillDecode/GetLoad")(b"", timeout=5)
+            assert (security.AUTH_METADATA_KEY, f"Bearer {token}") in recorder.seen
+    finally:
+        await listener.stop(0)
+
+
+def test_each_child_has_its_own_launch_key_and_the_proxy_is_given_its_peers():
+    envs: list[tuple[str, dict]] = []
+
+    def spawn(spec: ServiceSpec):
+        envs.append((spec.name, dict(spec.env)))
+        process = subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE)
+        return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
+
+    specs = [
+        ServiceSpec("pd-0", (), "127.0.0.1:5001", "epd.v1.PrefillDecode"),
+        ServiceSpec("encoder-0", (), "127.0.0.1:5002", "epd.v1.Encoder"),
+        ServiceSpec("proxy", (), "127.0.0.1:5003", None),
+    ]
+    supervisor = Supervisor(specs, RestartPolicy(), is_ready=alive, spawn=spawn)
+    try:
+        supervisor.start_all()
+        supervisor._start(supervisor.children[0])  # a restart keeps the key the proxy knows
+    finally:
+        supervisor.stop_all(grace_s=5)
+    key = {name: env[launch_proof.LAUNCH_KEY_ENV] for name, env in envs}
+    assert len(set(key.values())) == 3 and all(len(k) == 64 for k in key.values())
+    assert [env[launch_proof.LAUNCH_KEY_ENV] for name, env in envs if name == "pd-0"] == [key["pd-0"]] * 2
+    proxy_env = dict(envs)["proxy"]
+    assert dict(launch_proof.parse_peer_keys(proxy_env[launch_proof.PEER_KEYS_ENV])) == {
+        "127.0.0.1:5001": key["pd-0"],
+        "127.0.0.1:5002": key["encoder-0"],
+    }
+    assert all(launch_proof.PEER_KEYS_ENV not in env for name, env in envs if name != "proxy")
