@@ -29,7 +29,7 @@ from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
-from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
+from services.proxy.errors import ApiError, RequestError, deadline_during_body, invalid_api_key, model_not_found
 from services.proxy.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
 from services.proxy.http_util import (
     BoundedJSONResponse,
@@ -171,9 +171,16 @@ async def completions(request: Request) -> Response:
 
 
 async def _read_body(request: Request, state: ProxyState, trace: Trace, timeout_s: float) -> bytes:
-    """The body, within ``--body-timeout-s`` and the request's own deadline (408 otherwise)."""
+    """The body, within ``--body-timeout-s`` (408 otherwise) and the request's own deadline (504, as for
+    any deadline); either way the connection is closed after the answer."""
     left_s = trace.started + timeout_s - time.monotonic()
-    return await read_body(request, state.config.max_body_bytes, min(state.config.body_timeout_s, left_s))
+    bound_s = state.config.body_timeout_s
+    try:
+        return await read_body(request, state.config.max_body_bytes, min(bound_s, left_s))
+    except ApiError as error:
+        if error.status_code == 408 and left_s < bound_s:
+            raise deadline_during_body() from None
+        raise
 
 
 async def _off_loop_if_large(state: ProxyState, raw: bytes, deadline: float, fn: Callable[..., T], *args: Any) -> T:

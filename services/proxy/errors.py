@@ -220,6 +220,18 @@ def body_timeout() -> ApiError:
     )
 
 
+def deadline_during_body() -> ApiError:
+    """The request's own deadline passed while its body arrived: the 504 of any deadline, and the
+    connection is closed after it (the rest of the body is never read)."""
+    return ApiError(
+        504,
+        "The request did not finish before its deadline.",
+        "server_error",
+        "timeout",
+        headers={"Connection": "close"},
+    )
+
+
 _STALL_WHAT = {"first_token": "its first token", "inter_token": "its next token"}
 
 

@@ -68,6 +68,6 @@ def test_colocated_encode_checks_patches_against_the_tower():
     [item] = parse_encode_request(epd_pb2.EncodeRequest(request_id="r", items=[good]), float("inf"), layout)
     assert item.grid == (1, 2, 4)
     bad = epd_pb2.EncodeItem(mm_hash=HASH, reservation_id="x", pixel_values=tensors.to_pb(torch.zeros(8, 12)))
-    with pytest.raises(EngineError, match="patches with a grid") as error:
+    with pytest.raises(EngineError, match="grid is required for this model") as error:
         parse_encode_request(epd_pb2.EncodeRequest(request_id="r", items=[bad]), float("inf"), layout)
     assert error.value.kind is ErrorKind.INVALID_ARGUMENT
