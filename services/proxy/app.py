@@ -16,9 +16,9 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -27,19 +27,17 @@ from starlette.responses import JSONResponse, Response
 from services.common import launch_proof
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
+from services.proxy import intake
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
-from services.proxy.errors import ApiError, RequestError, deadline_during_body, invalid_api_key, model_not_found
-from services.proxy.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
+from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
+from services.proxy.fields import ignored_fields_header
 from services.proxy.http_util import (
     BoundedJSONResponse,
     ClientDisconnected,
     EventStreamResponse,
     WriteBound,
     check_json_content_type,
-    check_message_count,
-    parse_body,
-    read_body,
     request_timeout,
     unless_disconnected,
 )
@@ -56,7 +54,7 @@ from services.proxy.middleware import (
 )
 from services.proxy.openapi import openapi_document
 from services.proxy.pipeline import Pipeline, StallLimits
-from services.proxy.preprocess import Preprocessor, Prompt, image_urls
+from services.proxy.preprocess import Preprocessor, Prompt
 from services.proxy.responses import (
     ChatFormatter,
     Choice,
@@ -66,9 +64,6 @@ from services.proxy.responses import (
     stream_events,
 )
 from services.proxy.sampling import (
-    check_logit_bias,
-    check_stop_token_ids,
-    check_supported,
     choice_sampling,
     requested_logprobs,
     requested_max_tokens,
@@ -76,17 +71,11 @@ from services.proxy.sampling import (
     sampling_params,
 )
 from services.proxy.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
     _SamplingFields,
 )
 from services.proxy.workers import WorkPool
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-PARSE_INLINE_BYTES = 64 * 1024
-"""Bodies up to this size are parsed on the event loop (microseconds); larger ones on the text pool."""
 
 
 @dataclass
@@ -136,10 +125,10 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions`` (text and images, streaming or not)."""
     state, trace = _state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
-    raw = await _read_body(request, state, trace, timeout_s)
+    raw = await intake.read_request_body(request, state, trace.started + timeout_s)
     check_json_content_type(request)
-    body, ignored, messages, urls = await _off_loop_if_large(
-        state, raw, trace.started + timeout_s, _read_chat, state, raw
+    body, ignored, messages, urls = await intake.off_loop_if_large(
+        state, raw, trace.started + timeout_s, intake.read_chat, state, raw
     )
     sources = await image_sources(urls, state.fetcher, trace.started + timeout_s - time.monotonic())
     deadline = trace.started + timeout_s
@@ -155,9 +144,11 @@ async def completions(request: Request) -> Response:
     """``POST /v1/completions`` (text-only: a string or a list of token ids)."""
     state, trace = _state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
-    raw = await _read_body(request, state, trace, timeout_s)
+    raw = await intake.read_request_body(request, state, trace.started + timeout_s)
     check_json_content_type(request)
-    body, ignored = await _off_loop_if_large(state, raw, trace.started + timeout_s, _read_completion, state, raw)
+    body, ignored = await intake.off_loop_if_large(
+        state, raw, trace.started + timeout_s, intake.read_completion, state, raw
+    )
     prompt_input = body.prompt
     if isinstance(prompt_input, list) and prompt_input and not isinstance(prompt_input[0], int):
         if len(prompt_input) != 1:
@@ -168,63 +159,6 @@ async def completions(request: Request) -> Response:
     )
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl", ignored)
-
-
-async def _read_body(request: Request, state: ProxyState, trace: Trace, timeout_s: float) -> bytes:
-    """The body, within ``--body-timeout-s`` (408 otherwise) and the request's own deadline (504, as for
-    any deadline); either way the connection is closed after the answer."""
-    left_s = trace.started + timeout_s - time.monotonic()
-    bound_s = state.config.body_timeout_s
-    try:
-        return await read_body(request, state.config.max_body_bytes, min(bound_s, left_s))
-    except ApiError as error:
-        if error.status_code == 408 and left_s < bound_s:
-            raise deadline_during_body() from None
-        raise
-
-
-async def _off_loop_if_large(state: ProxyState, raw: bytes, deadline: float, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)``: inline for a body up to ``PARSE_INLINE_BYTES``, else on the text pool, so that the
-    Python work of one large legal body (parsing, field checks, walking its messages) does not hold up
-    every stream's next token on the event loop."""
-    if len(raw) <= PARSE_INLINE_BYTES:
-        return fn(*args)
-    return await state.text_pool.run(fn, *args, deadline=deadline)
-
-
-def _read_chat(state: ProxyState, raw: bytes) -> tuple[ChatCompletionRequest, list[str], list[dict], list[str]]:
-    """A chat body, parsed and checked before any work is spent: with its ignored fields, messages and image URLs."""
-    check_message_count(raw, state.config.max_messages)
-    body = parse_body(raw, ChatCompletionRequest)
-    ignored = _check_fields(state, body, "/v1/chat/completions")
-    _check_sampling(state, body)
-    messages = body.messages_as_dicts()
-    urls = image_urls(messages)
-    state.preprocessor.check_image_count(len(urls))
-    return body, ignored, messages, urls
-
-
-def _read_completion(state: ProxyState, raw: bytes) -> tuple[CompletionRequest, list[str]]:
-    """A completions body, parsed and checked before any work is spent, with its ignored fields."""
-    body = parse_body(raw, CompletionRequest)
-    ignored = _check_fields(state, body, "/v1/completions")
-    _check_sampling(state, body)
-    return body, ignored
-
-
-def _check_sampling(state: ProxyState, body: _SamplingFields) -> None:
-    state.check_model(body.model)
-    check_supported(body, state.config.max_n)
-    check_stop_token_ids(body.stop_token_ids, len(state.preprocessor.tokenizer))
-    check_logit_bias(body.logit_bias, len(state.preprocessor.tokenizer))
-
-
-def _check_fields(state: ProxyState, body: _SamplingFields, path: str) -> list[str]:
-    """Refuses undeclared fields (``fields.py``); under ``--ignore-unknown-fields`` logs the ignored names once."""
-    ignored = check_fields(body, ignore_unknown=state.config.ignore_unknown_fields)
-    if ignored:
-        log.warning("%s: ignored unknown fields %s", path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER])
-    return ignored
 
 
 async def _generate(

@@ -118,7 +118,7 @@ async def test_work_before_limits_a_large_body_is_parsed_off_the_event_loop_and_
 ):
     """Second review, 4: two legal 28.6 MiB bodies stretched another stream's largest token gap to 6.5 s
     (parsed on the event loop; every message rendered before the length check)."""
-    import services.proxy.app as app_module
+    import services.proxy.intake as intake
     from services.proxy.http_util import parse_body
 
     cluster = await cluster_factory(http=True)
@@ -128,7 +128,7 @@ async def test_work_before_limits_a_large_body_is_parsed_off_the_event_loop_and_
         parsed_on.append(threading.current_thread().name)
         return parse_body(raw, model)
 
-    monkeypatch.setattr(app_module, "parse_body", recording_parse)
+    monkeypatch.setattr(intake, "parse_body", recording_parse)
     rendered: list[int] = []
     preprocessor = cluster.app.state.proxy.preprocessor
     real_render = preprocessor.render
@@ -149,12 +149,12 @@ async def test_work_before_limits_a_body_of_too_many_messages_is_refused_before_
     """Second review, 4: the cost of parsing a body grows with its messages; too many are refused unparsed."""
     import json
 
-    import services.proxy.app as app_module
+    import services.proxy.intake as intake
 
     cluster = await cluster_factory(http=True, max_messages=8)
     parsed: list[int] = []
-    real_parse = app_module.parse_body
-    monkeypatch.setattr(app_module, "parse_body", lambda raw, model: parsed.append(1) or real_parse(raw, model))
+    real_parse = intake.parse_body
+    monkeypatch.setattr(intake, "parse_body", lambda raw, model: parsed.append(1) or real_parse(raw, model))
     message = {"role": "user", "content": "hi"}
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
         many = await client.post("/v1/chat/completions", json={**TEXT, "messages": [message] * 9})
