@@ -132,7 +132,9 @@ async def chat_completions(request: Request) -> Response:
     )
     sources = await image_sources(urls, state.fetcher, trace.started + timeout_s - time.monotonic())
     deadline = trace.started + timeout_s
-    token_ids = await state.text_pool.run(state.preprocessor.chat_tokens, messages, deadline=deadline)
+    token_ids = await state.text_pool.run(
+        state.preprocessor.chat_tokens, messages, body.chat_template_kwargs, deadline=deadline
+    )
     images = await state.image_pool.run(state.preprocessor.chat_images, sources, deadline=deadline) if sources else ()
     del sources  # the image bytes are no longer needed
     prompt = state.preprocessor.assemble(token_ids, images)
@@ -157,8 +159,13 @@ async def completions(request: Request) -> Response:
     prompt = await state.text_pool.run(
         state.preprocessor.completion_prompt, prompt_input, deadline=trace.started + timeout_s
     )
+    echo_text = ""
+    if body.echo:  # the prompt as sent; a token-id prompt decoded
+        echo_text = prompt_input if isinstance(prompt_input, str) else state.preprocessor.tokenizer.decode(prompt_input)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl", ignored)
+    return await _generate(
+        request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl", ignored, echo_text
+    )
 
 
 async def _generate(
@@ -171,6 +178,7 @@ async def _generate(
     formatter_cls: type[ChatFormatter],
     id_prefix: str,
     ignored_fields: list[str],
+    echo_text: str = "",
 ) -> Response:
     """One job per choice (``n``), all under the request's one deadline; ``ignored_fields`` are named in a header."""
     config = state.config
@@ -212,6 +220,7 @@ async def _generate(
         state.decode_token,
         len(prompt.images),
         return_token_ids=body.return_token_ids,
+        echo_text=echo_text,
     )
     formatter = formatter_cls(meta)
     want_logprobs = requested_logprobs(body) is not None

@@ -37,6 +37,7 @@ EXTENSIONS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
+    "chat_template_kwargs",
 )
 """vLLM-compatible request fields beyond OpenAI's, all honoured (README: "Request fields")."""
 

@@ -228,7 +228,9 @@ class Preprocessor:
         self.check_image_count(len(sources))
         return self.assemble(self.chat_tokens(messages), self.chat_images(sources))
 
-    def chat_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def chat_tokens(
+        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """Text stage of a chat request: the rendered template's token ids, one image token per image.
 
         The messages' own text is checked against the context before the
@@ -237,7 +239,7 @@ class Preprocessor:
         already is refused without the work of rendering it.
         """
         self.text_limit.check(message_text_length(messages), "messages")
-        rendered = self.render(messages)
+        rendered = self.render(messages, template_kwargs)
         self.text_limit.check(len(rendered), "messages")
         with self._tokenizer_lock:
             return self._encode(rendered)
@@ -292,10 +294,11 @@ class Preprocessor:
         )
         return Prompt(token_ids=expanded, images=items)
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The chat template applied to ``messages``: one image token per image, generation prompt added."""
+    def render(self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The chat template applied to ``messages``: one image token per image, generation prompt added;
+        ``template_kwargs`` are template variables (``chat_template_kwargs``, checked by the caller)."""
         return self.processor.apply_chat_template(
-            _template_messages(messages), add_generation_prompt=True, tokenize=False
+            _template_messages(messages), add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
 
     def completion_prompt(self, prompt: str | Sequence[int]) -> Prompt:

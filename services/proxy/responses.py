@@ -80,6 +80,7 @@ class ResponseMeta:
     decode_token: Callable[[int], str]  # token id -> its text (for logprobs)
     num_images: int = 0
     return_token_ids: bool = False  # extension: each choice also carries "token_ids"
+    echo_text: str = ""  # completions' echo: the prompt's text, before each choice's own
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -195,6 +196,14 @@ class CompletionFormatter(ChatFormatter):
         # Characters of generated text per streamed choice so far: a chunk's
         # text_offset continues where the previous chunk's tokens ended.
         self._streamed_chars: dict[int, int] = {}
+        self._echoed: set[int] = set()  # streamed choices whose prompt text went out already
+
+    def _with_echo(self, index: int, text: str) -> str:
+        """``text``, after the prompt's text in the first chunk of choice ``index`` (``echo``)."""
+        if not self.meta.echo_text or index in self._echoed:
+            return text
+        self._echoed.add(index)
+        return self.meta.echo_text + text
 
     def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
         return None  # text completions have no role chunk
@@ -209,7 +218,7 @@ class CompletionFormatter(ChatFormatter):
     ) -> dict[str, Any]:
         choice = {
             "index": index,
-            "text": text,
+            "text": self._with_echo(index, text),
             "finish_reason": None,
             "logprobs": None if logprobs is None else self._streamed_logprobs(index, logprobs),
         }
@@ -224,7 +233,8 @@ class CompletionFormatter(ChatFormatter):
 
     def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
         return self._chunk(
-            [{"index": index, "text": "", "logprobs": None, "finish_reason": reason}], with_usage=with_usage
+            [{"index": index, "text": self._with_echo(index, ""), "logprobs": None, "finish_reason": reason}],
+            with_usage=with_usage,
         )
 
     def choice(
@@ -232,7 +242,7 @@ class CompletionFormatter(ChatFormatter):
     ) -> dict[str, Any]:
         choice = {
             "index": index,
-            "text": text,
+            "text": self.meta.echo_text + text,
             "finish_reason": reason,
             "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import PromptTooLongError, RequestError, UnsupportedFeatureError
@@ -32,11 +33,61 @@ def check_supported(body: _SamplingFields, max_n: int = 1) -> None:
         for index, message in enumerate(body.messages):
             if message.content is None and message.role != "assistant":
                 raise RequestError("Message content is required.", f"messages[{index}].content")
+        check_chat_template_kwargs(body.chat_template_kwargs)
     if isinstance(body, CompletionRequest):
-        if body.echo or body.suffix:
-            raise UnsupportedFeatureError("echo and suffix are not supported.", "echo")
+        if body.suffix:
+            raise UnsupportedFeatureError("suffix is not supported.", "suffix")
+        if body.echo and body.logprobs is not None:
+            raise UnsupportedFeatureError("echo with logprobs (the prompt's logprobs) is not supported.", "echo")
         if body.best_of not in (None, 1):
             raise UnsupportedFeatureError("Only best_of=1 is supported.", "best_of")
+
+
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_VALUE_CHARS = 1024
+# apply_chat_template's own arguments: a client may set template variables, never how the prompt is built.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "documents",
+        "max_length",
+        "messages",
+        "padding",
+        "return_assistant_tokens_mask",
+        "return_dict",
+        "return_tensors",
+        "tokenize",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+        "tools",
+        "truncation",
+    }
+)
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """400 unless ``chat_template_kwargs`` is at most ``MAX_TEMPLATE_KWARGS`` template variables: identifiers
+    that are not ``apply_chat_template``'s own arguments, with scalar values (strings bounded)."""
+    if not kwargs:
+        return
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise RequestError(f"chat_template_kwargs has more than {MAX_TEMPLATE_KWARGS} entries.", "chat_template_kwargs")
+    for key, value in kwargs.items():
+        if not (key.isidentifier() and key.isascii() and len(key) <= 64) or key.startswith("_"):
+            raise RequestError("chat_template_kwargs keys must be template variable names.", "chat_template_kwargs")
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise RequestError(
+                "chat_template_kwargs may set template variables, not how the prompt is built.",
+                "chat_template_kwargs",
+            )
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE_CHARS:
+            raise RequestError(
+                f"chat_template_kwargs values are at most {MAX_TEMPLATE_VALUE_CHARS} characters.",
+                "chat_template_kwargs",
+            )
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

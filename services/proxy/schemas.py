@@ -100,6 +100,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
     prompt_cache_key: str | None = Field(default=None, max_length=256)  # a cache hint; prefix caching is automatic
+    # extension (vLLM): variables for the chat template (e.g. a model's ``enable_thinking``), checked in sampling.py
+    chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]

@@ -204,8 +204,8 @@ CASES = [
         "invalid_request",
     ),
     (
-        "completion_echo_unsupported",
-        {"path": "/completions", "json": {"prompt": SECRET, "echo": True}},
+        "completion_echo_with_logprobs_unsupported",
+        {"path": "/completions", "json": {"prompt": SECRET, "echo": True, "logprobs": 1}},
         400,
         "unsupported_parameter",
     ),

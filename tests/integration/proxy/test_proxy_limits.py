@@ -132,7 +132,7 @@ async def test_work_before_limits_a_large_body_is_parsed_off_the_event_loop_and_
     rendered: list[int] = []
     preprocessor = cluster.app.state.proxy.preprocessor
     real_render = preprocessor.render
-    monkeypatch.setattr(preprocessor, "render", lambda messages: rendered.append(1) or real_render(messages))
+    monkeypatch.setattr(preprocessor, "render", lambda *args: rendered.append(1) or real_render(*args))
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
         small = await client.post("/v1/chat/completions", json=TEXT)
         large = await client.post(

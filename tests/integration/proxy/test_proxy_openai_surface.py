@@ -133,3 +133,57 @@ async def test_streamed_completion_text_offsets_continue_across_chunks(cluster_f
     assert len(tokens) == 3
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     assert offsets == whole.choices[0].logprobs.text_offset
+
+
+async def test_completions_echo_puts_the_prompt_before_the_text_whole_and_streamed(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    client = openai_client(cluster)
+    try:
+        plain = await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3)
+        echoed = await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, echo=True, n=2)
+        stream = await client.completions.create(
+            model="tiny-llava", prompt="Once", max_tokens=3, echo=True, stream=True
+        )
+        streamed = "".join([choice.text async for chunk in stream for choice in chunk.choices])
+        ids = await client.completions.create(model="tiny-llava", prompt=[5, 6, 7], max_tokens=2, echo=True)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model="tiny-llava", prompt="Once", max_tokens=3, echo=True, logprobs=1)
+    finally:
+        await client.close()
+    assert [c.text for c in echoed.choices] == ["Once" + plain.choices[0].text] * 2
+    assert streamed == "Once" + plain.choices[0].text
+    assert echoed.usage.prompt_tokens == plain.usage.prompt_tokens  # echoed, not counted again
+    assert echoed.usage.completion_tokens == 2 * plain.usage.completion_tokens
+    tokenizer = cluster.app.state.proxy.preprocessor.tokenizer
+    assert ids.choices[0].text.startswith(tokenizer.decode([5, 6, 7]))
+    assert refused.value.body["param"] == "echo"
+
+
+async def test_chat_template_kwargs_reach_the_template_and_cannot_change_how_it_is_applied(cluster_factory):
+    cluster = await cluster_factory(http=True)
+    preprocessor = cluster.app.state.proxy.preprocessor
+    rendered: list[dict] = []
+    real_render = preprocessor.render
+
+    def recording_render(messages, template_kwargs=None):
+        rendered.append(dict(template_kwargs or {}))
+        return real_render(messages, template_kwargs)
+
+    preprocessor.render = recording_render
+    client = openai_client(cluster)
+    try:
+        await client.chat.completions.create(
+            model="tiny-llava", **CHAT, extra_body={"chat_template_kwargs": {"enable_thinking": False, "persona": "x"}}
+        )
+        refusals = []
+        for kwargs in ({"tokenize": True}, {"chat_template": "{{ 7 * 7 }}"}, {"_private": 1}, {"a": "x" * 1025}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(
+                    model="tiny-llava", **CHAT, extra_body={"chat_template_kwargs": kwargs}
+                )
+            refusals.append(refused.value.body["param"])
+    finally:
+        await client.close()
+    assert rendered == [{"enable_thinking": False, "persona": "x"}]  # the refused ones never reached the template
+    assert refusals == ["chat_template_kwargs"] * 4
+    assert cluster.pd.generates and len(cluster.pd.generates) == 1

@@ -189,5 +189,10 @@ def test_supported_defaults_pass():
     with pytest.raises(RequestError) as caught:
         check_supported(chat(n=9), max_n=8)
     assert caught.value.param == "n"
-    with pytest.raises(UnsupportedFeatureError):
-        check_supported(CompletionRequest(prompt="x", echo=True))
+    check_supported(CompletionRequest(prompt="x", echo=True))  # echo is honoured
+    with pytest.raises(UnsupportedFeatureError) as refused:
+        check_supported(CompletionRequest(prompt="x", echo=True, logprobs=1))  # the prompt's logprobs are not
+    assert refused.value.param == "echo"
+    with pytest.raises(UnsupportedFeatureError) as refused:
+        check_supported(CompletionRequest(prompt="x", suffix="y"))
+    assert refused.value.param == "suffix"

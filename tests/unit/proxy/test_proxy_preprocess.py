@@ -216,3 +216,12 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(adapter_and_
         preprocessor.completion_prompt(long_text)
     assert chat.value.code == completion.value.code == "context_length_exceeded"
     assert "word" not in chat.value.message
+
+
+def test_chat_template_kwargs_are_template_variables(preprocessor, monkeypatch):
+    processor = preprocessor.processor
+    owner = processor if getattr(processor, "chat_template", None) else processor.tokenizer  # whose template renders
+    monkeypatch.setattr(owner, "chat_template", "{% if persona %}[{{ persona }}]{% endif %}" + owner.chat_template)
+    messages = [{"role": "user", "content": "hello there"}]
+    assert preprocessor.render(messages, {"persona": "pirate"}).startswith("[pirate]")
+    assert not preprocessor.render(messages).startswith("[")
