@@ -220,6 +220,7 @@ async def _generate(
         state.decode_token,
         len(prompt.images),
         return_token_ids=body.return_token_ids,
+        hide_cache_details=config.hide_cache_details,
         echo_text=echo_text,
     )
     formatter = formatter_cls(meta)

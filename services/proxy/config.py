@@ -56,6 +56,7 @@ class ProxyConfig:
     # Unknown body fields: False = refused with a 400 naming them; True = ignored, named in the
     # X-EPD-Ignored-Fields header and a log line (OpenAI fields we do not implement are refused either way).
     ignore_unknown_fields: bool = False
+    hide_cache_details: bool = False  # usage carries no cached_tokens, cache hits or stage timings
     # routing and failure handling
     pd_policy: str = "least-loaded"  # see routing.PD_POLICIES
     encoder_policy: str = "rendezvous"  # see routing.ENCODER_POLICIES

@@ -156,6 +156,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "one warning is logged (names only). OpenAI fields this server does not implement are still refused "
         "unless they have their no-op value",
     )
+    add(
+        parser,
+        "--hide-cache-details",
+        default=False,
+        help="leave out of every response's usage what the caches did: prompt_tokens_details.cached_tokens and "
+        "usage.epd's num_images_ready, num_encoder_cache_hits, num_pd_attempts and timings_ms, which tell a client "
+        "whether another client sent the same image or prompt before (for servers shared by clients who must not "
+        "learn that; response times still differ)",
+    )
     add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")
     add(
         parser,
@@ -247,6 +256,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         image_queue=args.image_queue,
         max_n=args.max_n,
         ignore_unknown_fields=args.ignore_unknown_fields,
+        hide_cache_details=args.hide_cache_details,
         pd_policy=args.pd_policy,
         encoder_policy=args.encoder_policy,
         encoder_saturation=args.encoder_saturation,

@@ -80,6 +80,7 @@ class ResponseMeta:
     decode_token: Callable[[int], str]  # token id -> its text (for logprobs)
     num_images: int = 0
     return_token_ids: bool = False  # extension: each choice also carries "token_ids"
+    hide_cache_details: bool = False  # --hide-cache-details: usage says nothing of what the caches did
     echo_text: str = ""  # completions' echo: the prompt's text, before each choice's own
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -287,15 +288,26 @@ def _finish_reason(message: epd_pb2.GenerateResponse) -> str:
 
 
 def combined_usage(
-    finals: Sequence[epd_pb2.GenerateResponse], traces: Sequence[Trace], num_images: int
+    finals: Sequence[epd_pb2.GenerateResponse], traces: Sequence[Trace], meta: ResponseMeta
 ) -> dict[str, Any]:
     """Usage of a whole response: the prompt counted once, completions summed over the choices."""
-    usage = usage_dict(finals[0].usage, traces[0], num_images)
+    usage = usage_dict(finals[0].usage, traces[0], meta.num_images)
     if len(finals) > 1:
         usage["completion_tokens"] = sum(f.usage.completion_tokens for f in finals)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         usage["epd"]["num_choices"] = len(finals)
         usage["epd"]["num_pd_attempts"] = sum(t.num_pd_attempts for t in traces)
+    return _without_cache_details(usage) if meta.hide_cache_details else usage
+
+
+CACHE_DETAILS = ("num_images_ready", "num_encoder_cache_hits", "num_pd_attempts", "timings_ms")
+"""``usage.epd`` entries that tell a client whether someone else sent the same image or prompt."""
+
+
+def _without_cache_details(usage: dict[str, Any]) -> dict[str, Any]:
+    """``--hide-cache-details``: usage without what the caches did (cached tokens, image hits, stage timings)."""
+    usage.pop("prompt_tokens_details", None)
+    usage["epd"] = {k: v for k, v in usage["epd"].items() if k not in CACHE_DETAILS}
     return usage
 
 
@@ -364,7 +376,7 @@ async def _events(
         raise internal_error("The model server ended the stream without a result.")
     if include_usage:
         traces = [c.trace for c in choices]
-        yield sse_event(formatter.usage_chunk(combined_usage(finals, traces, formatter.meta.num_images)))
+        yield sse_event(formatter.usage_chunk(combined_usage(finals, traces, formatter.meta)))
     yield SSE_DONE
 
 
@@ -418,4 +430,4 @@ async def collect(choices: Sequence[Choice], formatter: ChatFormatter, *, want_l
         )
         for i in range(n)
     ]
-    return formatter.full(entries, combined_usage(finals, [c.trace for c in choices], formatter.meta.num_images))
+    return formatter.full(entries, combined_usage(finals, [c.trace for c in choices], formatter.meta))

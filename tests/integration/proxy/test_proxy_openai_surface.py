@@ -187,3 +187,23 @@ async def test_chat_template_kwargs_reach_the_template_and_cannot_change_how_it_
     assert rendered == [{"enable_thinking": False, "persona": "x"}]  # the refused ones never reached the template
     assert refusals == ["chat_template_kwargs"] * 4
     assert cluster.pd.generates and len(cluster.pd.generates) == 1
+
+
+async def test_hide_cache_details_leaves_what_the_caches_did_out_of_usage(cluster_factory):
+    """First review, still open then: usage told any client whether someone else sent the same image."""
+    shown = await cluster_factory(http=True)
+    hidden = await cluster_factory(http=True, hide_cache_details=True)
+    usages = []
+    for cluster in (shown, hidden):
+        whole = await cluster.client.post("/v1/chat/completions", json=CHAT)
+        stream = await cluster.client.post(
+            "/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        last = [line for line in stream.text.splitlines() if line.startswith("data: {")][-1]
+        usages.append((whole.json()["usage"], json.loads(last[len("data: ") :])["usage"]))
+    for usage in usages[0]:
+        assert "cached_tokens" in usage["prompt_tokens_details"] and "timings_ms" in usage["epd"]
+    for usage in usages[1]:
+        assert "prompt_tokens_details" not in usage
+        assert set(usage["epd"]) == {"image_tokens", "num_images"}
+        assert usage["prompt_tokens"] == usages[0][0]["prompt_tokens"]
