@@ -9,6 +9,7 @@ that nothing stays counted after each test).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import httpx
@@ -99,11 +100,26 @@ async def test_a_slot_is_freed_when_the_client_disconnects_from_its_stream(clust
         client.stream("POST", "/v1/chat/completions", json={**TEXT, "stream": True}) as reply,
     ):
         assert reply.status_code == 200
-        async for _ in reply.aiter_raw():
-            break
+        chunks = reply.aiter_raw()  # kept referenced: a finalized iterator would close the stream early
+        assert await anext(chunks)
         _assert_rate_limited(await cluster.client.post("/v1/chat/completions", json=TEXT))
     await wait_until(lambda: _limiter(cluster).num_in_flight == {})
     cluster.pd.hold_after_first.set()
+    assert (await cluster.client.post("/v1/chat/completions", json=TEXT)).status_code == 200
+
+
+async def test_a_slot_is_freed_when_a_waiting_non_streaming_client_goes_away(cluster_factory):
+    cluster = await cluster_factory(http=True, max_requests_per_client=1)
+    cluster.pd.hold_first_token.clear()
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=10) as client:
+        waiting = asyncio.create_task(client.post("/v1/chat/completions", json=TEXT))
+        await wait_until(lambda: cluster.pd.num_active == 1)
+        _assert_rate_limited(await cluster.client.post("/v1/chat/completions", json=TEXT))
+        waiting.cancel()  # the client hangs up before any answer
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    await wait_until(lambda: _limiter(cluster).num_in_flight == {})
+    cluster.pd.hold_first_token.set()
     assert (await cluster.client.post("/v1/chat/completions", json=TEXT)).status_code == 200
 
 
