@@ -31,6 +31,14 @@ from services.proxy import intake
 from services.proxy.backends import Backends
 from services.proxy.config import ProxyConfig
 from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
+from services.proxy.fairness import (
+    REFUSAL_REASONS,
+    Admission,
+    ClientLimiter,
+    FairnessLimits,
+    address_identity,
+    key_identity,
+)
 from services.proxy.fields import ignored_fields_header
 from services.proxy.http_util import (
     BoundedJSONResponse,
@@ -95,6 +103,13 @@ class ProxyState:
     max_model_len: int
     created: int
     guard: InternalsGuard
+    limiter: ClientLimiter  # per-client limits (off unless configured)
+
+    def client_identity(self, request: Request) -> str:
+        """Who a request counts against: the API key's hash when keys are required, else the peer address."""
+        if self.config.api_key is not None:  # ApiKeyMiddleware let only this key through
+            return key_identity(self.config.api_key)
+        return address_identity(request.client.host if request.client else None)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
@@ -181,14 +196,60 @@ async def _generate(
     echo_text: str = "",
 ) -> Response:
     """One job per choice (``n``), all under the request's one deadline; ``ignored_fields`` are named in a header."""
-    config = state.config
     max_tokens = resolve_max_tokens(
         requested_max_tokens(body),
         len(prompt.token_ids),
         state.max_model_len,
-        limit=config.max_tokens_limit,
-        default=config.default_max_tokens,
+        limit=state.config.max_tokens_limit,
+        default=state.config.default_max_tokens,
     )
+    num_choices = body.n or 1
+    admission = state.limiter.admit(
+        state.client_identity(request),
+        num_choices=num_choices,
+        prompt_tokens=len(prompt.token_ids),
+        max_tokens=max_tokens,
+    )
+    # The admission is released on every exit: here, or by a stream's response when it ends (``on_close``).
+    handed_over = False
+    try:
+        response = await _respond(
+            request,
+            state,
+            body,
+            prompt,
+            trace,
+            timeout_s,
+            formatter_cls,
+            id_prefix,
+            ignored_fields,
+            max_tokens,
+            admission,
+            echo_text,
+        )
+        handed_over = isinstance(response, EventStreamResponse)
+        return response
+    finally:
+        if not handed_over:
+            admission.release()
+
+
+async def _respond(
+    request: Request,
+    state: ProxyState,
+    body: _SamplingFields,
+    prompt: Prompt,
+    trace: Trace,
+    timeout_s: float,
+    formatter_cls: type[ChatFormatter],
+    id_prefix: str,
+    ignored_fields: list[str],
+    max_tokens: int,
+    admission: Admission,
+    echo_text: str,
+) -> Response:
+    """``_generate`` once admitted: builds the jobs and answers (a stream's response owns ``admission``)."""
+    config = state.config
     request_id = new_request_id(id_prefix)
     line = access_line(request)
     if line is not None:
@@ -228,7 +289,11 @@ async def _generate(
     # A client that streams sees tokens as they come; one that does not sees
     # nothing until the end, so its jobs may restart on another PD mid-way.
     choices = [
-        Choice(_observed(state, job, request.url.path, buffered=not body.stream, line=line), job.trace) for job in jobs
+        Choice(
+            _observed(state, job, request.url.path, buffered=not body.stream, line=line, admission=admission),
+            job.trace,
+        )
+        for job in jobs
     ]
     stalled_writes = state.metrics.stalls.labels("write")
     bound = WriteBound(trace.started + timeout_s, config.write_timeout_s, stalled_writes.inc)
@@ -238,6 +303,7 @@ async def _generate(
             stream_events(choices, formatter, include_usage=include_usage, want_logprobs=want_logprobs),
             headers=ignored_fields_header(ignored_fields),
             bound=bound,
+            on_close=admission.release,
         )
     try:
         result = await unless_disconnected(request, collect(choices, formatter, want_logprobs=want_logprobs))
@@ -255,7 +321,13 @@ def default_served_name(model: str, model_id: str) -> str:
 
 
 async def _observed(
-    state: ProxyState, job: Job, endpoint: str, *, buffered: bool, line: AccessLine | None = None
+    state: ProxyState,
+    job: Job,
+    endpoint: str,
+    *,
+    buffered: bool,
+    line: AccessLine | None = None,
+    admission: Admission | None = None,
 ) -> AsyncGenerator[epd_pb2.GenerateResponse, None]:
     """``Pipeline.generate`` plus the first-token metric, a per-choice debug line and the access line's counts."""
     outcome, error_code = "cancelled", None
@@ -268,6 +340,8 @@ async def _observed(
                     state.metrics.first_token.labels(endpoint).observe(job.trace.first_token_ms / 1000)
                 gaps.add(len(message.token_ids))
                 num_tokens += len(message.token_ids)
+                if admission is not None:
+                    admission.add_used(len(message.token_ids))
                 if message.finish_reason:
                     outcome = "ok"  # before the yield: the consumer may close us right after
                 yield message
@@ -398,6 +472,13 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             media = MediaFetcher(
                 MediaPolicy(config.allowed_media_domains, config.media_timeout_s, config.max_media_bytes)
             )
+        refusals = metrics.client_limit_refusals
+        for reason in REFUSAL_REASONS:
+            refusals.labels(reason)  # exported at 0 from the start
+        limiter = ClientLimiter(
+            FairnessLimits(config.max_requests_per_client, config.max_tokens_per_client_per_minute),
+            on_refusal=lambda reason: refusals.labels(reason).inc(),
+        )
         text_pool = WorkPool("text", config.preprocess_threads, config.text_queue)
         image_pool = WorkPool("image", config.image_threads, config.image_queue)
         app.state.proxy = ProxyState(
@@ -414,6 +495,7 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             max_model_len=max_model_len,
             created=int(time.time()),
             guard=InternalsGuard(config.api_key, config.security.token, require_token=config.security.metrics_auth),
+            limiter=limiter,
         )
         log.info(
             "proxy serving %s: PDs %s, encoders %s (policies %s / %s)",

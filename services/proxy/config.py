@@ -53,6 +53,9 @@ class ProxyConfig:
     image_threads: int = 2  # image work (decode, hash, image processor), its own pool
     image_queue: int = 64  # requests' image jobs waiting beyond which requests get 503
     max_n: int = 8  # most choices (n) in one request
+    # per-client fairness (services/proxy/fairness.py); a client is the API key, else the peer address; 0 = off
+    max_requests_per_client: int = 0  # requests in flight per client (n choices count as n); beyond it 429
+    max_tokens_per_client_per_minute: int = 0  # token bucket over prompt + max_tokens × n; beyond it 429
     # Unknown body fields: False = refused with a 400 naming them; True = ignored, named in the
     # X-EPD-Ignored-Fields header and a log line (OpenAI fields we do not implement are refused either way).
     ignore_unknown_fields: bool = False
@@ -124,6 +127,8 @@ class ProxyConfig:
             raise ValueError(
                 "first_token_timeout_s, inter_token_timeout_s, write_timeout_s and max_concurrency must be >= 0"
             )
+        if self.max_requests_per_client < 0 or self.max_tokens_per_client_per_minute < 0:
+            raise ValueError("max_requests_per_client and max_tokens_per_client_per_minute must be >= 0 (0 = off)")
         if self.text_queue < 0 or self.image_queue < 0:
             raise ValueError("text_queue and image_queue must be >= 0")
         if self.max_images_per_request < 0:

@@ -359,14 +359,23 @@ class EventStreamResponse(Response):
         headers: dict[str, str] | None = None,
         *,
         bound: WriteBound | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.events = events
         self.status_code = 200
         self.background = None
         self.bound = bound
+        self.on_close = on_close  # called once the response ends, however it ends (releases held allowances)
         self.init_headers({**SSE_HEADERS, **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.bound is not None:
             send = self.bound.wrap(send)
         async with anyio.create_task_group() as group:

@@ -165,6 +165,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whether another client sent the same image or prompt before (for servers shared by clients who must not "
         "learn that; response times still differ)",
     )
+    add(
+        parser,
+        "--max-requests-per-client",
+        type=int,
+        default=0,
+        help="requests in flight per client (the API key when --api-key is set, else the peer address; behind a "
+        "load balancer that is the balancer's); a request with n choices counts as n; beyond it 429 (0 = off)",
+    )
+    add(
+        parser,
+        "--max-tokens-per-client-per-minute",
+        type=int,
+        default=0,
+        help="token bucket per client over requested work (prompt tokens + max_tokens × n, charged at admission, "
+        "unused completion tokens refunded at the end); beyond it 429 with Retry-After (0 = off)",
+    )
     add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")
     add(
         parser,
@@ -255,6 +271,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         image_threads=args.image_threads,
         image_queue=args.image_queue,
         max_n=args.max_n,
+        max_requests_per_client=args.max_requests_per_client,
+        max_tokens_per_client_per_minute=args.max_tokens_per_client_per_minute,
         ignore_unknown_fields=args.ignore_unknown_fields,
         hide_cache_details=args.hide_cache_details,
         pd_policy=args.pd_policy,

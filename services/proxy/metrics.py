@@ -42,6 +42,13 @@ METRICS = (
         ("endpoint",),
         "arrival to last byte of a successful request (end-to-end latency)",
     ),
+    MetricDoc(
+        "epd_proxy_client_limit_refusals_total",
+        "counter",
+        ("reason",),
+        "429s from the per-client limits: requests (too many in flight) or tokens (bucket empty); "
+        "the client is never a label",
+    ),
     MetricDoc("epd_proxy_images_total", "counter", (), "images accepted in requests"),
     MetricDoc(
         "epd_proxy_stalls_total",
@@ -111,6 +118,9 @@ class ProxyMetrics:
             ["endpoint"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
+        )
+        self.client_limit_refusals = Counter(
+            "epd_proxy_client_limit_refusals", "429s from the per-client limits", ["reason"], registry=self.registry
         )
         self.images = Counter("epd_proxy_images", "Images accepted", registry=self.registry)
         self.stalls = Counter(

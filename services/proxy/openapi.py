@@ -119,6 +119,7 @@ _ERROR_STATUSES = {
     "404": "Unknown model",
     "413": "Body over the size limit",
     "415": "Body not sent as application/json",
+    "429": "Over this client's request or token limit (when configured); see Retry-After",
     "500": "Internal error",
     "503": "At capacity or no backend available; see Retry-After",
     "504": "The request's deadline passed",
@@ -212,7 +213,7 @@ def _generation(model: type[BaseModel], response: str) -> dict[str, Any]:
                 "description": "The completion; with stream=true, server-sent events ending with [DONE]",
                 "content": {**_json(_ref(response)), "text/event-stream": {"schema": _SSE_EVENT}},
             },
-            **_errors("400", "401", "404", "413", "415", "500", "503", "504"),
+            **_errors("400", "401", "404", "413", "415", "429", "500", "503", "504"),
         },
     }
 

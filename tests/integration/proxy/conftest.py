@@ -60,5 +60,13 @@ async def cluster_factory(tiny_model_dir):
                     break
                 await asyncio.sleep(0.02)
             assert all(pd.num_active == 0 for pd in thing.pds), "a Generate stream was left open"
+            # Every per-client allowance was given back (success, error, disconnect or stream end).
+            state = getattr(getattr(thing.app, "state", None), "proxy", None)
+            if state is not None:
+                for _ in range(100):
+                    if not state.limiter.num_in_flight:
+                        break
+                    await asyncio.sleep(0.02)
+                state.limiter.check_idle()
             for server in thing.servers:
                 await server.stop(0)

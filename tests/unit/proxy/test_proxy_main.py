@@ -194,3 +194,15 @@ def test_time_limit_flags_read_the_environment_and_refuse_nonsense(monkeypatch, 
     for bad in (["--body-timeout-s", "0"], ["--inter-token-timeout-s", "-1"], ["--max-concurrency", "-1"]):
         assert run(parse([*bad, "--log-level", "error"])) == 2
     capsys.readouterr()
+
+
+def test_per_client_limits_are_off_by_default_and_read_flags_and_the_environment(monkeypatch, capsys):
+    config = config_from_args(parse([]))
+    assert config.max_requests_per_client == 0 and config.max_tokens_per_client_per_minute == 0
+    config = config_from_args(parse(["--max-requests-per-client", "4", "--max-tokens-per-client-per-minute", "9000"]))
+    assert config.max_requests_per_client == 4 and config.max_tokens_per_client_per_minute == 9000
+    monkeypatch.setenv("EPD_MAX_REQUESTS_PER_CLIENT", "2")
+    assert config_from_args(parse([])).max_requests_per_client == 2
+    for bad in (["--max-requests-per-client", "-1"], ["--max-tokens-per-client-per-minute", "-5"]):
+        assert run(parse([*bad, "--log-level", "error"])) == 2
+    assert "max_requests_per_client" in capsys.readouterr().out
