@@ -133,6 +133,24 @@ def _state(request: Request) -> ProxyState:
     return request.app.state.proxy
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """One generation request, checked and preprocessed: what an endpoint hands ``_generate``."""
+
+    body: _SamplingFields
+    prompt: Prompt
+    trace: Trace
+    timeout_s: float
+    formatter_cls: type[ChatFormatter]
+    id_prefix: str
+    ignored_fields: list[str]  # named in X-EPD-Ignored-Fields
+    echo_text: str = ""  # completions' echo
+
+    @property
+    def deadline(self) -> float:
+        return self.trace.started + self.timeout_s
+
+
 # --------------------------------------------------------------------------- endpoints
 
 
@@ -154,7 +172,7 @@ async def chat_completions(request: Request) -> Response:
     del sources  # the image bytes are no longer needed
     prompt = state.preprocessor.assemble(token_ids, images)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(request, state, body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl", ignored)
+    return await _generate(request, state, _Checked(body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl", ignored))
 
 
 async def completions(request: Request) -> Response:
@@ -178,24 +196,13 @@ async def completions(request: Request) -> Response:
     if body.echo:  # the prompt as sent; a token-id prompt decoded
         echo_text = prompt_input if isinstance(prompt_input, str) else state.preprocessor.tokenizer.decode(prompt_input)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
-    return await _generate(
-        request, state, body, prompt, trace, timeout_s, CompletionFormatter, "cmpl", ignored, echo_text
-    )
+    checked = _Checked(body, prompt, trace, timeout_s, CompletionFormatter, "cmpl", ignored, echo_text)
+    return await _generate(request, state, checked)
 
 
-async def _generate(
-    request: Request,
-    state: ProxyState,
-    body: _SamplingFields,
-    prompt: Prompt,
-    trace: Trace,
-    timeout_s: float,
-    formatter_cls: type[ChatFormatter],
-    id_prefix: str,
-    ignored_fields: list[str],
-    echo_text: str = "",
-) -> Response:
-    """One job per choice (``n``), all under the request's one deadline; ``ignored_fields`` are named in a header."""
+async def _generate(request: Request, state: ProxyState, checked: _Checked) -> Response:
+    """One job per choice (``n``), all under the request's one deadline, once the client's limits admit it."""
+    body, prompt = checked.body, checked.prompt
     max_tokens = resolve_max_tokens(
         requested_max_tokens(body),
         len(prompt.token_ids),
@@ -203,30 +210,16 @@ async def _generate(
         limit=state.config.max_tokens_limit,
         default=state.config.default_max_tokens,
     )
-    num_choices = body.n or 1
     admission = state.limiter.admit(
         state.client_identity(request),
-        num_choices=num_choices,
+        num_choices=body.n or 1,
         prompt_tokens=len(prompt.token_ids),
         max_tokens=max_tokens,
     )
     # The admission is released on every exit: here, or by a stream's response when it ends (``on_close``).
     handed_over = False
     try:
-        response = await _respond(
-            request,
-            state,
-            body,
-            prompt,
-            trace,
-            timeout_s,
-            formatter_cls,
-            id_prefix,
-            ignored_fields,
-            max_tokens,
-            admission,
-            echo_text,
-        )
+        response = await _respond(request, state, checked, max_tokens, admission)
         handed_over = isinstance(response, EventStreamResponse)
         return response
     finally:
@@ -235,22 +228,11 @@ async def _generate(
 
 
 async def _respond(
-    request: Request,
-    state: ProxyState,
-    body: _SamplingFields,
-    prompt: Prompt,
-    trace: Trace,
-    timeout_s: float,
-    formatter_cls: type[ChatFormatter],
-    id_prefix: str,
-    ignored_fields: list[str],
-    max_tokens: int,
-    admission: Admission,
-    echo_text: str,
+    request: Request, state: ProxyState, checked: _Checked, max_tokens: int, admission: Admission
 ) -> Response:
     """``_generate`` once admitted: builds the jobs and answers (a stream's response owns ``admission``)."""
-    config = state.config
-    request_id = new_request_id(id_prefix)
+    config, body, prompt, trace = state.config, checked.body, checked.prompt, checked.trace
+    request_id = new_request_id(checked.id_prefix)
     line = access_line(request)
     if line is not None:
         line.update(
@@ -269,7 +251,7 @@ async def _respond(
             request_id=request_id if index == 0 else f"{request_id}-n{index}",
             prompt=prompt,
             sampling=choice_sampling(sampling, index),
-            deadline=trace.started + timeout_s,
+            deadline=checked.deadline,
             trace=trace if index == 0 else Trace(started=trace.started, preprocess_ms=trace.preprocess_ms),
         )
         for index in range(body.n or 1)
@@ -282,9 +264,9 @@ async def _respond(
         len(prompt.images),
         return_token_ids=body.return_token_ids,
         hide_cache_details=config.hide_cache_details,
-        echo_text=echo_text,
+        echo_text=checked.echo_text,
     )
-    formatter = formatter_cls(meta)
+    formatter = checked.formatter_cls(meta)
     want_logprobs = requested_logprobs(body) is not None
     # A client that streams sees tokens as they come; one that does not sees
     # nothing until the end, so its jobs may restart on another PD mid-way.
@@ -296,12 +278,13 @@ async def _respond(
         for job in jobs
     ]
     stalled_writes = state.metrics.stalls.labels("write")
-    bound = WriteBound(trace.started + timeout_s, config.write_timeout_s, stalled_writes.inc)
+    bound = WriteBound(checked.deadline, config.write_timeout_s, stalled_writes.inc)
+    headers = ignored_fields_header(checked.ignored_fields)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
             stream_events(choices, formatter, include_usage=include_usage, want_logprobs=want_logprobs),
-            headers=ignored_fields_header(ignored_fields),
+            headers=headers,
             bound=bound,
             on_close=admission.release,
         )
@@ -309,7 +292,7 @@ async def _respond(
         result = await unless_disconnected(request, collect(choices, formatter, want_logprobs=want_logprobs))
     except ClientDisconnected:
         return Response(status_code=499)
-    return BoundedJSONResponse(result, bound=bound, headers=ignored_fields_header(ignored_fields))
+    return BoundedJSONResponse(result, bound=bound, headers=headers)
 
 
 def default_served_name(model: str, model_id: str) -> str:
