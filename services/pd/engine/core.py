@@ -14,9 +14,13 @@ Read a request's life here, top to bottom, plus ``scheduler.py``:
    queues in the scheduler.
 4. ``step``: the step budget sizes the prefill share (``step_budget.py``),
    the scheduler picks chunks, the runner computes them, sampled tokens are
-   detokenized and become ``RequestEvent``s. A request keeps its image
-   references, and the pinned K/V that stands in for images it has no
-   embedding for, until it ends: a preempted request can always recompute.
+   detokenized and become ``RequestEvent``s. A request holds its image
+   references until its images are computed into cached K/V; from then the
+   blocks through its last image are pinned instead, and the embeddings may
+   be evicted for other requests. A preempted request recomputes from those
+   pinned blocks, or takes its references back if every image is still
+   cached (its pins are then free for others); a preempted request can
+   always recompute.
 5. Exit: finish, stop string, abort, error, lease expiry or shutdown all end
    in ``_finish``; ``_release`` is the one place that frees what a request
    holds (KV blocks, pins, image references, reservations, its lease).
@@ -29,6 +33,7 @@ the runner (``execute``, ``prepare_embedding``) and the embedding store.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -324,8 +329,9 @@ class EngineCore:
     def _run_step(self) -> bool:
         started = self._timer()
         scheduler = self.scheduler
-        prefill_budget = self.step_budget.before_step(scheduler.running, started, scheduler.waiting, self._clock())
-        scheduler_output = scheduler.schedule(prefill_budget)
+        now = self._clock()
+        prefill_budget = self.step_budget.before_step(scheduler.running, started, scheduler.waiting, now)
+        scheduler_output = scheduler.schedule(prefill_budget, self.step_budget.prefill_order(now))
         self._after_schedule(scheduler_output)
         scheduled = self._timer()
         self.step_stats.seconds["schedule"] += scheduled - started
@@ -342,6 +348,7 @@ class EngineCore:
         executed = self._timer()
         self.step_stats.seconds["execute"] += executed - scheduled
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._let_go_of_computed_images(scheduler_output)
         self._emit(scheduler_output, runner_output, finished)
         now = self._timer()
         self.step_stats.seconds["update"] += now - executed
@@ -349,10 +356,54 @@ class EngineCore:
         self.step_budget.after_step(scheduler_output, started, now)
         return True
 
+    def _let_go_of_computed_images(self, scheduler_output: SchedulerOutput) -> None:
+        """Trades each request's image references for pinned K/V once its images are computed.
+
+        From the step that fills the block holding its last image token, a
+        request needs its embeddings only to recompute after a preemption;
+        the cached blocks through that token serve that recompute as well
+        (re-admission claims them as its prefix), so they are pinned and the
+        embeddings become evictable while the request decodes on. Without
+        prefix caching the references stay until the request ends.
+        """
+        for chunk in scheduler_output.chunks:
+            request = self.scheduler.get_request(chunk.request_id)
+            if request is None or not request.span_refs:
+                continue
+            images_end = request.mm_spans[-1].end
+            if self.kv_cache.pin_computed_prefix(request, self.kv_cache.num_blocks_for(images_end)):
+                for index in sorted(request.span_refs):
+                    self.embedding_cache.release(request.mm_spans[index].mm_hash)
+                request.span_refs.clear()
+
     def _after_schedule(self, scheduler_output: SchedulerOutput) -> None:
-        """Ends the requests whose image is gone before the step runs."""
+        """Ends the requests whose image is gone before the step runs; looks after preempted ones' pins."""
         for request_id in scheduler_output.failed_request_ids:
             self._end(request_id, RequestStatus.FINISHED_ERROR, EngineError(ErrorKind.UNAVAILABLE, _EMBEDDING_GONE))
+        for request_id in scheduler_output.preempted_request_ids:
+            self._retake_images(request_id)
+        if scheduler_output.stalled is not None:
+            # Nothing runs and pinned blocks of waiting requests leave the next one no room: the
+            # others give theirs up; one whose images are gone then fails at admission (UNAVAILABLE).
+            for request in list(self.scheduler.waiting):
+                if request.request_id != scheduler_output.stalled and not self._retake_images(request.request_id):
+                    self.kv_cache.unpin(request.request_id)
+
+    def _retake_images(self, request_id: str) -> bool:
+        """Trades a queued request's pinned K/V for image references when every image it lacks one
+        for is still cached, freeing the pinned blocks for others; False (holding what it held) if not."""
+        request = self.scheduler.get_request(request_id)
+        if request is None:
+            return False
+        missing = [i for i in range(len(request.mm_spans)) if i not in request.span_refs]
+        taken = list(itertools.takewhile(lambda i: self.embedding_cache.acquire(request.mm_spans[i].mm_hash), missing))
+        if len(taken) < len(missing):
+            for index in taken:
+                self.embedding_cache.release(request.mm_spans[index].mm_hash)
+            return False
+        request.span_refs.update(taken)
+        self.kv_cache.unpin(request_id)
+        return True
 
     def _emit(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, finished: list[Request]

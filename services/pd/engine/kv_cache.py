@@ -22,10 +22,13 @@ that one is free and blank, and the blank blocks it is expected to grow into
 go to the back of the free queue; tables then tend to be contiguous, which
 lets decode attention read them in place.
 
-Pins: an owner that is not (yet) a running request can hold references on
-cached blocks (``pin`` / ``unpin``), so they cannot be evicted. Preallocate
-uses this when it answers READY for an image whose KV is already cached: the
-blocks stay until the request is admitted, or its lease ends.
+Pins: an owner can hold references on cached blocks (``pin`` / ``unpin``),
+so they cannot be evicted. Preallocate uses this when it answers READY for
+an image whose KV is already cached (the blocks stay until the request ends,
+or its lease does), and a request whose images are computed pins the blocks
+through them in place of its image embeddings (``pin_computed_prefix``): a
+preemption frees the rest of its table, and re-admission claims the pinned
+blocks as its prefix.
 
 Not thread-safe: the engine thread owns it.
 """
@@ -219,6 +222,22 @@ class KVCacheManager:
         self.unpin(owner)
         if block_ids:
             self._pins[owner] = list(block_ids)
+
+    def pin_computed_prefix(self, request: Request, num_blocks: int) -> bool:
+        """Pin, for ``request``, the cached blocks holding its first ``num_blocks`` computed blocks' K/V.
+
+        They are the blocks its block table registered, or those another
+        request registered first under the same keys. Replaces what it had
+        pinned before (a shorter run of the same chain). False, pinning
+        nothing new, when a block is not in the prefix cache.
+        """
+        if not self.enable_prefix_caching or num_blocks * self.block_size > request.num_computed_tokens:
+            return False
+        block_ids = [self._key_to_block.get(key) for key in self._block_keys_of(request, num_blocks)]
+        if None in block_ids:
+            return False
+        self.pin(request.request_id, [b for b in block_ids if b is not None])
+        return True
 
     def unpin(self, owner: str) -> None:
         """Drop ``owner``'s pins. Idempotent."""

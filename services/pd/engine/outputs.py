@@ -68,6 +68,8 @@ class SchedulerOutput:
     per-request state. ``failed_request_ids`` cannot go on (an image they
     still need is gone from the embedding cache): the engine core ends them
     before the step runs. ``preempted_request_ids`` lost their KV this step.
+    ``stalled``: the waiting request that found no KV room while nothing ran
+    (pinned blocks hold it: the engine core lets go of other waiting ones').
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -75,6 +77,7 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     failed_request_ids: list[str] = field(default_factory=list)
+    stalled: str | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -146,8 +146,9 @@ class Request:
     # lazily by KVCacheManager (valid for the request's whole life: tokens only append).
     block_hashes: list[bytes] = field(default_factory=list)
     # Indices into mm_spans whose embedding this request holds an EmbeddingCache
-    # reference on (one per span), held until the request ends so that a
-    # preempted request can always recompute its images.
+    # reference on (one per span). Once its images are computed, pinned K/V
+    # through them stands in for these (``EngineCore._let_go_of_computed_images``),
+    # so a preempted request can always recompute its images.
     span_refs: set[int] = field(default_factory=set)
     # The prefix-cache hit, looked up once (``KVCacheManager.claim_cached_prefix``)
     # and carried to admission; None = not looked up since the last admission.

@@ -2,12 +2,14 @@
 
 One token budget per step is shared by decodes and prefill chunks, whose
 share the caller may cap (``step_budget.py``: decode keeps its inter-token
-latency). Running requests go first, in admission order; then waiting ones,
-FCFS. A prefill chunk stops before an image whose embedding is not READY (the
+latency). Decode rows go first, in admission order. Prefill follows, in the
+caller's order (``slo.prefill_key``: earliest TTFT deadline first, running
+prefills and waiting prompts alike), else running prefills in admission
+order, then waiting prompts FCFS. A prefill chunk stops before an image whose embedding is not READY (the
 text before it prefills while the image is encoded); a request that cannot
 move at all for that reason is WAITING_FOR_EMBEDDING. When KV blocks run out,
-the newest running request is preempted (its KV recomputed later) and nothing
-new is admitted in that step.
+the newest running request not yet in the step is preempted (its KV
+recomputed later) and nothing new is admitted in that step.
 
 The scheduler decides and keeps its queues; it releases nothing a request
 holds. A request arrives with its embedding references already taken
@@ -36,6 +38,7 @@ from services.pd.engine.kv_cache import KVCacheManager
 from services.pd.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from services.pd.engine.request import Request, RequestStatus, rope_plan
 from services.pd.engine.scheduler_config import QueueFull, SchedulerConfig
+from services.pd.engine.slo import PrefillKey
 from services.pd.engine.step_budget import TokenBudget
 
 _RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
@@ -90,6 +93,11 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_active(self) -> int:
+        """Running requests that hold a slot (``max_num_seqs``): all but those waiting for an image."""
+        return sum(r.status is not RequestStatus.WAITING_FOR_EMBEDDING for r in self.running)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
@@ -136,53 +144,40 @@ class Scheduler:
             raise ValueError("the request needs more KV cache than this server has")
 
     # ----------------------------------------------------------------- schedule
-    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
+    def schedule(self, prefill_budget: int | None = None, prefill_key: PrefillKey | None = None) -> SchedulerOutput:
         """Pick the chunks of the next step within the step budget; prefill chunks
-        also within ``prefill_budget`` (None = no separate cap)."""
+        also within ``prefill_budget`` (None = no separate cap).
+
+        Decode rows go first, in admission order. Prefill chunks follow: with
+        ``prefill_key``, running prefills and waiting prompts in one order, the
+        key's (``slo.prefill_key``: earliest TTFT deadline first); without it,
+        running prefills in admission order, then waiting prompts FCFS.
+        """
         now = self._clock()
         out = SchedulerOutput()
         budget = TokenBudget(self.config.max_num_batched_tokens, prefill_budget)
-        if self._shares_with_queue(budget):
-            budget.held_for_waiting = budget.num_prefill // 2
-        self._schedule_running(out, budget, now)
-        budget.held_for_waiting = 0
-        if not out.preempted_request_ids:
-            self._schedule_waiting(out, budget, now)
+        self._schedule_decodes(out, budget, now)
+        if budget.num_tokens > 0:
+            self._schedule_prefills(out, budget, now, prefill_key)
         out.num_batched_tokens = sum(chunk.num_tokens for chunk in out.chunks)
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
 
-    def _shares_with_queue(self, budget: TokenBudget) -> bool:
-        """Whether this step's prefill share is limited and split with admissible waiting prompts."""
-        return (
-            self.config.share_prefill_with_queue
-            and bool(self.waiting)
-            and len(self.running) < self.config.max_num_seqs
-            and budget.num_prefill < budget.num_tokens
-        )
+    def _schedule_decodes(self, out: SchedulerOutput, budget: TokenBudget, now: float) -> None:
+        """One token for every decoding stream that fits the step, preempting newest-first for KV room.
 
-    def _schedule_running(self, out: SchedulerOutput, budget: TokenBudget, now: float) -> None:
-        i = 0
-        while i < len(self.running) and budget.num_tokens > 0:
-            request = self.running[i]
-            decoding = request.is_decoding
-            limit = budget.limit(decoding)
-            if limit == 0:  # the prefill share is spent; decode rows behind it still go
-                i += 1
-                continue
-            num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, limit)
-            if num_new == 0:
-                if self._embedding_gone(blocking_hash):
-                    out.failed_request_ids.append(request.request_id)
-                else:
-                    spans.mark_blocked(request, now)
-                i += 1
-                continue
-            if not self._allocate_or_preempt(request, num_new, out, now):
-                break  # the request preempted itself: it was the newest, nothing follows
-            self._add_chunk(out, request, num_new, now)
-            budget.spend(num_new, decoding)
-            i += 1
+        The newest running request is never one already in this step: decode
+        rows are visited in admission order and prefills come after them.
+        """
+        for request in [r for r in self.running if r.is_decoding]:
+            if budget.num_tokens == 0:
+                return
+            if request.status is RequestStatus.PREEMPTED:
+                continue  # an earlier row's victim
+            if not self._allocate_or_preempt(request, 1, out, now):
+                return  # the request preempted itself: it was the newest, nothing follows
+            self._add_chunk(out, request, 1, now)
+            budget.spend(1, True)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput, now: float) -> bool:
         """Make KV room for ``request``, preempting newest-first; False if it went itself."""
@@ -193,18 +188,86 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: TokenBudget, now: float) -> None:
-        blocked: list[Request] = []
-        while self.waiting and budget.limit(False) > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.popleft()
-            outcome, num_new = self._try_admit(request, budget.limit(False), out, now)
-            if outcome is _Admit.NO_ROOM:
-                self.waiting.appendleft(request)
+    def _schedule_prefills(self, out: SchedulerOutput, budget: TokenBudget, now: float, key: PrefillKey | None) -> None:
+        prefilling = {id(r) for r in self.running if not r.is_decoding}
+        candidates = [*(r for r in self.running if id(r) in prefilling), *self.waiting]
+        if key is not None:
+            candidates.sort(key=key)
+        elif self._shares_with_queue(budget):
+            budget.held_for_waiting = budget.num_prefill // 2
+        scheduled = {chunk.request_id for chunk in out.chunks}
+        admitted: set[int] = set()
+        admitting = not out.preempted_request_ids
+        slots = _Slots(self.config.max_num_seqs - self.num_active)
+        for request in candidates:
+            running = id(request) in prefilling
+            if not running:
+                budget.held_for_waiting = 0
+            if budget.limit(False) == 0:
+                if running and budget.held_for_waiting:
+                    continue  # the rest of the share is held for the waiting prompts
                 break
-            if outcome in (_Admit.BLOCKED, _Admit.FAILED):
-                blocked.append(request)
-            budget.spend(num_new, False)
-        self.waiting.extendleft(reversed(blocked))  # keep their place in line
+            if running:
+                if request.status is not RequestStatus.PREEMPTED:  # not a victim of this step
+                    self._prefill_running(request, out, budget, now, scheduled, slots)
+                    admitting = admitting and not out.preempted_request_ids
+            elif admitting and slots.free > 0:
+                outcome, num_new = self._try_admit(request, budget.limit(False), out, now)
+                if outcome is _Admit.NO_ROOM:
+                    admitting = False  # FCFS within the order: nothing behind it goes first
+                    out.stalled = None if self.running else request.request_id
+                elif outcome is _Admit.ADMITTED:
+                    admitted.add(id(request))
+                    scheduled.add(request.request_id)
+                    budget.spend(num_new, False)
+                    slots.free -= 1
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
+
+    def _prefill_running(
+        self,
+        request: Request,
+        out: SchedulerOutput,
+        budget: TokenBudget,
+        now: float,
+        scheduled: set[str],
+        slots: _Slots,
+    ) -> None:
+        """The next chunk of a running prefill, preempting the newest request not in this step for room.
+
+        A request that waited for an image takes a slot again to resume; with none free it waits on.
+        """
+        resuming = request.status is RequestStatus.WAITING_FOR_EMBEDDING
+        if resuming and slots.free <= 0:
+            return
+        num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, budget.limit(False))
+        if num_new == 0:
+            if self._embedding_gone(blocking_hash):
+                out.failed_request_ids.append(request.request_id)
+            elif not resuming:
+                spans.mark_blocked(request, now)
+                slots.free += 1  # a request waiting for an image holds no slot
+            return
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = next(
+                (r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None
+            )
+            if victim is None:
+                return  # everyone else is in this step: it goes on in a later one
+            self._preempt(victim, out, now)
+        self._add_chunk(out, request, num_new, now)
+        scheduled.add(request.request_id)
+        budget.spend(num_new, False)
+        slots.free -= resuming
+
+    def _shares_with_queue(self, budget: TokenBudget) -> bool:
+        """Whether this step's prefill share is limited and split with admissible waiting prompts."""
+        return (
+            self.config.share_prefill_with_queue
+            and bool(self.waiting)
+            and self.num_active < self.config.max_num_seqs
+            and budget.num_prefill < budget.num_tokens
+        )
 
     def _try_admit(self, request: Request, budget: int, out: SchedulerOutput, now: float) -> tuple[_Admit, int]:
         prefix = self.kv_cache.claim_cached_prefix(request)
@@ -377,7 +440,7 @@ class Scheduler:
             len(queued) == len(set(queued)) and set(queued) == set(self._requests),
             "queues and the request table disagree",
         )
-        check(len(self.running) <= self.config.max_num_seqs, "too many running requests")
+        check(self.num_active <= self.config.max_num_seqs, "too many running requests")
         block_size = self.kv_cache.block_size
         for request in self.running:
             check(request.status in _RUNNING_STATES, "bad status in running")
@@ -392,6 +455,13 @@ class Scheduler:
         for request in self._requests.values():
             check(all(0 <= i < len(request.mm_spans) for i in request.span_refs), "span reference out of range")
             check(request.cached_prefix is None or not request.block_ids, "a cached prefix outlived admission")
+
+
+class _Slots:
+    """Slots (``max_num_seqs``) still free in the step being scheduled."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
 
 
 def _remove(queue: MutableSequence[Request], request: Request) -> bool:

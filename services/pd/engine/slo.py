@@ -4,6 +4,14 @@ The step budget (``step_budget.py``) keeps decoding streams within their
 inter-token latency (ITL) target. This module says when, and by how much,
 waiting prompts override it, by three rules:
 
+- **Earliest deadline first.** Prefill is served in TTFT-deadline order,
+  running prefills and waiting prompts alike (``prefill_key``): a short prompt
+  that arrives behind a long one in progress, such as an image prompt of
+  thousands of tokens, is not held to that prompt's pace, since its target
+  is shorter. A deadline already passed keeps its place: it ranks first, so
+  nothing waits for ever behind prompts that arrive later (putting late
+  prompts last starved them under overload). A request recomputing after a
+  preemption goes before all: its stream has readers waiting already.
 - **Deadlines.** Every prompt has a time-to-first-token (TTFT) deadline:
   its arrival, plus the time it spent blocked on its images (PD cannot
   prefill past an image it does not hold), plus its TTFT target. Walking
@@ -55,11 +63,36 @@ QUEUE_BATCH_RATIO = 0.5
 """Waiting prompts per decoding stream from which the whole queue is prefilled in one step."""
 
 
+PrefillKey = Callable[[Request], tuple[int, float]]
+"""Orders prefill work (``prefill_key``): smaller keys are served first."""
+
+
 class PendingPrompt(NamedTuple):
     """A prompt that waits for its first token, as the deadline rule sees it."""
 
     num_tokens: int  # prompt tokens left to compute
     slack_s: float  # seconds until its TTFT deadline (negative: passed)
+
+
+def ttft_deadline(request: Request, now: float, ttft_target_s: Callable[[int], float]) -> float:
+    """When ``request``'s first token is due: arrival + time blocked on images (until ``now`` if
+    blocked now) + its TTFT target (``ttft_target_s`` maps a prompt's length to it)."""
+    timings = request.timings
+    blocked_s = timings.embedding_wait_s
+    if timings.embedding_wait_since is not None:
+        blocked_s += max(0.0, now - timings.embedding_wait_since)
+    return timings.arrival + blocked_s + ttft_target_s(request.num_prompt_tokens)
+
+
+def prefill_key(now: float, ttft_target_s: Callable[[int], float]) -> PrefillKey:
+    """The order prefill is served in (module docstring: "Earliest deadline first")."""
+
+    def key(request: Request) -> tuple[int, float]:
+        if request.timings.first_token is not None:
+            return (0, request.timings.arrival)  # a preempted stream recomputing: its reader waits already
+        return (1, ttft_deadline(request, now, ttft_target_s))
+
+    return key
 
 
 def pending_prompts(
@@ -83,8 +116,7 @@ def pending_prompts(
         remaining = request.num_prompt_tokens - request.num_computed_tokens
         if remaining <= 0:
             continue
-        deadline = request.timings.arrival + request.timings.embedding_wait_s + ttft_target_s(request.num_prompt_tokens)
-        out.append(PendingPrompt(remaining, deadline - now))
+        out.append(PendingPrompt(remaining, ttft_deadline(request, now, ttft_target_s) - now))
     return out
 
 

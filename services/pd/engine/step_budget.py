@@ -144,8 +144,19 @@ class StepBudget:
         running = list(running)
         queue: list[slo.PendingPrompt] = []
         if clock_now is not None and self.config.enabled and self.model.is_seeded:
-            queue = slo.pending_prompts([*running, *waiting], clock_now, self.ttft_target_s)
+            candidates = [*running, *waiting]
+            key = self.prefill_order(clock_now)
+            if key is not None:
+                candidates.sort(key=key)
+            queue = slo.pending_prompts(candidates, clock_now, self.ttft_target_s)
         return self.prefill_budget(StepShape.decoding(running), since_last_step_s, queue)
+
+    def prefill_order(self, clock_now: float) -> slo.PrefillKey | None:
+        """The order in which the scheduler serves prefill at ``clock_now`` (``slo.prefill_key``);
+        None (running prefills, then FCFS) while there are no TTFT targets."""
+        if not (self.config.enabled and self.model.is_seeded and self.config.target_ttft_s != 0):
+            return None
+        return slo.prefill_key(clock_now, self.ttft_target_s)
 
     def after_step(self, scheduler_output: SchedulerOutput, started: float, ended: float) -> None:
         """Learns from a step that ran ``scheduler_output`` from ``started`` to ``ended``."""

@@ -40,10 +40,14 @@ class PrefillBudgetDouble:
 
     def __init__(self, max_num_batched_tokens: int) -> None:
         self.next: int | None = None
+        self.key = None  # the prefill order the next step is served in (None: running, then FCFS)
         self._off = StepBudget.off(max_num_batched_tokens)
 
     def before_step(self, running, now: float, waiting=(), clock_now: float | None = None) -> int | None:
         return self.next
+
+    def prefill_order(self, clock_now: float):
+        return self.key
 
     def after_step(self, scheduler_output, started: float, ended: float) -> None:
         pass
@@ -100,8 +104,8 @@ class RecordingScheduler(Scheduler):
 
     last_output = SchedulerOutput()
 
-    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
-        self.last_output = super().schedule(prefill_budget)
+    def schedule(self, prefill_budget: int | None = None, prefill_key=None) -> SchedulerOutput:
+        self.last_output = super().schedule(prefill_budget, prefill_key)
         return self.last_output
 
 

@@ -97,12 +97,14 @@ class Harness:
         return True
 
     def step(
-        self, tokens: dict[str, int] | None = None, prefill_budget: int | None = None
+        self, tokens: dict[str, int] | None = None, prefill_budget: int | None = None, prefill_key=None
     ) -> tuple[SchedulerOutput, list[Request]]:
-        """One engine step (prefill chunks within ``prefill_budget``, if given); checks the budgets and
-        every invariant. Returns the requests that ended."""
+        """One engine step (prefill chunks within ``prefill_budget``, if given, served in
+        ``prefill_key``'s order, if given); checks the budgets and every invariant. Returns the
+        requests that ended."""
         self.runner.tokens = dict(tokens or {})
         self.prefill_budget.next = prefill_budget
+        self.prefill_budget.key = prefill_key
         self.sched.last_output = SchedulerOutput()
         decoding = {r.request_id for r in self.sched.running if r.is_decoding}
         result = self.core.step()

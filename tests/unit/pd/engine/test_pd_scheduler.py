@@ -105,7 +105,9 @@ def test_text_prefills_while_image_encodes_then_resumes(h):
     assert (image.mm_hash, image.src_start, image.dst_start, image.length) == ("cat", 0, 0, 8)
     assert request.status is RequestStatus.RUNNING
     assert request.timings.embedding_wait_s == pytest.approx(2.0)
-    assert request.span_refs == {0} and h.emb.ref_count("cat") == 1  # held until the request ends
+    # Computed into cached K/V: the blocks through the image are pinned in place of the embedding.
+    assert request.span_refs == set() and h.emb.ref_count("cat") == 0
+    assert h.kv.num_pinned_blocks == h.kv.num_blocks_for(14)
     h.run()
     assert h.emb.is_ready("cat") and h.emb.ref_count("cat") == 0  # stays cached for reuse
 
@@ -144,7 +146,8 @@ def test_two_images_in_one_chunk_and_partial_readiness(make):
     h.push("a", "y")
     out, _ = h.step()
     assert [(s.mm_hash, s.dst_start) for s in chunk_of(out, "a").image_slices] == [("y", 0)]
-    assert request.span_refs == {0, 1}
+    assert request.span_refs == set()  # both computed: pinned K/V stands in for them
+    assert h.kv.num_pinned_blocks == h.kv.num_blocks_for(8)
     h.run()
     assert h.emb.ref_count("x") == h.emb.ref_count("y") == 0
 
@@ -195,18 +198,37 @@ def test_the_newest_request_preempts_itself_when_it_runs_out(make):
     assert len(b.output_token_ids) == 4
 
 
-def test_resume_reuses_prefix_cache_after_preemption(make):
+def test_image_cache_is_not_held_hostage_by_requests_past_their_prefill(make):
+    """Second review, 5: a request held its images' embeddings until it ended, so a few long requests
+    filled PD's embedding cache and every other image request got 503 while they ran. Once its
+    images are computed, the cached K/V through them is pinned instead, and a preempted request
+    recomputes from it."""
     h = make(num_blocks=8, block_size=4, budget=64, embedding_tokens=8)
     prompt = [1, 2, 3, 4] + [IMG] * 8 + [5]
     request = h.add("a", prompt, spans=[("cat", 4, 8)], ready=["cat"], max_tokens=8)
     h.step()
+    assert h.emb.ref_count("cat") == 0 and h.kv.num_pinned_blocks == 3  # blocks 0-2 hold the image's K/V
+    h.add("b", [IMG] * 8 + [9], spans=[("dog", 0, 8)], ready=["dog"])  # was RESOURCE_EXHAUSTED
+    assert h.evicted == ["cat"]
     force_preempt(h, request)
-    assert refusal(h, "b", [IMG] * 8 + [9], spans=[("dog", 0, 8)]).kind is ErrorKind.RESOURCE_EXHAUSTED
-    assert h.evicted == [] and h.emb.ref_count("cat") == 1  # "a" holds its image until it ends
     out, _ = h.step()
     chunk = chunk_of(out, "a")
-    assert chunk.start_pos == 12 and chunk.image_slices == []  # image covered by cached KV
+    assert chunk.start_pos == 12 and chunk.image_slices == []  # recomputed from the pinned K/V
     h.run()
+    assert request.status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 8
+
+
+def test_a_preempted_request_whose_images_are_still_cached_takes_them_back_and_frees_its_pins(make):
+    h = make(num_blocks=6, block_size=4, budget=64)
+    text = h.add("c", list(range(1, 9)), max_tokens=12)
+    image = h.add("a", [1, 2, 3, 4] + [IMG] * 4 + [5], spans=[("cat", 4, 4)], ready=["cat"], max_tokens=8)
+    h.step()
+    assert h.emb.ref_count("cat") == 0 and h.kv.num_pinned_blocks == 2
+    while image.status is not RequestStatus.PREEMPTED:  # "c" grows until it needs the newest one's room
+        h.step()
+    assert image.span_refs == {0} and h.emb.ref_count("cat") == 1 and h.kv.num_pinned_blocks == 0
+    h.run()
+    assert text.status is image.status is RequestStatus.FINISHED_LENGTH
 
 
 def test_a_preempted_image_request_recomputes_its_image(make):
@@ -296,3 +318,76 @@ def test_strict_fcfs_chunks_when_sharing_is_off(make):
     h = make(budget=64)
     assert _long_prompt_behind_a_decode(h) == {"dec": 1, "long": 40}
     h.run()
+
+
+def test_a_keyed_order_serves_a_later_short_prompt_before_a_long_one_in_progress(make):
+    h = make(budget=64)
+    deadline = {"dec": 0.0, "long": 9.0, "short": 1.0}  # the short prompt's first token is due first
+    h.add("dec", [1, 2, 3], max_tokens=8)
+    h.step()
+    h.add("long", [1] * 120, max_tokens=2)
+    h.step(prefill_budget=40, prefill_key=lambda r: deadline[r.request_id])
+    h.add("short", [4, 5, 6, 7, 8, 9], max_tokens=2)
+    out, _ = h.step(prefill_budget=40, prefill_key=lambda r: deadline[r.request_id])
+    assert {c.request_id: c.num_tokens for c in out.chunks} == {"dec": 1, "short": 6, "long": 34}
+    assert [c.request_id for c in out.chunks] == ["dec", "short", "long"]  # decode rows first
+    h.run()
+
+
+@pytest.mark.parametrize(
+    ("first", "chunks", "preempted"),
+    [("a", {"a": 8}, ["b"]), ("b", {"b": 4}, [])],
+    ids=["newer-one-outside-the-step-is-preempted", "nobody-outside-the-step-so-it-waits"],
+)
+def test_a_keyed_prefill_out_of_room_preempts_the_newest_request_not_in_the_step(make, first, chunks, preempted):
+    h = make(num_blocks=5, block_size=4, budget=64)  # 20 tokens of KV
+    h.add("a", [1] * 16, max_tokens=2)
+    h.add("b", [2] * 12, max_tokens=2)
+    h.step(prefill_budget=8, prefill_key=lambda r: r.request_id != "a")  # "a": 8 tokens, 2 blocks
+    h.step(prefill_budget=8, prefill_key=lambda r: r.request_id != "b")  # "b": 8 tokens, 2 blocks
+    out, _ = h.step(prefill_budget=8, prefill_key=lambda r: r.request_id != first)  # 1 block free
+    assert {c.request_id: c.num_tokens for c in out.chunks} == chunks
+    assert out.preempted_request_ids == preempted
+    h.run()
+
+
+def test_image_requests_waiting_for_embeddings_do_not_hold_decode_slots(make):
+    """Second review, 8: with every slot taken by image requests blocked on a slow encoder, a text
+    request waited for them; now it is admitted at once, and the image requests resume as slots free."""
+    h = make(max_num_seqs=2)
+    for name, image in (("img1", "cat"), ("img2", "dog")):
+        h.add(name, [5, 6, 7, 8] + [IMG] * 8 + [9], spans=[(image, 4, 8)], max_tokens=2)
+    h.step()  # both prefill their text, then wait for their images
+    h.step()
+    assert [r.status for r in h.sched.running] == [RequestStatus.WAITING_FOR_EMBEDDING] * 2
+    assert h.sched.num_active == 0
+    h.add("txt", [1, 2, 3], max_tokens=6)
+    out, _ = h.step()
+    assert [c.request_id for c in out.chunks] == ["txt"]
+    h.push("img1", "cat")
+    h.push("img2", "dog")
+    out, _ = h.step()  # one slot left beside the decoding text request: one image request resumes
+    assert [c.request_id for c in out.chunks] == ["txt", "img1"]
+    assert h.sched.get_request("img2").status is RequestStatus.WAITING_FOR_EMBEDDING
+    assert h.sched.num_active == 2
+    h.run()
+
+
+def test_pins_of_waiting_requests_never_leave_the_next_one_without_room(make):
+    """Nothing runs and a preempted request's pinned K/V leaves the prompt served next no room: the
+    pins are given up, and the preempted request, whose image is gone by then, fails cleanly."""
+    h = make(num_blocks=5, block_size=4, budget=64, embedding_tokens=4)
+    image = h.add("a", [1, 2, 3, 4] + [IMG] * 4 + [5], spans=[("cat", 4, 4)], ready=["cat"], max_tokens=4)
+    h.step()
+    h.add("b", [IMG] * 4 + [6], spans=[("dog", 0, 4)], ready=["dog"], max_tokens=2)
+    assert h.evicted == ["cat"] and h.kv.num_pinned_blocks == 2
+    force_preempt(h, image)
+    h.add("c", list(range(10, 26)), max_tokens=2)  # 4 blocks; 3 are free
+    order = {"c": 0, "b": 1, "a": 2}
+    out, _ = h.step(prefill_key=lambda r: order[r.request_id])
+    assert out.is_empty and out.stalled == "c" and h.kv.num_pinned_blocks == 0
+    out, ended = h.step(prefill_key=lambda r: order[r.request_id])
+    assert chunk_of(out, "c").num_tokens == 16
+    ended += h.run()
+    assert image in ended and image.status is RequestStatus.FINISHED_ERROR
+    assert {r.request_id for r in ended} == {"a", "b", "c"}

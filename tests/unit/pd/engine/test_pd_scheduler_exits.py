@@ -110,10 +110,12 @@ def test_config_validation():
         SchedulerConfig(max_model_len=8).max_num_seqs = 2  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["fcfs", "keyed"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workload_keeps_invariants(seed, make):
-    """Random arrivals, images, pushes, lost pushes, aborts, tight KV and prefill budgets: every
-    step keeps the budgets and all invariants, and every request ends with nothing leaked."""
+def test_random_workload_keeps_invariants(seed, ordered, make):
+    """Random arrivals, images, pushes, lost pushes, aborts, tight KV and prefill budgets, and
+    (keyed) prefill served in a random order that changes every step: every step keeps the budgets
+    and all invariants, and every request ends with nothing leaked."""
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
     h = make(
@@ -138,7 +140,9 @@ def test_random_workload_keeps_invariants(seed, make):
             victim = rng.choice(h.sched.running)
             h.core.abort(victim.request_id)  # its end arrives with the next step's events
         tokens = {r.request_id: rng.choice([TOKEN, TOKEN, TOKEN, EOS]) for r in h.sched.running}
-        ended += h.step(tokens, prefill_budget=rng.choice([None, None, 1, 2, 5]))[1]
+        priority = {r.request_id: rng.random() for r in h.requests.values()}
+        key = (lambda r, p=priority: p[r.request_id]) if ordered else None
+        ended += h.step(tokens, prefill_budget=rng.choice([None, None, 1, 2, 5]), prefill_key=key)[1]
     for item in pending:
         h.push(*item)
     # Lost pushes: the lease sweep drops their entries and fails whoever waits on them.

@@ -207,3 +207,49 @@ def test_before_step_builds_the_queue_from_running_then_waiting_requests():
     assert no_deadlines == b.before_step(running, now=100.0)
     due = b.before_step(running, now=100.0, waiting=waiting, clock_now=10.3)  # 0.2 s left for 300 tokens
     assert due > no_deadlines
+
+
+def test_prefill_is_served_earliest_deadline_first_passed_deadlines_included():
+    b = budget(ttft_s=1.0)
+    long_early = request("long_early", 900, arrival=0.0)  # due at 1.0
+    short_late = request("short_late", 20, arrival=0.5)  # due at 1.5
+    lost = request("lost", 20, arrival=-5.0)  # due at -4.0: already missed at 0.9
+    blocked = request("blocked", 20, arrival=-0.5)  # due at 0.5, plus 0.4 s blocked on its image so far
+    blocked.timings.embedding_wait_since = 0.5
+    recompute = request("recompute", 20, arrival=0.8)  # preempted after its first token
+    recompute.timings.first_token = 0.85
+    key = b.prefill_order(0.9)
+    assert key is not None
+    order = sorted([long_early, short_late, lost, blocked, recompute], key=key)
+    assert [r.request_id for r in order] == ["recompute", "lost", "blocked", "long_early", "short_late"]
+
+
+def test_prefill_is_fcfs_without_a_ttft_target_or_an_itl_target():
+    assert budget(ttft_s=0.0).prefill_order(0.0) is None
+    assert budget(itl_s=0.0).prefill_order(0.0) is None
+    assert StepBudget(BudgetConfig(CAP)).prefill_order(0.0) is None  # not seeded yet
+    assert budget().prefill_order(0.0) is not None  # auto targets: deadline order
+
+
+def test_the_deadline_share_walks_the_queue_in_the_order_it_is_served():
+    b = budget(itl_s=0.050)  # auto TTFT targets: a long prompt's is longer
+    running = []
+    for i in range(8):  # decoding
+        r = request(f"d{i}", 20, 0.0)
+        r.timings.first_token, r.num_computed_tokens, r.output_token_ids = 0.01, 20, [1]
+        r.status = RequestStatus.RUNNING
+        running.append(r)
+    image = request("image", 1500, arrival=10.0)  # admitted first, 1,500 tokens left
+    image.status = RequestStatus.RUNNING
+    now = 10.0 + b.ttft_target_s(30) / 2
+    text = request("text", 30, arrival=now - 0.01)  # due long before the image prompt
+    key = b.prefill_order(now)
+    assert key is not None and key(text) < key(image)
+    share = b.before_step([*running, image], now=100.0, waiting=[text], clock_now=now)
+    base_s, per_token_s = b.model.predict(DECODING), b.model.prefill_seconds_per_token
+    fcfs = slo.pending_prompts([image, text], now, b.ttft_target_s)
+    edf = slo.pending_prompts([text, image], now, b.ttft_target_s)
+    # Behind the image prompt the text prompt is lost; served first it makes its deadline.
+    assert deadline_share(fcfs, base_s, per_token_s, CAP) == deadline_share(fcfs[:1], base_s, per_token_s, CAP)
+    saved = deadline_share(edf[:1], base_s, per_token_s, CAP)
+    assert saved > 0 and share >= deadline_share(edf, base_s, per_token_s, CAP) >= saved
