@@ -406,6 +406,17 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
 
+async def live(request: Request) -> JSONResponse:
+    """``GET /health/live``: 200 whenever this process's event loop answers, whatever the backends do.
+
+    The liveness probe's endpoint: a TCP probe passes while the loop is
+    blocked (the kernel completes the handshake from the listen backlog),
+    and ``/health`` fails during a backend outage, which a restart of the
+    proxy would not mend. It names nothing and needs no secret.
+    """
+    return JSONResponse({"status": "alive"})
+
+
 async def metrics(request: Request) -> Response:
     """``GET /metrics``; behind ``--api-key`` or ``--metrics-require-token`` it needs a Bearer secret."""
     state = _state(request)
@@ -528,6 +539,7 @@ def create_app(
     # ``:path``: a served name may contain "/" (a Hugging Face id), which clients send unescaped.
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health/live", live, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.openapi = functools.partial(openapi_document, app, config)
     install_error_handlers(app)

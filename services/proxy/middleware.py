@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _LOGGED_ROUTES = GENERATION_PATHS | {"/v1/models"}
-_UNLOGGED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: no access lines
+_UNLOGGED_PATHS = frozenset({"/health", "/health/live", "/metrics"})  # probes and scrapes: no access lines
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 ACCESS_LINE = "epd_access_line"
 """Key of the request's ``AccessLine`` in ``scope["state"]``; read it with ``access_line(request)``."""

@@ -251,6 +251,9 @@ def openapi_document(app: FastAPI, config: ProxyConfig) -> dict[str, Any]:
         "200": {"description": "A PD (and an encoder, if configured) is ready", "content": _json(_HEALTH)},
         "503": {"description": "Not ready", "content": _json(_HEALTH)},
     }
+    paths["/health/live"]["get"]["responses"] = {
+        "200": {"description": "The proxy's event loop answers (backends not consulted): the liveness probe"},
+    }
     paths["/metrics"]["get"]["responses"] = {
         "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **_errors("401"),

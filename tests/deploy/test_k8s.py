@@ -19,6 +19,9 @@ from deploy_support import (
     with_defaults,
 )
 
+from services.proxy.app import create_app
+from services.proxy.config import ProxyConfig
+
 SERVERS = ("pd", "encoder", "proxy")
 K8S_SCHEMA_VERSION = "1.30.0"
 """The oldest Kubernetes whose schemas the manifests are checked against (native gRPC probes are GA since 1.27)."""
@@ -88,9 +91,23 @@ def test_proxy_probes(docs):
     port = int(flag(container["args"], "--port"))
     assert _ports(container)["http"] == port
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
-    # Liveness must not depend on the backends, or a PD outage restarts every proxy.
-    assert container["livenessProbe"]["tcpSocket"] == {"port": port}
     assert container["startupProbe"]["tcpSocket"] == {"port": port}
+
+
+def test_proxy_liveness_probe_is_http_not_tcp(docs):
+    """Issue #27, finding 4: a TCP probe passes while the proxy's event loop is wedged.
+
+    Liveness asks the proxy's own liveness endpoint over HTTP (it must not be
+    ``/health``, or a PD outage restarts every proxy).
+    """
+    container = _main_container(docs[("Deployment", "proxy")])
+    port = int(flag(container["args"], "--port"))
+    probe = container["livenessProbe"]
+    assert "tcpSocket" not in probe
+    assert probe["httpGet"] == {"path": "/health/live", "port": port}
+    assert probe["timeoutSeconds"] > 0
+    routes = {route.path for route in create_app(ProxyConfig(model="tiny")).routes}
+    assert probe["httpGet"]["path"] in routes
 
 
 def test_resources_and_grace(docs):
