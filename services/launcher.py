@@ -32,6 +32,7 @@ import urllib.request
 
 from services.common import cli_args, grpc_utils, launch_proof, security
 from services.common.metrics_http import MetricsHttpServer
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.launcher_metrics import LauncherMetrics
 from services.supervisor import (
     HealthPolicy,
@@ -77,8 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(parser, "--host", default="127.0.0.1", help="address every service listens on")
     add(parser, "--port", type=int, default=8000, help="proxy HTTP port")
-    add(parser, "--encoder-base-port", type=int, default=50051, help="encoder i listens on this port + i")
-    add(parser, "--pd-base-port", type=int, default=50061, help="PD j listens on this port + j")
+    add(
+        parser, "--encoder-base-port", type=int, default=DEFAULT_ENCODER_PORT, help="encoder i listens on this port + i"
+    )
+    add(parser, "--pd-base-port", type=int, default=DEFAULT_PD_PORT, help="PD j listens on this port + j")
     add(
         parser,
         "--encoder-metrics-base-port",

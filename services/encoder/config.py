@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.ports import DEFAULT_ENCODER_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.common.tensors import CHUNK_BYTES
 from services.encoder.faults import NO_FAULTS, Faults
@@ -24,7 +25,7 @@ class EncoderConfig:
     dtype: str = "auto"
     """Weight/activation dtype: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16."""
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = DEFAULT_ENCODER_PORT
     """gRPC port; 0 picks a free one (tests)."""
     metrics_port: int = -1
     """Prometheus ``/metrics`` HTTP port; 0 picks a free one (tests), -1 = off. Off by default in

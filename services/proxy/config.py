@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.proxy.discovery import parse_target
 from services.proxy.faults import NO_FAULTS, ProxyFaults
@@ -26,8 +27,8 @@ class ProxyConfig:
     port: int = 8000  # 0 = pick a free port
     # Each entry: ip:port (one instance), name:port (every address the name resolves
     # to, re-resolved every dns_refresh_s), or a gRPC target with a scheme.
-    pd_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
-    encoder_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
+    pd_addresses: tuple[str, ...] = (f"127.0.0.1:{DEFAULT_PD_PORT}",)
+    encoder_addresses: tuple[str, ...] = (f"127.0.0.1:{DEFAULT_ENCODER_PORT}",)
     served_model_name: str | None = None  # name in /v1/models and requests; None = adapter.model_id
     request_timeout_s: float = 300.0  # end-to-end deadline of one request, propagated to every RPC;
     # X-Request-Timeout may shorten it per request

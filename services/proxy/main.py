@@ -7,6 +7,7 @@ import signal
 
 from services.common import cli_args, security
 from services.common.logs import setup_logging
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.proxy.config import MIB, ProxyConfig
 from services.proxy.faults import ProxyFaults
 from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
@@ -31,13 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         parser,
         "--pd",
-        default="127.0.0.1:50061",
+        default=f"127.0.0.1:{DEFAULT_PD_PORT}",
         help="comma-separated PD gRPC addresses; a host name stands for every address it resolves to",
     )
     add(
         parser,
         "--encoder",
-        default="127.0.0.1:50051",
+        default=f"127.0.0.1:{DEFAULT_ENCODER_PORT}",
         help="comma-separated encoder gRPC addresses, names as for --pd ('' = text only)",
     )
     add(parser, "--served-model-name", default="", help="model name clients use (default: the checkpoint's id)")

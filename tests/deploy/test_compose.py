@@ -29,6 +29,8 @@ from deploy_support import (
     with_defaults,
 )
 
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT, LINUX_EPHEMERAL_PORTS
+
 SERVERS = ("pd", "encoder", "proxy")
 MONITORING = ("prometheus", "grafana")
 
@@ -322,3 +324,12 @@ def test_grafana_dashboard_draws_the_planned_metrics():
     from services.proxy.metrics import METRICS as PROXY
 
     assert used <= {doc.name for doc in (*PROXY, *ENCODER, *PD)}, "the dashboard draws a metric nobody exports"
+
+
+def test_default_grpc_ports_are_outside_the_ephemeral_range(services):
+    """Issue #27, finding 5: the compose stack's gRPC ports lie outside Linux's ephemeral range."""
+    grpc_ports = [
+        int(flag([str(token) for token in services[name]["command"]], "--port")) for name in ("pd", "encoder")
+    ]
+    assert grpc_ports == [DEFAULT_PD_PORT, DEFAULT_ENCODER_PORT]
+    assert not [port for port in grpc_ports if port in LINUX_EPHEMERAL_PORTS]

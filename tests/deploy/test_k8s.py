@@ -19,6 +19,7 @@ from deploy_support import (
     with_defaults,
 )
 
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT, LINUX_EPHEMERAL_PORTS
 from services.proxy.app import create_app
 from services.proxy.config import ProxyConfig
 
@@ -259,3 +260,21 @@ def test_every_server_reads_the_internal_token_from_the_secret(docs):
         assert token_file == "token"  # the key `kubectl create secret ... --from-literal=token=...` makes
         # Readable by the group the pod runs with (fsGroup), by nobody else.
         assert secret["defaultMode"] == 0o440 and spec["securityContext"]["fsGroup"] == 10001
+
+
+def test_default_grpc_ports_are_outside_the_ephemeral_range(docs):
+    """Issue #27, finding 5: every port the manifests name lies outside Linux's ephemeral range."""
+    named = []
+    for name in SERVERS:
+        container = _main_container(docs[("Deployment", name)])
+        named += [int(flag(container["args"], "--port")), *_ports(container).values()]
+        named += [
+            int(address.rsplit(":", 1)[1])
+            for flag_name in ("--pd", "--encoder")
+            if (address := flag(container["args"], flag_name))
+        ]
+    for kind, name in docs:
+        if kind == "Service":
+            named += [port["port"] for port in docs[(kind, name)]["spec"]["ports"]]
+    assert DEFAULT_ENCODER_PORT in named and DEFAULT_PD_PORT in named
+    assert not [port for port in named if port in LINUX_EPHEMERAL_PORTS]

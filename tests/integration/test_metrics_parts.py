@@ -297,7 +297,7 @@ def test_up_gives_each_server_its_own_metrics_port(monkeypatch):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--encoders", "11"],  # encoder gRPC 50051..50061 meets PD 50061
+        ["--encoders", "11"],  # encoder gRPC 21051..21061 meets PD 21061
         ["--encoder-metrics-base-port", "9201"],  # encoder and PD metrics on one port
         ["--pds", "2", "--pd-metrics-base-port", "8000"],  # PD metrics on the proxy's port
         ["--launcher-metrics-port", "9101"],  # the launcher's metrics on encoder 0's
