@@ -45,6 +45,9 @@ from services.supervisor import (
 DEFAULT_LAUNCHER_METRICS_PORT = 9300
 """``epd up``'s own ``/metrics`` (restarts per service); encoders use 91xx and PDs 92xx."""
 
+DEFAULT_PROXY_METRICS_PORT = 9099
+"""The proxy's scrape port under ``epd up`` (its ``--metrics-port``): its public port serves no ``/metrics``."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = cli_args.add_flag
@@ -98,6 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--proxy-metrics-port",
+        type=int,
+        default=DEFAULT_PROXY_METRICS_PORT,
+        help="the proxy serves Prometheus /metrics on this port (on --metrics-host; behind the internal token "
+        "with --metrics-require-token), not on its public port (-1 = on the public port, behind an API key "
+        "if one is set)",
+    )
+    add(
+        parser,
         "--launcher-metrics-port",
         type=int,
         default=DEFAULT_LAUNCHER_METRICS_PORT,
@@ -107,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "--metrics-host",
         default="127.0.0.1",
-        help="address of every encoder, PD and launcher /metrics endpoint (loopback keeps them off the network "
+        help="address of every encoder, PD, proxy and launcher /metrics endpoint (loopback keeps them off the network "
         "whatever --host is)",
     )
     add(parser, "--device", default="auto", help="torch device for encoders and PDs")
@@ -273,6 +285,10 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
         args.pd_policy,
         "--encoder-policy",
         args.encoder_policy,
+        "--metrics-port",
+        str(args.proxy_metrics_port),
+        "--metrics-host",
+        args.metrics_host,
         *security.forward_argv(args, grpc_server=False),
     ]
     specs.append(ServiceSpec("proxy", tuple(proxy_argv), f"{args.host}:{args.port}", None, env))
@@ -293,6 +309,8 @@ def _listening_ports(args: argparse.Namespace) -> list[int]:
         ranges.append((args.pd_metrics_base_port, args.pds))
     if args.launcher_metrics_port >= 0:
         ranges.append((args.launcher_metrics_port, 1))
+    if args.proxy_metrics_port >= 0:
+        ranges.append((args.proxy_metrics_port, 1))
     return [args.port, *(base + i for base, count in ranges for i in range(count))]
 
 

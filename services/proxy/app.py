@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -418,8 +419,11 @@ async def live(request: Request) -> JSONResponse:
 
 
 async def metrics(request: Request) -> Response:
-    """``GET /metrics``; behind ``--api-key`` or ``--metrics-require-token`` it needs a Bearer secret."""
+    """``GET /metrics``: behind ``--api-key`` it needs the key, with ``--metrics-require-token`` and no key it
+    is closed; with ``--metrics-port`` it is served there only (404 here)."""
     state = _state(request)
+    if state.config.metrics_port >= 0:
+        raise StarletteHTTPException(404)
     if not state.guard.allows(request):
         raise invalid_api_key()
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -488,9 +492,14 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             served_model_name=config.served_model_name or default_served_name(config.model, adapter.model_id),
             max_model_len=max_model_len,
             created=int(time.time()),
-            guard=InternalsGuard(config.api_key, config.security.token, require_token=config.security.metrics_auth),
+            guard=InternalsGuard(config.api_key, require_token=config.security.metrics_auth),
             limiter=limiter,
         )
+        scrape_port = None
+        if config.metrics_port >= 0:
+            host = config.metrics_host or config.host
+            scrape_port = await metrics.serve(host, config.metrics_port, token=config.security.metrics_token)
+        app.state.metrics_http = scrape_port
         log.info(
             "proxy serving %s: PDs %s, encoders %s (policies %s / %s)",
             app.state.proxy.served_model_name,
@@ -502,6 +511,8 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         try:
             yield
         finally:
+            if scrape_port is not None:
+                await scrape_port.stop()
             await pipeline.drain()
             if owned:
                 await pool.close()

@@ -80,6 +80,11 @@ class ProxyConfig:
     faults: ProxyFaults = NO_FAULTS  # test-only fault injection (services/proxy/faults.py); off by default
     # internal transport to encoders and PDs: TLS/mTLS and the token (services/common/security.py)
     security: InternalSecurity = NO_SECURITY
+    # The scrape port: /metrics on its own listener (behind the internal token with
+    # security.metrics_auth), and none on the public port; 0 = a free one (tests), -1 = off
+    # (/metrics on the public port, behind the API key when one is set).
+    metrics_port: int = -1
+    metrics_host: str = ""  # "" = host
 
     def __post_init__(self) -> None:
         # Normalise lists passed by callers into tuples so the config stays hashable.
@@ -88,6 +93,8 @@ class ProxyConfig:
         object.__setattr__(self, "allowed_media_domains", tuple(d.strip().lower() for d in self.allowed_media_domains))
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port must be -1 (off), 0 (any free port) or a port")
         if not self.pd_addresses:
             raise ValueError("at least one PD address is required")
         for address in self.pd_addresses + self.encoder_addresses:

@@ -239,6 +239,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     cli_args.add_log_json_flag(parser)
+    add(
+        parser,
+        "--metrics-port",
+        type=int,
+        default=-1,
+        help="serve Prometheus /metrics on this port instead of the public one, behind the internal token "
+        "with --metrics-require-token (the way to scrape with that token: it never opens the public port); "
+        "-1 = /metrics on the public port, behind --api-key when one is set",
+    )
+    add(parser, "--metrics-host", default="", help="address of the --metrics-port endpoint ('' = --host)")
     security.add_arguments(parser, grpc_server=False)
     security.add_metrics_arguments(parser)
 
@@ -291,6 +301,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_media_bytes=int(args.max_media_mb * MIB),
         faults=ProxyFaults.parse(args.fault),
         security=security.from_args(args),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 

@@ -279,7 +279,7 @@ def test_prometheus_scrapes_every_metrics_port(services):
         (name, sd["port"]) for job in config["scrape_configs"] for sd in job["dns_sd_configs"] for name in sd["names"]
     }
     assert targets == {
-        ("proxy", int(flag(services["proxy"]["command"], "--port"))),
+        ("proxy", int(flag(services["proxy"]["command"], "--metrics-port"))),
         ("encoder", int(flag(services["encoder"]["command"], "--metrics-port"))),
         ("pd", int(flag(services["pd"]["command"], "--metrics-port"))),
     }

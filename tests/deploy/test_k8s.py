@@ -73,6 +73,16 @@ def test_containers_run_real_cli_commands(docs):
         assert container["envFrom"] == [{"configMapRef": {"name": "epd-config"}}]
 
 
+def test_proxy_metrics_are_scraped_on_its_metrics_port(docs):
+    """Issue #27, finding 3: Prometheus scrapes the proxy's --metrics-port with the token, not its public port."""
+    deployment = docs[("Deployment", "proxy")]
+    container = _main_container(deployment)
+    port = flag(container["args"], "--metrics-port")
+    assert port is not None and int(port) != int(flag(container["args"], "--port"))
+    assert _ports(container)["metrics"] == int(port)
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == port
+
+
 def test_grpc_probes(docs):
     for name in ("pd", "encoder"):
         container = _main_container(docs[("Deployment", name)])
