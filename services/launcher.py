@@ -13,8 +13,9 @@ then PDs.
 Internal security is on by default: unless a token is given
 (``--internal-token-file`` / ``$EPD_INTERNAL_TOKEN``) or
 ``--no-auto-internal-token`` is set, a random token is generated for this
-run and handed to the children in their environment (never on a command
-line, where ``ps`` would show it). Every ``/metrics`` endpoint listens on
+run and handed to each child on an inherited pipe (never on a command line,
+where ``ps`` would show it, nor in its environment, which it would keep for
+life and pass on to whatever it starts: ``services/common/secret_pipe.py``). Every ``/metrics`` endpoint listens on
 ``--metrics-host`` (loopback by default), whatever ``--host`` is.
 """
 
@@ -220,7 +221,7 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
     """Every child of ``epd up`` in start order: encoders, PDs, then the proxy.
 
     ``env`` is added to each child's environment (the generated token, the
-    metrics switch). Children get the model as the user named it: a preset
+    metrics switch; the spawner moves the token onto a pipe, ``secret_pipe``). Children get the model as the user named it: a preset
     resolves to the checkpoint built by the launcher (same cache directory)
     and keeps its served name.
     """

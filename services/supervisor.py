@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.child_output import OutputForwarder, OutputTail
-from services.common import launch_proof
+from services.common import launch_proof, secret_pipe, security
 from services.launcher_metrics import LauncherMetrics
 
 POLL_S = 0.2
@@ -127,21 +127,34 @@ def _death_signal() -> Callable[[], None] | None:
 
 
 class ProcessSpawner:
-    """Starts ``python -m services.cli <argv>`` for a spec; its output drained into ``forwarder``."""
+    """Starts ``python -m services.cli <argv>`` for a spec; its output drained into ``forwarder``.
 
-    def __init__(self, forwarder: OutputForwarder) -> None:
+    The secrets of the child's environment (``security.SECRET_ENVS``, the launcher's own
+    included) go on an inherited pipe instead (``secret_pipe``). ``command`` replaces
+    ``python -m services.cli`` (tests run stand-ins).
+    """
+
+    def __init__(self, forwarder: OutputForwarder, command: tuple[str, ...] | None = None) -> None:
         self.forwarder = forwarder
+        self._command = command or (sys.executable, "-m", "services.cli")
 
     def __call__(self, spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
         """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *spec.argv],
-            env={**os.environ, **spec.env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_death_signal(),
-        )
+        env = {**os.environ, **spec.env}
+        secrets_fd = secret_pipe.hand_over(env, security.SECRET_ENVS)
+        try:
+            process = subprocess.Popen(
+                [*self._command, *spec.argv],
+                env=env,
+                pass_fds=() if secrets_fd is None else (secrets_fd,),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_death_signal(),
+            )
+        finally:
+            if secrets_fd is not None:
+                os.close(secrets_fd)  # the child holds its own copy of the read end
         assert process.stdout is not None
         return process, OutputTail(process.stdout, self.forwarder)
 
