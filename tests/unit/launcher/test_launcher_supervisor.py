@@ -25,10 +25,10 @@ from services import launcher
 from services.child_output import OutputForwarder, OutputTail
 from services.common import grpc_utils, launch_proof, security
 from services.common.security import InternalSecurity
+from services.spawner import ProcessSpawner
 from services.supervisor import (
     CrashHistory,
     HealthPolicy,
-    ProcessSpawner,
     RestartPolicy,
     ServiceSpec,
     StartupFailed,
