@@ -166,7 +166,8 @@ class EngineBridge:
         behind, not one each. No ordering against other commands is promised.
         """
         shared = self._shared_stats
-        if shared is None or shared.done():
+        # A read queued before the thread died never runs: callers then get ``stats``' own refusal.
+        if shared is None or shared.done() or not self._thread.is_alive():
             shared = self._shared_stats = asyncio.ensure_future(self.stats())
             shared.add_done_callback(_retrieve)  # its failure is the awaiting callers' to see
         return await asyncio.shield(shared)

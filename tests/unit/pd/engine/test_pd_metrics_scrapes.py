@@ -61,8 +61,9 @@ async def _stuck(bridge: EngineBridge) -> tuple[threading.Event, asyncio.Future]
 
 
 async def test_metrics_scrapes_of_a_stuck_engine_do_not_pile_up(bridge):
+    patient = PdMetrics(bridge, snapshot_timeout_s=10.0)
     metrics = PdMetrics(bridge, snapshot_timeout_s=0.01)
-    assert _responsive(await metrics.render()) == 1
+    assert _responsive(await patient.render()) == 1
     reads_before = bridge.core.stats.num_reads
     release, held = await _stuck(bridge)
     for _ in range(NUM_SCRAPES):  # every scrape times out and serves the last values
@@ -72,7 +73,8 @@ async def test_metrics_scrapes_of_a_stuck_engine_do_not_pile_up(bridge):
     assert bridge._inbox.qsize() == 1  # one shared read waits behind the stuck command
     release.set()
     await held
-    assert _responsive(await metrics.render()) == 1
+    await bridge._shared_stats  # the shared read runs once the engine is free
+    assert _responsive(await patient.render()) == 1
     # The stuck period cost the engine one read, then the fresh scrape its own.
     assert bridge.core.stats.num_reads == reads_before + 2
 
@@ -101,3 +103,24 @@ async def test_a_scrape_of_a_stopped_engine_serves_the_last_values(bridge):
     with pytest.raises(EngineError):
         await bridge.shared_stats()
     assert _responsive(await metrics.render()) == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_read_left_queued_by_a_dead_engine_thread_is_not_shared(bridge):
+    release = threading.Event()
+
+    def abort_then_die(request_id):
+        release.wait()
+        raise SystemExit  # not an Exception: it ends the engine thread, as a crash in a step would
+
+    bridge.core.abort = abort_then_die  # type: ignore[method-assign]
+    bridge.abort("r-1")
+    while bridge._inbox.qsize():
+        await asyncio.sleep(0.001)
+    with pytest.raises(TimeoutError):  # queued behind the stuck abort
+        await asyncio.wait_for(bridge.shared_stats(), 0.001)
+    release.set()
+    while bridge.is_alive:
+        await asyncio.sleep(0.001)
+    with pytest.raises(EngineError):  # at once, not after waiting on a read that will never run
+        await asyncio.wait_for(bridge.shared_stats(), 1.0)
