@@ -189,8 +189,8 @@ kill_and_recover() {  # $1 = service, $2 = gRPC port, $3 = ready service name
 $(sort "$WORK/$1.codes" | uniq -c | tr '\n' ' ') $(sort "$WORK/$1.codes.err" 2> /dev/null | uniq -c)"
 }
 
-kill_and_recover encoder 50051 epd.v1.Encoder
-kill_and_recover pd 50061 epd.v1.PrefillDecode
+kill_and_recover encoder 21051 epd.v1.Encoder
+kill_and_recover pd 21061 epd.v1.PrefillDecode
 [ "$(chat "$WORK/chat.json")" = 200 ] || fail "after the kills: $(cat "$WORK/reply")"
 
 # --- drain and down ----------------------------------------------------------

@@ -13,8 +13,9 @@ then PDs.
 Internal security is on by default: unless a token is given
 (``--internal-token-file`` / ``$EPD_INTERNAL_TOKEN``) or
 ``--no-auto-internal-token`` is set, a random token is generated for this
-run and handed to the children in their environment (never on a command
-line, where ``ps`` would show it). Every ``/metrics`` endpoint listens on
+run and handed to each child on an inherited pipe (never on a command line,
+where ``ps`` would show it, nor in its environment, which it would keep for
+life and pass on to whatever it starts: ``services/common/secret_pipe.py``). Every ``/metrics`` endpoint listens on
 ``--metrics-host`` (loopback by default), whatever ``--host`` is.
 """
 
@@ -32,6 +33,7 @@ import urllib.request
 
 from services.common import cli_args, grpc_utils, launch_proof, security
 from services.common.metrics_http import MetricsHttpServer
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.launcher_metrics import LauncherMetrics
 from services.supervisor import (
     HealthPolicy,
@@ -43,6 +45,9 @@ from services.supervisor import (
 
 DEFAULT_LAUNCHER_METRICS_PORT = 9300
 """``epd up``'s own ``/metrics`` (restarts per service); encoders use 91xx and PDs 92xx."""
+
+DEFAULT_PROXY_METRICS_PORT = 9099
+"""The proxy's scrape port under ``epd up`` (its ``--metrics-port``): its public port serves no ``/metrics``."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,8 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(parser, "--host", default="127.0.0.1", help="address every service listens on")
     add(parser, "--port", type=int, default=8000, help="proxy HTTP port")
-    add(parser, "--encoder-base-port", type=int, default=50051, help="encoder i listens on this port + i")
-    add(parser, "--pd-base-port", type=int, default=50061, help="PD j listens on this port + j")
+    add(
+        parser, "--encoder-base-port", type=int, default=DEFAULT_ENCODER_PORT, help="encoder i listens on this port + i"
+    )
+    add(parser, "--pd-base-port", type=int, default=DEFAULT_PD_PORT, help="PD j listens on this port + j")
     add(
         parser,
         "--encoder-metrics-base-port",
@@ -95,6 +102,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--proxy-metrics-port",
+        type=int,
+        default=DEFAULT_PROXY_METRICS_PORT,
+        help="the proxy serves Prometheus /metrics on this port (on --metrics-host; behind the internal token "
+        "with --metrics-require-token), not on its public port (-1 = on the public port, behind an API key "
+        "if one is set)",
+    )
+    add(
+        parser,
         "--launcher-metrics-port",
         type=int,
         default=DEFAULT_LAUNCHER_METRICS_PORT,
@@ -104,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "--metrics-host",
         default="127.0.0.1",
-        help="address of every encoder, PD and launcher /metrics endpoint (loopback keeps them off the network "
+        help="address of every encoder, PD, proxy and launcher /metrics endpoint (loopback keeps them off the network "
         "whatever --host is)",
     )
     add(parser, "--device", default="auto", help="torch device for encoders and PDs")
@@ -205,7 +221,7 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
     """Every child of ``epd up`` in start order: encoders, PDs, then the proxy.
 
     ``env`` is added to each child's environment (the generated token, the
-    metrics switch). Children get the model as the user named it: a preset
+    metrics switch; the spawner moves the token onto a pipe, ``secret_pipe``). Children get the model as the user named it: a preset
     resolves to the checkpoint built by the launcher (same cache directory)
     and keeps its served name.
     """
@@ -270,6 +286,10 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
         args.pd_policy,
         "--encoder-policy",
         args.encoder_policy,
+        "--metrics-port",
+        str(args.proxy_metrics_port),
+        "--metrics-host",
+        args.metrics_host,
         *security.forward_argv(args, grpc_server=False),
     ]
     specs.append(ServiceSpec("proxy", tuple(proxy_argv), f"{args.host}:{args.port}", None, env))
@@ -290,6 +310,8 @@ def _listening_ports(args: argparse.Namespace) -> list[int]:
         ranges.append((args.pd_metrics_base_port, args.pds))
     if args.launcher_metrics_port >= 0:
         ranges.append((args.launcher_metrics_port, 1))
+    if args.proxy_metrics_port >= 0:
+        ranges.append((args.proxy_metrics_port, 1))
     return [args.port, *(base + i for base, count in ranges for i in range(count))]
 
 

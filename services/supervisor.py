@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import os
 import signal
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from services.child_output import OutputForwarder, OutputTail
 from services.common import launch_proof
 from services.launcher_metrics import LauncherMetrics
+from services.spawner import ProcessSpawner
 
 POLL_S = 0.2
 """How often exits are noticed and restarts are due-checked."""
@@ -109,41 +109,6 @@ class ServiceSpec:
     @property
     def kind(self) -> str:
         return self.name.split("-")[0]
-
-
-def _death_signal() -> Callable[[], None] | None:
-    """What runs in the child before exec: SIGTERM it if the launcher dies (Linux ``PR_SET_PDEATHSIG``).
-
-    Resolved here, in the launcher: after ``fork`` in a process with threads
-    (the output pumps) the child must not import or load anything.
-    """
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except OSError:
-        return None
-    return lambda: prctl(1, signal.SIGTERM)
-
-
-class ProcessSpawner:
-    """Starts ``python -m services.cli <argv>`` for a spec; its output drained into ``forwarder``."""
-
-    def __init__(self, forwarder: OutputForwarder) -> None:
-        self.forwarder = forwarder
-
-    def __call__(self, spec: ServiceSpec) -> tuple[subprocess.Popen, OutputTail]:
-        """Starts ``spec`` in its own session (Ctrl-C reaches only the launcher, which stops children in order)."""
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *spec.argv],
-            env={**os.environ, **spec.env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_death_signal(),
-        )
-        assert process.stdout is not None
-        return process, OutputTail(process.stdout, self.forwarder)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,13 @@ from contextlib import contextmanager
 
 from PIL import Image, UnidentifiedImageError
 
+MAX_FILE_BYTES = 32 << 20
+"""Largest image file a vision side is sent by default: the proxy's default ``--max-body-mb``
+(32), which bounds every file it forwards (a data URL's file is smaller than its body)."""
+
+ENCODE_ENVELOPE_BYTES = 1 << 20
+"""What an Encode call carries besides one image file (ids, address, grid), with room to spare."""
+
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 """Pillow format names accepted; animated GIF/WEBP use their first frame."""
 

@@ -7,10 +7,9 @@ While a child of ``epd up`` restarts, its port is free: any local process
 can bind it and answer health checks. Such a listener must neither be taken
 for the child nor be sent the internal token. So each child of one ``epd
 up`` run (each slot: ``pd-0``, ``encoder-1``, ...) gets a random key of its
-own, the **launch key** (256 bits), in its environment (``EPD_LAUNCH_KEY``;
-like the token it never appears on a command line, and
-``/proc/<pid>/environ`` is readable only by the same user, who could read
-the token anyway). The launcher knows every key; the proxy is given those
+own, the **launch key** (256 bits), as ``EPD_LAUNCH_KEY`` (like the token it
+never appears on a command line, and it reaches the child on a pipe, not in
+its environment: ``secret_pipe``). The launcher knows every key; the proxy is given those
 of the encoders and PDs it calls (``EPD_PEER_LAUNCH_KEYS``), since it is the
 one that sends them the token.
 

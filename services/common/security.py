@@ -37,13 +37,13 @@ import argparse
 import hmac
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from services.common import cli_args, launch_proof
+from services.common import cli_args, launch_proof, secret_pipe
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 
 TOKEN_ENV = "EPD_INTERNAL_TOKEN"
 """Environment variable holding the token itself (a flag would show it in ``ps``)."""
+
+SECRET_ENVS = (TOKEN_ENV, launch_proof.LAUNCH_KEY_ENV, launch_proof.PEER_KEYS_ENV)
+"""Variables ``epd up`` hands its children on a pipe, not in their environment (``secret_pipe``)."""
 
 MIN_TOKEN_CHARS = 16
 """Shortest token accepted: a guessable secret is worse than none, it looks safe."""
@@ -342,9 +345,14 @@ def _read(flag: str, path: str) -> bytes | None:
         raise ValueError(f"cannot read {flag} file {path}: {error.strerror}") from None
 
 
-def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> InternalSecurity:
-    """Reads the files named by the flags (and ``$EPD_INTERNAL_TOKEN``); ValueError when invalid."""
+def from_args(args: argparse.Namespace, environ: MutableMapping[str, str] | None = None) -> InternalSecurity:
+    """Reads the files named by the flags, ``$EPD_INTERNAL_TOKEN`` and the launch keys; ValueError when invalid.
+
+    Under ``epd up`` the token and keys come on the pipe ``$EPD_SECRETS_FD``
+    names, read here once (``secret_pipe.receive``), not from the environment.
+    """
     environ = os.environ if environ is None else environ
+    environ = {**environ, **secret_pipe.receive(environ)}
     token_file = getattr(args, "internal_token_file", "")
     token_env = environ.get(TOKEN_ENV, "")
     if token_file and token_env:

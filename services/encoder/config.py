@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.image_files import ENCODE_ENVELOPE_BYTES, MAX_FILE_BYTES
+from services.common.ports import DEFAULT_ENCODER_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.common.tensors import CHUNK_BYTES
 from services.encoder.faults import NO_FAULTS, Faults
@@ -24,7 +26,7 @@ class EncoderConfig:
     dtype: str = "auto"
     """Weight/activation dtype: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16."""
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = DEFAULT_ENCODER_PORT
     """gRPC port; 0 picks a free one (tests)."""
     metrics_port: int = -1
     """Prometheus ``/metrics`` HTTP port; 0 picks a free one (tests), -1 = off. Off by default in
@@ -38,6 +40,9 @@ class EncoderConfig:
     """How long the worker waits for more images after the first one of a batch arrived."""
     max_pending: int = 256
     """Most images queued or being encoded; beyond it Encode answers RESOURCE_EXHAUSTED."""
+    max_message_bytes: int = MAX_FILE_BYTES + ENCODE_ENVELOPE_BYTES
+    """Largest Encode message taken: gRPC refuses a bigger one with RESOURCE_EXHAUSTED before it is
+    parsed. The default holds the largest image file the proxy forwards under its default body limit."""
     cache_bytes: int = 256 * MIB
     """Capacity of the embedding LRU cache (0 disables caching)."""
 
@@ -67,6 +72,7 @@ class EncoderConfig:
         positive = {
             "max_batch_images": self.max_batch_images,
             "max_pending": self.max_pending,
+            "max_message_bytes": self.max_message_bytes,
             "max_outbound_bytes": self.max_outbound_bytes,
             "push_chunk_bytes": self.push_chunk_bytes,
             "push_timeout_s": self.push_timeout_s,

@@ -51,6 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--max-message-mib",
+        type=int,
+        default=defaults.max_message_bytes // MIB,
+        help="largest Encode message taken, in MiB; a bigger one is refused with RESOURCE_EXHAUSTED before it "
+        "is parsed. The default is the proxy's default --max-body-mb (which bounds any image file it sends) "
+        "plus 1 MiB for the rest of the call: raise both together",
+    )
+    add(
+        parser,
         "--cache-mib",
         type=int,
         default=defaults.cache_bytes // MIB,
@@ -112,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         max_batch_images=args.max_batch_images,
         max_wait_ms=args.max_wait_ms,
         max_pending=args.max_pending,
+        max_message_bytes=args.max_message_mib * MIB,
         cache_bytes=args.cache_mib * MIB,
         max_outbound_bytes=args.max_outbound_mib * MIB,
         push_chunk_bytes=args.push_chunk_kib * KIB,

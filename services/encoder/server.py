@@ -115,6 +115,7 @@ class EncoderServer:
             register,
             interceptors=[ErrorMappingInterceptor()],
             security=config.security,
+            max_receive_bytes=config.max_message_bytes,
         )
         return cls(config, vision, grpc_server, batcher, pusher, cache)
 

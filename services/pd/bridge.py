@@ -45,6 +45,7 @@ class EngineBridge:
         # readiness watchdog (``stalled_for``); plain attribute writes are atomic.
         self.last_step_time = time.monotonic()
         self._has_work = False
+        self._shared_stats: asyncio.Future[EngineStats] | None = None  # the read callers share
 
     @property
     def hidden_size(self) -> int:
@@ -154,7 +155,22 @@ class EngineBridge:
             self._inbox.put(lambda: self._abort(request_id))
 
     async def stats(self) -> EngineStats:
+        """``EngineCore.stats`` after every command queued before it (FIFO: it sees their effects)."""
         return await self.call(self.core.stats)
+
+    async def shared_stats(self) -> EngineStats:
+        """``stats`` for callers that give up after a timeout (metric scrapes, GetLoad).
+
+        Every caller while a read is queued awaits that read instead of queuing
+        its own, so callers timing out on a stuck engine leave at most one read
+        behind, not one each. No ordering against other commands is promised.
+        """
+        shared = self._shared_stats
+        # A read queued before the thread died never runs: callers then get ``stats``' own refusal.
+        if shared is None or shared.done() or not self._thread.is_alive():
+            shared = self._shared_stats = asyncio.ensure_future(self.stats())
+            shared.add_done_callback(_retrieve)  # its failure is the awaiting callers' to see
+        return await asyncio.shield(shared)
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -212,3 +228,9 @@ class EngineBridge:
         self._stopping = True
         self.core.fail_all(EngineError(ErrorKind.UNAVAILABLE, "server is shutting down"))
         self._dispatch(self.core.step().events)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Marks a shared read's exception as seen: every caller may have timed out already."""
+    if not future.cancelled():
+        future.exception()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.ports import DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import DEFAULT_MIN_PREFILL_TOKENS
@@ -22,7 +23,7 @@ class PdConfig:
     device: str = "auto"
     dtype: str = "auto"
     host: str = "127.0.0.1"
-    port: int = 50061
+    port: int = DEFAULT_PD_PORT
     # Prometheus /metrics port: 0 = a free one (tests), -1 = off. Off by default in code so
     # in-process servers never fight over a port; ``epd pd`` defaults to DEFAULT_METRICS_PORT.
     metrics_port: int = -1

@@ -9,6 +9,7 @@ import os
 
 from services.common import cli_args, grpc_utils, security
 from services.common.logs import setup_logging
+from services.common.ports import DEFAULT_PD_PORT
 from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import (
@@ -41,7 +42,7 @@ def parse_slo_ms(text: str) -> float | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the PD flags (each also read from ``EPD_<FLAG>``)."""
-    cli_args.add_common_flags(parser, port=50061, metrics_port=DEFAULT_METRICS_PORT)
+    cli_args.add_common_flags(parser, port=DEFAULT_PD_PORT, metrics_port=DEFAULT_METRICS_PORT)
     add = cli_args.add_flag
     add(parser, "--metrics-host", default="", help="address of the /metrics endpoint ('' = --host)")
     add(

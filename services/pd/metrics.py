@@ -2,9 +2,11 @@
 
 The scheduler, caches and step counters belong to the engine thread, so a
 scrape does not read them from the HTTP side: it asks the engine core for its
-``EngineStats`` between two steps (``EngineBridge.stats``) and renders that.
-When the engine does not answer in time (stopped, or stuck in a long step)
-the last stats are served and ``epd_pd_engine_responsive`` is 0.
+``EngineStats`` between two steps (``EngineBridge.shared_stats``) and renders
+that. When the engine does not answer in time (stopped, or stuck in a long
+step) the last stats are served and ``epd_pd_engine_responsive`` is 0; the
+scrapes that time out meanwhile share one queued read, so a stuck engine
+does not collect one per scrape.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class PdMetrics:
     async def refresh(self) -> None:
         """Reads fresh stats on the engine thread; keeps the last ones if the engine does not answer."""
         try:
-            self._latest = await asyncio.wait_for(self._engine.stats(), self._timeout_s)
+            self._latest = await asyncio.wait_for(self._engine.shared_stats(), self._timeout_s)
             self._responsive = True
         except (EngineError, TimeoutError):
             self._responsive = False

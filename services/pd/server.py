@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from grpc_health.v1 import health_pb2
 
-from services.common import grpc_utils, push_wire, tensors
+from services.common import grpc_utils, image_files, push_wire, tensors
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
@@ -149,11 +149,10 @@ def _describe_paths(paths: dict[str, bool]) -> str:
 def max_receive_bytes(config: PdConfig, max_model_len: int) -> int:
     """The largest message PD's methods take: a push chunk, or a prompt of the whole context
     (at most 5 bytes per token id) with its items and stop strings. A colocated PD also serves
-    Encode, whose pixel tensors may be large."""
-    if config.encoder == "local":
-        return grpc_utils.MAX_MESSAGE_BYTES
+    Encode, whose image file is bounded as on an encoder (its default ``--max-message-mib``)."""
     prompt = 5 * max_model_len + 128 * config.max_items_per_request + 64 * 1024
-    return max(2 * tensors.CHUNK_BYTES, prompt)
+    encode = image_files.MAX_FILE_BYTES + image_files.ENCODE_ENVELOPE_BYTES if config.encoder == "local" else 0
+    return max(2 * tensors.CHUNK_BYTES, prompt, encode)
 
 
 def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -406,9 +407,23 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
 
+async def live(request: Request) -> JSONResponse:
+    """``GET /health/live``: 200 whenever this process's event loop answers, whatever the backends do.
+
+    The liveness probe's endpoint: a TCP probe passes while the loop is
+    blocked (the kernel completes the handshake from the listen backlog),
+    and ``/health`` fails during a backend outage, which a restart of the
+    proxy would not mend. It names nothing and needs no secret.
+    """
+    return JSONResponse({"status": "alive"})
+
+
 async def metrics(request: Request) -> Response:
-    """``GET /metrics``; behind ``--api-key`` or ``--metrics-require-token`` it needs a Bearer secret."""
+    """``GET /metrics``: behind ``--api-key`` it needs the key, with ``--metrics-require-token`` and no key it
+    is closed; with ``--metrics-port`` it is served there only (404 here)."""
     state = _state(request)
+    if state.config.metrics_port >= 0:
+        raise StarletteHTTPException(404)
     if not state.guard.allows(request):
         raise invalid_api_key()
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -477,9 +492,14 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             served_model_name=config.served_model_name or default_served_name(config.model, adapter.model_id),
             max_model_len=max_model_len,
             created=int(time.time()),
-            guard=InternalsGuard(config.api_key, config.security.token, require_token=config.security.metrics_auth),
+            guard=InternalsGuard(config.api_key, require_token=config.security.metrics_auth),
             limiter=limiter,
         )
+        scrape_port = None
+        if config.metrics_port >= 0:
+            host = config.metrics_host or config.host
+            scrape_port = await metrics.serve(host, config.metrics_port, token=config.security.metrics_token)
+        app.state.metrics_http = scrape_port
         log.info(
             "proxy serving %s: PDs %s, encoders %s (policies %s / %s)",
             app.state.proxy.served_model_name,
@@ -491,6 +511,8 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         try:
             yield
         finally:
+            if scrape_port is not None:
+                await scrape_port.stop()
             await pipeline.drain()
             if owned:
                 await pool.close()
@@ -528,6 +550,7 @@ def create_app(
     # ``:path``: a served name may contain "/" (a Hugging Face id), which clients send unescaped.
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health/live", live, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.openapi = functools.partial(openapi_document, app, config)
     install_error_handlers(app)

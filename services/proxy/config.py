@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.proxy.discovery import parse_target
 from services.proxy.faults import NO_FAULTS, ProxyFaults
@@ -26,8 +27,8 @@ class ProxyConfig:
     port: int = 8000  # 0 = pick a free port
     # Each entry: ip:port (one instance), name:port (every address the name resolves
     # to, re-resolved every dns_refresh_s), or a gRPC target with a scheme.
-    pd_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
-    encoder_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
+    pd_addresses: tuple[str, ...] = (f"127.0.0.1:{DEFAULT_PD_PORT}",)
+    encoder_addresses: tuple[str, ...] = (f"127.0.0.1:{DEFAULT_ENCODER_PORT}",)
     served_model_name: str | None = None  # name in /v1/models and requests; None = adapter.model_id
     request_timeout_s: float = 300.0  # end-to-end deadline of one request, propagated to every RPC;
     # X-Request-Timeout may shorten it per request
@@ -79,6 +80,11 @@ class ProxyConfig:
     faults: ProxyFaults = NO_FAULTS  # test-only fault injection (services/proxy/faults.py); off by default
     # internal transport to encoders and PDs: TLS/mTLS and the token (services/common/security.py)
     security: InternalSecurity = NO_SECURITY
+    # The scrape port: /metrics on its own listener (behind the internal token with
+    # security.metrics_auth), and none on the public port; 0 = a free one (tests), -1 = off
+    # (/metrics on the public port, behind the API key when one is set).
+    metrics_port: int = -1
+    metrics_host: str = ""  # "" = host
 
     def __post_init__(self) -> None:
         # Normalise lists passed by callers into tuples so the config stays hashable.
@@ -87,6 +93,8 @@ class ProxyConfig:
         object.__setattr__(self, "allowed_media_domains", tuple(d.strip().lower() for d in self.allowed_media_domains))
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port must be -1 (off), 0 (any free port) or a port")
         if not self.pd_addresses:
             raise ValueError("at least one PD address is required")
         for address in self.pd_addresses + self.encoder_addresses:

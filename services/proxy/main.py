@@ -7,6 +7,7 @@ import signal
 
 from services.common import cli_args, security
 from services.common.logs import setup_logging
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.proxy.config import MIB, ProxyConfig
 from services.proxy.faults import ProxyFaults
 from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
@@ -31,13 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         parser,
         "--pd",
-        default="127.0.0.1:50061",
+        default=f"127.0.0.1:{DEFAULT_PD_PORT}",
         help="comma-separated PD gRPC addresses; a host name stands for every address it resolves to",
     )
     add(
         parser,
         "--encoder",
-        default="127.0.0.1:50051",
+        default=f"127.0.0.1:{DEFAULT_ENCODER_PORT}",
         help="comma-separated encoder gRPC addresses, names as for --pd ('' = text only)",
     )
     add(parser, "--served-model-name", default="", help="model name clients use (default: the checkpoint's id)")
@@ -238,6 +239,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     cli_args.add_log_json_flag(parser)
+    add(
+        parser,
+        "--metrics-port",
+        type=int,
+        default=-1,
+        help="serve Prometheus /metrics on this port instead of the public one, behind the internal token "
+        "with --metrics-require-token (the way to scrape with that token: it never opens the public port); "
+        "-1 = /metrics on the public port, behind --api-key when one is set",
+    )
+    add(parser, "--metrics-host", default="", help="address of the --metrics-port endpoint ('' = --host)")
     security.add_arguments(parser, grpc_server=False)
     security.add_metrics_arguments(parser)
 
@@ -290,6 +301,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_media_bytes=int(args.max_media_mb * MIB),
         faults=ProxyFaults.parse(args.fault),
         security=security.from_args(args),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services.common.metrics_http import MetricDoc
+from services.common.metrics_http import MetricDoc, MetricsHttpServer
 from services.proxy.instances import Readiness
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -149,6 +149,15 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def serve(self, host: str, port: int, *, token: str | None = None) -> MetricsHttpServer:
+        """Serves ``GET /metrics`` on ``host:port`` (0 = a free port), the proxy's scrape port
+        (``--metrics-port``); with ``token``, only to callers bearing it."""
+
+        async def render() -> bytes:
+            return self.render()
+
+        return await MetricsHttpServer.start(host, port, render, token=token)
 
 
 class TokenGaps:

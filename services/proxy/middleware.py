@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _LOGGED_ROUTES = GENERATION_PATHS | {"/v1/models"}
-_UNLOGGED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: no access lines
+_UNLOGGED_PATHS = frozenset({"/health", "/health/live", "/metrics"})  # probes and scrapes: no access lines
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 ACCESS_LINE = "epd_access_line"
 """Key of the request's ``AccessLine`` in ``scope["state"]``; read it with ``access_line(request)``."""
@@ -112,26 +112,26 @@ class ApiKeyMiddleware:
 
 
 class InternalsGuard:
-    """Who may see backend addresses (``/health`` details) and ``/metrics``.
+    """Who may see backend addresses (``/health`` details) and ``/metrics`` on the public port.
 
     Open when neither ``--api-key`` nor ``--metrics-require-token`` is set;
-    otherwise the caller must send ``Authorization: Bearer`` with the API key
-    or the internal token (so one scrape secret serves every service).
-    Compared in constant time.
+    otherwise only a caller sending ``Authorization: Bearer <API key>`` (none
+    at all without a key). The internal token opens nothing here: it is for
+    calls between the services, and a scraper holding it uses the proxy's
+    ``--metrics-port``. Compared in constant time.
     """
 
-    def __init__(self, api_key: str | None, internal_token: str | None, *, require_token: bool) -> None:
+    def __init__(self, api_key: str | None, *, require_token: bool) -> None:
         self.protected = api_key is not None or require_token
-        self._accepted = [b"Bearer " + secret.encode() for secret in (api_key, internal_token) if secret]
+        self._expected = None if api_key is None else b"Bearer " + api_key.encode()
 
     def allows(self, request: Request) -> bool:
         if not self.protected:
             return True
+        if self._expected is None:
+            return False
         given = request.headers.get("authorization", "").encode("latin-1", "replace")
-        ok = False
-        for expected in self._accepted:
-            ok |= hmac.compare_digest(given, expected)
-        return ok
+        return hmac.compare_digest(given, self._expected)
 
 
 class MetricsMiddleware:

@@ -115,7 +115,8 @@ _HEALTH = {
 
 _ERROR_STATUSES = {
     "400": "Invalid request (never echoes input)",
-    "401": "Missing or wrong API key (when one is configured; /metrics also takes the internal token)",
+    "401": "Missing or wrong API key (when one is configured; /metrics: also always with --metrics-require-token "
+    "and no key, whose scrapes go to --metrics-port)",
     "404": "Unknown model",
     "413": "Body over the size limit",
     "415": "Body not sent as application/json",
@@ -251,9 +252,13 @@ def openapi_document(app: FastAPI, config: ProxyConfig) -> dict[str, Any]:
         "200": {"description": "A PD (and an encoder, if configured) is ready", "content": _json(_HEALTH)},
         "503": {"description": "Not ready", "content": _json(_HEALTH)},
     }
+    paths["/health/live"]["get"]["responses"] = {
+        "200": {"description": "The proxy's event loop answers (backends not consulted): the liveness probe"},
+    }
     paths["/metrics"]["get"]["responses"] = {
         "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **_errors("401"),
+        "404": {"description": "Served on the proxy's --metrics-port instead", "content": _json(_ref("Error"))},
     }
     app.openapi_schema = document
     return document

@@ -29,6 +29,8 @@ from deploy_support import (
     with_defaults,
 )
 
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT, LINUX_EPHEMERAL_PORTS
+
 SERVERS = ("pd", "encoder", "proxy")
 MONITORING = ("prometheus", "grafana")
 
@@ -277,7 +279,7 @@ def test_prometheus_scrapes_every_metrics_port(services):
         (name, sd["port"]) for job in config["scrape_configs"] for sd in job["dns_sd_configs"] for name in sd["names"]
     }
     assert targets == {
-        ("proxy", int(flag(services["proxy"]["command"], "--port"))),
+        ("proxy", int(flag(services["proxy"]["command"], "--metrics-port"))),
         ("encoder", int(flag(services["encoder"]["command"], "--metrics-port"))),
         ("pd", int(flag(services["pd"]["command"], "--metrics-port"))),
     }
@@ -322,3 +324,12 @@ def test_grafana_dashboard_draws_the_planned_metrics():
     from services.proxy.metrics import METRICS as PROXY
 
     assert used <= {doc.name for doc in (*PROXY, *ENCODER, *PD)}, "the dashboard draws a metric nobody exports"
+
+
+def test_default_grpc_ports_are_outside_the_ephemeral_range(services):
+    """Issue #27, finding 5: the compose stack's gRPC ports lie outside Linux's ephemeral range."""
+    grpc_ports = [
+        int(flag([str(token) for token in services[name]["command"]], "--port")) for name in ("pd", "encoder")
+    ]
+    assert grpc_ports == [DEFAULT_PD_PORT, DEFAULT_ENCODER_PORT]
+    assert not [port for port in grpc_ports if port in LINUX_EPHEMERAL_PORTS]

@@ -258,8 +258,11 @@ def test_compose_services_run_as_local_processes(tmp_path):
         proxy_port = host.port_map[int(flag(services["proxy"]["command"], "--port"))]
         _chat_with_image(f"http://127.0.0.1:{proxy_port}")
         encoder_metrics = host.port_map[int(flag(services["encoder"]["command"], "--metrics-port"))]
+        proxy_metrics = host.port_map[int(flag(services["proxy"]["command"], "--metrics-port"))]
         token = (host.secrets_dir / "epd_internal_token").read_text()
-        for port in (encoder_metrics, proxy_port):  # scrapes need the internal token
+        public = f"http://127.0.0.1:{proxy_port}/metrics"  # the token opens nothing on the public port
+        assert httpx.get(public, headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code == 404
+        for port in (encoder_metrics, proxy_metrics):  # scrapes need the internal token
             url = f"http://127.0.0.1:{port}/metrics"
             assert httpx.get(url, timeout=10).status_code == 401
             assert httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code == 200

@@ -19,6 +19,10 @@ from deploy_support import (
     with_defaults,
 )
 
+from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT, LINUX_EPHEMERAL_PORTS
+from services.proxy.app import create_app
+from services.proxy.config import ProxyConfig
+
 SERVERS = ("pd", "encoder", "proxy")
 K8S_SCHEMA_VERSION = "1.30.0"
 """The oldest Kubernetes whose schemas the manifests are checked against (native gRPC probes are GA since 1.27)."""
@@ -69,6 +73,16 @@ def test_containers_run_real_cli_commands(docs):
         assert container["envFrom"] == [{"configMapRef": {"name": "epd-config"}}]
 
 
+def test_proxy_metrics_are_scraped_on_its_metrics_port(docs):
+    """Issue #27, finding 3: Prometheus scrapes the proxy's --metrics-port with the token, not its public port."""
+    deployment = docs[("Deployment", "proxy")]
+    container = _main_container(deployment)
+    port = flag(container["args"], "--metrics-port")
+    assert port is not None and int(port) != int(flag(container["args"], "--port"))
+    assert _ports(container)["metrics"] == int(port)
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == port
+
+
 def test_grpc_probes(docs):
     for name in ("pd", "encoder"):
         container = _main_container(docs[("Deployment", name)])
@@ -88,9 +102,23 @@ def test_proxy_probes(docs):
     port = int(flag(container["args"], "--port"))
     assert _ports(container)["http"] == port
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
-    # Liveness must not depend on the backends, or a PD outage restarts every proxy.
-    assert container["livenessProbe"]["tcpSocket"] == {"port": port}
     assert container["startupProbe"]["tcpSocket"] == {"port": port}
+
+
+def test_proxy_liveness_probe_is_http_not_tcp(docs):
+    """Issue #27, finding 4: a TCP probe passes while the proxy's event loop is wedged.
+
+    Liveness asks the proxy's own liveness endpoint over HTTP (it must not be
+    ``/health``, or a PD outage restarts every proxy).
+    """
+    container = _main_container(docs[("Deployment", "proxy")])
+    port = int(flag(container["args"], "--port"))
+    probe = container["livenessProbe"]
+    assert "tcpSocket" not in probe
+    assert probe["httpGet"] == {"path": "/health/live", "port": port}
+    assert probe["timeoutSeconds"] > 0
+    routes = {route.path for route in create_app(ProxyConfig(model="tiny")).routes}
+    assert probe["httpGet"]["path"] in routes
 
 
 def test_resources_and_grace(docs):
@@ -242,3 +270,21 @@ def test_every_server_reads_the_internal_token_from_the_secret(docs):
         assert token_file == "token"  # the key `kubectl create secret ... --from-literal=token=...` makes
         # Readable by the group the pod runs with (fsGroup), by nobody else.
         assert secret["defaultMode"] == 0o440 and spec["securityContext"]["fsGroup"] == 10001
+
+
+def test_default_grpc_ports_are_outside_the_ephemeral_range(docs):
+    """Issue #27, finding 5: every port the manifests name lies outside Linux's ephemeral range."""
+    named = []
+    for name in SERVERS:
+        container = _main_container(docs[("Deployment", name)])
+        named += [int(flag(container["args"], "--port")), *_ports(container).values()]
+        named += [
+            int(address.rsplit(":", 1)[1])
+            for flag_name in ("--pd", "--encoder")
+            if (address := flag(container["args"], flag_name))
+        ]
+    for kind, name in docs:
+        if kind == "Service":
+            named += [port["port"] for port in docs[(kind, name)]["spec"]["ports"]]
+    assert DEFAULT_ENCODER_PORT in named and DEFAULT_PD_PORT in named
+    assert not [port for port in named if port in LINUX_EPHEMERAL_PORTS]

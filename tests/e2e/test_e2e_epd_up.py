@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 from cluster_support import free_ports
 from oracle_support import make_image, user_message
@@ -28,7 +29,7 @@ def _wait_for_line(process: subprocess.Popen, needle: str, timeout: float) -> li
 
 
 def test_epd_up_serves_two_images_and_stops_cleanly(tmp_path):
-    proxy_port, encoder_port, pd_port = free_ports(3)
+    proxy_port, encoder_port, pd_port, proxy_metrics = free_ports(4)
     env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     command = [
         sys.executable,
@@ -41,6 +42,8 @@ def test_epd_up_serves_two_images_and_stops_cleanly(tmp_path):
         str(encoder_port),
         "--pd-base-port",
         str(pd_port),
+        "--proxy-metrics-port",
+        str(proxy_metrics),
         "--threads",
         "1",
         "--log-level",
@@ -61,6 +64,10 @@ def test_epd_up_serves_two_images_and_stops_cleanly(tmp_path):
         )
         assert reply.choices[0].message.content
         assert reply.usage.completion_tokens > 0
+        # The proxy's metrics are on its scrape port (loopback), not on its public one.
+        assert httpx.get(f"http://127.0.0.1:{proxy_port}/metrics", timeout=10).status_code == 404
+        scrape = httpx.get(f"http://127.0.0.1:{proxy_metrics}/metrics", timeout=10)
+        assert scrape.status_code == 200 and "epd_proxy_requests_total" in scrape.text
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
         output = process.stdout.read()

@@ -119,7 +119,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    proxy_port, launcher_metrics = (free_port_range(1) for _ in range(2))
+    proxy_port, launcher_metrics, proxy_metrics = (free_port_range(1) for _ in range(3))
     encoder_base, pd_base, encoder_metrics, pd_metrics = (free_port_range(2) for _ in range(4))
     command = [
         sys.executable,
@@ -144,6 +144,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
         str(pd_metrics),
         "--launcher-metrics-port",
         str(launcher_metrics),
+        "--proxy-metrics-port",
+        str(proxy_metrics),
         "--threads",
         "1",
         "--log-level",

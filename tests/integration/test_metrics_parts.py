@@ -26,6 +26,7 @@ from services.pd import main as pd_main
 from services.pd.config import PdConfig
 from services.pd.engine.outputs import ModelRunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 from services.pd.engine.step_stats import STEP_SECONDS_BUCKETS, StepStats
+from services.proxy.config import ProxyConfig
 from services.proxy.metrics import TokenGaps
 
 # ----------------------------------------------------------------- HTTP endpoint
@@ -275,6 +276,8 @@ def test_an_invalid_metrics_port_is_refused(port):
         EncoderConfig(metrics_port=port)
     with pytest.raises(ValueError, match="metrics_port"):
         PdConfig(model="", metrics_port=port)
+    with pytest.raises(ValueError, match="metrics_port"):
+        ProxyConfig(metrics_port=port)
 
 
 def _spawned(monkeypatch, argv: list[str]) -> dict[str, list[str]]:
@@ -288,8 +291,10 @@ def _metrics_port(argv: list[str]) -> str:
 
 def test_up_gives_each_server_its_own_metrics_port(monkeypatch):
     spawned = _spawned(monkeypatch, ["--encoders", "2", "--pds", "2"])
-    ports = {name: _metrics_port(argv) for name, argv in spawned.items() if name != "proxy"}
-    assert ports == {"encoder-0": "9101", "encoder-1": "9102", "pd-0": "9201", "pd-1": "9202"}
+    ports = {name: _metrics_port(argv) for name, argv in spawned.items()}
+    assert ports == {"encoder-0": "9101", "encoder-1": "9102", "pd-0": "9201", "pd-1": "9202", "proxy": "9099"}
+    proxy = spawned["proxy"]
+    assert proxy[proxy.index("--metrics-host") + 1] == "127.0.0.1"
     spawned = _spawned(monkeypatch, ["--encoder-metrics-base-port", "-1", "--pd-metrics-base-port", "7000"])
     assert _metrics_port(spawned["encoder-0"]) == "-1" and _metrics_port(spawned["pd-0"]) == "7000"
 
@@ -297,10 +302,11 @@ def test_up_gives_each_server_its_own_metrics_port(monkeypatch):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--encoders", "11"],  # encoder gRPC 50051..50061 meets PD 50061
+        ["--encoders", "11"],  # encoder gRPC 21051..21061 meets PD 21061
         ["--encoder-metrics-base-port", "9201"],  # encoder and PD metrics on one port
         ["--pds", "2", "--pd-metrics-base-port", "8000"],  # PD metrics on the proxy's port
         ["--launcher-metrics-port", "9101"],  # the launcher's metrics on encoder 0's
+        ["--proxy-metrics-port", "9300"],  # the proxy's scrape port on the launcher's metrics
     ],
 )
 def test_up_refuses_ports_that_collide(argv, capsys):
@@ -319,6 +325,8 @@ def test_up_ports_do_not_collide_when_metrics_are_off():
             "--pd-base-port",
             "60000",
             "--launcher-metrics-port",
+            "-1",
+            "--proxy-metrics-port",
             "-1",
         ],
     )

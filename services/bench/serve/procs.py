@@ -266,6 +266,7 @@ def epd_up(model_dir: str, up_args: Sequence[str] = (), env: Mapping[str, str] |
     argv = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port)]
     argv += ["--encoder-base-port", str(free_port()), "--pd-base-port", str(free_port())]
     argv += ["--encoder-metrics-base-port", "-1", "--pd-metrics-base-port", "-1", "--launcher-metrics-port", "-1"]
+    argv += ["--proxy-metrics-port", "-1"]
     base_url = f"http://127.0.0.1:{port}"
     with open(os.devnull, "wb") as log:
         child = subprocess.Popen(

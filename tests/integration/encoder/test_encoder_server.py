@@ -24,6 +24,7 @@ from services.common import grpc_utils, tensors
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.encoder.config import EncoderConfig
 from services.encoder.server import EncoderServer, LoadedVision, start_encoder
+from services.proxy.config import ProxyConfig
 
 NUM_TOKENS = 300
 HIDDEN = 1024  # 300 x 1024 float32 = 1.2 MB: every push needs two chunks
@@ -493,3 +494,58 @@ async def test_tiny_model_embedding_matches_direct_forward(tiny_checkpoint: str)
         await channel.close()
         await encoder.stop(0)
         await pd_server.stop(0)
+
+
+def _file_request(pd_address: str, num_bytes: int) -> epd_pb2.EncodeRequest:
+    request = encode_request(pd_address, 6.0)
+    request.items[0].ClearField("pixel_values")
+    request.items[0].image_file = b"\x89PNG" + b"\0" * (num_bytes - 4)
+    return request
+
+
+async def test_encoder_limits_an_encode_over_the_message_bound_is_refused_unparsed(cluster: Cluster) -> None:
+    """Issue #27, finding 2: the encoder took 64 MiB messages to Encode."""
+    default = EncoderConfig().max_message_bytes
+    assert ProxyConfig().max_body_bytes < default < grpc_utils.MAX_MESSAGE_BYTES
+    parsed: list[int] = []
+
+    def process_file(data: bytes):
+        parsed.append(len(data))
+        raise ValueError("not an image")
+
+    config = replace(TEST_CONFIG, max_message_bytes=1 << 20)
+    vision = replace(fake_loaded_vision(cluster.vision), process_file=process_file)
+    encoder = await start_encoder(config, vision=vision)
+    try:
+        async with grpc_utils.aio_channel(f"127.0.0.1:{encoder.port}") as channel:
+            stub = epd_pb2_grpc.EncoderStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Encode(_file_request(cluster.pd_address, 2 << 20), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert parsed == []  # refused at the transport, before any handler
+            with pytest.raises(grpc.aio.AioRpcError) as info:  # within the bound: parsed, then refused as a file
+                await stub.Encode(_file_request(cluster.pd_address, 512 << 10), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and parsed == [512 << 10]
+    finally:
+        await encoder.stop(0)
+
+
+async def test_encoder_limits_image_files_are_decoded_off_the_event_loop(cluster: Cluster) -> None:
+    """Issue #27, finding 2: decoding and checking an image file must not run on the event loop."""
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+
+    def process_file(data: bytes):
+        threads.append(threading.get_ident())
+        raise ValueError("not an image")
+
+    vision = replace(fake_loaded_vision(cluster.vision), process_file=process_file)
+    encoder = await start_encoder(TEST_CONFIG, vision=vision)
+    try:
+        async with grpc_utils.aio_channel(f"127.0.0.1:{encoder.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await epd_pb2_grpc.EncoderStub(channel).Encode(_file_request(cluster.pd_address, 1024), timeout=10)
+    finally:
+        await encoder.stop(0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(threads) == 1 and threads[0] != loop_thread

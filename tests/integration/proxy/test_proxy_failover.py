@@ -12,6 +12,7 @@ from proxy_doubles import (
     FakePd,
     image_message,
     png_data_url,
+    proxy_config,
     serve_pd,
     wait_until,
 )
@@ -294,13 +295,45 @@ async def test_with_an_api_key_health_and_metrics_name_no_backend_to_strangers(c
     assert scrape.status_code == 200 and cluster.pd.address in scrape.text
 
 
-async def test_metrics_require_token_accepts_the_internal_token(cluster_factory):
+async def test_internal_token_does_not_open_the_public_ports_metrics(cluster_factory):
+    """Issue #27, finding 3: the internal token (for calls between services) opened the public /metrics."""
     token = "internal-token-0123456789"
+    bearer = {"Authorization": f"Bearer {token}"}
     cluster = await cluster_factory(security=InternalSecurity(token=token, metrics_auth=True))
     assert (await cluster.client.get("/metrics")).status_code == 401
-    assert "pd" not in (await cluster.client.get("/health")).json()
-    assert (await cluster.client.get("/metrics", headers={"Authorization": f"Bearer {token}"})).status_code == 200
+    assert (await cluster.client.get("/metrics", headers=bearer)).status_code == 401
+    assert "pd" not in (await cluster.client.get("/health", headers=bearer)).json()
     assert (await post(cluster)).status_code == 200  # the API itself stays open without --api-key
+    keyed = await cluster_factory(api_key="k-123", security=InternalSecurity(token=token, metrics_auth=True))
+    assert (await keyed.client.get("/metrics", headers=bearer)).status_code == 401
+    assert (await keyed.client.get("/metrics", headers={"Authorization": "Bearer k-123"})).status_code == 200
+
+
+async def test_the_scrape_port_takes_the_internal_token_and_the_public_port_has_no_metrics(cluster_factory):
+    """Issue #27, finding 3: ``--metrics-port`` is the documented way to scrape with the internal token."""
+    token = "internal-token-0123456789"
+    cluster = await cluster_factory(security=InternalSecurity(token=token, metrics_auth=True), metrics_port=0)
+    assert (await post(cluster)).status_code == 200
+    assert (await cluster.client.get("/metrics", headers={"Authorization": f"Bearer {token}"})).status_code == 404
+    port = cluster.app.state.metrics_http.port
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as scraper:
+        assert (await scraper.get("/metrics")).status_code == 401
+        assert (await scraper.get("/metrics", headers={"Authorization": "Bearer k-123"})).status_code == 401
+        scrape = await scraper.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert scrape.status_code == 200
+    assert 'epd_proxy_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in scrape.text
+
+
+async def test_the_scrape_port_is_closed_with_the_proxy(cluster_factory, tiny_model_dir):
+    cluster = await cluster_factory()
+    app = create_app(proxy_config(tiny_model_dir, cluster, metrics_port=0))
+    async with app.router.lifespan_context(app):
+        port = app.state.metrics_http.port
+        async with httpx.AsyncClient(timeout=10) as scraper:
+            assert (await scraper.get(f"http://127.0.0.1:{port}/metrics")).status_code == 200  # open without a token
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient(timeout=2) as scraper:
+            await scraper.get(f"http://127.0.0.1:{port}/metrics")
 
 
 async def test_a_dns_name_with_two_addresses_is_two_instances_that_follow_dns(tiny_model_dir):

@@ -131,6 +131,15 @@ async def test_models_health_and_metrics(cluster_factory):
     assert health.json()["pd"] == {cluster.pd.address: False}
 
 
+async def test_proxy_liveness_probe_answers_through_a_backend_outage(cluster_factory):
+    """Issue #27, finding 4: ``/health/live`` (the Kubernetes liveness probe) ignores the backends."""
+    cluster = await cluster_factory(api_key="k-123")
+    await cluster.servers[0].set_ready(False)  # the only PD drains: readiness fails
+    await wait_until_async(lambda: cluster.client.get("/health"), lambda r: r.status_code == 503)
+    live = await cluster.client.get("/health/live")  # no key needed, nothing named
+    assert live.status_code == 200 and live.json() == {"status": "alive"}
+
+
 async def test_health_needs_an_encoder_when_encoders_are_configured(cluster_factory):
     cluster = await cluster_factory()
     await cluster.servers[1].set_ready(False)

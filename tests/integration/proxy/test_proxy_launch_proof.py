@@ -87,11 +87,11 @@ async def test_a_pd_that_proves_its_launch_key_is_routed_to():
 def test_the_proxy_reads_its_peers_keys_from_its_environment():
     import argparse
 
-    environ = {launch_proof.PEER_KEYS_ENV: "127.0.0.1:50061=abc,127.0.0.1:50051=def"}
+    environ = {launch_proof.PEER_KEYS_ENV: "127.0.0.1:21061=abc,127.0.0.1:21051=def"}
     config = security.from_args(argparse.Namespace(), environ)
-    assert config.peer_launch_key("127.0.0.1:50061") == "abc"
-    assert config.peer_launch_key("127.0.0.1:50051") == "def"
-    assert config.peer_launch_key("127.0.0.1:50062") is None
+    assert config.peer_launch_key("127.0.0.1:21061") == "abc"
+    assert config.peer_launch_key("127.0.0.1:21051") == "def"
+    assert config.peer_launch_key("127.0.0.1:21062") is None
 
 
 async def test_the_proxy_proves_its_launch_key_on_http_health(cluster_factory):

@@ -100,7 +100,7 @@ def test_generation_endpoints_survive_valid_and_invalid_bodies(cluster, schema, 
     assert cluster.leaks() == {}
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/health", "/metrics"])
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/health/live", "/metrics"])
 def test_read_endpoints_conform(cluster, schema, path):
     statuses = fuzz(schema, path, "GET", GenerationMode.POSITIVE, 5)
     assert statuses[200] > 0
@@ -126,6 +126,7 @@ def test_the_document_describes_every_route(cluster, schema):
         ("GET", "/v1/models"),
         ("GET", "/v1/models/{model_id}"),
         ("GET", "/health"),
+        ("GET", "/health/live"),
         ("GET", "/metrics"),
     }
     document = httpx.get(f"http://127.0.0.1:{cluster.port}/openapi.json").json()

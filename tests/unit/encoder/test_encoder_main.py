@@ -17,6 +17,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _help() -> str:
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    return parser.format_help()
+
+
 def test_flag_defaults_match_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [key for key in os.environ if key.startswith("EPD_")]:
         monkeypatch.delenv(name)
@@ -30,11 +36,15 @@ def test_flags_and_env_build_the_config(monkeypatch: pytest.MonkeyPatch) -> None
     assert config.max_batch_images == 3
     assert config.port == 0 and config.cache_bytes == 4 * MIB and not config.warmup
     assert config.push_chunk_bytes == 512 * 1024
+    monkeypatch.setenv("EPD_MAX_MESSAGE_MIB", "8")
+    assert main.config_from_args(parse([])).max_message_bytes == 8 * MIB
+    assert "--max-message-mib" in _help()
 
 
 def test_invalid_config_exits_with_2() -> None:
     assert main.run(parse(["--push-chunk-kib", "2048"])) == 2
     assert main.run(parse(["--max-batch-images", "0"])) == 2
+    assert main.run(parse(["--max-message-mib", "0"])) == 2
 
 
 def test_config_validation() -> None:

@@ -7,7 +7,12 @@ import argparse
 import pytest
 
 from services import launcher
-from services.common import security
+from services.common import ports, security
+from services.encoder import main as encoder_main
+from services.encoder.config import EncoderConfig
+from services.pd import main as pd_main
+from services.pd.config import PdConfig
+from services.proxy import main as proxy_main
 
 
 @pytest.fixture
@@ -83,3 +88,36 @@ def test_health_flags_build_the_liveness_policy_and_bad_ones_are_usage_errors(cl
     assert (health.interval_s, health.timeout_s, health.max_failures) == (0.5, 1.5, 4)
     assert launcher.run(_args(["--health-timeout-s", "0"])) == 2
     assert "health" in capsys.readouterr().err
+
+
+def _host_ephemeral_ports() -> range:
+    """This machine's ``ip_local_port_range`` (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            low, high = (int(part) for part in file.read().split())
+    except (OSError, ValueError):
+        return ports.LINUX_EPHEMERAL_PORTS
+    return range(low, high + 1)
+
+
+def test_default_grpc_ports_are_outside_the_ephemeral_range(monkeypatch):
+    """Issue #27, finding 5: the gRPC defaults (50051, 50061) sat in Linux's ephemeral range."""
+    for name in ("EPD_PORT", "EPD_PD", "EPD_ENCODER", "EPD_ENCODER_BASE_PORT", "EPD_PD_BASE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    defaults = []
+    for module in (encoder_main, pd_main):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        defaults.append(parser.parse_args([]).port)
+    proxy_parser = argparse.ArgumentParser()
+    proxy_main.add_arguments(proxy_parser)
+    proxy_args = proxy_parser.parse_args([])
+    defaults += [int(proxy_args.encoder.rsplit(":", 1)[1]), int(proxy_args.pd.rsplit(":", 1)[1])]
+    assert defaults == [ports.DEFAULT_ENCODER_PORT, ports.DEFAULT_PD_PORT] * 2
+    assert EncoderConfig().port == ports.DEFAULT_ENCODER_PORT and PdConfig(model="m").port == ports.DEFAULT_PD_PORT
+    # Every port a large default `epd up` binds: 10 encoders (the most before PD's port) and 16 PDs.
+    cluster = launcher._listening_ports(_args(["--encoders", "10", "--pds", "16"]))
+    for port in [*defaults, *cluster]:
+        assert port not in ports.LINUX_EPHEMERAL_PORTS and port not in _host_ephemeral_ports(), port
+        assert port not in range(30000, 32768), port  # Kubernetes NodePorts
+    assert len(set(cluster)) == len(cluster)

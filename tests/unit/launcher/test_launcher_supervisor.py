@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from services import launcher
 from services.child_output import OutputForwarder, OutputTail
 from services.common import grpc_utils, launch_proof, security
 from services.common.security import InternalSecurity
+from services.spawner import ProcessSpawner
 from services.supervisor import (
     CrashHistory,
     HealthPolicy,
@@ -481,3 +483,44 @@ def test_each_child_has_its_own_launch_key_and_the_proxy_is_given_its_peers():
         "127.0.0.1:5002": key["encoder-0"],
     }
     assert all(launch_proof.PEER_KEYS_ENV not in env for name, env in envs if name != "proxy")
+
+
+# -- issue #27, finding 3: the token in every child's environment ---------------------------
+REPORT_SECRETS = """
+import argparse, json, os, subprocess, sys
+from services.common import security
+in_environment = sorted(name for name in os.environ if name in security.SECRET_ENVS)
+transport = security.from_args(argparse.Namespace())
+with open("/proc/self/environ", "rb") as file:
+    environ_bytes = file.read()
+grandchild = subprocess.run(
+    [sys.executable, "-c", "import os, sys; print(sorted(n for n in os.environ if n in sys.argv[1:]))",
+     *security.SECRET_ENVS, "EPD_SECRETS_FD"],
+    capture_output=True, text=True,
+).stdout.strip()
+print(json.dumps({
+    "in_environment": in_environment,
+    "token": transport.token,
+    "launch_key": transport.launch_key,
+    "token_in_proc_environ": transport.token.encode() in environ_bytes,
+    "grandchild": grandchild,
+}), flush=True)
+"""
+
+
+def test_the_internal_token_is_in_no_childs_environment(monkeypatch):
+    """Before: ``epd up`` put the token in each child's environment, where it stayed for the child's
+    life (``/proc/<pid>/environ``) and went on to everything the child started."""
+    token, launch_key = "internal-token-0123456789", "k" * 64
+    monkeypatch.setenv(security.TOKEN_ENV, token)  # given to epd up in its own environment
+    spawn = ProcessSpawner(OutputForwarder(io.BytesIO()), command=(sys.executable, "-c", REPORT_SECRETS))
+    spec = ServiceSpec("pd-0", (), "127.0.0.1:1", "epd.v1.PrefillDecode", {launch_proof.LAUNCH_KEY_ENV: launch_key})
+    process, tail = spawn(spec)
+    try:
+        assert process.wait(30) == 0, tail.lines(wait_s=5)
+        report = json.loads(tail.lines(wait_s=5)[-1])
+    finally:
+        process.kill()
+    assert report["token"] == token and report["launch_key"] == launch_key  # the child has them
+    assert report["in_environment"] == [] and not report["token_in_proc_environ"]
+    assert report["grandchild"] == "[]"  # nothing the child starts inherits them either

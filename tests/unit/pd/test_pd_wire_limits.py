@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from services.common import grpc_utils
 from services.common.pb import epd_pb2
+from services.encoder.config import EncoderConfig
 from services.pd import convert
+from services.pd.config import PdConfig
 from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.server import max_receive_bytes
 
 
 @pytest.mark.parametrize("request_id", ["a\nb", "a\rb", "tab\there", "nul\x00", "esc\x1b[31m", "space here", "é"])
@@ -28,3 +32,10 @@ def test_stop_token_ids_are_bounded():
     with pytest.raises(EngineError) as raised:
         convert.sampling_from_pb(params, 16)
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+def test_encoder_limits_a_colocated_pd_takes_encodes_of_the_encoders_bound_not_64_mib():
+    """Issue #27, finding 2, on a PD that serves Encode itself (``--encoder local``)."""
+    colocated = max_receive_bytes(PdConfig(model="m", encoder="local"), max_model_len=4096)
+    assert colocated == EncoderConfig().max_message_bytes < grpc_utils.MAX_MESSAGE_BYTES
+    assert max_receive_bytes(PdConfig(model="m"), max_model_len=4096) < colocated

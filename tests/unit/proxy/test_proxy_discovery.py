@@ -52,9 +52,9 @@ def make_pool(targets, resolver) -> tuple[Pool, list, list]:
 @pytest.mark.parametrize(
     ("spec", "host", "port", "dns"),
     [
-        ("10.0.0.1:50061", "10.0.0.1", 50061, False),
+        ("10.0.0.1:21061", "10.0.0.1", 21061, False),
         ("[::1]:7", "::1", 7, False),
-        ("pd.svc.cluster.local:50061", "pd.svc.cluster.local", 50061, True),
+        ("pd.svc.cluster.local:21061", "pd.svc.cluster.local", 21061, True),
         ("dns:///pd:1", None, 0, False),
         ("unix:/tmp/pd.sock", None, 0, False),
     ],
@@ -85,17 +85,17 @@ async def test_static_addresses_need_no_dns():
 
 async def test_one_name_becomes_one_instance_per_address_and_follows_dns():
     resolver = FakeResolver({"pd.svc": ["10.0.0.1", "10.0.0.2"]})
-    pool, added, removed = make_pool(["pd.svc:50061", "10.0.0.9:50061"], resolver)
+    pool, added, removed = make_pool(["pd.svc:21061", "10.0.0.9:21061"], resolver)
     await pool.refresh()
-    assert [i.address for i in pool.instances] == ["10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.9:50061"]
-    assert resolver.calls == [("pd.svc", 50061)] and pool.has_dns_targets
+    assert [i.address for i in pool.instances] == ["10.0.0.1:21061", "10.0.0.2:21061", "10.0.0.9:21061"]
+    assert resolver.calls == [("pd.svc", 21061)] and pool.has_dns_targets
 
     # Scale: one pod replaced, one added.
     first = pool.instances[0]
     resolver.table["pd.svc"] = ["10.0.0.2", "10.0.0.3"]
     await pool.refresh()
-    assert [i.address for i in pool.instances] == ["10.0.0.2:50061", "10.0.0.9:50061", "10.0.0.3:50061"]
-    assert added[-1] == "10.0.0.3:50061" and removed == ["10.0.0.1:50061"]
+    assert [i.address for i in pool.instances] == ["10.0.0.2:21061", "10.0.0.9:21061", "10.0.0.3:21061"]
+    assert added[-1] == "10.0.0.3:21061" and removed == ["10.0.0.1:21061"]
     assert first.retired and not first.routable()
 
 

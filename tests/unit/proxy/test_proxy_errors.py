@@ -70,7 +70,7 @@ def test_request_errors_map_to_400_with_code_and_param():
 
 def test_config_defaults_are_valid():
     config = ProxyConfig(model="m")
-    assert config.port == 8000 and config.pd_addresses == ("127.0.0.1:50061",)
+    assert config.port == 8000 and config.pd_addresses == ("127.0.0.1:21061",)
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_defaults():
     config = config_from_args(parse([]))
     assert (config.host, config.port) == ("127.0.0.1", 8000)
-    assert config.pd_addresses == ("127.0.0.1:50061",)
-    assert config.encoder_addresses == ("127.0.0.1:50051",)
+    assert config.pd_addresses == ("127.0.0.1:21061",)
+    assert config.encoder_addresses == ("127.0.0.1:21051",)
     assert config.served_model_name is None and config.max_body_bytes == 32 * 1024 * 1024
 
 
