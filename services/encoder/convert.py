@@ -77,6 +77,15 @@ def _parse_item(
     return EncodeItemWork(mm_hash=mm_hash, reservation_id=reservation_id, pixel_values=pixels, grid=grid)
 
 
+def check_pd_address(address: str) -> str:
+    """``address`` if it is present and well formed (printable, no spaces, bounded); ``InvalidInput`` otherwise."""
+    if not address:
+        raise InvalidInput("pd_address is required")
+    if len(address) > MAX_ADDRESS_CHARS or not address.isprintable() or any(c.isspace() for c in address):
+        raise InvalidInput("pd_address is malformed")
+    return address
+
+
 def parse_encode_request(
     request: epd_pb2.EncodeRequest, layout: PixelLayout = PixelLayout(), process_file: ProcessFile | None = None
 ) -> EncodeWork:
@@ -86,11 +95,7 @@ def parse_encode_request(
     it decodes and processes images, so call this off the event loop.
     """
     request_id = _check_id(request.request_id, "request_id")
-    address = request.pd_address
-    if not address:
-        raise InvalidInput("pd_address is required")
-    if len(address) > MAX_ADDRESS_CHARS or not address.isprintable() or any(c.isspace() for c in address):
-        raise InvalidInput("pd_address is malformed")
+    address = check_pd_address(request.pd_address)
     if not request.items:
         raise InvalidInput("items must not be empty")
     items = tuple(_parse_item(item, index, layout, process_file) for index, item in enumerate(request.items))

@@ -322,3 +322,10 @@ def test_grafana_dashboard_draws_the_planned_metrics():
     from services.proxy.metrics import METRICS as PROXY
 
     assert used <= {doc.name for doc in (*PROXY, *ENCODER, *PD)}, "the dashboard draws a metric nobody exports"
+
+
+def test_encoders_push_only_to_the_pds_the_proxy_routes_to(services):
+    encoder = [str(token) for token in services["encoder"]["command"]]
+    proxy = [str(token) for token in services["proxy"]["command"]]
+    allowed = parse_epd_args(encoder).pd_allow.split(",")
+    assert allowed == flag(proxy, "--pd").split(",") and "*" not in allowed

@@ -242,3 +242,15 @@ def test_every_server_reads_the_internal_token_from_the_secret(docs):
         assert token_file == "token"  # the key `kubectl create secret ... --from-literal=token=...` makes
         # Readable by the group the pod runs with (fsGroup), by nobody else.
         assert secret["defaultMode"] == 0o440 and spec["securityContext"]["fsGroup"] == 10001
+
+
+def test_encoders_push_only_to_the_pds_the_proxy_routes_to(docs):
+    encoder = _main_container(docs[("Deployment", "encoder")])["args"]
+    proxy = _main_container(docs[("Deployment", "proxy")])["args"]
+    allowed = parse_epd_args(encoder).pd_allow.split(",")
+    assert allowed == flag(proxy, "--pd").split(",") and "*" not in allowed
+    # The name is the PDs' headless Service on their gRPC port: it resolves to the PD pods the proxy sees.
+    host, port = allowed[0].split(":")
+    service = docs[("Service", host)]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"]["app.kubernetes.io/component"] == "pd"
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]]

@@ -83,3 +83,16 @@ def test_health_flags_build_the_liveness_policy_and_bad_ones_are_usage_errors(cl
     assert (health.interval_s, health.timeout_s, health.max_failures) == (0.5, 1.5, 4)
     assert launcher.run(_args(["--health-timeout-s", "0"])) == 2
     assert "health" in capsys.readouterr().err
+
+
+def test_encoders_may_push_only_to_this_clusters_pds(clean_env):
+    specs = launcher.service_specs(
+        _args(["--host", "10.0.0.5", "--encoders", "2", "--pds", "2", "--pd-base-port", "600"])
+    )
+    pds = [spec.address for spec in specs if spec.kind == "pd"]
+    assert pds == ["10.0.0.5:600", "10.0.0.5:601"]
+    encoders = [list(spec.argv) for spec in specs if spec.kind == "encoder"]
+    assert len(encoders) == 2
+    for argv in encoders:
+        assert argv[argv.index("--pd-allow") + 1] == ",".join(pds)
+    assert not any("--pd-allow" in spec.argv for spec in specs if spec.kind != "encoder")
