@@ -281,7 +281,10 @@ def _bad_requests(pd_address: str) -> dict[str, epd_pb2.EncodeRequest]:
     no_hash.items[0].mm_hash = ""
     no_pixels = encode_request(pd_address, 6.0)
     no_pixels.items[0].ClearField("pixel_values")
+    bad_salt = encode_request(pd_address, 6.0)
+    bad_salt.cache_salt = "res-6.0"  # a wire salt is a 64-hex digest; the value is not echoed
     return {
+        "bad_salt": bad_salt,
         "no_items": no_items,
         "no_address": no_address,
         "wrong_shape": wrong_shape,
@@ -293,7 +296,8 @@ def _bad_requests(pd_address: str) -> dict[str, epd_pb2.EncodeRequest]:
 
 
 @pytest.mark.parametrize(
-    "case", ["no_items", "no_address", "wrong_shape", "truncated", "integer_pixels", "no_hash", "no_pixels"]
+    "case",
+    ["no_items", "no_address", "wrong_shape", "truncated", "integer_pixels", "no_hash", "no_pixels", "bad_salt"],
 )
 async def test_bad_input_is_invalid_argument_without_echo(cluster: Cluster, case: str) -> None:
     request = _bad_requests(cluster.pd_address)[case]

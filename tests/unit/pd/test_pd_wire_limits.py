@@ -28,3 +28,19 @@ def test_stop_token_ids_are_bounded():
     with pytest.raises(EngineError) as raised:
         convert.sampling_from_pb(params, 16)
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("cache_salt", ["secret", "A" * 64, "0" * 63, "0" * 65, "g" * 64])
+def test_a_malformed_cache_salt_is_refused_without_being_echoed(cache_salt):
+    message = epd_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], cache_salt=cache_salt)
+    with pytest.raises(EngineError) as raised:
+        convert.request_from_pb(message, eos_token_ids=(0,), vocab_size=16, max_model_len=64)
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT and "cache_salt" in raised.value.message
+    assert cache_salt not in raised.value.message
+
+
+def test_a_well_formed_cache_salt_reaches_the_request():
+    message = epd_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], cache_salt="0f" * 32)
+    assert convert.request_from_pb(message, eos_token_ids=(0,), vocab_size=16, max_model_len=64).cache_salt == "0f" * 32
+    message.cache_salt = ""
+    assert convert.request_from_pb(message, eos_token_ids=(0,), vocab_size=16, max_model_len=64).cache_salt == ""
