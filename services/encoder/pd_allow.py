@@ -28,7 +28,7 @@ import ipaddress
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ANY = "*"
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
@@ -102,7 +102,6 @@ class PdAllowSpec:
         return ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.entries)
 
 
-@dataclass
 class PdAllowList:
     """Answers whether an Encode may name a PD address, resolving host-name entries as needed.
 
@@ -110,13 +109,23 @@ class PdAllowList:
     allowed); a failing resolver leaves the addresses known so far in place.
     """
 
-    spec: PdAllowSpec = field(default_factory=PdAllowSpec)
-    resolver: Resolver = system_resolver
-    refresh_s: float = 1.0
-    clock: Callable[[], float] = time.monotonic
-    _resolved: dict[tuple[str, int], frozenset[str]] = field(default_factory=dict)  # name entry -> its addresses
-    _resolved_at: float | None = None
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    def __init__(
+        self,
+        spec: PdAllowSpec | None = None,
+        *,
+        resolver: Resolver = system_resolver,
+        refresh_s: float = 1.0,
+        lookup_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spec = spec or PdAllowSpec()
+        self._resolver = resolver
+        self._refresh_s = refresh_s  # at most one lookup round per period, however many unknown addresses arrive
+        self._lookup_timeout_s = lookup_timeout_s  # a hung resolver must not hold Encodes for long
+        self._clock = clock
+        self._resolved: dict[tuple[str, int], frozenset[str]] = {}  # host-name entry -> the addresses it had
+        self._resolved_at: float | None = None
+        self._lock = asyncio.Lock()
 
     def _listed(self, host: str, port: int) -> bool:
         if self.spec.any:
@@ -149,15 +158,16 @@ class PdAllowList:
     async def _refresh(self) -> None:
         """Re-resolves every host-name entry, at most once per ``refresh_s`` (callers wait for one lookup)."""
         async with self._lock:
-            now = self.clock()
-            if self._resolved_at is not None and now - self._resolved_at < self.refresh_s:
+            now = self._clock()
+            if self._resolved_at is not None and now - self._resolved_at < self._refresh_s:
                 return
             self._resolved_at = now
             for entry in self.spec.entries:
                 if _ip(entry[0]) is not None:
                     continue
                 try:
-                    addresses = await self.resolver(*entry)
-                except OSError:
+                    async with asyncio.timeout(self._lookup_timeout_s):
+                        addresses = await self._resolver(*entry)
+                except (OSError, TimeoutError):
                     continue  # DNS hiccup: keep what this name was known to be
                 self._resolved[entry] = frozenset(_canonical(address) for address in addresses)

@@ -87,3 +87,19 @@ async def test_allowing_any_pd_is_a_warning_at_start_up(caplog):
     levels = {record.levelno for record in caplog.records if "allow" in record.getMessage()}
     assert levels == {logging.WARNING, logging.INFO}
     assert any("loopback addresses only" in record.getMessage() for record in caplog.records)
+
+
+async def test_a_host_name_entry_allows_the_addresses_the_system_resolves_it_to():
+    pd_server, pd = await start_fake_pd()
+    vision = FakeVision()
+    config = replace(TEST_CONFIG, pd_allow=PdAllowSpec.parse(f"localhost:{pd_server.port}"))
+    try:
+        async with extra_encoder(config, vision) as (encoder, stub):
+            await stub.Encode(encode_request(f"127.0.0.1:{pd_server.port}", 5.0), timeout=10)  # localhost's address
+            assert pd.num_calls == 1
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # the name, on another port
+                await stub.Encode(encode_request(f"127.0.0.1:{pd_server.port + 1}", 5.0), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            await wait_idle(encoder)
+    finally:
+        await pd_server.stop(0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from services.encoder.pd_allow import PdAllowList, PdAllowSpec, split_host_port
@@ -83,6 +85,15 @@ async def test_a_failed_lookup_keeps_what_a_name_was_known_to_be():
     assert not await allowed.allows("10.1.0.5:50061")
     assert await allowed.allows("10.1.0.4:50061")
     assert resolver.num_calls == 2
+
+
+async def test_a_hung_lookup_ends_at_its_timeout_and_the_address_is_refused():
+    async def hangs(host: str, port: int) -> list[str]:
+        await asyncio.sleep(60)
+        return ["10.1.0.4"]
+
+    allowed = PdAllowList(PdAllowSpec.parse("pd-headless:50061"), resolver=hangs, lookup_timeout_s=0.05)
+    assert not await asyncio.wait_for(allowed.allows("10.1.0.4:50061"), 5)
 
 
 async def test_an_ip_on_a_port_no_name_listens_on_is_refused_without_a_lookup():
