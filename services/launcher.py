@@ -255,8 +255,10 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
         ]
         return ServiceSpec(f"{kind}-{index}", tuple(argv), f"{args.host}:{base_port + index}", health_service, env)
 
+    # Encoders push only to this cluster's PDs (``epd encoder --pd-allow``), whatever an Encode names.
+    pd_allow = ("--pd-allow", ",".join(f"{args.host}:{args.pd_base_port + j}" for j in range(args.pds)))
     specs = [
-        grpc_service("encoder", i, args.encoder_base_port, args.encoder_metrics_base_port, "epd.v1.Encoder")
+        grpc_service("encoder", i, args.encoder_base_port, args.encoder_metrics_base_port, "epd.v1.Encoder", *pd_allow)
         for i in range(0 if args.colocated else args.encoders)
     ]
     specs += [

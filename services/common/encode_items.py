@@ -24,8 +24,9 @@ from services.common.pb import epd_pb2
 MAX_FILE_PIXELS = 8192 * 8192
 """Largest image file a vision side decodes (the proxy's own cap, ``--max-image-pixels``, is lower by default)."""
 
-ProcessFile = Callable[[bytes], tuple[np.ndarray, Grid | None, str]]
-"""An image file -> its processed float32 pixels, patch grid and ``mm_hash`` (``file_processor``)."""
+ProcessFile = Callable[[bytes, str], tuple[np.ndarray, Grid | None, str]]
+"""An image file and a cache salt -> its processed float32 pixels, patch grid and salted ``mm_hash``
+(``file_processor``)."""
 
 
 def file_processor(adapter: Any, image_processor: Any) -> ProcessFile:
@@ -34,10 +35,10 @@ def file_processor(adapter: Any, image_processor: Any) -> ProcessFile:
     off the event loop."""
     settings = adapter.processor_settings()
 
-    def process(data: bytes) -> tuple[np.ndarray, Grid | None, str]:
+    def process(data: bytes, cache_salt: str) -> tuple[np.ndarray, Grid | None, str]:
         with image_files.decoded(data, _max_file_pixels()) as image:
             processed = adapter.process_image(image_processor, image)
-            digest = mm_hash(image, hash_settings(settings, processed.patch_grid), adapter.model_id)
+            digest = mm_hash(image, hash_settings(settings, processed.patch_grid), adapter.model_id, cache_salt)
         return processed.pixel_values, processed.patch_grid, digest
 
     return process
@@ -48,12 +49,17 @@ def _max_file_pixels() -> int:
 
 
 def item_pixels(
-    item: epd_pb2.EncodeItem, index: int, layout: PixelLayout, process_file: ProcessFile | None = None
+    item: epd_pb2.EncodeItem,
+    index: int,
+    layout: PixelLayout,
+    process_file: ProcessFile | None = None,
+    cache_salt: str = "",
 ) -> tuple[torch.Tensor, Grid | None]:
     """The processed pixels and patch grid of ``item``; ValueError unless they fit ``layout``.
 
     ``process_file`` is None where image files are not taken. It decodes and
-    processes the image: call this off the event loop.
+    processes the image: call this off the event loop. An image file's
+    ``mm_hash`` must be its hash under ``cache_salt`` (checked by the caller).
     """
     has_pixels, has_file = item.HasField("pixel_values"), bool(item.image_file)
     if has_pixels == has_file:
@@ -65,7 +71,7 @@ def item_pixels(
     except ValueError:
         raise ValueError(f"item {index}: {what} or grid is not valid") from None
     if pixels is None:
-        pixels = _process(item, grid, index, process_file)
+        pixels = _process(item, grid, index, process_file, cache_salt)
     elif pixels.dtype not in tensors.PIXEL_DTYPES:
         raise ValueError(f"item {index}: pixel_values must be float32, float16 or bfloat16")
     try:
@@ -79,18 +85,24 @@ def item_pixels(
     return pixels, grid
 
 
-def _process(item: epd_pb2.EncodeItem, grid: Grid | None, index: int, process_file: ProcessFile | None) -> torch.Tensor:
+def _process(
+    item: epd_pb2.EncodeItem, grid: Grid | None, index: int, process_file: ProcessFile | None, cache_salt: str
+) -> torch.Tensor:
     if process_file is None:
         raise ValueError(f"item {index}: image_file is not taken here; send pixel_values")
     try:
-        pixels, file_grid, digest = process_file(item.image_file)
+        pixels, file_grid, digest = process_file(item.image_file, cache_salt)
     except ValueError as error:  # image_files' refusals, and the processor's (e.g. an extreme aspect ratio)
         raise ValueError(f"item {index}: image_file: {error}") from None
     if grid != file_grid:
         raise ValueError(f"item {index}: grid must be the patch grid of the image")
     # The hash names the embedding in every cache downstream: one that is not this image's own would
     # plant this image's embedding under another image's name. Proxy and encoder hash alike only when
-    # they serve the same checkpoint (its id and processor settings are in the hash).
+    # they serve the same checkpoint (its id and processor settings are in the hash) and the same
+    # tenant's cache salt (a hash under another tenant's salt would be that tenant's entry).
     if item.mm_hash != digest:
-        raise ValueError(f"item {index}: mm_hash is not the hash of the image (same checkpoint as the proxy?)")
+        raise ValueError(
+            f"item {index}: mm_hash is not the hash of the image under the request's cache_salt "
+            "(same checkpoint as the proxy?)"
+        )
     return torch.from_numpy(pixels)

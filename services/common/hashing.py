@@ -5,12 +5,20 @@ model id, so the same picture re-encoded as PNG or JPEG-lossless hashes the
 same, while a different processor configuration or model never shares an
 embedding. Clients cannot supply a hash: the proxy always computes it, and
 an encoder given the image file computes it again and refuses a mismatch.
+
+A tenant's cache salt (``cache_salt``: a 64-hex digest the proxy derives,
+``PreallocateRequest.cache_salt``) goes into the hash too, under a domain
+tag of its own: the same picture sent by two tenants gets two hashes, so
+neither the encoder's cache and single flight nor PD's embedding and prefix
+caches can tell one tenant that the other sent it. No salt gives the
+unsalted hash of before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,21 +33,37 @@ STRIP_BYTES = 1 << 20
 """Pixels are hashed a strip of rows at a time: a full ``tobytes()`` copy of a 16-megapixel image is 48 MiB."""
 
 
+CACHE_SALT_RE = re.compile(r"[0-9a-f]{64}")
+"""A cache salt on the wire: a SHA-256 hex digest (the salt a client chose never leaves the proxy)."""
+
+
+def check_cache_salt(cache_salt: str) -> str:
+    """``cache_salt`` if it is ``""`` or 64 lowercase hex characters; ValueError (naming no value) otherwise."""
+    if cache_salt and not CACHE_SALT_RE.fullmatch(cache_salt):
+        raise ValueError("cache_salt must be empty or 64 lowercase hex characters")
+    return cache_salt
+
+
 def hash_settings(processor_settings: Mapping[str, Any], grid: Sequence[int] | None) -> Mapping[str, Any]:
     """What ``mm_hash`` covers besides the pixels: the processor settings, and the patch grid where there is
     one (it follows from pixels + settings; hashing it too keeps the hash honest should the resize rule change)."""
     return processor_settings if grid is None else {**processor_settings, "grid": list(grid)}
 
 
-def mm_hash(image: Image.Image, processor_settings: Mapping[str, Any], model_id: str) -> str:
-    """SHA-256 hex digest of an image's RGB pixels, size, processor settings and model id.
+def mm_hash(image: Image.Image, processor_settings: Mapping[str, Any], model_id: str, cache_salt: str = "") -> str:
+    """SHA-256 hex digest of an image's RGB pixels, size, processor settings, model id and cache salt.
 
     The pixels go in as row-major RGB bytes, fed in strips of at most
     ``STRIP_BYTES`` (the same digest as one ``tobytes()``, without its copy).
+    ``cache_salt`` must pass ``check_cache_salt``; ``""`` = no tenant (shared caches).
     """
     rgb = image if image.mode == "RGB" else image.convert("RGB")
     digest = hashlib.sha256()
-    digest.update(b"epd-mm-v1\0")
+    if cache_salt:
+        # Its own tag: a salted stream can never equal an unsalted one; the salt is fixed-width.
+        digest.update(b"epd-mm-salted-v1\0" + check_cache_salt(cache_salt).encode() + b"\0")
+    else:
+        digest.update(b"epd-mm-v1\0")
     digest.update(model_id.encode())
     digest.update(b"\0")
     digest.update(_canonical(processor_settings))

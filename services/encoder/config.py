@@ -9,6 +9,7 @@ from services.common.ports import DEFAULT_ENCODER_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.common.tensors import CHUNK_BYTES
 from services.encoder.faults import NO_FAULTS, Faults
+from services.encoder.pd_allow import PdAllowSpec
 
 MIB = 1 << 20
 DEFAULT_METRICS_PORT = 9101
@@ -67,6 +68,8 @@ class EncoderConfig:
     """Test-only fault injection in the pusher (``faults.py``); none by default."""
     security: InternalSecurity = NO_SECURITY
     """Internal transport: TLS/mTLS and token for the server and the pushes to PDs (``security.py``)."""
+    pd_allow: PdAllowSpec = PdAllowSpec()
+    """The PDs an Encode may name (``pd_allow.py``); the default allows loopback addresses only."""
 
     def __post_init__(self) -> None:
         positive = {

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common import tensors
+from services.common import hashing, tensors
 from services.common.encode_items import ProcessFile, item_pixels
 from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2
@@ -66,15 +66,32 @@ def _check_id(value: str, what: str) -> str:
 
 
 def _parse_item(
-    item: epd_pb2.EncodeItem, index: int, layout: PixelLayout, process_file: ProcessFile | None
+    item: epd_pb2.EncodeItem, index: int, layout: PixelLayout, process_file: ProcessFile | None, cache_salt: str
 ) -> EncodeItemWork:
     mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
     reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
     try:
-        pixels, grid = item_pixels(item, index, layout, process_file)
+        pixels, grid = item_pixels(item, index, layout, process_file, cache_salt)
     except ValueError as error:
         raise InvalidInput(str(error)) from None
     return EncodeItemWork(mm_hash=mm_hash, reservation_id=reservation_id, pixel_values=pixels, grid=grid)
+
+
+def check_pd_address(address: str) -> str:
+    """``address`` if it is present and well formed (printable, no spaces, bounded); ``InvalidInput`` otherwise."""
+    if not address:
+        raise InvalidInput("pd_address is required")
+    if len(address) > MAX_ADDRESS_CHARS or not address.isprintable() or any(c.isspace() for c in address):
+        raise InvalidInput("pd_address is malformed")
+    return address
+
+
+def check_cache_salt(cache_salt: str) -> str:
+    """The wire salt if well formed (``hashing.check_cache_salt``); ``InvalidInput`` otherwise."""
+    try:
+        return hashing.check_cache_salt(cache_salt)
+    except ValueError as error:
+        raise InvalidInput(str(error)) from None
 
 
 def parse_encode_request(
@@ -86,14 +103,13 @@ def parse_encode_request(
     it decodes and processes images, so call this off the event loop.
     """
     request_id = _check_id(request.request_id, "request_id")
-    address = request.pd_address
-    if not address:
-        raise InvalidInput("pd_address is required")
-    if len(address) > MAX_ADDRESS_CHARS or not address.isprintable() or any(c.isspace() for c in address):
-        raise InvalidInput("pd_address is malformed")
+    address = check_pd_address(request.pd_address)
+    cache_salt = check_cache_salt(request.cache_salt)
     if not request.items:
         raise InvalidInput("items must not be empty")
-    items = tuple(_parse_item(item, index, layout, process_file) for index, item in enumerate(request.items))
+    items = tuple(
+        _parse_item(item, index, layout, process_file, cache_salt) for index, item in enumerate(request.items)
+    )
     return EncodeWork(request_id=request_id, pd_address=address, items=items)
 
 

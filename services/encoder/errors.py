@@ -35,6 +35,13 @@ class InvalidInput(EncoderError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class PdNotAllowed(EncoderError):
+    """The Encode names a PD that is not on the allow-list (PERMISSION_DENIED): the caller may not
+    send this encoder, and its token, there. The address is not repeated."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Overloaded(EncoderError):
     """The pending queue is full (RESOURCE_EXHAUSTED + ``retry-after-ms``)."""
 

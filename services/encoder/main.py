@@ -16,6 +16,7 @@ from services.common import cli_args, grpc_utils, security
 from services.common.logs import setup_logging
 from services.encoder.config import DEFAULT_METRICS_PORT, MIB, EncoderConfig
 from services.encoder.faults import Faults
+from services.encoder.pd_allow import PdAllowSpec
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.push_timeout_s,
         help="push deadline when the Encode call has none",
     )
+    add(
+        parser,
+        "--pd-allow",
+        default="",
+        help="the PDs an Encode may name, which alone this encoder dials (with the internal token): "
+        "comma-separated host:port entries; a host name also allows every address it resolves to on that "
+        "port (a Kubernetes headless service: pd-headless:21061); '*' = any address (warned at start-up); "
+        "'' = loopback addresses only. Any other address is refused with PERMISSION_DENIED before any work",
+    )
     add(parser, "--warmup", default=defaults.warmup, help="run a blank-image forward before reporting ready")
     add(
         parser,
@@ -131,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         grace_s=args.grace,
         faults=Faults.parse(args.fault),
         security=security.from_args(args),
+        pd_allow=PdAllowSpec.parse(args.pd_allow),
     )
 
 

@@ -25,6 +25,7 @@ from services.encoder.cache import EmbeddingCache
 from services.encoder.config import EncoderConfig
 from services.encoder.errors import ErrorMappingInterceptor
 from services.encoder.metrics import EncoderMetrics, PrometheusEncoderMetrics
+from services.encoder.pd_allow import PdAllowList, PdAllowSpec
 from services.encoder.pusher import EmbeddingPusher
 from services.encoder.servicer import EncoderServicer
 
@@ -51,6 +52,14 @@ class EncoderStats(NamedTuple):
 def load_vision(config: EncoderConfig) -> LoadedVision:
     """Loads only the vision tower + projector of ``config.model`` (blocking; run off the loop)."""
     return LoadedVision.load(config.model, config.device, config.dtype)
+
+
+def _log_pd_allow(spec: PdAllowSpec) -> None:
+    """One start-up line saying where pushes may go; a warning when anywhere."""
+    if spec.any:
+        log.warning("--pd-allow '*': Encode calls may name any PD address, and pushes carry the internal token there")
+    else:
+        log.info("pushes go only to PDs on the allow-list: %s", spec.describe())
 
 
 class EncoderServer:
@@ -102,8 +111,15 @@ class EncoderServer:
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
         servicer = EncoderServicer(
-            batcher, pusher, cache, metrics, layout=vision.layout, process_file=vision.process_file
+            batcher,
+            pusher,
+            cache,
+            metrics,
+            layout=vision.layout,
+            process_file=vision.process_file,
+            pd_allow=PdAllowList(config.pd_allow),
         )
+        _log_pd_allow(config.pd_allow)
 
         def register(server: grpc.aio.Server) -> None:
             epd_pb2_grpc.add_EncoderServicer_to_server(servicer, server)

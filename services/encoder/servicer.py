@@ -25,12 +25,14 @@ from services.encoder.convert import (
     EncodeItemWork,
     EncodeWork,
     ItemOutcome,
+    check_pd_address,
     encode_response,
     encoder_load,
     parse_encode_request,
 )
-from services.encoder.errors import DeadlineExceeded, EncoderError
+from services.encoder.errors import DeadlineExceeded, EncoderError, PdNotAllowed
 from services.encoder.metrics import EncoderMetrics
+from services.encoder.pd_allow import PdAllowList
 from services.encoder.pusher import EmbeddingPusher
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         metrics: EncoderMetrics | None = None,
         layout: PixelLayout = PixelLayout(),
         process_file: ProcessFile | None = None,
+        pd_allow: PdAllowList | None = None,
     ) -> None:
+        self._pd_allow = pd_allow or PdAllowList()  # loopback only unless configured
         self._layout = layout  # what the vision module takes: checked before anything is queued
         self._process_file = process_file  # image files -> pixels
         self._batcher = batcher
@@ -80,6 +84,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         request_id = grpc_utils.request_id_of(context)  # until the request body is validated
         outcomes: list[ItemOutcome] = []
         try:
+            # Before any other work: the address decides where this encoder, and its token, go.
+            if not await self._pd_allow.allows(check_pd_address(request.pd_address)):
+                raise PdNotAllowed("pd_address is not a PD this encoder may push to (--pd-allow)")
             # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
             work = await asyncio.to_thread(parse_encode_request, request, self._layout, self._process_file)
             request_id = work.request_id

@@ -112,9 +112,12 @@ class EngineBridge:
         lease_s: float,
         prompt_token_ids: Sequence[int] = (),
         peer: str = "",
+        cache_salt: str = "",
     ) -> list[Allocation]:
         """``EngineCore.preallocate`` on the engine thread."""
-        return await self.call(self.core.preallocate, request_id, list(spans), lease_s, list(prompt_token_ids), peer)
+        return await self.call(
+            self.core.preallocate, request_id, list(spans), lease_s, list(prompt_token_ids), peer, cache_salt
+        )
 
     async def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> bool:
         """``EngineCore.check_push``: rejects a push early, before its bytes arrive; False for a repeat."""

@@ -44,7 +44,7 @@ from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
-from services.pd.convert import check_request_id
+from services.pd.convert import check_cache_salt, check_request_id
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.servicer import abort_with
 
@@ -197,6 +197,7 @@ def parse_encode_request(
     ``process_file`` turns image files into pixels (``encode_items``); call this off the event loop.
     """
     request_id = check_request_id(request.request_id)
+    cache_salt = check_cache_salt(request.cache_salt)
     if not request.items:
         raise EngineError(ErrorKind.INVALID_ARGUMENT, "items must not be empty")
     items = []
@@ -204,7 +205,7 @@ def parse_encode_request(
         reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
         mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
         try:
-            pixels, grid = item_pixels(item, index, layout, process_file)
+            pixels, grid = item_pixels(item, index, layout, process_file, cache_salt)
         except ValueError as error:
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
         items.append(ColocatedItem(request_id, reservation_id, mm_hash, pixels, deadline, grid))

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 
+from services.common import hashing
 from services.common.grids import grid_from_pb
 from services.common.pb import epd_pb2
 from services.pd.engine.engine_stats import EngineStats
@@ -59,6 +60,14 @@ def check_request_id(request_id: str) -> str:
     if not _REQUEST_ID_RE.fullmatch(request_id):
         raise _invalid("request_id must be printable ASCII without spaces or control characters")
     return request_id
+
+
+def check_cache_salt(cache_salt: str) -> str:
+    """The wire salt (``""`` or a 64-hex digest) if well formed; INVALID_ARGUMENT otherwise, the value not echoed."""
+    try:
+        return hashing.check_cache_salt(cache_salt)
+    except ValueError as error:
+        raise _invalid(str(error)) from None
 
 
 def check_prompt(prompt_token_ids: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
@@ -191,6 +200,7 @@ def request_from_pb(
     gets its multimodal-RoPE positions planned here, once.
     """
     check_request_id(message.request_id)
+    cache_salt = check_cache_salt(message.cache_salt)
     prompt = list(message.prompt_token_ids)
     check_prompt(prompt, vocab_size=vocab_size, max_model_len=max_model_len)
     sampling = sampling_from_pb(message.sampling, max_tokens_cap=max_model_len - len(prompt))
@@ -205,6 +215,7 @@ def request_from_pb(
         sampling=sampling,
         mm_spans=spans_from_pb(message.mm_items, len(prompt), max_items=max_items, uses_grids=uses_grids),
         eos_token_ids=eos_token_ids,
+        cache_salt=cache_salt,
     )
     rope_plan(request)
     return request

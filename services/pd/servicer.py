@@ -91,6 +91,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             try:
                 self._check_admitting()
                 convert.check_request_id(request.request_id)
+                cache_salt = convert.check_cache_salt(request.cache_salt)
                 # Cheap checks first: the engine thread hashes the prompt's blocks.
                 convert.check_prompt(
                     request.prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
@@ -111,6 +112,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                     lease_ms / 1000.0,
                     prompt_token_ids=request.prompt_token_ids,
                     peer=peer_address(context),
+                    cache_salt=cache_salt,
                 )
             except EngineError as error:
                 await abort_with(context, error, line)

@@ -30,6 +30,7 @@ from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
 from services.proxy import intake
 from services.proxy.backends import Backends
+from services.proxy.cache_isolation import tenant_salt
 from services.proxy.config import ProxyConfig
 from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
 from services.proxy.fairness import (
@@ -112,6 +113,10 @@ class ProxyState:
             return key_identity(self.config.api_key)
         return address_identity(request.client.host if request.client else None)
 
+    def cache_salt(self, request: Request, body: _SamplingFields) -> str:
+        """The request's wire cache salt: its tenant under ``--cache-isolation`` and its ``cache_salt``."""
+        return tenant_salt(self.config.cache_isolation, self.client_identity(request), body.cache_salt)
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
             raise model_not_found()
@@ -169,9 +174,12 @@ async def chat_completions(request: Request) -> Response:
     token_ids = await state.text_pool.run(
         state.preprocessor.chat_tokens, messages, body.chat_template_kwargs, deadline=deadline
     )
-    images = await state.image_pool.run(state.preprocessor.chat_images, sources, deadline=deadline) if sources else ()
+    salt = state.cache_salt(request, body)
+    images = (
+        await state.image_pool.run(state.preprocessor.chat_images, sources, salt, deadline=deadline) if sources else ()
+    )
     del sources  # the image bytes are no longer needed
-    prompt = state.preprocessor.assemble(token_ids, images)
+    prompt = state.preprocessor.assemble(token_ids, images, salt)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, _Checked(body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl", ignored))
 
@@ -191,7 +199,10 @@ async def completions(request: Request) -> Response:
             raise RequestError("Only one prompt per request is supported.", "prompt")
         prompt_input = prompt_input[0]
     prompt = await state.text_pool.run(
-        state.preprocessor.completion_prompt, prompt_input, deadline=trace.started + timeout_s
+        state.preprocessor.completion_prompt,
+        prompt_input,
+        state.cache_salt(request, body),
+        deadline=trace.started + timeout_s,
     )
     echo_text = ""
     if body.echo:  # the prompt as sent; a token-id prompt decoded

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
+from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.discovery import parse_target
 from services.proxy.faults import NO_FAULTS, ProxyFaults
 from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
@@ -61,6 +62,8 @@ class ProxyConfig:
     # X-EPD-Ignored-Fields header and a log line (OpenAI fields we do not implement are refused either way).
     ignore_unknown_fields: bool = False
     hide_cache_details: bool = False  # usage carries no cached_tokens, cache hits or stage timings
+    # which requests may share cache entries: a per-tenant salt in every cache key (cache_isolation.py)
+    cache_isolation: CacheIsolation = CacheIsolation.SHARED
     # routing and failure handling
     pd_policy: str = "least-loaded"  # see routing.PD_POLICIES
     encoder_policy: str = "rendezvous"  # see routing.ENCODER_POLICIES

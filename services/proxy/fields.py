@@ -38,6 +38,7 @@ EXTENSIONS = (
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "chat_template_kwargs",
+    "cache_salt",
 )
 """vLLM-compatible request fields beyond OpenAI's, all honoured (README: "Request fields")."""
 

@@ -8,6 +8,7 @@ import signal
 from services.common import cli_args, security
 from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
+from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.config import MIB, ProxyConfig
 from services.proxy.faults import ProxyFaults
 from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
@@ -159,6 +160,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--cache-isolation",
+        choices=[mode.value for mode in CacheIsolation],
+        default=CacheIsolation.SHARED.value,
+        help="which requests may be served from each other's cache entries (encoder and PD embedding caches, "
+        "PD's prefix cache), whose speed tells a client what others sent: shared = all (as before); "
+        "per-client = only the same client's, as --max-requests-per-client counts clients (the API key with "
+        "--api-key, else the peer address). A request's cache_salt narrows this further either way",
+    )
+    add(
+        parser,
         "--hide-cache-details",
         default=False,
         help="leave out of every response's usage what the caches did: prompt_tokens_details.cached_tokens and "
@@ -286,6 +297,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_tokens_per_client_per_minute=args.max_tokens_per_client_per_minute,
         ignore_unknown_fields=args.ignore_unknown_fields,
         hide_cache_details=args.hide_cache_details,
+        cache_isolation=CacheIsolation(args.cache_isolation),
         pd_policy=args.pd_policy,
         encoder_policy=args.encoder_policy,
         encoder_saturation=args.encoder_saturation,

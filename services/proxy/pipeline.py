@@ -128,6 +128,7 @@ class _Attempt:
                     prompt_token_ids=job.prompt.token_ids,
                     items=job.prompt.mm_items_pb(),
                     lease_ms=self.pipeline.lease_ms(job),
+                    cache_salt=job.prompt.cache_salt,
                 ),
                 timeout=self.pipeline.remaining(job),
             )
@@ -139,6 +140,7 @@ class _Attempt:
                 prompt_token_ids=job.prompt.token_ids,
                 mm_items=job.prompt.mm_items_pb(),
                 sampling=job.sampling,
+                cache_salt=job.prompt.cache_salt,
             ),
             timeout=self.pipeline.remaining(job),
         )
@@ -368,6 +370,7 @@ class Pipeline:
             request_id=attempt.request_id,
             pd_address=attempt.pd.address,
             items=[image.encode_item_pb(reservation_id)],
+            cache_salt=job.prompt.cache_salt,
         )
         tried: list[str] = []
         last: BackendError | None = None

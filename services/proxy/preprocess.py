@@ -70,6 +70,7 @@ class Prompt:
 
     token_ids: list[int]
     images: tuple[ImageItem, ...] = ()
+    cache_salt: str = ""  # the tenant's wire salt (cache_isolation.py); already inside each image's mm_hash
 
     @property
     def num_image_tokens(self) -> int:
@@ -244,8 +245,9 @@ class Preprocessor:
         with self._tokenizer_lock:
             return self._encode(rendered)
 
-    def chat_images(self, sources: Sequence[str | bytes]) -> tuple[ProcessedImage, ...]:
-        """Image stage: sizes and caps first, then one decoded image alive at a time."""
+    def chat_images(self, sources: Sequence[str | bytes], cache_salt: str = "") -> tuple[ProcessedImage, ...]:
+        """Image stage: sizes and caps first, then one decoded image alive at a time; each image's
+        ``mm_hash`` is salted with the tenant's ``cache_salt`` (``cache_isolation``)."""
         self.check_image_count(len(sources))
         payloads = [source if isinstance(source, bytes) else data_url_payload(source) for source in sources]
         sizes = [image_size(payload, self.max_image_pixels) for payload in payloads]
@@ -255,9 +257,9 @@ class Preprocessor:
                 f"The request's images have {total} pixels together; the limit is {self.max_request_pixels}.",
                 "messages",
             )
-        return tuple(self._process(payload) for payload in payloads)
+        return tuple(self._process(payload, cache_salt) for payload in payloads)
 
-    def _process(self, payload: bytes) -> ProcessedImage:
+    def _process(self, payload: bytes, cache_salt: str) -> ProcessedImage:
         """Decodes one image (400 if it is not a good file), counts its tokens (400 if the processor
         would refuse its shape) and hashes its pixels; the encoder gets the file itself."""
         self.faults.before_decode()
@@ -265,7 +267,9 @@ class Preprocessor:
         try:
             shape = self.adapter.image_shape(image.height, image.width)
             return ProcessedImage(
-                mm_hash=mm_hash(image, hash_settings(self._settings, shape.patch_grid), self.adapter.model_id),
+                mm_hash=mm_hash(
+                    image, hash_settings(self._settings, shape.patch_grid), self.adapter.model_id, cache_salt
+                ),
                 num_tokens=shape.num_tokens,
                 image_file=payload,
                 patch_grid=shape.patch_grid,
@@ -276,8 +280,9 @@ class Preprocessor:
         finally:
             image.close()  # the decoded pixels go now, not when the request ends
 
-    def assemble(self, token_ids: Sequence[int], images: Sequence[ProcessedImage]) -> Prompt:
-        """Expands each image token of ``token_ids`` into its image's span."""
+    def assemble(self, token_ids: Sequence[int], images: Sequence[ProcessedImage], cache_salt: str = "") -> Prompt:
+        """Expands each image token of ``token_ids`` into its image's span; ``cache_salt`` must be the one
+        the images were hashed with."""
         expanded, offsets = expand_placeholders(
             token_ids, self.adapter.image_token_id, [image.num_tokens for image in images]
         )
@@ -292,7 +297,7 @@ class Preprocessor:
             )
             for image, offset in zip(images, offsets)
         )
-        return Prompt(token_ids=expanded, images=items)
+        return Prompt(token_ids=expanded, images=items, cache_salt=cache_salt)
 
     def render(self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The chat template applied to ``messages``: one image token per image, generation prompt added;
@@ -301,8 +306,8 @@ class Preprocessor:
             _template_messages(messages), add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
 
-    def completion_prompt(self, prompt: str | Sequence[int]) -> Prompt:
-        """A text prompt or a list of token ids -> text-only ``Prompt``."""
+    def completion_prompt(self, prompt: str | Sequence[int], cache_salt: str = "") -> Prompt:
+        """A text prompt or a list of token ids -> text-only ``Prompt`` under the tenant's ``cache_salt``."""
         if isinstance(prompt, str):
             self.text_limit.check(len(prompt), "prompt")
             with self._tokenizer_lock:
@@ -316,7 +321,7 @@ class Preprocessor:
             raise RequestError("The prompt is empty.", "prompt")
         if self.adapter.image_token_id in token_ids:
             raise PlaceholderMismatchError("Text-only prompts must not contain the image token.", "prompt")
-        return Prompt(token_ids=token_ids)
+        return Prompt(token_ids=token_ids, cache_salt=cache_salt)
 
     def _encode(self, rendered: str) -> list[int]:
         # A template that writes the BOS token itself must not get a second

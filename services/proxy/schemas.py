@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.proxy.cache_isolation import MAX_CACHE_SALT_CHARS
+
 _MAX_TEXT_PARTS = 1024  # per message; bounds work before the body reaches the tokenizer
 
 
@@ -87,6 +89,8 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # token id -> bias; checked in sampling.check_logit_bias
     user: str | None = Field(default=None, max_length=256)  # accepted (OpenAI end-user id), not used
     safety_identifier: str | None = Field(default=None, max_length=256)  # user's successor; accepted, not used
+    # extension (vLLM): only requests with the same salt (and tenant) share cache entries; cache_isolation.py
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -327,9 +327,16 @@ def test_grafana_dashboard_draws_the_planned_metrics():
 
 
 def test_default_grpc_ports_are_outside_the_ephemeral_range(services):
-    """Issue #27, finding 5: the compose stack's gRPC ports lie outside Linux's ephemeral range."""
+    """Security review: the compose stack's gRPC ports lie outside Linux's ephemeral range."""
     grpc_ports = [
         int(flag([str(token) for token in services[name]["command"]], "--port")) for name in ("pd", "encoder")
     ]
     assert grpc_ports == [DEFAULT_PD_PORT, DEFAULT_ENCODER_PORT]
     assert not [port for port in grpc_ports if port in LINUX_EPHEMERAL_PORTS]
+
+
+def test_encoders_push_only_to_the_pds_the_proxy_routes_to(services):
+    encoder = [str(token) for token in services["encoder"]["command"]]
+    proxy = [str(token) for token in services["proxy"]["command"]]
+    allowed = parse_epd_args(encoder).pd_allow.split(",")
+    assert allowed == flag(proxy, "--pd").split(",") and "*" not in allowed

@@ -74,7 +74,7 @@ def test_containers_run_real_cli_commands(docs):
 
 
 def test_proxy_metrics_are_scraped_on_its_metrics_port(docs):
-    """Issue #27, finding 3: Prometheus scrapes the proxy's --metrics-port with the token, not its public port."""
+    """Security review: Prometheus scrapes the proxy's --metrics-port with the token, not its public port."""
     deployment = docs[("Deployment", "proxy")]
     container = _main_container(deployment)
     port = flag(container["args"], "--metrics-port")
@@ -106,7 +106,7 @@ def test_proxy_probes(docs):
 
 
 def test_proxy_liveness_probe_is_http_not_tcp(docs):
-    """Issue #27, finding 4: a TCP probe passes while the proxy's event loop is wedged.
+    """Security review: a TCP probe passes while the proxy's event loop is wedged.
 
     Liveness asks the proxy's own liveness endpoint over HTTP (it must not be
     ``/health``, or a PD outage restarts every proxy).
@@ -273,7 +273,7 @@ def test_every_server_reads_the_internal_token_from_the_secret(docs):
 
 
 def test_default_grpc_ports_are_outside_the_ephemeral_range(docs):
-    """Issue #27, finding 5: every port the manifests name lies outside Linux's ephemeral range."""
+    """Security review: every port the manifests name lies outside Linux's ephemeral range."""
     named = []
     for name in SERVERS:
         container = _main_container(docs[("Deployment", name)])
@@ -288,3 +288,15 @@ def test_default_grpc_ports_are_outside_the_ephemeral_range(docs):
             named += [port["port"] for port in docs[(kind, name)]["spec"]["ports"]]
     assert DEFAULT_ENCODER_PORT in named and DEFAULT_PD_PORT in named
     assert not [port for port in named if port in LINUX_EPHEMERAL_PORTS]
+
+
+def test_encoders_push_only_to_the_pds_the_proxy_routes_to(docs):
+    encoder = _main_container(docs[("Deployment", "encoder")])["args"]
+    proxy = _main_container(docs[("Deployment", "proxy")])["args"]
+    allowed = parse_epd_args(encoder).pd_allow.split(",")
+    assert allowed == flag(proxy, "--pd").split(",") and "*" not in allowed
+    # The name is the PDs' headless Service on their gRPC port: it resolves to the PD pods the proxy sees.
+    host, port = allowed[0].split(":")
+    service = docs[("Service", host)]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"]["app.kubernetes.io/component"] == "pd"
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]]

@@ -62,16 +62,18 @@ class MultiModalItem(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ...) -> None: ...
 
 class PreallocateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "items", "lease_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "items", "lease_ms", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ItemAllocation(_message.Message):
     __slots__ = ("mm_hash", "state", "reservation_id")
@@ -147,16 +149,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "mm_items", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "mm_items", "sampling", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -289,14 +293,16 @@ class EncodeItem(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., reservation_id: _Optional[str] = ..., pixel_values: _Optional[_Union[Tensor, _Mapping]] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ..., image_file: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "pd_address", "items")
+    __slots__ = ("request_id", "pd_address", "items", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pd_address: str
     items: _containers.RepeatedCompositeFieldContainer[EncodeItem]
-    def __init__(self, request_id: _Optional[str] = ..., pd_address: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., pd_address: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EncodeItemResult(_message.Message):
     __slots__ = ("mm_hash", "cache_hit", "encode_ms", "push_ms")

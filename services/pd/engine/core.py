@@ -116,6 +116,7 @@ class EngineCore:
         lease_s: float,
         prompt_token_ids: Sequence[int] = (),
         peer: str = "",
+        cache_salt: str = "",
     ) -> list[Allocation]:
         """Claims every image of a prompt, all or nothing; raises EngineError, changing nothing.
 
@@ -131,7 +132,9 @@ class EngineCore:
         except QueueFull as exc:
             raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many waiting requests", exc.retry_after_s) from None
         now = self._clock()
-        probe = Request(request_id, list(prompt_token_ids), SamplingParams(), mm_spans=list(spans))
+        probe = Request(
+            request_id, list(prompt_token_ids), SamplingParams(), mm_spans=list(spans), cache_salt=cache_salt
+        )
         looked_up = bool(spans and prompt_token_ids)
         prefix = self.kv_cache.claim_cached_prefix(probe) if looked_up else CachedPrefix()
         rest = [s for s in spans if not prefix.covers(s)]

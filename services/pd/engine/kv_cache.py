@@ -11,6 +11,8 @@ placeholder tokens are identical for every image, so the key also carries the
 block and, for models with multimodal RoPE, the image's grid (it decides the
 positions its tokens and every later token rotate by): two different images,
 or one image claimed with two grids, at the same position never share KV.
+The first block's chain starts from the request's cache salt (``""`` for
+none), so two tenants' identical prompts never share a block either.
 
 Freed blocks keep their key and join an LRU free queue, so a later request with
 the same prefix can revive them; a block is evicted from the key map only when
@@ -343,7 +345,9 @@ class KVCacheManager:
                 grid = spans[j].grid  # M-RoPE: the grid decides the image tokens' positions, so their K/V
                 extras.append(f"{spans[j].mm_hash}@{spans[j].offset - start}" + (f"/{grid}" if grid else ""))
                 j += 1
-            keys.append(block_key(keys[-1] if keys else b"", token_slice(request, start, end), extras))
+            # The first block's key is seeded by the tenant's salt (vLLM's cache_salt): the chain carries it on.
+            prev = keys[-1] if keys else request.cache_salt.encode()
+            keys.append(block_key(prev, token_slice(request, start, end), extras))
         return keys
 
 

@@ -64,7 +64,11 @@ class Preallocated:
 
     def matches(self, request: Request) -> bool:
         """Whether ``request`` is the prompt this Preallocate looked up."""
-        return request.prompt_token_ids == self.probe.prompt_token_ids and request.mm_spans == self.probe.mm_spans
+        return (
+            request.prompt_token_ids == self.probe.prompt_token_ids
+            and request.mm_spans == self.probe.mm_spans
+            and request.cache_salt == self.probe.cache_salt  # the block hashes it carries are the salt's
+        )
 
 
 class PreallocatedRequests:

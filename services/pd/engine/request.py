@@ -134,6 +134,9 @@ class Request:
     sampling: SamplingParams
     mm_spans: list[MultiModalSpan] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()  # every id that ends the request (a checkpoint may name several)
+    # The tenant's cache salt ("" = none, else 64 hex characters): it seeds the first block's prefix-cache
+    # key, so tenants never share KV (their images differ already: the salt is in their mm_hash).
+    cache_salt: str = ""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -65,10 +65,13 @@ async def preallocate(pd, request_id: str, mm_hash: str) -> str:
     return reply.items[0].reservation_id
 
 
-async def encode(pd, request_id: str, items: list[tuple[str, str, torch.Tensor]], timeout: float = 10):
+async def encode(
+    pd, request_id: str, items: list[tuple[str, str, torch.Tensor]], timeout: float = 10, cache_salt: str = ""
+):
     request = epd_pb2.EncodeRequest(
         request_id=request_id,
         pd_address=pd.address,
+        cache_salt=cache_salt,
         items=[epd_pb2.EncodeItem(mm_hash=h, reservation_id=r, pixel_values=tensors.to_pb(p)) for h, r, p in items],
     )
     async with grpc_utils.aio_channel(pd.address) as channel:
@@ -113,6 +116,9 @@ def test_invalid_input_and_unknown_reservation(cluster, pd) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             cluster.run(encode(pd, request_id, items))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # a wire salt is a 64-hex digest; not echoed
+        cluster.run(encode(pd, "req-x", [(mm_hash_of("x"), "r", good)], cache_salt="tenant-secret"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant-secret" not in info.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         cluster.run(encode(pd, "req-x", [(mm_hash_of("x"), "no-such-reservation", good)]))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND

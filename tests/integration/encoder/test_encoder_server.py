@@ -282,7 +282,10 @@ def _bad_requests(pd_address: str) -> dict[str, epd_pb2.EncodeRequest]:
     no_hash.items[0].mm_hash = ""
     no_pixels = encode_request(pd_address, 6.0)
     no_pixels.items[0].ClearField("pixel_values")
+    bad_salt = encode_request(pd_address, 6.0)
+    bad_salt.cache_salt = "res-6.0"  # a wire salt is a 64-hex digest; the value is not echoed
     return {
+        "bad_salt": bad_salt,
         "no_items": no_items,
         "no_address": no_address,
         "wrong_shape": wrong_shape,
@@ -294,7 +297,8 @@ def _bad_requests(pd_address: str) -> dict[str, epd_pb2.EncodeRequest]:
 
 
 @pytest.mark.parametrize(
-    "case", ["no_items", "no_address", "wrong_shape", "truncated", "integer_pixels", "no_hash", "no_pixels"]
+    "case",
+    ["no_items", "no_address", "wrong_shape", "truncated", "integer_pixels", "no_hash", "no_pixels", "bad_salt"],
 )
 async def test_bad_input_is_invalid_argument_without_echo(cluster: Cluster, case: str) -> None:
     request = _bad_requests(cluster.pd_address)[case]
@@ -504,7 +508,7 @@ def _file_request(pd_address: str, num_bytes: int) -> epd_pb2.EncodeRequest:
 
 
 async def test_encoder_limits_an_encode_over_the_message_bound_is_refused_unparsed(cluster: Cluster) -> None:
-    """Issue #27, finding 2: the encoder took 64 MiB messages to Encode."""
+    """Security review: the encoder took 64 MiB messages to Encode."""
     default = EncoderConfig().max_message_bytes
     assert ProxyConfig().max_body_bytes < default < grpc_utils.MAX_MESSAGE_BYTES
     parsed: list[int] = []
@@ -531,7 +535,7 @@ async def test_encoder_limits_an_encode_over_the_message_bound_is_refused_unpars
 
 
 async def test_encoder_limits_image_files_are_decoded_off_the_event_loop(cluster: Cluster) -> None:
-    """Issue #27, finding 2: decoding and checking an image file must not run on the event loop."""
+    """Security review: decoding and checking an image file must not run on the event loop."""
     loop_thread = threading.get_ident()
     threads: list[int] = []
 

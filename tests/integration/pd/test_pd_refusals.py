@@ -105,6 +105,23 @@ def test_preallocate_and_generate_refuse_too_many_items(stub, adapter, pd_cluste
     assert _stats(pd_cluster).num_reservations == 0
 
 
+def test_preallocate_and_generate_refuse_a_malformed_cache_salt_without_echoing_it(stub, adapter, pd_cluster):
+    prompt, items = _image_request(adapter, "4" * 64)
+    salt = "tenant-secret"  # the wire carries a 64-hex digest, never a client's own salt
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Preallocate(
+            epd_pb2.PreallocateRequest(
+                request_id=new_request_id(), prompt_token_ids=prompt, items=items, cache_salt=salt
+            )
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and salt not in refused.value.details()
+    generate = epd_pb2.GenerateRequest(
+        request_id=new_request_id(), prompt_token_ids=[5, 6], sampling=greedy(2), cache_salt=salt
+    )
+    assert _code(lambda: run_generate(stub, generate)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _stats(pd_cluster).num_reservations == 0
+
+
 def test_a_message_bigger_than_any_legitimate_one_is_refused_by_the_transport(stub, pd_cluster):
     max_model_len = pd_cluster.pds[0].servicer.max_model_len
     huge = epd_pb2.GenerateRequest(request_id=new_request_id(), prompt_token_ids=[1] * (8 * max_model_len + 3_000_000))

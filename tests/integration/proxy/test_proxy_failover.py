@@ -187,6 +187,20 @@ async def test_bad_input_at_the_encoder_is_not_retried(cluster_factory):
     assert sum(len(e.encodes) for e in cluster.encoders) == 1
 
 
+async def test_a_pd_off_the_encoders_allow_list_is_a_500_without_retry_or_breaker_charge(cluster_factory):
+    # Encoders are configured alike, so another would refuse too; the breakers stay closed: the
+    # encoder serves every PD it may push to.
+    cluster = await cluster_factory(num_encoders=2)
+    for encoder in cluster.encoders:
+        encoder.failure = Failure(S.PERMISSION_DENIED)
+    for _ in range(cluster.app.state.proxy.config.breaker_failures):
+        reply = await post(cluster, {"messages": [image_message(png_data_url())]})
+        assert reply.status_code == 500 and reply.json()["error"]["code"] == "internal_error"
+    assert sum(len(e.encodes) for e in cluster.encoders) == cluster.app.state.proxy.config.breaker_failures
+    assert all(instance(cluster, e.address).breaker.state is BreakerState.CLOSED for e in cluster.encoders)
+    assert cluster.pd.aborts
+
+
 async def test_encoder_cache_hits_are_reported(cluster_factory):
     cluster = await cluster_factory()
     url = png_data_url((1, 2, 3))
@@ -296,7 +310,7 @@ async def test_with_an_api_key_health_and_metrics_name_no_backend_to_strangers(c
 
 
 async def test_internal_token_does_not_open_the_public_ports_metrics(cluster_factory):
-    """Issue #27, finding 3: the internal token (for calls between services) opened the public /metrics."""
+    """Security review: the internal token (for calls between services) opened the public /metrics."""
     token = "internal-token-0123456789"
     bearer = {"Authorization": f"Bearer {token}"}
     cluster = await cluster_factory(security=InternalSecurity(token=token, metrics_auth=True))
@@ -310,7 +324,7 @@ async def test_internal_token_does_not_open_the_public_ports_metrics(cluster_fac
 
 
 async def test_the_scrape_port_takes_the_internal_token_and_the_public_port_has_no_metrics(cluster_factory):
-    """Issue #27, finding 3: ``--metrics-port`` is the documented way to scrape with the internal token."""
+    """Security review: ``--metrics-port`` is the documented way to scrape with the internal token."""
     token = "internal-token-0123456789"
     cluster = await cluster_factory(security=InternalSecurity(token=token, metrics_auth=True), metrics_port=0)
     assert (await post(cluster)).status_code == 200

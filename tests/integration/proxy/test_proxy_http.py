@@ -132,7 +132,7 @@ async def test_models_health_and_metrics(cluster_factory):
 
 
 async def test_proxy_liveness_probe_answers_through_a_backend_outage(cluster_factory):
-    """Issue #27, finding 4: ``/health/live`` (the Kubernetes liveness probe) ignores the backends."""
+    """Security review: ``/health/live`` (the Kubernetes liveness probe) ignores the backends."""
     cluster = await cluster_factory(api_key="k-123")
     await cluster.servers[0].set_ready(False)  # the only PD drains: readiness fails
     await wait_until_async(lambda: cluster.client.get("/health"), lambda r: r.status_code == 503)

@@ -62,10 +62,10 @@ async def test_text_requests_are_served_while_every_image_thread_is_busy(cluster
     gate, busy = threading.Event(), threading.Event()
     real = preprocessor.chat_images
 
-    def held(sources):
+    def held(sources, *rest):
         busy.set()
         assert gate.wait(30), "test gate never opened"
-        return real(sources)
+        return real(sources, *rest)
 
     preprocessor.chat_images = held
     try:
@@ -93,9 +93,9 @@ async def test_a_full_image_queue_is_a_clean_503_and_frees_up(cluster_factory):
     gate = threading.Event()
     real = state.preprocessor.chat_images
 
-    def held(sources):
+    def held(sources, *rest):
         assert gate.wait(30), "test gate never opened"
-        return real(sources)
+        return real(sources, *rest)
 
     state.preprocessor.chat_images = held
     body = {"messages": [image_message(png_data_url())], "max_tokens": 2}

@@ -120,3 +120,21 @@ def test_an_image_file_under_another_images_hash_is_refused(qwen):
     forged = _item(grid, _hash(adapter, other, grid), image_file=data)
     with pytest.raises(ValueError, match="item 0: mm_hash is not the hash of the image"):
         item_pixels(forged, 0, adapter.pixel_layout(), process_file)
+
+
+def test_an_image_file_is_checked_against_its_hash_under_the_requests_cache_salt(qwen):
+    """The cross-user side channel (issue #27): a tenant's images are hashed with its salt, and the
+    encoder, which hashes the file again, must hash it under the same salt or refuse the item."""
+    adapter, _, process_file = qwen
+    image = make_image(12, (64, 48))
+    grid = adapter.image_shape(image.height, image.width).patch_grid
+    salt, other = "a" * 64, "b" * 64
+    salted = mm_hash(image, hash_settings(adapter.processor_settings(), grid), adapter.model_id, salt)
+    item = _item(grid, salted, image_file=_file(image))
+    assert item_pixels(item, 0, adapter.pixel_layout(), process_file, salt)[1] == grid
+    for wrong in ("", other):  # the salted hash under no salt, or under another tenant's salt
+        with pytest.raises(ValueError, match="item 0: mm_hash is not the hash of the image under the request"):
+            item_pixels(item, 0, adapter.pixel_layout(), process_file, wrong)
+    unsalted = _item(grid, _hash(adapter, image, grid), image_file=_file(image))
+    with pytest.raises(ValueError, match="not the hash of the image"):
+        item_pixels(unsalted, 0, adapter.pixel_layout(), process_file, salt)

@@ -2,9 +2,10 @@
 
 import io
 
+import pytest
 from PIL import Image
 
-from services.common.hashing import mm_hash
+from services.common.hashing import check_cache_salt, mm_hash
 
 SETTINGS = {"size": {"shortest_edge": 32}, "image_mean": [0.5, 0.5, 0.5]}
 
@@ -100,3 +101,22 @@ def test_hashing_a_large_image_holds_no_full_copy_of_its_pixels():
     finally:
         tracemalloc.stop()
     assert peak < 3 * 2**20
+
+
+def test_a_cache_salt_gives_each_tenant_its_own_hash_and_no_salt_keeps_the_shared_one():
+    img = _image()
+    shared = mm_hash(img, SETTINGS, "m")
+    a, b = mm_hash(img, SETTINGS, "m", "a" * 64), mm_hash(img, SETTINGS, "m", "b" * 64)
+    assert len({shared, a, b}) == 3
+    assert a == mm_hash(_reencode(img, "PNG"), SETTINGS, "m", "a" * 64)
+    assert mm_hash(img, SETTINGS, "m", "") == shared
+
+
+def test_a_malformed_cache_salt_is_refused_without_being_named():
+    assert check_cache_salt("") == "" and check_cache_salt("0" * 64) == "0" * 64
+    for bad in ("A" * 64, "0" * 63, "0" * 65, "secret-salt"):
+        with pytest.raises(ValueError) as refused:
+            check_cache_salt(bad)
+        assert bad not in str(refused.value)
+        with pytest.raises(ValueError):
+            mm_hash(_image(), SETTINGS, "m", bad)

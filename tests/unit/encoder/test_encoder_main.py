@@ -52,3 +52,11 @@ def test_config_validation() -> None:
         EncoderConfig(max_pending=0)
     with pytest.raises(ValueError):
         EncoderConfig(max_wait_ms=-1)
+
+
+def test_pd_allow_builds_the_allow_list_and_a_bad_entry_exits_with_2() -> None:
+    config = main.config_from_args(parse(["--pd-allow", "pd-0:50061, 10.0.0.7:50061,[::1]:7"]))
+    assert config.pd_allow.entries == (("pd-0", 50061), ("10.0.0.7", 50061), ("::1", 7))
+    assert main.config_from_args(parse(["--pd-allow", "*"])).pd_allow.any
+    for bad in ("pd-0", "pd-0:0", "::1:7", "*,pd-0:1"):
+        assert main.run(parse(["--pd-allow", bad])) == 2

@@ -101,7 +101,7 @@ def _host_ephemeral_ports() -> range:
 
 
 def test_default_grpc_ports_are_outside_the_ephemeral_range(monkeypatch):
-    """Issue #27, finding 5: the gRPC defaults (50051, 50061) sat in Linux's ephemeral range."""
+    """Security review: the gRPC defaults (50051, 50061) sat in Linux's ephemeral range."""
     for name in ("EPD_PORT", "EPD_PD", "EPD_ENCODER", "EPD_ENCODER_BASE_PORT", "EPD_PD_BASE_PORT"):
         monkeypatch.delenv(name, raising=False)
     defaults = []
@@ -121,3 +121,16 @@ def test_default_grpc_ports_are_outside_the_ephemeral_range(monkeypatch):
         assert port not in ports.LINUX_EPHEMERAL_PORTS and port not in _host_ephemeral_ports(), port
         assert port not in range(30000, 32768), port  # Kubernetes NodePorts
     assert len(set(cluster)) == len(cluster)
+
+
+def test_encoders_may_push_only_to_this_clusters_pds(clean_env):
+    specs = launcher.service_specs(
+        _args(["--host", "10.0.0.5", "--encoders", "2", "--pds", "2", "--pd-base-port", "600"])
+    )
+    pds = [spec.address for spec in specs if spec.kind == "pd"]
+    assert pds == ["10.0.0.5:600", "10.0.0.5:601"]
+    encoders = [list(spec.argv) for spec in specs if spec.kind == "encoder"]
+    assert len(encoders) == 2
+    for argv in encoders:
+        assert argv[argv.index("--pd-allow") + 1] == ",".join(pds)
+    assert not any("--pd-allow" in spec.argv for spec in specs if spec.kind != "encoder")

@@ -39,3 +39,19 @@ def test_encoder_limits_a_colocated_pd_takes_encodes_of_the_encoders_bound_not_6
     colocated = max_receive_bytes(PdConfig(model="m", encoder="local"), max_model_len=4096)
     assert colocated == EncoderConfig().max_message_bytes < grpc_utils.MAX_MESSAGE_BYTES
     assert max_receive_bytes(PdConfig(model="m"), max_model_len=4096) < colocated
+
+
+@pytest.mark.parametrize("cache_salt", ["secret", "A" * 64, "0" * 63, "0" * 65, "g" * 64])
+def test_a_malformed_cache_salt_is_refused_without_being_echoed(cache_salt):
+    message = epd_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], cache_salt=cache_salt)
+    with pytest.raises(EngineError) as raised:
+        convert.request_from_pb(message, eos_token_ids=(0,), vocab_size=16, max_model_len=64)
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT and "cache_salt" in raised.value.message
+    assert cache_salt not in raised.value.message
+
+
+def test_a_well_formed_cache_salt_reaches_the_request():
+    message = epd_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], cache_salt="0f" * 32)
+    assert convert.request_from_pb(message, eos_token_ids=(0,), vocab_size=16, max_model_len=64).cache_salt == "0f" * 32
+    message.cache_salt = ""
+    assert convert.request_from_pb(message, eos_token_ids=(0,), vocab_size=16, max_model_len=64).cache_salt == ""

@@ -206,3 +206,15 @@ def test_per_client_limits_are_off_by_default_and_read_flags_and_the_environment
     for bad in (["--max-requests-per-client", "-1"], ["--max-tokens-per-client-per-minute", "-5"]):
         assert run(parse([*bad, "--log-level", "error"])) == 2
     assert "max_requests_per_client" in capsys.readouterr().out
+
+
+def test_cache_isolation_is_shared_unless_asked_and_only_known_modes_parse(monkeypatch, capsys):
+    from services.proxy.cache_isolation import CacheIsolation
+
+    monkeypatch.delenv("EPD_CACHE_ISOLATION", raising=False)
+    assert config_from_args(parse([])).cache_isolation is CacheIsolation.SHARED
+    assert config_from_args(parse(["--cache-isolation", "per-client"])).cache_isolation is CacheIsolation.PER_CLIENT
+    monkeypatch.setenv("EPD_CACHE_ISOLATION", "per-client")
+    assert config_from_args(parse([])).cache_isolation is CacheIsolation.PER_CLIENT
+    with pytest.raises(SystemExit):
+        parse(["--cache-isolation", "per-tenant"])

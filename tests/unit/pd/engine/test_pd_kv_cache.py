@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.pd.engine.kv_cache import KVCacheManager
+from services.pd.engine.preallocated import Preallocated
 from services.pd.engine.request import MultiModalSpan, Request, SamplingParams
 
 BS = 4
@@ -310,3 +311,33 @@ def test_kept_room_is_used_by_others_under_pressure():
     kv.check_integrity([a, b])
     kv.free(a)
     kv.free(b)
+
+
+def test_a_cache_salt_seeds_the_first_block_so_tenants_never_share_kv(kv):
+    """Security review (issue #27), the cross-user side channel: prefix-cache hits told a client what
+    another had sent. Block keys start from the tenant's salt, as vLLM's cache_salt does."""
+    tenant_a, tenant_b = "a" * 64, "b" * 64
+    a = Request("a", list(range(13)), SamplingParams(), cache_salt=tenant_a)
+    compute_all(kv, a)
+    a_blocks = list(a.block_ids)
+    kv.free(a)
+    for other in (Request("b", list(range(13)), SamplingParams(), cache_salt=tenant_b), make_request("c", range(13))):
+        assert kv.get_computed_blocks(other) == ([], 0)
+    again = Request("a2", list(range(13)), SamplingParams(), cache_salt=tenant_a)
+    assert kv.get_computed_blocks(again) == (a_blocks[:3], 12)
+    # The salt changes the first key, and the chain carries it to every later one.
+    assert set(again.block_hashes).isdisjoint(_keys(kv, 13))
+
+
+def _keys(kv: KVCacheManager, num_tokens: int) -> list[bytes]:
+    request = make_request("keys", range(num_tokens))
+    kv.get_computed_blocks(request)
+    return request.block_hashes
+
+
+def test_a_generate_under_another_salt_does_not_take_over_its_preallocates_block_keys():
+    probe = Request("r", list(range(13)), SamplingParams(), cache_salt="a" * 64)
+    preallocated = Preallocated(probe, deadline=1.0, covers_images=False)
+    assert preallocated.matches(Request("r", list(range(13)), SamplingParams(), cache_salt="a" * 64))
+    assert not preallocated.matches(Request("r", list(range(13)), SamplingParams(), cache_salt="b" * 64))
+    assert not preallocated.matches(make_request("r", range(13)))

@@ -1,6 +1,6 @@
 """Metric scrapes and GetLoad reads against a stuck engine thread: they share one queued read.
 
-Issue #27, finding 1: each scrape queued its own stats command, which stayed
+Security review: each scrape queued its own stats command, which stayed
 queued after the scrape's 2 s timeout, so a stuck engine collected one per
 scrape and ran them all when it woke.
 """
