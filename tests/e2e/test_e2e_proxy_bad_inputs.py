@@ -100,8 +100,8 @@ CASES = [
         "invalid_request",
     ),
     (
-        "guided_json_not_compilable",
-        {"json": chat(SECRET, guided_json={"type": "object", "$ref": f"#/definitions/{SECRET}"})},
+        "guided_json_unknown_type",
+        {"json": chat(SECRET, guided_json={"type": SECRET})},
         400,
         "invalid_request",
     ),
