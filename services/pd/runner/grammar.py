@@ -9,8 +9,8 @@ proxy.
 
 - ``GrammarCompiler`` turns a ``StructuredOutputSpec`` into a compiled
   grammar, with an LRU cache keyed by the spec, on its own worker thread
-  (``submit``), so a slow schema delays only its own request, never the
-  engine thread. The tokenizer info covers the LM head's rows: a head wider
+  (``submit``), so a slow schema delays the constrained requests behind it,
+  never the engine thread and the streams it runs. The tokenizer info covers the LM head's rows: a head wider
   than the tokenizer (``vocab_size``) gets its extra rows masked out.
 - ``GrammarMatcher`` is one request's position in its grammar. It implements
   the engine's ``Grammar`` protocol (``accept``, ``is_terminated``) and fills
