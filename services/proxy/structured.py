@@ -46,9 +46,10 @@ def structured_output(body: _SamplingFields) -> epd_pb2.StructuredOutput | None:
 def _given(body: _SamplingFields) -> list[tuple[str, Any]]:
     """``(param, builder)`` of every constraint field that is set, in a fixed order."""
     given: list[tuple[str, Any]] = []
-    response_format = body.response_format if isinstance(body, ChatCompletionRequest) else None
-    if response_format is not None and (response_format.type != "text" or response_format.json_schema is not None):
-        given.append(("response_format", lambda param: _response_format(body)))
+    if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
+        chat, response_format = body, body.response_format
+        if response_format.type != "text" or response_format.json_schema is not None:
+            given.append(("response_format", lambda param: _response_format(chat)))
     if body.structured_outputs is not None:
         outputs = body.structured_outputs
         given.append(("structured_outputs", lambda param: _structured_outputs(outputs)))
@@ -128,7 +129,7 @@ def _text(kind: str, value: str | None, param: str) -> epd_pb2.StructuredOutput:
     if not value:
         raise RequestError(f"The {kind} must not be empty.", param)
     _check_size(value, param)
-    return epd_pb2.StructuredOutput(**{kind: value})
+    return epd_pb2.StructuredOutput(regex=value) if kind == "regex" else epd_pb2.StructuredOutput(grammar=value)
 
 
 def _choice(choices: list[str] | None, param: str) -> epd_pb2.StructuredOutput:
