@@ -70,14 +70,12 @@ class TokenHistory(NamedTuple):
     output_token_ids: Sequence[int]
 
 
-STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-
-
 @dataclass(frozen=True)
 class StructuredOutputSpec:
     """What a constrained request's output must match (domain form of ``epd.v1.StructuredOutput``).
 
-    ``kind`` is one of ``STRUCTURED_OUTPUT_KINDS``; ``value`` is the schema
+    ``kind`` names the constraint as the wire's oneof does (``json_schema``,
+    ``json_object``, ``regex``, ``choice``, ``grammar``); ``value`` is the schema
     (serialized JSON), the regex, the EBNF grammar, or the choices as a JSON
     list ("" for ``json_object``). Hashable: compiled grammars are cached by it.
     """

@@ -15,11 +15,11 @@ Masked tokens (a request's stop tokens before its ``min_tokens``, see
 ``Request.masked_token_ids``) get ``-inf`` logits first, for all rows in one
 scatter, as transformers' ``MinNewTokensLengthLogitsProcessor`` does; the
 ``logit_bias`` entries of all rows are added in one more. Then the rows with
-a penalty (those with a ``TokenHistory``) are penalised, all
-at once (``penalties.py``), and last the rows with a grammar lose the tokens
-it forbids, in one bitmask kernel (``grammar.py``). All four change greedy
-rows too; each is skipped outright in a step where no row asks for them. The logprobs still come from
-the unmodified logits, as vLLM's do by default.
+a penalty (those with a ``TokenHistory``) are penalised, all at once
+(``penalties.py``), and last the rows with a grammar lose the tokens it
+forbids, in one bitmask kernel (``grammar.py``). All four change greedy rows
+too; each is skipped outright in a step where no row asks for them. The
+logprobs still come from the unmodified logits, as vLLM's do by default.
 
 Host to device: each step's per-row settings go up in one copy per dtype,
 from page-locked memory on CUDA and without blocking (``to_device``); the only
