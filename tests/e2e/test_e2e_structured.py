@@ -78,7 +78,8 @@ def _send(client: openai.OpenAI, index: int, schema: dict) -> tuple[str, str]:
     (text, finish_reason)."""
     spelling = SPELLINGS[index % len(SPELLINGS)]
     stream = index % 3 == 0
-    sampling = {"temperature": 0.0} if index % 2 == 0 else {"temperature": 1.0, "seed": index}
+    greedy = (index + index // 4) % 2 == 0  # each spelling greedy and sampled
+    sampling = {"temperature": 0.0} if greedy else {"temperature": 1.0, "seed": index}
     text = f"Reply in JSON, request {index}."
     if spelling == "completions":
         body = {"guided_json": schema} if index % 8 < 4 else {"structured_outputs": {"json": json.dumps(schema)}}
@@ -86,7 +87,7 @@ def _send(client: openai.OpenAI, index: int, schema: dict) -> tuple[str, str]:
             model="tiny", prompt=text, max_tokens=MAX_TOKENS, stream=stream, extra_body=body, **sampling
         )
         return _collect(reply, stream, lambda choice: choice.text)
-    images = [make_image(index)] if index % 4 in (0, 1) else []
+    images = [make_image(index)] if (index // 4) % 2 == 0 else []  # each chat spelling with and without
     kwargs: dict = {}
     if spelling == "structured_outputs":
         kwargs["extra_body"] = {"structured_outputs": {"json": schema}}
