@@ -6,6 +6,7 @@ engine only ever sees well-formed requests. Messages never echo input.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,14 @@ from services.common.pb import epd_pb2
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.outputs import Allocation, Finished, TokenDelta
-from services.pd.engine.request import MultiModalSpan, Request, RequestStatus, SamplingParams, rope_plan
+from services.pd.engine.request import (
+    MultiModalSpan,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    StructuredOutputSpec,
+    rope_plan,
+)
 
 STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -46,6 +54,8 @@ MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; past this a seen token is 
 MAX_PRESENCE_PENALTY = 2.0  # presence and frequency: OpenAI's [-2, 2]
 MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI's API
 MAX_LOGIT_BIAS = 100.0
+MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema, regex or grammar (the proxy's bound too): compile work stays small
+MAX_CHOICES = 256
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII: ids end up in logs and metadata
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -145,6 +155,10 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
         raise _invalid(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
     if params.max_tokens and params.min_tokens > params.max_tokens:
         raise _invalid("min_tokens must not exceed max_tokens")
+    structured_output = structured_output_from_pb(params)
+    if structured_output is not None and params.min_tokens:
+        # Once the grammar is complete only a stop token is allowed, which min_tokens forbids.
+        raise _invalid("min_tokens cannot be combined with a structured output")
     repetition_penalty, presence_penalty, frequency_penalty = _penalties(params)
     max_tokens = min(params.max_tokens or max_tokens_cap, max_tokens_cap)
     return SamplingParams(
@@ -168,7 +182,32 @@ def sampling_from_pb(params: epd_pb2.SamplingParams, max_tokens_cap: int) -> Sam
             params.spaces_between_special_tokens if params.HasField("spaces_between_special_tokens") else True
         ),
         include_stop_str_in_output=params.include_stop_str_in_output,
+        structured_output=structured_output,
     )
+
+
+def structured_output_from_pb(params: epd_pb2.SamplingParams) -> StructuredOutputSpec | None:
+    """The constraint of ``params`` (None when unset), bounded; whether it compiles is the compiler's to say."""
+    if not params.HasField("structured_output"):
+        return None
+    constraint = params.structured_output
+    kind = constraint.WhichOneof("constraint")
+    if kind is None:
+        raise _invalid("structured_output names no constraint")
+    if kind == "json_object":
+        if not constraint.json_object:
+            raise _invalid("structured_output.json_object must be true")
+        return StructuredOutputSpec("json_object")
+    if kind == "choice":
+        choices = list(constraint.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise _invalid(f"structured_output.choice must have 1..{MAX_CHOICES} strings")
+        value = json.dumps(choices)
+    else:
+        value = getattr(constraint, kind)
+    if len(value.encode()) > MAX_CONSTRAINT_BYTES:
+        raise _invalid(f"structured_output is larger than {MAX_CONSTRAINT_BYTES} bytes")
+    return StructuredOutputSpec(kind, value)
 
 
 def _penalties(params: epd_pb2.SamplingParams) -> tuple[float, float, float]:

@@ -32,6 +32,7 @@ from services.pd.engine.scheduler import Scheduler, SchedulerConfig
 from services.pd.engine.step_budget import BudgetConfig, StepBudget
 from services.pd.metrics import PdMetrics
 from services.pd.runner.decode_graphs import StaticDecodeConfig
+from services.pd.runner.grammar import GrammarCompiler
 from services.pd.runner.kv_sizing import CudaMemoryReader, size_kv_cache
 from services.pd.runner.model_runner import ModelRunner
 from services.pd.servicer import PrefillDecodeServicer
@@ -221,6 +222,10 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         "linear_backend": runner.linear_backend,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        # Structured outputs: constraints compiled for this tokenizer and LM head (runner/grammar.py).
+        "grammars": GrammarCompiler(
+            tokenizer, vocab_size=int(model.config.vocab_size), stop_token_ids=adapter.eos_token_ids
+        ),
     }
     return engine, facts
 
@@ -272,6 +277,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         vocab_size=facts["vocab_size"],
         max_model_len=facts["max_model_len"],
         uses_grids=facts["uses_mrope"],
+        grammars=facts["grammars"],
     )
 
     def register(grpc_server) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -15,8 +16,9 @@ from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.outputs import Failed, Finished, TokenDelta
-from services.pd.engine.request import RequestStatus
+from services.pd.engine.request import Request, RequestStatus
 from services.pd.push_intake import PushIntake
+from services.pd.runner.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +64,13 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         vocab_size: int,
         max_model_len: int,
         uses_grids: bool | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         """``uses_grids``: the model's multimodal RoPE needs every image item's grid (True), takes
-        none (False); None accepts either (servers without a model, such as the transfer bench)."""
+        none (False); None accepts either (servers without a model, such as the transfer bench).
+        ``grammars`` compiles structured-output constraints; None refuses them (FAILED_PRECONDITION)."""
         self.engine = engine
+        self.grammars = grammars
         self.uses_grids = uses_grids
         self.config = config
         self.eos_token_ids = eos_token_ids
@@ -142,6 +147,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                     max_items=self.config.max_items_per_request,
                     uses_grids=self.uses_grids,
                 )
+                await self._attach_grammar(engine_request)
                 events = await self.engine.add_request(engine_request)
             except EngineError as error:
                 await abort_with(context, error, line)
@@ -170,6 +176,19 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 # Client gone, deadline hit or server stopping: free everything.
                 if not done:
                     self.engine.abort(engine_request.request_id)
+
+    async def _attach_grammar(self, request: Request) -> None:
+        """Gives a constrained request its matcher, compiled on the compile thread (the engine thread
+        never waits for a schema); INVALID_ARGUMENT for a constraint that does not compile."""
+        spec = request.sampling.structured_output
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise EngineError(ErrorKind.FAILED_PRECONDITION, "this server does not serve structured outputs")
+        try:
+            request.grammar = await asyncio.wrap_future(self.grammars.submit(spec))
+        except GrammarError as error:
+            raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
 
     async def PushEmbedding(self, request_iterator, context):
         with AccessLine(log, "push", level=logging.DEBUG, request_id=request_id_of(context)) as line:

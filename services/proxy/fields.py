@@ -11,7 +11,7 @@ vLLM-compatible ``EXTENSIONS``). A field it does not declare is one of:
   the names in ``X-EPD-Ignored-Fields`` and in one log line.
 
 The same holds inside nested objects (messages, content parts, image_url,
-stream_options, response_format). Names come back to the client only when
+stream_options, response_format and its json_schema, structured_outputs). Names come back to the client only when
 they are plain identifiers; a value never does.
 """
 
@@ -39,6 +39,10 @@ EXTENSIONS = (
     "include_stop_str_in_output",
     "chat_template_kwargs",
     "cache_salt",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
 )
 """vLLM-compatible request fields beyond OpenAI's, all honoured (README: "Request fields")."""
 

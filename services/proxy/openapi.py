@@ -19,6 +19,7 @@ from services.proxy.config import ProxyConfig
 from services.proxy.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS
 from services.proxy.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
+from services.proxy.structured import MAX_CHOICES
 
 _REF = "#/components/schemas/{model}"
 
@@ -160,13 +161,10 @@ def _limits(config: ProxyConfig) -> dict[str, dict[str, Any]]:
         ),
         "tools": _nullable({"type": "array", "maxItems": 0}),
         "tool_choice": _nullable({"const": "none"}),
-        "response_format": _nullable(
-            {
-                "type": "object",
-                "required": ["type"],
-                "properties": {"type": {"const": "text"}},
-                "additionalProperties": False,
-            }
+        # Structured outputs: the bounds structured.py checks (PD judges whether a constraint compiles).
+        "guided_regex": _nullable({"type": "string", "minLength": 1}),
+        "guided_choice": _nullable(
+            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_CHOICES}
         ),
         "echo": {"const": False},
         "suffix": _nullable({"const": ""}),

@@ -8,6 +8,7 @@ from typing import Any
 from services.common.pb import epd_pb2
 from services.proxy.errors import PromptTooLongError, RequestError, UnsupportedFeatureError
 from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.proxy.structured import structured_output
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -26,14 +27,11 @@ def check_supported(body: _SamplingFields, max_n: int = 1) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.tool_choice not in (None, "none"):
             raise UnsupportedFeatureError("Tool calling is not supported.", "tools")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise UnsupportedFeatureError("Only the text response format is supported.", "response_format")
-        if body.response_format is not None and body.response_format.json_schema is not None:
-            raise RequestError("json_schema belongs to the json_schema response format.", "response_format.json_schema")
         for index, message in enumerate(body.messages):
             if message.content is None and message.role != "assistant":
                 raise RequestError("Message content is required.", f"messages[{index}].content")
         check_chat_template_kwargs(body.chat_template_kwargs)
+    structured_output(body)  # refused before any work (sampling_params builds it again, cheaply)
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise UnsupportedFeatureError("suffix is not supported.", "suffix")
@@ -228,4 +226,7 @@ def sampling_params(body: _SamplingFields, max_tokens: int) -> epd_pb2.SamplingP
     logprobs = requested_logprobs(body)
     if logprobs is not None:
         params.logprobs = logprobs
+    constraint = structured_output(body)
+    if constraint is not None:
+        params.structured_output.CopyFrom(constraint)
     return params

@@ -54,11 +54,31 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema`` (OpenAI's). ``strict`` is accepted either way: the output always
+    follows the schema (the grammar library's strict mode: no properties beyond those declared)."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
-    """Only ``text`` is served; the JSON formats are refused (``sampling.check_supported``)."""
+    """``text``, ``json_object`` or ``json_schema`` (with ``json_schema``); checked in ``structured.py``."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of its constraints (checked in ``structured.py``)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Body):
@@ -91,6 +111,11 @@ class _SamplingFields(_Body):
     safety_identifier: str | None = Field(default=None, max_length=256)  # user's successor; accepted, not used
     # extension (vLLM): only requests with the same salt (and tenant) share cache entries; cache_isolation.py
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # extensions (vLLM): constrained decoding, one constraint per request (structured.py)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -124,11 +149,20 @@ class CompletionRequest(_SamplingFields):
 def _field_names(*models: type[BaseModel]) -> frozenset[str]:
     names: set[str] = set()
     for model in models:
-        names.update(model.model_fields)
+        names.update(field.alias or name for name, field in model.model_fields.items())
     return frozenset(names)
 
 
 FIELD_NAMES = _field_names(
-    ImageUrl, TextPart, ImagePart, ChatMessage, StreamOptions, ResponseFormat, ChatCompletionRequest, CompletionRequest
+    ImageUrl,
+    TextPart,
+    ImagePart,
+    ChatMessage,
+    StreamOptions,
+    JsonSchemaFormat,
+    ResponseFormat,
+    StructuredOutputs,
+    ChatCompletionRequest,
+    CompletionRequest,
 )
 """Every field name of the request schemas: the only strings an error location may repeat."""

@@ -1,4 +1,4 @@
-"""Security review (issue #27), the cross-user side channel: per-tenant cache salts.
+"""Security review, the cross-user side channel: per-tenant cache salts.
 
 Caches keyed by content alone answered a repeated image or prompt faster,
 whoever had sent it first. Under ``--cache-isolation per-client`` two

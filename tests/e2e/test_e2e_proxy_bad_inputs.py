@@ -94,10 +94,16 @@ CASES = [
     ("user_too_long", {"json": chat(SECRET, user=SECRET * 100)}, 400, "invalid_request"),
     ("logit_bias_not_an_id", {"json": chat(SECRET, logit_bias={SECRET: 5})}, 400, "invalid_request"),
     (
-        "response_format_json",
-        {"json": chat(SECRET, response_format={"type": "json_object"})},
+        "response_format_json_schema_without_schema",
+        {"json": chat(SECRET, response_format={"type": "json_schema", "json_schema": {"name": SECRET}})},
         400,
-        "unsupported_parameter",
+        "invalid_request",
+    ),
+    (
+        "guided_json_unknown_type",
+        {"json": chat(SECRET, guided_json={"type": SECRET})},
+        400,
+        "invalid_request",
     ),
     (
         "tools_unsupported",

@@ -12,6 +12,11 @@ process:
 - ``engine_torch_linear``: the same, with PyTorch's own (MKL) linear layers
   instead of oneDNN's (``--linear-backend torch``): what the engine gains
   without the faster matmul.
+- ``engine_structured`` (only with ``--structured-share``): the engine with
+  that share of the requests constrained by a JSON schema (``runner.py``:
+  integers, enums, an array, then a string long enough that no constrained
+  request ends before ``--output-len``), so every request still generates
+  exactly ``--output-len`` tokens and the two rows compare like for like.
 - ``generate_batch``: ``transformers`` continuous batching
   (``model.generate_batch``) with HF's own paged cache.
 - ``generate``: ``model.generate()`` one request after another.
@@ -43,7 +48,9 @@ from typing import Any
 
 from services.bench.engine.runner import EngineRunner, Result, Workload
 
-SYSTEMS = ("engine", "engine_torch_linear", "generate_batch", "generate", "static")
+ENGINE_SYSTEMS = ("engine", "engine_torch_linear", "engine_structured")
+HF_SYSTEMS = ("generate_batch", "generate", "static")
+SYSTEMS = ENGINE_SYSTEMS + HF_SYSTEMS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="small run: 8 requests, 16-64 token prompts, 16 output tokens, 256-token TTFT prompt",
     )
+    parser.add_argument(
+        "--structured-share",
+        type=float,
+        default=0.0,
+        help="also measure engine_structured: this share of the requests (0-1) under a JSON schema (default: 0, off)",
+    )
     parser.add_argument("--json", default="", help="also write the results as JSON to this path")
 
 
@@ -105,6 +118,8 @@ def _settings(args: argparse.Namespace) -> argparse.Namespace:
         )
     if not 0 < args.min_prompt <= args.max_prompt or args.num_requests <= 0 or args.output_len <= 0:
         raise SystemExit("need 0 < --min-prompt <= --max-prompt, --num-requests > 0 and --output-len > 0")
+    if not 0.0 <= args.structured_share <= 1.0:
+        raise SystemExit("need 0 <= --structured-share <= 1")
     return args
 
 
@@ -140,6 +155,12 @@ def format_report(results: dict[str, Result], ttft: list[dict[str, Any]], notes:
             f"{result.tokens_per_s:.1f} | {speedup} | {match} |"
         )
     lines.append("")
+    structured = results.get("engine_structured")
+    if engine and structured:
+        lines.append(
+            f"structured outputs on {notes['structured_share']:.0%} of the requests: "
+            f"{structured.tokens_per_s / engine.tokens_per_s:.2f}x the engine's output tok/s"
+        )
     lines.append("machine: " + ", ".join(f"{k}={v}" for k, v in notes.items()))
     for name in ("engine", "engine_torch_linear"):
         details = results[name].details if name in results else None
@@ -218,9 +239,11 @@ def _run(args: argparse.Namespace) -> int:
     avoid = set(tokenizer.all_special_ids) | {adapter.image_token_id}
     workload = make_workload(args, len(tokenizer), avoid)
     vocab = [t for t in range(len(tokenizer)) if t not in avoid]
-    wanted = [s for s in SYSTEMS if s not in args.skip]
+    wanted = [s for s in SYSTEMS if s not in args.skip and (s != "engine_structured" or args.structured_share > 0)]
     notes = _machine_notes(device, dtype)
-    hf = load_hf_model(model_dir, device, dtype) if set(wanted) & {*SYSTEMS[2:]} else None
+    if "engine_structured" in wanted:
+        notes["structured_share"] = args.structured_share
+    hf = load_hf_model(model_dir, device, dtype) if set(wanted) & set(HF_SYSTEMS) else None
     if "generate_batch" in wanted and (why := generate_batch_unsupported(hf)):
         # A baseline this transformers cannot run is left out, said so, and the rest still measured.
         wanted.remove("generate_batch")
@@ -232,7 +255,13 @@ def _run(args: argparse.Namespace) -> int:
 
     def measure_engine(name: str, round_index: int) -> tuple[float, list[list[int]]]:
         # Built per measurement (loading is not timed) so that only one KV pool is alive at a time.
-        engine = EngineRunner(args, model_dir, workload, "torch" if name == "engine_torch_linear" else "auto")
+        engine = EngineRunner(
+            args,
+            model_dir,
+            workload,
+            "torch" if name == "engine_torch_linear" else "auto",
+            structured_share=args.structured_share if name == "engine_structured" else 0.0,
+        )
         try:
             seconds, outputs, details = engine.measure()
             results[name].details = details

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
+import json
 import random
 import statistics
 import time
@@ -42,10 +44,45 @@ class Result:
         return self.num_tokens / self.median_s
 
 
-class EngineRunner:
-    """This repository's PD engine, driven offline through its asyncio API."""
+def bench_schema(output_len: int) -> dict[str, Any]:
+    """The JSON schema of ``engine_structured``'s constrained requests.
 
-    def __init__(self, args: argparse.Namespace, model_dir: str, workload: Workload, linear_backend: str = "auto"):
+    Structure first (a bounded integer, an enum, an array of booleans), where
+    each token's mask depends on the grammar state, then a string of at least
+    ``8 * output_len`` characters: no token of the bench tokenizers is that
+    long on average, so no constrained request completes its JSON (and stops)
+    before ``output_len`` tokens.
+    """
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+            "kind": {"enum": ["photo", "chart", "scan", "other"]},
+            "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+            "text": {"type": "string", "minLength": 8 * output_len},
+        },
+        "required": ["id", "kind", "flags", "text"],
+        "additionalProperties": False,
+    }
+
+
+class EngineRunner:
+    """This repository's PD engine, driven offline through its asyncio API.
+
+    ``structured_share``: that share of the requests (spread evenly) is
+    constrained by ``bench_schema``; its grammar is compiled here, before any
+    measurement, as a server's cache would hold it.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        model_dir: str,
+        workload: Workload,
+        linear_backend: str = "auto",
+        *,
+        structured_share: float = 0.0,
+    ):
         from services.pd.config import PdConfig
         from services.pd.server import build_engine
 
@@ -66,6 +103,14 @@ class EngineRunner:
         )
         self.engine, self.facts = build_engine(config)
         self.workload = workload
+        num_constrained = round(structured_share * len(workload.prompts))
+        self.constrained = {i * len(workload.prompts) // num_constrained for i in range(num_constrained)}
+        self.spec = None
+        if self.constrained:
+            from services.pd.engine.request import StructuredOutputSpec
+
+            self.spec = StructuredOutputSpec("json_schema", json.dumps(bench_schema(workload.output_len)))
+            self.facts["grammars"].compile(self.spec)
         self.loop = asyncio.new_event_loop()
         self.engine.start()
         from services.pd.server import warm_up
@@ -97,15 +142,17 @@ class EngineRunner:
         from services.pd.engine.request import Request, SamplingParams
 
         sampling = SamplingParams(temperature=0.0, max_tokens=self.workload.output_len, ignore_eos=True)
+        constrained = dataclasses.replace(sampling, structured_output=self.spec)
         tag = time.monotonic_ns()
         started = time.perf_counter()
+        requests = []
+        for i, prompt in enumerate(self.workload.prompts):
+            request = Request(f"bench-{tag}-{i}", list(prompt), constrained if i in self.constrained else sampling)
+            if i in self.constrained:
+                request.grammar = self.facts["grammars"].matcher(self.spec)  # compiled already: a cache hit
+            requests.append(request)
         # All at once: every add_request lands in the engine's inbox in this loop tick.
-        queues = await asyncio.gather(
-            *(
-                self.engine.add_request(Request(f"bench-{tag}-{i}", list(p), sampling))
-                for i, p in enumerate(self.workload.prompts)
-            )
-        )
+        queues = await asyncio.gather(*(self.engine.add_request(request) for request in requests))
         outputs = await asyncio.gather(*(self._collect(q) for q in queues))
         return time.perf_counter() - started, [tokens for tokens, _, _ in outputs]
 

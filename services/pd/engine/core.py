@@ -285,6 +285,7 @@ class EngineCore:
                 self.embedding_cache.release(request.mm_spans[index].mm_hash)
             request.span_refs.clear()
             request.cached_prefix = None
+            request.grammar = None  # the matcher's memory goes with it
         self.kv_cache.unpin(request_id)
         self._preallocated.pop(request_id)
         self._preallocated.let_go(request_id)
@@ -418,6 +419,8 @@ class EngineCore:
             sampled = runner_output.sampled.get(request_id)
             request = ended.get(request_id) or self.scheduler.get_request(request_id)
             if sampled is None or request is None or request_id not in self._streams:
+                continue
+            if request.status is RequestStatus.FINISHED_ERROR:  # its token was refused (its grammar's)
                 continue
             if self._streams.add_token(request, sampled) and not request.is_finished:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from services.pd.engine.errors import EngineError
 from services.pd.engine.positions import MRopePlan
-from services.pd.engine.request import Request, RequestStatus, SamplingParams, TokenHistory
+from services.pd.engine.request import Grammar, Request, RequestStatus, SamplingParams, TokenHistory
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class ScheduledChunk:
     masked_token_ids: tuple[int, ...] = ()  # ids the sample must not take (stop tokens before min_tokens)
     history: TokenHistory | None = None  # what the penalties look at; None = no penalty (sampling chunks only)
     rope: MRopePlan | None = None  # the request's plan (shared, immutable), not just this chunk's
+    grammar: Grammar | None = None  # the request's matcher, whose mask the sample obeys (sampling chunks only)
 
     @property
     def num_tokens(self) -> int:

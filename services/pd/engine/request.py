@@ -9,7 +9,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from services.pd.engine.positions import MRopePlan, build_plan
 
@@ -71,6 +71,40 @@ class TokenHistory(NamedTuple):
 
 
 @dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What a constrained request's output must match (domain form of ``epd.v1.StructuredOutput``).
+
+    ``kind`` names the constraint as the wire's oneof does (``json_schema``,
+    ``json_object``, ``regex``, ``choice``, ``grammar``); ``value`` is the schema
+    (serialized JSON), the regex, the EBNF grammar, or the choices as a JSON
+    list ("" for ``json_object``). Hashable: compiled grammars are cached by it.
+    """
+
+    kind: str
+    value: str = ""
+
+
+class Grammar(Protocol):
+    """A request's matcher as the engine sees it (``runner/grammar.py`` implements it).
+
+    It has accepted exactly the request's output tokens (``num_accepted_tokens``),
+    so a preempted request, which keeps its output and recomputes only KV, needs
+    nothing done to it.
+    """
+
+    num_accepted_tokens: int
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past ``token_id``; False, changing nothing, when the grammar forbids it."""
+        ...
+
+    @property
+    def is_terminated(self) -> bool:
+        """Whether the output is complete (the grammar ended and a stop token was accepted)."""
+        ...
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (domain form of ``epd.v1.SamplingParams``)."""
 
@@ -97,6 +131,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (None = free text); the request's ``grammar`` is compiled from it before admission.
+    structured_output: StructuredOutputSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -159,6 +195,10 @@ class Request:
     # Multimodal RoPE positions (rope_plan() fills it on first use when a
     # span has a grid); None = positions are the token indices.
     rope_plan: MRopePlan | None = None
+    # The matcher of ``sampling.structured_output``, set before admission (the servicer compiles it off
+    # the engine thread); the sampler masks what it forbids and every sampled token advances it. Dropped
+    # on release.
+    grammar: Grammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,16 +33,13 @@ from collections.abc import Callable, Iterable, MutableSequence
 
 from services.pd.engine import spans
 from services.pd.engine.embedding_cache import EmbeddingCache
-from services.pd.engine.invariants import check
+from services.pd.engine.invariants import check, check_queued_request
 from services.pd.engine.kv_cache import KVCacheManager
 from services.pd.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from services.pd.engine.request import Request, RequestStatus, rope_plan
 from services.pd.engine.scheduler_config import QueueFull, SchedulerConfig
 from services.pd.engine.slo import PrefillKey
 from services.pd.engine.step_budget import TokenBudget
-
-_RUNNING_STATES = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_EMBEDDING)
-_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_EMBEDDING)
 
 
 class _Admit(enum.Enum):
@@ -333,6 +330,7 @@ class Scheduler:
                 masked_token_ids=request.masked_token_ids,
                 history=request.penalty_history if sample else None,
                 rope=rope_plan(request),
+                grammar=request.grammar if sample else None,
             )
         )
 
@@ -378,6 +376,11 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR, "the model step sampled no token")
                 finished.append(request)
                 continue
+            if request.grammar is not None and not request.grammar.accept(sampled.token_id):
+                # The sampler masks what the grammar forbids, so this is a defect, not the client's doing.
+                self._finish(request, RequestStatus.FINISHED_ERROR, "the sampled token broke the request's grammar")
+                finished.append(request)
+                continue
             request.output_token_ids.append(sampled.token_id)
             if request.timings.first_token is None:
                 request.timings.first_token = now
@@ -394,6 +397,8 @@ class Scheduler:
         if may_stop and not sampling.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if may_stop and token_id in sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated:  # complete: only a stop could follow
             return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -441,20 +446,10 @@ class Scheduler:
             "queues and the request table disagree",
         )
         check(self.num_active <= self.config.max_num_seqs, "too many running requests")
-        block_size = self.kv_cache.block_size
         for request in self.running:
-            check(request.status in _RUNNING_STATES, "bad status in running")
-            check(request.num_computed_tokens < request.num_tokens, "nothing left to compute")
-            check(
-                len(request.block_ids) * block_size >= request.num_computed_tokens,
-                "block table shorter than the computed tokens",
-            )
+            check_queued_request(request, running=True, block_size=self.kv_cache.block_size)
         for request in self.waiting:
-            check(request.status in _WAITING_STATES, "bad status in waiting")
-            check(not request.block_ids and request.num_computed_tokens == 0, "a waiting request holds KV")
-        for request in self._requests.values():
-            check(all(0 <= i < len(request.mm_spans) for i in request.span_refs), "span reference out of range")
-            check(request.cached_prefix is None or not request.block_ids, "a cached prefix outlived admission")
+            check_queued_request(request, running=False, block_size=self.kv_cache.block_size)
 
 
 class _Slots:

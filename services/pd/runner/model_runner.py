@@ -47,6 +47,7 @@ from services.pd.runner.decode_graphs import (
     start_static_decoder,
 )
 from services.pd.runner.flex_decode import flex_available
+from services.pd.runner.grammar import BitmaskFiller
 from services.pd.runner.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ class ModelRunner:
     PyTorch's own. ``static_decode`` says how decode-only steps run
     (``decode_graphs.py``); on CUDA its graphs are captured here.
     The runner keeps no per-request state (seeded sampling derives its RNG
-    from the seed and the output length), so finished requests need no cleanup.
+    from the seed and the output length; a grammar's matcher rides on its
+    request), so finished requests need no cleanup.
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class ModelRunner:
         self.value_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self._scratch = GatherScratch(shape[1] * shape[3] * shape[4], dtype, self.device)
         self.sampler = sampler if sampler is not None else Sampler()
+        self._masks = BitmaskFiller(int(model.config.vocab_size))
         self.static_decoder = self._start_static_decode(static_decode or StaticDecodeConfig())
 
     @staticmethod
@@ -230,14 +233,19 @@ class ModelRunner:
         """
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        logits = self.compute_logits(scheduler_output, embeddings or {})
         sampling = [c for c in scheduler_output.chunks if c.sample]
+        grammars = [c.grammar for c in sampling]
+        # Constrained rows: their masks are filled on the mask thread while the forward runs.
+        masks = self._masks.submit(grammars) if any(g is not None for g in grammars) else None
+        logits = self.compute_logits(scheduler_output, embeddings or {})
         tokens = self.sampler.sample(
             logits,
             [c.sampling for c in sampling],
             [c.num_output_tokens for c in sampling],
             [c.masked_token_ids for c in sampling],
             [c.history for c in sampling],
+            grammar_bitmask=None if masks is None else masks.result(),
+            grammar_rows=[i for i, g in enumerate(grammars) if g is not None],
         )
         return ModelRunnerOutput(sampled={c.request_id: t for c, t in zip(sampling, tokens)})
 

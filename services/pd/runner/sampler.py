@@ -15,10 +15,11 @@ Masked tokens (a request's stop tokens before its ``min_tokens``, see
 ``Request.masked_token_ids``) get ``-inf`` logits first, for all rows in one
 scatter, as transformers' ``MinNewTokensLengthLogitsProcessor`` does; the
 ``logit_bias`` entries of all rows are added in one more. Then the rows with
-a penalty (those with a ``TokenHistory``) are penalised, all
-at once (``penalties.py``). All three change greedy rows too; each is skipped
-outright in a step where no row asks for them. The logprobs still come from
-the unmodified logits, as vLLM's do by default.
+a penalty (those with a ``TokenHistory``) are penalised, all at once
+(``penalties.py``), and last the rows with a grammar lose the tokens it
+forbids, in one bitmask kernel (``grammar.py``). All four change greedy rows
+too; each is skipped outright in a step where no row asks for them. The
+logprobs still come from the unmodified logits, as vLLM's do by default.
 
 Host to device: each step's per-row settings go up in one copy per dtype,
 from page-locked memory on CUDA and without blocking (``to_device``); the only
@@ -34,6 +35,7 @@ import torch
 from services.pd.engine.outputs import SampledToken
 from services.pd.engine.request import SamplingParams, TokenHistory
 from services.pd.runner.attention_metadata import to_device
+from services.pd.runner.grammar import apply_bitmask
 from services.pd.runner.penalties import apply_penalties
 
 _MASK_64 = (1 << 64) - 1
@@ -66,6 +68,9 @@ class Sampler:
         num_output_tokens: Sequence[int],
         masked_token_ids: Sequence[Sequence[int]] | None = None,
         histories: Sequence[TokenHistory | None] | None = None,
+        *,
+        grammar_bitmask: torch.Tensor | None = None,
+        grammar_rows: Sequence[int] = (),
     ) -> list[SampledToken]:
         """Sample from ``logits [N, vocab]``; row ``i`` uses ``params[i]``.
 
@@ -73,12 +78,17 @@ class Sampler:
         before this one (it picks the seeded draw). ``masked_token_ids[i]``:
         ids row ``i`` must not take (empty for most rows; None = none at all).
         ``histories[i]``: the tokens row ``i``'s penalties look at (None for a
-        row without penalties; None = no row has any).
+        row without penalties; None = no row has any). ``grammar_bitmask``
+        ``[N, ceil(vocab / 32)]`` int32 (host): the tokens each of
+        ``grammar_rows`` may take (``runner/grammar.py``).
         """
         if logits.shape[0] != len(params) or len(params) != len(num_output_tokens):
             raise ValueError("logits rows, params and num_output_tokens must have the same length")
         logits = logits.float()
         scores = processed_logits(logits, params, masked_token_ids, histories)
+        if grammar_bitmask is not None and grammar_rows:
+            # Last, after biases and penalties (vLLM's order): a finite bias never revives a forbidden token.
+            scores = apply_bitmask(scores, grammar_bitmask, grammar_rows)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:  # the common step: one argmax, no row indices to upload

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services import cli
+from services.bench.engine.command import HF_SYSTEMS
 
 
 def test_bench_engine_runs_every_system_and_the_prefix_cache_experiment(tiny_model_dir, tmp_path, capsys):
@@ -66,3 +67,23 @@ def test_bench_engine_refuses_a_device_this_machine_lacks(tiny_model_dir, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA is not available"):
         cli.main(["bench", "engine", "--model", str(tiny_model_dir), "--quick", "--device", "cuda"])
+
+
+def test_bench_engine_measures_structured_outputs_beside_the_free_engine(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "engine", "--model", str(tiny_model_dir), "--quick", "--structured-share", "0.5", "--json"]
+    argv += [str(out)] + [arg for name in ("engine_torch_linear", *HF_SYSTEMS, "ttft") for arg in ("--skip", name)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    # Constrained requests still generate exactly --output-len tokens: the two rows compare like for like.
+    assert {name: r["num_tokens"] for name, r in report["results"].items()} == {
+        "engine": 8 * 16,
+        "engine_structured": 8 * 16,
+    }
+    assert report["machine"]["structured_share"] == 0.5
+    assert "structured outputs on 50% of the requests: " in capsys.readouterr().out
+
+
+def test_bench_engine_refuses_a_share_outside_zero_to_one(tiny_model_dir):
+    with pytest.raises(SystemExit, match="structured-share"):
+        cli.main(["bench", "engine", "--model", str(tiny_model_dir), "--quick", "--structured-share", "1.5"])

@@ -123,7 +123,7 @@ def test_an_image_file_under_another_images_hash_is_refused(qwen):
 
 
 def test_an_image_file_is_checked_against_its_hash_under_the_requests_cache_salt(qwen):
-    """The cross-user side channel (issue #27): a tenant's images are hashed with its salt, and the
+    """The cross-user side channel: a tenant's images are hashed with its salt, and the
     encoder, which hashes the file again, must hash it under the same salt or refuse the item."""
     adapter, _, process_file = qwen
     image = make_image(12, (64, 48))

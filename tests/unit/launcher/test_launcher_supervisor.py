@@ -485,7 +485,7 @@ def test_each_child_has_its_own_launch_key_and_the_proxy_is_given_its_peers():
     assert all(launch_proof.PEER_KEYS_ENV not in env for name, env in envs if name != "proxy")
 
 
-# -- issue #27, finding 3: the token in every child's environment ---------------------------
+# -- the token in every child's environment ---------------------------
 REPORT_SECRETS = """
 import argparse, json, os, subprocess, sys
 from services.common import security

@@ -35,7 +35,7 @@ def test_stop_token_ids_are_bounded():
 
 
 def test_encoder_limits_a_colocated_pd_takes_encodes_of_the_encoders_bound_not_64_mib():
-    """Issue #27, finding 2, on a PD that serves Encode itself (``--encoder local``)."""
+    """Security review, on a PD that serves Encode itself (``--encoder local``)."""
     colocated = max_receive_bytes(PdConfig(model="m", encoder="local"), max_model_len=4096)
     assert colocated == EncoderConfig().max_message_bytes < grpc_utils.MAX_MESSAGE_BYTES
     assert max_receive_bytes(PdConfig(model="m"), max_model_len=4096) < colocated

@@ -175,7 +175,7 @@ def test_stop_accepts_string_or_list_and_bounds_it():
     "fields",
     [
         {"tools": [{"type": "function"}]},
-        {"response_format": {"type": "json_object"}},
+        {"tool_choice": "auto"},
     ],
 )
 def test_unsupported_parameters_are_rejected_not_dropped(fields):

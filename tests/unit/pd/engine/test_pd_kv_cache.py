@@ -314,7 +314,7 @@ def test_kept_room_is_used_by_others_under_pressure():
 
 
 def test_a_cache_salt_seeds_the_first_block_so_tenants_never_share_kv(kv):
-    """Security review (issue #27), the cross-user side channel: prefix-cache hits told a client what
+    """Security review, the cross-user side channel: prefix-cache hits told a client what
     another had sent. Block keys start from the tenant's salt, as vLLM's cache_salt does."""
     tenant_a, tenant_b = "a" * 64, "b" * 64
     a = Request("a", list(range(13)), SamplingParams(), cache_salt=tenant_a)

@@ -1,0 +1,69 @@
+"""Generate's grammar step on PD: a constrained request gets its matcher before admission; a server without
+a compiler refuses it (FAILED_PRECONDITION); a constraint that does not compile is INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.request import Request, SamplingParams, StructuredOutputSpec
+from services.pd.runner.grammar import GrammarError
+from services.pd.servicer import PrefillDecodeServicer
+
+SPEC = StructuredOutputSpec("regex", "a+")
+
+
+class CompilerDouble:
+    """``GrammarCompiler.submit``: a finished future with ``outcome`` (a matcher, or an error to raise)."""
+
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+        self.specs: list[StructuredOutputSpec] = []
+
+    def submit(self, spec):
+        self.specs.append(spec)
+        future: Future = Future()
+        if isinstance(self.outcome, Exception):
+            future.set_exception(self.outcome)
+        else:
+            future.set_result(self.outcome)
+        return future
+
+
+def _request(spec=SPEC) -> Request:
+    return Request("r", [1, 2], SamplingParams(structured_output=spec))
+
+
+async def _attach(grammars, request: Request) -> None:
+    await PrefillDecodeServicer._attach_grammar(SimpleNamespace(grammars=grammars), request)
+
+
+async def test_a_constrained_request_gets_its_matcher():
+    matcher = object()
+    compiler = CompilerDouble(matcher)
+    request = _request()
+    await _attach(compiler, request)
+    assert request.grammar is matcher and compiler.specs == [SPEC]
+
+
+async def test_a_free_request_compiles_nothing():
+    compiler = CompilerDouble(object())
+    request = _request(spec=None)
+    await _attach(compiler, request)
+    assert request.grammar is None and compiler.specs == []
+
+
+async def test_a_server_without_a_compiler_refuses_constraints():
+    with pytest.raises(EngineError) as refused:
+        await _attach(None, _request())
+    assert refused.value.kind is ErrorKind.FAILED_PRECONDITION
+
+
+async def test_a_constraint_that_does_not_compile_is_invalid_argument():
+    request = _request()
+    with pytest.raises(EngineError) as refused:
+        await _attach(CompilerDouble(GrammarError("the structured output constraint could not be compiled")), request)
+    assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and request.grammar is None
