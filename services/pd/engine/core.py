@@ -33,12 +33,12 @@ the runner (``execute``, ``prepare_embedding``) and the embedding store.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from services.pd.engine import image_refs
 from services.pd.engine.embedding_cache import (
     AlreadyFilled,
     EmbeddingCacheFull,
@@ -281,9 +281,7 @@ class EngineCore:
         """
         if request is not None:
             self.kv_cache.free(request)
-            for index in sorted(request.span_refs):
-                self.embedding_cache.release(request.mm_spans[index].mm_hash)
-            request.span_refs.clear()
+            image_refs.release_images(request, self.embedding_cache)
             request.cached_prefix = None
             request.grammar = None  # the matcher's memory goes with it
         self.kv_cache.unpin(request_id)
@@ -361,24 +359,11 @@ class EngineCore:
         return True
 
     def _let_go_of_computed_images(self, scheduler_output: SchedulerOutput) -> None:
-        """Trades each request's image references for pinned K/V once its images are computed.
-
-        From the step that fills the block holding its last image token, a
-        request needs its embeddings only to recompute after a preemption;
-        the cached blocks through that token serve that recompute as well
-        (re-admission claims them as its prefix), so they are pinned and the
-        embeddings become evictable while the request decodes on. Without
-        prefix caching the references stay until the request ends.
-        """
+        """Computed images: pinned K/V instead of embedding references (``image_refs.py``)."""
         for chunk in scheduler_output.chunks:
             request = self.scheduler.get_request(chunk.request_id)
-            if request is None or not request.span_refs:
-                continue
-            images_end = request.mm_spans[-1].end
-            if self.kv_cache.pin_computed_prefix(request, self.kv_cache.num_blocks_for(images_end)):
-                for index in sorted(request.span_refs):
-                    self.embedding_cache.release(request.mm_spans[index].mm_hash)
-                request.span_refs.clear()
+            if request is not None:
+                image_refs.let_go_of_computed_images(request, self.kv_cache, self.embedding_cache)
 
     def _after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         """Ends the requests whose image is gone before the step runs; looks after preempted ones' pins."""
@@ -394,20 +379,8 @@ class EngineCore:
                     self.kv_cache.unpin(request.request_id)
 
     def _retake_images(self, request_id: str) -> bool:
-        """Trades a queued request's pinned K/V for image references when every image it lacks one
-        for is still cached, freeing the pinned blocks for others; False (holding what it held) if not."""
         request = self.scheduler.get_request(request_id)
-        if request is None:
-            return False
-        missing = [i for i in range(len(request.mm_spans)) if i not in request.span_refs]
-        taken = list(itertools.takewhile(lambda i: self.embedding_cache.acquire(request.mm_spans[i].mm_hash), missing))
-        if len(taken) < len(missing):
-            for index in taken:
-                self.embedding_cache.release(request.mm_spans[index].mm_hash)
-            return False
-        request.span_refs.update(taken)
-        self.kv_cache.unpin(request_id)
-        return True
+        return request is not None and image_refs.retake_images(request, self.kv_cache, self.embedding_cache)
 
     def _emit(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, finished: list[Request]

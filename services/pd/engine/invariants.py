@@ -1,6 +1,8 @@
-"""The integrity check shared by the PD policy code (``check_integrity`` methods), and a queued request's."""
+"""The integrity check shared by the PD policy code (``check_integrity`` methods), and the scheduler's queues'."""
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 from services.pd.engine.request import Request, RequestStatus
 
@@ -33,3 +35,22 @@ def check_queued_request(request: Request, *, running: bool, block_size: int) ->
         request.grammar is None or request.grammar.num_accepted_tokens == len(request.output_token_ids),
         "a grammar has not accepted exactly the output",
     )
+
+
+def check_queues(
+    running: Sequence[Request],
+    waiting: Sequence[Request],
+    request_ids: Collection[str],
+    max_num_seqs: int,
+    block_size: int,
+) -> None:
+    """Raise AssertionError unless the scheduler's queues hold exactly ``request_ids``, once each, at most
+    ``max_num_seqs`` of them holding a slot (running, not waiting for an image), each consistent."""
+    queued = [r.request_id for r in running] + [r.request_id for r in waiting]
+    check(len(queued) == len(set(queued)) and set(queued) == set(request_ids), "queues and the request table disagree")
+    num_active = sum(r.status is not RequestStatus.WAITING_FOR_EMBEDDING for r in running)
+    check(num_active <= max_num_seqs, "too many running requests")
+    for request in running:
+        check_queued_request(request, running=True, block_size=block_size)
+    for request in waiting:
+        check_queued_request(request, running=False, block_size=block_size)

@@ -220,6 +220,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def stop_status(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """How the request ends now that ``token_id`` is its last output token; None: it goes on."""
+        sampling = self.sampling
+        # Within min_tokens a stop token is not a stop (the sampler masks them; this holds even if it did not).
+        may_stop = len(self.output_token_ids) > sampling.min_tokens
+        if may_stop and not sampling.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if may_stop and token_id in sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.is_terminated:  # complete: only a stop could follow
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= sampling.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     @property
     def masked_token_ids(self) -> tuple[int, ...]:
         """Token ids its next sample must not take: its stop tokens while ``min_tokens`` are not reached.

@@ -33,11 +33,11 @@ from collections.abc import Callable, Iterable, MutableSequence
 
 from services.pd.engine import spans
 from services.pd.engine.embedding_cache import EmbeddingCache
-from services.pd.engine.invariants import check, check_queued_request
+from services.pd.engine.invariants import check_queues
 from services.pd.engine.kv_cache import KVCacheManager
-from services.pd.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from services.pd.engine.request import Request, RequestStatus, rope_plan
-from services.pd.engine.scheduler_config import QueueFull, SchedulerConfig
+from services.pd.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from services.pd.engine.request import Request, RequestStatus
+from services.pd.engine.scheduler_config import QueueFull, SchedulerConfig, validate_request
 from services.pd.engine.slo import PrefillKey
 from services.pd.engine.step_budget import TokenBudget
 
@@ -108,7 +108,9 @@ class Scheduler:
         or too long prompt, bad spans, more KV than exists) and QueueFull when
         the waiting bounds are reached; on either, nothing changes.
         """
-        self._validate(request)
+        if request.request_id in self._requests:
+            raise ValueError("a request with this id is already queued")
+        validate_request(request, self.config, self.kv_cache.num_blocks_for, self.kv_cache.num_blocks)
         self.check_room(request.num_tokens)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
@@ -122,23 +124,6 @@ class Scheduler:
             or num_tokens <= self.config.max_waiting_tokens < num_waiting_tokens + num_tokens
         ):  # longer: invalid
             raise QueueFull(self.config.retry_after_s)
-
-    def _validate(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError("a request with this id is already queued")
-        if not request.prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if request.num_prompt_tokens > self.config.max_model_len:
-            raise ValueError("the prompt is longer than the maximum model length")
-        if request.num_prompt_tokens > self.config.max_waiting_tokens:
-            raise ValueError("the prompt is longer than this server's waiting-queue token bound")
-        if request.sampling.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        spans.validate_spans(request.mm_spans, request.num_prompt_tokens)
-        max_len = min(self.config.max_model_len, request.num_prompt_tokens + request.sampling.max_tokens)
-        # The last token is sampled, never computed, so it needs no KV.
-        if self.kv_cache.num_blocks_for(max_len - 1) > self.kv_cache.num_blocks:
-            raise ValueError("the request needs more KV cache than this server has")
 
     # ----------------------------------------------------------------- schedule
     def schedule(self, prefill_budget: int | None = None, prefill_key: PrefillKey | None = None) -> SchedulerOutput:
@@ -195,7 +180,7 @@ class Scheduler:
         scheduled = {chunk.request_id for chunk in out.chunks}
         admitted: set[int] = set()
         admitting = not out.preempted_request_ids
-        slots = _Slots(self.config.max_num_seqs - self.num_active)
+        free_slots = self.config.max_num_seqs - self.num_active
         for request in candidates:
             running = id(request) in prefilling
             if not running:
@@ -206,9 +191,9 @@ class Scheduler:
                 break
             if running:
                 if request.status is not RequestStatus.PREEMPTED:  # not a victim of this step
-                    self._prefill_running(request, out, budget, now, scheduled, slots)
+                    free_slots -= self._prefill_running(request, out, budget, now, scheduled, free_slots)
                     admitting = admitting and not out.preempted_request_ids
-            elif admitting and slots.free > 0:
+            elif admitting and free_slots > 0:
                 outcome, num_new = self._try_admit(request, budget.limit(False), out, now)
                 if outcome is _Admit.NO_ROOM:
                     admitting = False  # FCFS within the order: nothing behind it goes first
@@ -217,7 +202,7 @@ class Scheduler:
                     admitted.add(id(request))
                     scheduled.add(request.request_id)
                     budget.spend(num_new, False)
-                    slots.free -= 1
+                    free_slots -= 1
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
 
@@ -228,34 +213,35 @@ class Scheduler:
         budget: TokenBudget,
         now: float,
         scheduled: set[str],
-        slots: _Slots,
-    ) -> None:
+        free_slots: int,
+    ) -> int:
         """The next chunk of a running prefill, preempting the newest request not in this step for room.
 
-        A request that waited for an image takes a slot again to resume; with none free it waits on.
+        Returns the slots it took: a request that waited for an image takes one again to resume
+        (with none free it waits on), one that starts to wait gives its own back (-1).
         """
         resuming = request.status is RequestStatus.WAITING_FOR_EMBEDDING
-        if resuming and slots.free <= 0:
-            return
+        if resuming and free_slots <= 0:
+            return 0
         num_new, blocking_hash = self._chunk_len(request, request.num_computed_tokens, budget.limit(False))
         if num_new == 0:
             if self._embedding_gone(blocking_hash):
                 out.failed_request_ids.append(request.request_id)
             elif not resuming:
                 spans.mark_blocked(request, now)
-                slots.free += 1  # a request waiting for an image holds no slot
-            return
+                return -1  # a request waiting for an image holds no slot
+            return 0
         while not self.kv_cache.allocate_slots(request, num_new):
             victim = next(
                 (r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None
             )
             if victim is None:
-                return  # everyone else is in this step: it goes on in a later one
+                return 0  # everyone else is in this step: it goes on in a later one
             self._preempt(victim, out, now)
         self._add_chunk(out, request, num_new, now)
         scheduled.add(request.request_id)
         budget.spend(num_new, False)
-        slots.free -= resuming
+        return int(resuming)
 
     def _shares_with_queue(self, budget: TokenBudget) -> bool:
         """Whether this step's prefill share is limited and split with admissible waiting prompts."""
@@ -299,40 +285,14 @@ class Scheduler:
 
     def _chunk_len(self, request: Request, start: int, budget: int) -> tuple[int, str | None]:
         """Tokens computable from ``start``; with the mm_hash that cut the chunk short."""
-        end = min(request.num_tokens, start + budget)
-        for span in request.mm_spans:
-            if span.end <= start:
-                continue
-            if span.offset >= end:
-                break
-            if not self.embedding_cache.is_ready(span.mm_hash):
-                return max(span.offset, start) - start, span.mm_hash
-        return end - start, None
+        return spans.computable(request, start, budget, self.embedding_cache.is_ready)
 
     def _add_chunk(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
-        start = request.num_computed_tokens
-        end = start + num_new
-        sample = end == request.num_tokens
         request.status = RequestStatus.RUNNING
         spans.end_embedding_wait(request, now)
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = now
-        out.chunks.append(
-            ScheduledChunk(
-                request_id=request.request_id,
-                token_ids=spans.token_slice(request, start, end),
-                start_pos=start,
-                block_ids=list(request.block_ids),
-                image_slices=spans.image_slices(request.mm_spans, start, end),
-                sample=sample,
-                sampling=request.sampling,
-                num_output_tokens=len(request.output_token_ids),
-                masked_token_ids=request.masked_token_ids,
-                history=request.penalty_history if sample else None,
-                rope=rope_plan(request),
-                grammar=request.grammar if sample else None,
-            )
-        )
+        out.chunks.append(spans.next_chunk(request, num_new))
 
     def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
         """Drop the request's KV and queue it first for a recompute.
@@ -384,25 +344,11 @@ class Scheduler:
             request.output_token_ids.append(sampled.token_id)
             if request.timings.first_token is None:
                 request.timings.first_token = now
-            status = self._stop_status(request, sampled.token_id)
+            status = request.stop_status(sampled.token_id, self.config.max_model_len)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
         return finished
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        sampling = request.sampling
-        # Within min_tokens a stop token is not a stop (the sampler masks them; this holds even if it did not).
-        may_stop = len(request.output_token_ids) > sampling.min_tokens
-        if may_stop and not sampling.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if may_stop and token_id in sampling.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar.is_terminated:  # complete: only a stop could follow
-            return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # ----------------------------------------------------------------- finish
     def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
@@ -440,23 +386,9 @@ class Scheduler:
     # -------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Raise AssertionError unless the queues and the requests' counters agree (the caches: ``EngineCore``)."""
-        queued = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        check(
-            len(queued) == len(set(queued)) and set(queued) == set(self._requests),
-            "queues and the request table disagree",
+        check_queues(
+            self.running, self.waiting, self._requests.keys(), self.config.max_num_seqs, self.kv_cache.block_size
         )
-        check(self.num_active <= self.config.max_num_seqs, "too many running requests")
-        for request in self.running:
-            check_queued_request(request, running=True, block_size=self.kv_cache.block_size)
-        for request in self.waiting:
-            check_queued_request(request, running=False, block_size=self.kv_cache.block_size)
-
-
-class _Slots:
-    """Slots (``max_num_seqs``) still free in the step being scheduled."""
-
-    def __init__(self, free: int) -> None:
-        self.free = free
 
 
 def _remove(queue: MutableSequence[Request], request: Request) -> bool:

@@ -1,8 +1,12 @@
-"""The scheduler's limits, and the refusal it answers when they are reached. Pure Python."""
+"""The scheduler's limits, the requests they refuse, and the refusal it answers when they are reached. Pure Python."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from services.pd.engine import spans
+from services.pd.engine.request import Request
 
 
 class QueueFull(Exception):
@@ -40,3 +44,23 @@ class SchedulerConfig:
             <= 0
         ):
             raise ValueError("scheduler limits must be positive")
+
+
+def validate_request(
+    request: Request, config: SchedulerConfig, num_blocks_for: Callable[[int], int], num_kv_blocks: int
+) -> None:
+    """Raises ValueError for a request this server can never run (empty or too long prompt, bad
+    spans, more KV than the ``num_kv_blocks`` blocks there are; ``num_blocks_for``: blocks per tokens)."""
+    if not request.prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    if request.num_prompt_tokens > config.max_model_len:
+        raise ValueError("the prompt is longer than the maximum model length")
+    if request.num_prompt_tokens > config.max_waiting_tokens:
+        raise ValueError("the prompt is longer than this server's waiting-queue token bound")
+    if request.sampling.max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    spans.validate_spans(request.mm_spans, request.num_prompt_tokens)
+    max_len = min(config.max_model_len, request.num_prompt_tokens + request.sampling.max_tokens)
+    # The last token is sampled, never computed, so it needs no KV.
+    if num_blocks_for(max_len - 1) > num_kv_blocks:
+        raise ValueError("the request needs more KV cache than this server has")

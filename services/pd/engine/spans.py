@@ -1,14 +1,16 @@
 """How a request's tokens and image spans map onto chunks.
 
-Pure Python helpers of the scheduler: which token ids and image rows a chunk
-covers, and how long a request waited for its images. Nothing here decides
-what to schedule.
+Pure Python helpers of the scheduler: how far a chunk can go before an image
+that is not ready, which token ids and image rows it covers, and how long a
+request waited for its images. Nothing here decides what to schedule.
 """
 
 from __future__ import annotations
 
-from services.pd.engine.outputs import ImageSlice
-from services.pd.engine.request import MultiModalSpan, Request, RequestStatus
+from collections.abc import Callable
+
+from services.pd.engine.outputs import ImageSlice, ScheduledChunk
+from services.pd.engine.request import MultiModalSpan, Request, RequestStatus, rope_plan
 
 
 def validate_spans(spans: list[MultiModalSpan], num_prompt_tokens: int) -> None:
@@ -51,3 +53,38 @@ def end_embedding_wait(request: Request, now: float) -> None:
     if since is not None:
         request.timings.embedding_wait_s += now - since
         request.timings.embedding_wait_since = None
+
+
+def computable(request: Request, start: int, budget: int, is_ready: Callable[[str], bool]) -> tuple[int, str | None]:
+    """Tokens of ``request`` computable from ``start`` within ``budget``: up to the first image
+    whose embedding is not ready (``is_ready``); with that image's mm_hash, if one cut it short."""
+    end = min(request.num_tokens, start + budget)
+    for span in request.mm_spans:
+        if span.end <= start:
+            continue
+        if span.offset >= end:
+            break
+        if not is_ready(span.mm_hash):
+            return max(span.offset, start) - start, span.mm_hash
+    return end - start, None
+
+
+def next_chunk(request: Request, num_new: int) -> ScheduledChunk:
+    """The chunk computing ``request``'s next ``num_new`` tokens (sampling after the last known one)."""
+    start = request.num_computed_tokens
+    end = start + num_new
+    sample = end == request.num_tokens
+    return ScheduledChunk(
+        request_id=request.request_id,
+        token_ids=token_slice(request, start, end),
+        start_pos=start,
+        block_ids=list(request.block_ids),
+        image_slices=image_slices(request.mm_spans, start, end),
+        sample=sample,
+        sampling=request.sampling,
+        num_output_tokens=len(request.output_token_ids),
+        masked_token_ids=request.masked_token_ids,
+        history=request.penalty_history if sample else None,
+        rope=rope_plan(request),
+        grammar=request.grammar if sample else None,
+    )
