@@ -109,6 +109,9 @@ class Batcher:
         self._stopping = False
         self._seconds_per_image = 0.05  # EWMA of forward time per image, for retry-after hints
         self._thread: threading.Thread | None = None
+        # When the running forward started (None between forwards), for the watchdog's
+        # ``stalled_for``; written by the worker only, and plain attribute writes are atomic.
+        self._forward_since: float | None = None
 
     # ----------------------------------------------------------------- loop side
 
@@ -123,6 +126,20 @@ class Batcher:
         """Images queued or being encoded."""
         with self._cond:
             return self._num_pending
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the worker thread runs (True before ``start``: nothing is expected of it yet)."""
+        return self._thread is None or self._thread.is_alive()
+
+    def stalled_for(self) -> float:
+        """Seconds the running vision forward has taken so far (0 between forwards).
+
+        The worker takes queued work as soon as a forward ends, so a forward
+        that does not end is what leaves callers waiting.
+        """
+        since = self._forward_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     @property
     def num_images_encoded(self) -> int:
@@ -242,6 +259,8 @@ class Batcher:
                     # leave its callers waiting, and keep serving.
                     log.exception("encoder worker error")
                     self._fail(group)
+                finally:
+                    self._forward_since = None
 
     def _collect(self) -> list[_Job] | None:
         """Blocks for the first live job, then gathers more for up to ``max_wait``.
@@ -283,6 +302,7 @@ class Batcher:
 
     def _forward(self, group: list[_Job]) -> None:
         start = time.perf_counter()
+        self._forward_since = time.monotonic()
         try:
             out = encode_images(
                 self._vision, [(job.pixel_values, job.grid) for job in group], self._device, self._dtype

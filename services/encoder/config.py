@@ -64,6 +64,12 @@ class EncoderConfig:
     """Run one blank-image encode before reporting ready (first-call kernels, allocator)."""
     grace_s: float = 10.0
     """On SIGTERM, how long in-flight Encode calls may finish before the server stops."""
+    stall_timeout_s: float = 120.0
+    """Readiness goes off while one vision forward has run this long (the proxy routes around); 0 = off.
+    Longer than PD's step bound: on a CPU one 12 MP photo takes about a minute to encode."""
+    liveness_timeout_s: float = 600.0
+    """Liveness goes off while one vision forward has run this long (``epd up`` or an orchestrator
+    restarts the encoder), or for good when the worker thread died; 0 = a dead thread only."""
     faults: Faults = NO_FAULTS
     """Test-only fault injection in the pusher (``faults.py``); none by default."""
     security: InternalSecurity = NO_SECURITY
@@ -91,6 +97,8 @@ class EncoderConfig:
             "threads": self.threads,
             "grace_s": self.grace_s,
             "port": self.port,
+            "stall_timeout_s": self.stall_timeout_s,
+            "liveness_timeout_s": self.liveness_timeout_s,
         }
         for name, value in non_negative.items():
             if value < 0:

@@ -104,6 +104,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.grace_s,
         help="seconds in-flight Encode calls get to finish on SIGTERM",
     )
+    add(
+        parser,
+        "--stall-timeout-s",
+        type=float,
+        default=defaults.stall_timeout_s,
+        help="report not ready while one vision forward has run this long, so the proxy routes around "
+        "(0 = off; on a CPU one 12 MP photo takes about a minute)",
+    )
+    add(
+        parser,
+        "--liveness-timeout-s",
+        type=float,
+        default=defaults.liveness_timeout_s,
+        help="report not alive (health service '') while one vision forward has run this long, so epd up or "
+        "an orchestrator restarts the encoder; a dead worker thread turns it off for good (0 = that only)",
+    )
     # The flag's old name, still accepted so existing deploy files keep working.
     parser.add_argument("--grace-s", dest="grace", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     add(
@@ -139,6 +155,8 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         threads=args.threads,
         warmup=args.warmup,
         grace_s=args.grace,
+        stall_timeout_s=args.stall_timeout_s,
+        liveness_timeout_s=args.liveness_timeout_s,
         faults=Faults.parse(args.fault),
         security=security.from_args(args),
         pd_allow=PdAllowSpec.parse(args.pd_allow),

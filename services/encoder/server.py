@@ -20,6 +20,7 @@ from services.common import grpc_utils
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models.loaded_vision import LoadedVision
 from services.common.pb import epd_pb2_grpc
+from services.common.watchdog import Probe, set_alive, watch_engine
 from services.encoder.batcher import Batcher
 from services.encoder.cache import EmbeddingCache
 from services.encoder.config import EncoderConfig
@@ -81,6 +82,7 @@ class EncoderServer:
         self._pusher = pusher
         self._cache = cache
         self.metrics_http: MetricsHttpServer | None = None  # ``GET /metrics``, when enabled
+        self._watchdog: asyncio.Task | None = None  # readiness and liveness follow the batcher (watchdog.py)
 
     @classmethod
     async def create(
@@ -153,6 +155,15 @@ class EncoderServer:
             await asyncio.to_thread(self.vision.warm_up, self.config.max_batch_images)
         self._batcher.start()
         await self._grpc.set_ready(True)
+        self._watchdog = asyncio.create_task(
+            watch_engine(
+                self._batcher,
+                [
+                    Probe("ready", self._grpc.set_ready, self.config.stall_timeout_s),
+                    Probe("alive", functools.partial(set_alive, self._grpc), self.config.liveness_timeout_s),
+                ],
+            )
+        )
 
     def stats(self) -> EncoderStats:
         return EncoderStats(
@@ -165,6 +176,8 @@ class EncoderServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING, drain calls for ``grace`` seconds (default ``config.grace_s``), stop the worker."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await self._grpc.stop(self.config.grace_s if grace is None else grace)
         await asyncio.to_thread(self._batcher.stop)
         await self._pusher.close()

@@ -11,12 +11,12 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
-from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, image_files, push_wire, tensors
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
+from services.common.watchdog import Probe, set_alive, watch_engine
 from services.pd import faults
 from services.pd.bridge import EngineBridge
 from services.pd.colocated import Colocated
@@ -37,7 +37,6 @@ from services.pd.runner.kv_sizing import CudaMemoryReader, size_kv_cache
 from services.pd.runner.model_runner import ModelRunner
 from services.pd.servicer import PrefillDecodeServicer
 from services.pd.step_calibration import calibrate_step_time, generate
-from services.pd.watchdog import Probe, watch_engine
 
 log = logging.getLogger(__name__)
 
@@ -339,17 +338,12 @@ async def start_pd(config: PdConfig) -> PdServer:
             engine,
             [
                 Probe("ready", server.set_ready, config.stall_timeout_s),
-                Probe("alive", functools.partial(_set_alive, server), config.liveness_timeout_s),
+                Probe("alive", functools.partial(set_alive, server), config.liveness_timeout_s),
             ],
             on_dead=pd.engine_dead.set,
         )
     )
     return pd
-
-
-async def _set_alive(server: grpc_utils.GrpcServer, alive: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
-    await server.health.set("", status)
 
 
 __all__ = ["PdServer", "SERVICE_NAME", "build_engine", "start_pd", "warm_up", "ErrorKind"]

@@ -474,7 +474,9 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             pd_attempts=config.pd_attempts,
             encoder_attempts=config.encoder_attempts,
             metrics=metrics,
-            stall_limits=StallLimits(config.first_token_timeout_s, config.inter_token_timeout_s),
+            stall_limits=StallLimits(
+                config.first_token_timeout_s, config.inter_token_timeout_s, config.encode_timeout_s
+            ),
         )
         media = fetcher
         if media is None and config.allowed_media_domains:

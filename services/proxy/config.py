@@ -38,6 +38,7 @@ class ProxyConfig:
     body_timeout_s: float = 30.0  # the whole request body must arrive within this (408, connection closed)
     first_token_timeout_s: float = 0.0  # arrival to PD's first message; 0 = off (the deadline bounds it)
     inter_token_timeout_s: float = 60.0  # longest gap between PD messages of one generation; 0 = off
+    encode_timeout_s: float = 300.0  # an Encode call unanswered this long charges its encoder; 0 = off
     write_timeout_s: float = 30.0  # longest one response write may wait for the client to read; 0 = off
     # HTTP server (uvicorn) limits, applied by ``epd proxy`` itself
     max_concurrency: int = 2048  # connections + requests beyond which new requests get 503; 0 = no limit
@@ -133,10 +134,15 @@ class ProxyConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0")
-        stall_bounds = (self.first_token_timeout_s, self.inter_token_timeout_s, self.write_timeout_s)
+        stall_bounds = (
+            self.first_token_timeout_s,
+            self.inter_token_timeout_s,
+            self.write_timeout_s,
+            self.encode_timeout_s,
+        )
         if any(not bound >= 0 for bound in stall_bounds) or self.max_concurrency < 0:
             raise ValueError(
-                "first_token_timeout_s, inter_token_timeout_s, write_timeout_s and max_concurrency must be >= 0"
+                "first_token_timeout_s, inter_token_timeout_s, write_timeout_s, encode_timeout_s and max_concurrency must be >= 0"
             )
         if self.max_requests_per_client < 0 or self.max_tokens_per_client_per_minute < 0:
             raise ValueError("max_requests_per_client and max_tokens_per_client_per_minute must be >= 0 (0 = off)")

@@ -77,6 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--encode-timeout-s",
+        type=float,
+        default=300.0,
+        help="longest an encoder may take to answer one Encode call; a longer one counts against that encoder's "
+        "circuit breaker and the image moves to another encoder while the request's deadline allows (a deadline "
+        "that runs out first is not the encoder's fault). On a CPU a 12 MP photo takes about a minute (0 = off)",
+    )
+    add(
+        parser,
         "--write-timeout-s",
         type=float,
         default=30.0,
@@ -277,6 +286,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         body_timeout_s=args.body_timeout_s,
         first_token_timeout_s=args.first_token_timeout_s,
         inter_token_timeout_s=args.inter_token_timeout_s,
+        encode_timeout_s=args.encode_timeout_s,
         write_timeout_s=args.write_timeout_s,
         max_concurrency=args.max_concurrency,
         keep_alive_timeout_s=args.keep_alive_timeout_s,

@@ -54,8 +54,9 @@ METRICS = (
         "epd_proxy_stalls_total",
         "counter",
         ("kind",),
-        "generations ended for a stall: first_token or inter_token (PD sent nothing in time), "
-        "write (the client did not take a response write in time)",
+        "stalls cut short: first_token or inter_token (PD sent nothing in time; the generation ends), "
+        "write (the client did not take a response write in time), encode (an encoder did not answer an "
+        "Encode call within --encode-timeout-s; the image moves to another encoder)",
     ),
     MetricDoc(
         "epd_proxy_backend_requests_total",
@@ -124,7 +125,7 @@ class ProxyMetrics:
         )
         self.images = Counter("epd_proxy_images", "Images accepted", registry=self.registry)
         self.stalls = Counter(
-            "epd_proxy_stalls", "Generations ended for a stall (PD or client)", ["kind"], registry=self.registry
+            "epd_proxy_stalls", "Stalls cut short (PD, encoder or client)", ["kind"], registry=self.registry
         )
         self.backend_requests = Counter(
             "epd_proxy_backend_requests",

@@ -74,11 +74,14 @@ class StallLimits:
 
     ``first_token_s``: from the request's arrival to the first PD message
     (Preallocate and Encode included). ``inter_token_s``: between two
-    consecutive PD messages of one generation.
+    consecutive PD messages of one generation. ``encode_s``: one Encode call;
+    an encoder that takes longer is charged for it (its circuit breaker), as a
+    request deadline that runs out never is.
     """
 
     first_token_s: float = 0.0
     inter_token_s: float = 0.0
+    encode_s: float = 0.0
 
 
 class BackendError(Exception):
@@ -383,15 +386,21 @@ class Pipeline:
             tried.append(encoder.address)
             outcome, status = Outcome.NEUTRAL, "CANCELLED"
             probe = encoder.begin()
+            remaining = self.remaining(job)
+            bounded = 0 < self.stall_limits.encode_s < remaining  # the encoder's bound ends the call, not the deadline
             try:
-                reply = await encoder.encode(request, timeout=self.remaining(job))
+                reply = await encoder.encode(request, timeout=self.stall_limits.encode_s if bounded else remaining)
                 outcome, status = Outcome.SUCCESS, "OK"
             except grpc.aio.AioRpcError as error:
                 pd_push = grpc_utils.failed_hop(error) == grpc_utils.PUSH_HOP
+                stalled = bounded and error.code() == S.DEADLINE_EXCEEDED
                 outcome, status = (Outcome.NEUTRAL if pd_push else outcome_of(error.code())), error.code().name
+                if stalled:
+                    outcome = Outcome.FAILURE
+                    self.metrics.stalls.labels("encode").inc()
                 if error.code() == S.RESOURCE_EXHAUSTED:
                     encoder.mark_busy(_retry_after_s(error))
-                if pd_push or error.code() not in _ENCODER_RETRY_CODES:
+                if pd_push or (error.code() not in _ENCODER_RETRY_CODES and not stalled):
                     raise BackendError(error, encoder, pd_push=pd_push) from None
                 job.trace.num_encoder_retries += 1
                 self._note_retry(encoder, error.code(), attempt.request_id)

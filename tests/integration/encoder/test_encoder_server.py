@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -513,7 +514,7 @@ async def test_encoder_limits_an_encode_over_the_message_bound_is_refused_unpars
     assert ProxyConfig().max_body_bytes < default < grpc_utils.MAX_MESSAGE_BYTES
     parsed: list[int] = []
 
-    def process_file(data: bytes):
+    def process_file(data: bytes, *_salt):
         parsed.append(len(data))
         raise ValueError("not an image")
 
@@ -539,7 +540,7 @@ async def test_encoder_limits_image_files_are_decoded_off_the_event_loop(cluster
     loop_thread = threading.get_ident()
     threads: list[int] = []
 
-    def process_file(data: bytes):
+    def process_file(data: bytes, *_salt):
         threads.append(threading.get_ident())
         raise ValueError("not an image")
 
@@ -553,3 +554,37 @@ async def test_encoder_limits_image_files_are_decoded_off_the_event_loop(cluster
         await encoder.stop(0)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(threads) == 1 and threads[0] != loop_thread
+
+
+async def test_a_stuck_vision_forward_turns_readiness_then_liveness_off_until_it_moves() -> None:
+    """Security review: the encoder had no stall watchdog. A forward that never ended left it
+    SERVING on both health names while every Encode waited; the proxy and ``epd up`` saw nothing."""
+    pd_server, _ = await start_fake_pd()
+    vision = FakeVision()
+    config = dataclasses.replace(TEST_CONFIG, stall_timeout_s=0.2, liveness_timeout_s=0.5)
+    encoder = await start_encoder(config, vision=fake_loaded_vision(vision))
+    address, channel = f"127.0.0.1:{encoder.port}", grpc_utils.aio_channel(f"127.0.0.1:{encoder.port}")
+    try:
+        vision.gate.clear()
+        vision.entered.clear()
+        call = epd_pb2_grpc.EncoderStub(channel).Encode(encode_request(f"127.0.0.1:{pd_server.port}", 1.0), timeout=20)
+        assert await asyncio.to_thread(vision.entered.wait, 5)
+        await _until(lambda: grpc_utils.check_health(address, "epd.v1.Encoder"), False)
+        assert await grpc_utils.check_health(address, "")  # stuck 0.2 s: routed around, not restarted yet
+        await _until(lambda: grpc_utils.check_health(address, ""), False)
+        vision.gate.set()  # the forward ends: both come back
+        await call
+        await _until(lambda: grpc_utils.check_health(address, "epd.v1.Encoder"), True)
+        assert await grpc_utils.check_health(address, "")
+    finally:
+        vision.gate.set()
+        await channel.close()
+        await encoder.stop(0)
+        await pd_server.stop(0)
+
+
+async def _until(probe, wanted: bool, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while await probe() != wanted:
+        assert time.monotonic() < end, f"health never became {wanted}"
+        await asyncio.sleep(0.02)

@@ -92,3 +92,21 @@ async def test_an_encoder_failing_on_its_own_is_still_charged(cluster_factory):
     for _ in range(2):
         assert (await cluster.client.post("/v1/chat/completions", json=body)).status_code == 500
     assert _instance(cluster, cluster.encoder.address).breaker.state is BreakerState.OPEN
+
+
+async def test_an_encoder_that_stops_answering_is_charged_and_its_images_move_on(cluster_factory):
+    """Security review, 9: a deadline never counted against an encoder, so one that hung took a share of
+    the images until each request's own deadline ran out, and its breaker never opened."""
+    cluster = await cluster_factory(num_encoders=2, breaker_failures=2, encode_timeout_s=0.3)
+    hung, healthy = cluster.encoders
+    hung.delay_s = 30.0  # takes the call, never answers in time
+    statuses = []
+    for shade in range(8):
+        body = {"messages": [image_message(png_data_url((shade, 40, 80)))], "max_tokens": 2}
+        statuses.append((await cluster.client.post("/v1/chat/completions", json=body)).status_code)
+    assert statuses == [200] * 8  # each image the hung encoder held moved to the healthy one
+    assert len(healthy.encodes) == 8 and hung.encodes and hung.cancelled == len(hung.encodes)
+    assert _instance(cluster, hung.address).breaker.state is not BreakerState.CLOSED
+    assert _instance(cluster, healthy.address).breaker.state is BreakerState.CLOSED
+    registry = cluster.app.state.proxy.metrics.registry
+    assert registry.get_sample_value("epd_proxy_stalls_total", {"kind": "encode"}) == len(hung.encodes)

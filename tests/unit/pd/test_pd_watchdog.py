@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.pd.watchdog import check_interval, watch_readiness
+from services.common.watchdog import check_interval, watch_readiness
 
 
 class FakeEngine:

@@ -1,17 +1,19 @@
-"""Engine watchdog: readiness and liveness of PD follow its engine thread.
+"""Watchdog: a service's readiness and liveness follow its worker thread.
 
-A wedged engine thread (a hung device call, a deadlock) leaves the gRPC server
-up and answering health checks as if all were well, while every request
-waits forever. The watchdog reads ``EngineBridge.stalled_for()`` (seconds
-without progress while work is pending) and ``is_alive``:
+A wedged worker thread (PD's engine loop, the encoder's vision batcher: a
+hung device call, a deadlock) leaves the gRPC server up and answering health
+checks as if all were well, while every request waits forever. The watchdog
+reads the worker's ``stalled_for()`` (seconds without progress while work is
+pending) and ``is_alive``:
 
-- readiness (``epd.v1.PrefillDecode``): off once the loop has been stuck for
-  ``stall_timeout_s``, on again as soon as it moves; the proxy routes around;
-- liveness (the health service ``""``): off once the loop has been stuck for
-  ``liveness_timeout_s`` (an orchestrator restarts the pod), or for good when
-  the engine thread has died;
-- a dead engine thread also calls ``on_dead`` once (``epd pd`` then exits
-  non-zero, and ``epd up`` restarts it).
+- readiness (the service's own health name): off once the worker has been
+  stuck for the readiness probe's timeout, on again as soon as it moves; the
+  proxy routes around;
+- liveness (the health service ``""``): off once it has been stuck for the
+  liveness probe's timeout (an orchestrator, or ``epd up``, restarts it), or
+  for good when the thread has died;
+- a dead thread also calls ``on_dead`` once (``epd pd`` then exits non-zero,
+  and ``epd up`` restarts it).
 """
 
 from __future__ import annotations
@@ -20,12 +22,26 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from services.pd.bridge import EngineBridge
+from grpc_health.v1 import health_pb2
+
+from services.common import grpc_utils
 
 log = logging.getLogger(__name__)
 
 SetStatus = Callable[[bool], Awaitable[None]]
+
+
+class Watched(Protocol):
+    """A worker thread the watchdog looks at."""
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def stalled_for(self) -> float:
+        """Seconds without progress while work is pending (0 = healthy or idle)."""
+        ...
 
 
 def check_interval(timeout_s: float) -> float:
@@ -43,7 +59,7 @@ class Probe:
 
 
 async def watch_engine(
-    engine: EngineBridge,
+    engine: Watched,
     probes: list[Probe],
     on_dead: Callable[[], None] | None = None,
     interval_s: float | None = None,
@@ -69,7 +85,7 @@ async def watch_engine(
 
 
 async def watch_readiness(
-    engine: EngineBridge, set_ready: SetStatus, timeout_s: float, interval_s: float | None = None
+    engine: Watched, set_ready: SetStatus, timeout_s: float, interval_s: float | None = None
 ) -> None:
     """Readiness only (see the module docstring)."""
     await watch_engine(engine, [Probe("ready", set_ready, timeout_s)], interval_s=interval_s)
@@ -77,8 +93,14 @@ async def watch_readiness(
 
 def _log_change(name: str, healthy: bool, alive: bool, stalled_s: float) -> None:
     if healthy:
-        log.warning("engine step loop is moving again: %s", name)
+        log.warning("worker thread is moving again: %s", name)
     elif alive:
-        log.error("engine step loop made no progress for %.1fs with work pending: not %s", stalled_s, name)
+        log.error("worker thread made no progress for %.1fs with work pending: not %s", stalled_s, name)
     else:
-        log.error("engine thread is not running: not %s", name)
+        log.error("worker thread is not running: not %s", name)
+
+
+async def set_alive(server: grpc_utils.GrpcServer, alive: bool) -> None:
+    """Liveness: the health service ``""`` of ``server``."""
+    status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
+    await server.health.set("", status)
