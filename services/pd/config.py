@@ -62,6 +62,8 @@ class PdConfig:
     # Embedding pushes in flight: their payload buffers together (MiB), and how many per caller address.
     max_push_buffer_mb: int = DEFAULT_MAX_BUFFER_BYTES >> 20
     max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER
+    # Generate calls in progress per caller address (waiting and running); 0 = only the queue's own bounds.
+    max_requests_per_peer: int = 0
     push_idle_timeout_s: float = 10.0  # a PushEmbedding stream that sends nothing this long is ended
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
@@ -102,6 +104,8 @@ class PdConfig:
             raise ValueError("embedding_cache_tokens must be positive")
         if self.max_push_buffer_mb <= 0 or self.max_pushes_per_peer <= 0:
             raise ValueError("max_push_buffer_mb and max_pushes_per_peer must be positive")
+        if self.max_requests_per_peer < 0:
+            raise ValueError("max_requests_per_peer must be >= 0 (0 = off)")
         if self.max_preallocations <= 0 or self.max_preallocations_per_peer <= 0:
             raise ValueError("max_preallocations and max_preallocations_per_peer must be positive")
         if self.max_items_per_request <= 0 or self.push_idle_timeout_s <= 0:

@@ -200,6 +200,15 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--max-requests-per-peer",
+        type=int,
+        default=0,
+        help="Generate calls in progress (waiting or running) per caller address; the next is RESOURCE_EXHAUSTED "
+        "with a retry hint, so that with several proxies one cannot take the whole queue (0 = off: the waiting "
+        "queue's own bounds only, right for one proxy)",
+    )
+    add(
+        parser,
         "--max-push-buffer-mb",
         type=int,
         default=DEFAULT_MAX_BUFFER_BYTES >> 20,
@@ -292,6 +301,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_preallocations_per_peer=args.max_preallocations_per_peer,
         max_push_buffer_mb=args.max_push_buffer_mb,
         max_pushes_per_peer=args.max_pushes_per_peer,
+        max_requests_per_peer=args.max_requests_per_peer,
         push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,

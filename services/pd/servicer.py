@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator
 
@@ -73,6 +74,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self.grammars = grammars
         self.uses_grids = uses_grids
         self.config = config
+        self._live_per_peer: collections.Counter[str] = collections.Counter()  # Generate calls per caller
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -139,43 +141,73 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         ) as line:
             try:
                 self._check_admitting()
-                engine_request = convert.request_from_pb(
-                    request,
-                    eos_token_ids=self.eos_token_ids,
-                    vocab_size=self.vocab_size,
-                    max_model_len=self.max_model_len,
-                    max_items=self.config.max_items_per_request,
-                    uses_grids=self.uses_grids,
-                )
-                await self._attach_grammar(engine_request)
-                events = await self.engine.add_request(engine_request)
+                peer = self._take_peer_slot(context)
             except EngineError as error:
                 await abort_with(context, error, line)
                 return
-            done = False
+            generation = self._generate(request, context, line)
             try:
-                while True:
-                    event = await events.get()
-                    if isinstance(event, TokenDelta):
-                        line.mark_first_token()
-                        line.add("completion_tokens", len(event.token_ids))
-                        yield convert.delta_to_pb(event)
-                    elif isinstance(event, Finished):
-                        done = True
-                        if event.status == RequestStatus.FINISHED_ABORTED:
-                            line.update(status="CANCELLED")
-                            await context.abort(grpc.StatusCode.CANCELLED, "request was aborted")
-                        final = convert.final_to_pb(event)
-                        line.update(status="OK", **_usage_fields(final))
-                        yield final
-                        return
-                    elif isinstance(event, Failed):
-                        done = True
-                        await abort_with(context, event.error, line)
+                async for message in generation:
+                    yield message
             finally:
-                # Client gone, deadline hit or server stopping: free everything.
-                if not done:
-                    self.engine.abort(engine_request.request_id)
+                await generation.aclose()  # its cleanup (the engine's abort) now, not when it is collected
+                self._live_per_peer[peer] -= 1
+                if not self._live_per_peer[peer]:
+                    del self._live_per_peer[peer]
+
+    def _take_peer_slot(self, context) -> str:
+        """Counts a Generate against its caller; RESOURCE_EXHAUSTED beyond ``--max-requests-per-peer``."""
+        peer = peer_address(context)
+        bound = self.config.max_requests_per_peer
+        if bound and self._live_per_peer[peer] >= bound:
+            raise EngineError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                "too many requests from this caller",
+                self.config.waiting_retry_after_ms / 1000,
+            )
+        self._live_per_peer[peer] += 1
+        return peer
+
+    async def _generate(self, request, context, line: AccessLine) -> AsyncIterator[epd_pb2.GenerateResponse]:
+        """One admitted Generate, from the request to its last message."""
+        try:
+            engine_request = convert.request_from_pb(
+                request,
+                eos_token_ids=self.eos_token_ids,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                max_items=self.config.max_items_per_request,
+                uses_grids=self.uses_grids,
+            )
+            await self._attach_grammar(engine_request)
+            events = await self.engine.add_request(engine_request)
+        except EngineError as error:
+            await abort_with(context, error, line)
+            return
+        done = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, TokenDelta):
+                    line.mark_first_token()
+                    line.add("completion_tokens", len(event.token_ids))
+                    yield convert.delta_to_pb(event)
+                elif isinstance(event, Finished):
+                    done = True
+                    if event.status == RequestStatus.FINISHED_ABORTED:
+                        line.update(status="CANCELLED")
+                        await context.abort(grpc.StatusCode.CANCELLED, "request was aborted")
+                    final = convert.final_to_pb(event)
+                    line.update(status="OK", **_usage_fields(final))
+                    yield final
+                    return
+                elif isinstance(event, Failed):
+                    done = True
+                    await abort_with(context, event.error, line)
+        finally:
+            # Client gone, deadline hit or server stopping: free everything.
+            if not done:
+                self.engine.abort(engine_request.request_id)
 
     async def _attach_grammar(self, request: Request) -> None:
         """Gives a constrained request its matcher, compiled on the compile thread (the engine thread
