@@ -54,16 +54,21 @@ def item_pixels(
     layout: PixelLayout,
     process_file: ProcessFile | None = None,
     cache_salt: str = "",
+    accept_pixel_values: bool = True,
 ) -> tuple[torch.Tensor, Grid | None]:
     """The processed pixels and patch grid of ``item``; ValueError unless they fit ``layout``.
 
     ``process_file`` is None where image files are not taken. It decodes and
     processes the image: call this off the event loop. An image file's
     ``mm_hash`` must be its hash under ``cache_salt`` (checked by the caller).
+    ``accept_pixel_values``: whether processed pixels are taken at all; their
+    ``mm_hash`` cannot be checked against them (it hashes the decoded image).
     """
     has_pixels, has_file = item.HasField("pixel_values"), bool(item.image_file)
     if has_pixels == has_file:
         raise ValueError(f"item {index}: exactly one of pixel_values and image_file is required")
+    if has_pixels and not accept_pixel_values:
+        raise ValueError(f"item {index}: send the image as image_file; this server does not take pixel_values")
     what = "pixel_values" if has_pixels else "image_file"
     try:
         grid = grid_from_pb(item)

@@ -74,6 +74,11 @@ class EncoderConfig:
     """Test-only fault injection in the pusher (``faults.py``); none by default."""
     security: InternalSecurity = NO_SECURITY
     """Internal transport: TLS/mTLS and token for the server and the pushes to PDs (``security.py``)."""
+    accept_pixel_values: bool = False
+    """Take processed pixel tensors (``EncodeItem.pixel_values``, as older proxies sent) besides image files.
+    Off: an image's ``mm_hash`` hashes the decoded image, which the encoder checks for a file but cannot for
+    processed pixels, so any caller with the token could have an honest encoder embed other pixels under a
+    popular image's hash and PD cache them."""
     pd_allow: PdAllowSpec = PdAllowSpec()
     """The PDs an Encode may name (``pd_allow.py``); the default allows loopback addresses only."""
 

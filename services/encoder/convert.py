@@ -66,12 +66,17 @@ def _check_id(value: str, what: str) -> str:
 
 
 def _parse_item(
-    item: epd_pb2.EncodeItem, index: int, layout: PixelLayout, process_file: ProcessFile | None, cache_salt: str
+    item: epd_pb2.EncodeItem,
+    index: int,
+    layout: PixelLayout,
+    process_file: ProcessFile | None,
+    cache_salt: str,
+    accept_pixel_values: bool,
 ) -> EncodeItemWork:
     mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
     reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
     try:
-        pixels, grid = item_pixels(item, index, layout, process_file, cache_salt)
+        pixels, grid = item_pixels(item, index, layout, process_file, cache_salt, accept_pixel_values)
     except ValueError as error:
         raise InvalidInput(str(error)) from None
     return EncodeItemWork(mm_hash=mm_hash, reservation_id=reservation_id, pixel_values=pixels, grid=grid)
@@ -95,12 +100,16 @@ def check_cache_salt(cache_salt: str) -> str:
 
 
 def parse_encode_request(
-    request: epd_pb2.EncodeRequest, layout: PixelLayout = PixelLayout(), process_file: ProcessFile | None = None
+    request: epd_pb2.EncodeRequest,
+    layout: PixelLayout = PixelLayout(),
+    process_file: ProcessFile | None = None,
+    accept_pixel_values: bool = True,
 ) -> EncodeWork:
     """Validates an ``EncodeRequest`` against the vision module's ``layout``; raises ``InvalidInput``.
 
     ``process_file`` turns image files into pixels (None: pixel_values only);
     it decodes and processes images, so call this off the event loop.
+    ``accept_pixel_values``: see ``EncoderConfig.accept_pixel_values``.
     """
     request_id = _check_id(request.request_id, "request_id")
     address = check_pd_address(request.pd_address)
@@ -108,7 +117,8 @@ def parse_encode_request(
     if not request.items:
         raise InvalidInput("items must not be empty")
     items = tuple(
-        _parse_item(item, index, layout, process_file, cache_salt) for index, item in enumerate(request.items)
+        _parse_item(item, index, layout, process_file, cache_salt, accept_pixel_values)
+        for index, item in enumerate(request.items)
     )
     return EncodeWork(request_id=request_id, pd_address=address, items=items)
 

@@ -99,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--warmup", default=defaults.warmup, help="run a blank-image forward before reporting ready")
     add(
         parser,
+        "--accept-pixel-values",
+        default=defaults.accept_pixel_values,
+        help="also take processed pixel tensors (older proxies); their mm_hash cannot be checked against the "
+        "image, so any caller with the internal token could plant an embedding under another image's hash",
+    )
+    add(
+        parser,
         "--grace",
         type=float,
         default=defaults.grace_s,
@@ -160,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         faults=Faults.parse(args.fault),
         security=security.from_args(args),
         pd_allow=PdAllowSpec.parse(args.pd_allow),
+        accept_pixel_values=args.accept_pixel_values,
     )
 
 

@@ -120,6 +120,7 @@ class EncoderServer:
             layout=vision.layout,
             process_file=vision.process_file,
             pd_allow=PdAllowList(config.pd_allow),
+            accept_pixel_values=config.accept_pixel_values,
         )
         _log_pd_allow(config.pd_allow)
 

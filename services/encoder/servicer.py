@@ -66,8 +66,10 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         layout: PixelLayout = PixelLayout(),
         process_file: ProcessFile | None = None,
         pd_allow: PdAllowList | None = None,
+        accept_pixel_values: bool = False,
     ) -> None:
         self._pd_allow = pd_allow or PdAllowList()  # loopback only unless configured
+        self._accept_pixel_values = accept_pixel_values  # EncoderConfig.accept_pixel_values
         self._layout = layout  # what the vision module takes: checked before anything is queued
         self._process_file = process_file  # image files -> pixels
         self._batcher = batcher
@@ -88,7 +90,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             if not await self._pd_allow.allows(check_pd_address(request.pd_address)):
                 raise PdNotAllowed("pd_address is not a PD this encoder may push to (--pd-allow)")
             # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
-            work = await asyncio.to_thread(parse_encode_request, request, self._layout, self._process_file)
+            work = await asyncio.to_thread(
+                parse_encode_request, request, self._layout, self._process_file, self._accept_pixel_values
+            )
             request_id = work.request_id
             outcomes = await self._encode_all(work, deadline, remaining)
             status = "OK"

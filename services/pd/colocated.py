@@ -191,6 +191,7 @@ def parse_encode_request(
     deadline: float,
     layout: PixelLayout = PixelLayout(),
     process_file: ProcessFile | None = None,
+    accept_pixel_values: bool = True,
 ) -> list[ColocatedItem]:
     """Validates an EncodeRequest into items; ``pd_address`` is not used (the reservations are ours).
 
@@ -205,7 +206,7 @@ def parse_encode_request(
         reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
         mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
         try:
-            pixels, grid = item_pixels(item, index, layout, process_file, cache_salt)
+            pixels, grid = item_pixels(item, index, layout, process_file, cache_salt, accept_pixel_values)
         except ValueError as error:
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
         items.append(ColocatedItem(request_id, reservation_id, mm_hash, pixels, deadline, grid))
@@ -215,8 +216,9 @@ def parse_encode_request(
 class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
     """``epd.v1.Encoder`` served by PD itself; reservations held by another PD are NOT_FOUND."""
 
-    def __init__(self, encoder: ColocatedEncoder) -> None:
+    def __init__(self, encoder: ColocatedEncoder, accept_pixel_values: bool = False) -> None:
         self._encoder = encoder
+        self._accept_pixel_values = accept_pixel_values  # PdConfig.accept_pixel_values
 
     async def Encode(self, request: epd_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> Any:
         start = time.perf_counter()
@@ -226,7 +228,9 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
         try:
             vision = self._encoder.vision
             # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
-            items = await asyncio.to_thread(parse_encode_request, request, deadline, vision.layout, vision.process_file)
+            items = await asyncio.to_thread(
+                parse_encode_request, request, deadline, vision.layout, vision.process_file, self._accept_pixel_values
+            )
             done = await self._encoder.encode(items)
             status = "OK"
         except EngineError as error:
@@ -257,15 +261,15 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
 class Colocated:
     """The colocated encoder of one PD: what ``start_pd`` registers, warms up and marks ready."""
 
-    def __init__(self, encoder: ColocatedEncoder) -> None:
+    def __init__(self, encoder: ColocatedEncoder, accept_pixel_values: bool = False) -> None:
         self.encoder = encoder
-        self._servicer = ColocatedEncoderServicer(encoder)
+        self._servicer = ColocatedEncoderServicer(encoder, accept_pixel_values)
 
     @classmethod
     async def load(cls, config: PdConfig, engine: EngineBridge) -> Colocated:
         """Loads the vision half off the event loop; serve it with ``register`` + ``become_ready``."""
         vision = await asyncio.to_thread(LoadedVision.load, config.model, config.device, config.dtype)
-        return cls(ColocatedEncoder(engine, vision))
+        return cls(ColocatedEncoder(engine, vision), config.accept_pixel_values)
 
     def register(self, server: grpc.aio.Server) -> None:
         epd_pb2_grpc.add_EncoderServicer_to_server(self._servicer, server)

@@ -69,6 +69,7 @@ class PdConfig:
     max_lease_ms: int = 600_000
     lease_sweep_interval_s: float = 0.25
     encoder: str = "remote"  # remote = encoder services push embeddings; local = colocated baseline
+    accept_pixel_values: bool = False  # local: also take processed pixels (EncoderConfig.accept_pixel_values)
     # lifecycle
     warmup: bool = True
     grace_s: float = 30.0

@@ -237,6 +237,13 @@ def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--warmup", default=True, help="generate one token before reporting ready")
     add(
         parser,
+        "--accept-pixel-values",
+        default=False,
+        help="with --encoder local: also take processed pixel tensors in Encode calls (older proxies); their "
+        "mm_hash cannot be checked against the image, so any caller with the token could plant an embedding",
+    )
+    add(
+        parser,
         "--encoder",
         default="remote",
         choices=["remote", "local"],
@@ -306,6 +313,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,
         encoder=args.encoder,
+        accept_pixel_values=args.accept_pixel_values,
         grace_s=args.grace,
         stall_timeout_s=args.stall_timeout_s,
         liveness_timeout_s=args.liveness_timeout_s,

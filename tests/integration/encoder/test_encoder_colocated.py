@@ -29,7 +29,9 @@ from services.pd.engine.errors import EngineError, ErrorKind
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    cluster = InProcessCluster(str(tiny_model_dir), num_encoders=0, with_proxy=False, pd={"encoder": "local"})
+    cluster = InProcessCluster(
+        str(tiny_model_dir), num_encoders=0, with_proxy=False, pd={"encoder": "local", "accept_pixel_values": True}
+    )
     cluster.start()
     yield cluster
     cluster.stop()

@@ -45,7 +45,15 @@ class Handoff:
         self.vision = load_vision(EncoderConfig(model=model_dir, device="cpu"))
         self.encoders = {}
         for name, faults in FAULTS.items():
-            config = EncoderConfig(model=model_dir, device="cpu", port=0, metrics_port=-1, faults=faults, grace_s=0)
+            config = EncoderConfig(
+                model=model_dir,
+                device="cpu",
+                port=0,
+                metrics_port=-1,
+                faults=faults,
+                grace_s=0,
+                accept_pixel_values=True,
+            )
             self.encoders[name] = self.cluster.run(start_encoder(config, vision=self.vision))
             self.cluster.encoders.append(self.encoders[name])  # leak checks and stop() cover them
         self.pd_address = self.cluster.pd_addresses[0]

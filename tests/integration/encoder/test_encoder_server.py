@@ -129,7 +129,9 @@ def fake_loaded_vision(vision: FakeVision) -> LoadedVision:
     )
 
 
-TEST_CONFIG = EncoderConfig(host="127.0.0.1", port=0, max_wait_ms=1.0, push_connect_timeout_s=1.0, grace_s=0.5)
+TEST_CONFIG = EncoderConfig(
+    host="127.0.0.1", port=0, max_wait_ms=1.0, push_connect_timeout_s=1.0, grace_s=0.5, accept_pixel_values=True
+)
 
 
 async def wait_idle(server: EncoderServer, timeout: float = 5.0) -> None:
@@ -588,3 +590,22 @@ async def _until(probe, wanted: bool, timeout: float = 5.0) -> None:
     while await probe() != wanted:
         assert time.monotonic() < end, f"health never became {wanted}"
         await asyncio.sleep(0.02)
+
+
+async def test_cache_poisoning_through_an_honest_encoder_by_processed_pixels_is_refused(cluster: Cluster) -> None:
+    """First review: PD's embedding cache could be poisoned through an honest encoder. An image file's
+    mm_hash is checked against the decoded image; processed pixels cannot be, so by default they are
+    refused before any vision work (an Encode naming a popular image's hash with other pixels)."""
+    vision = cluster.vision
+    encoder = await start_encoder(
+        dataclasses.replace(TEST_CONFIG, accept_pixel_values=False), vision=fake_loaded_vision(vision)
+    )
+    vision.reset_counts()
+    try:
+        async with grpc_utils.aio_channel(f"127.0.0.1:{encoder.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await epd_pb2_grpc.EncoderStub(channel).Encode(encode_request(cluster.pd_address, 1.0), timeout=10)
+    finally:
+        await encoder.stop(0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "image_file" in info.value.details()
+    assert vision.num_forwards == 0 and cluster.pd.num_calls == 0
