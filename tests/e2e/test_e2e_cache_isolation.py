@@ -17,7 +17,7 @@ import openai
 import pytest
 from cluster_support import InProcessCluster
 from oracle_support import Oracle, make_image, user_message
-from test_e2e_handoff_support import MAX_TOKENS, ProxyOnly
+from test_e2e_handoff_support import MAX_TOKENS, proxy_per_pd
 
 from services.proxy.cache_isolation import CacheIsolation
 
@@ -26,18 +26,8 @@ TENANTS = ("127.0.0.1", "127.0.0.2")
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
-    model_dir = str(tiny_model_dir)
-    cluster = InProcessCluster(model_dir, num_pds=2, with_proxy=False).start()
-    proxies = []
-    try:
-        for pd in cluster.pd_addresses:
-            proxy = ProxyOnly(model_dir, [pd], cluster.encoder_addresses, cache_isolation=CacheIsolation.PER_CLIENT)
-            proxies.append(proxy.start())
-        yield cluster, proxies
-    finally:
-        for proxy in proxies:
-            proxy.stop()
-        cluster.stop()
+    with proxy_per_pd(str(tiny_model_dir), cache_isolation=CacheIsolation.PER_CLIENT) as made:
+        yield made
 
 
 @pytest.fixture

@@ -12,23 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from cluster_support import InProcessCluster
 from oracle_support import Oracle, make_image, user_message
-from test_e2e_handoff_support import MAX_TOKENS, ProxyOnly, chat, client_for
+from test_e2e_handoff_support import MAX_TOKENS, chat, client_for, proxy_per_pd
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
-    model_dir = str(tiny_model_dir)
-    cluster = InProcessCluster(model_dir, num_pds=2, with_proxy=False).start()
-    encoders = cluster.encoder_addresses
-    proxies = []
-    try:
-        for pd in cluster.pd_addresses:
-            proxies.append(ProxyOnly(model_dir, [pd], encoders).start())
-        yield cluster, proxies
-    finally:
-        for proxy in proxies:
-            proxy.stop()
-        cluster.stop()
+    with proxy_per_pd(str(tiny_model_dir)) as made:
+        yield made
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ proxy's routing policy is.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -31,6 +33,21 @@ class ProxyOnly(InProcessCluster):
     @property
     def encoder_addresses(self) -> list[str]:
         return self._encoder_addresses
+
+
+@contextlib.contextmanager
+def proxy_per_pd(model_dir: str, **proxy: Any) -> Iterator[tuple[InProcessCluster, list[ProxyOnly]]]:
+    """Two PDs and an encoder in process, and one proxy per PD (each routes to its PD only) with ``proxy`` fields."""
+    cluster = InProcessCluster(model_dir, num_pds=2, with_proxy=False).start()
+    proxies: list[ProxyOnly] = []
+    try:
+        for pd in cluster.pd_addresses:
+            proxies.append(ProxyOnly(model_dir, [pd], cluster.encoder_addresses, **proxy).start())
+        yield cluster, proxies
+    finally:
+        for proxy_only in proxies:
+            proxy_only.stop()
+        cluster.stop()
 
 
 def client_for(cluster: InProcessCluster, timeout: float = 120) -> openai.OpenAI:
