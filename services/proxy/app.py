@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from services.common import launch_proof
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
+from services.common.video_files import VideoLimits
 from services.proxy import intake
 from services.proxy.backends import Backends
 from services.proxy.cache_isolation import tenant_salt
@@ -83,6 +84,7 @@ from services.proxy.sampling import (
 from services.proxy.schemas import (
     _SamplingFields,
 )
+from services.proxy.videos import video_refs
 from services.proxy.workers import WorkPool
 
 log = logging.getLogger(__name__)
@@ -179,7 +181,8 @@ async def chat_completions(request: Request) -> Response:
         await state.image_pool.run(state.preprocessor.chat_images, sources, salt, deadline=deadline) if sources else ()
     )
     del sources  # the image bytes are no longer needed
-    prompt = state.preprocessor.assemble(token_ids, images, salt)
+    videos = await intake.chat_videos(state, body, video_refs(messages), salt, deadline)
+    prompt = state.preprocessor.assemble(token_ids, images, salt, videos)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, _Checked(body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl", ignored))
 
@@ -274,6 +277,7 @@ async def _respond(
         state.served_model_name,
         state.decode_token,
         len(prompt.images),
+        num_video_tokens=prompt.num_video_tokens,
         return_token_ids=body.return_token_ids,
         hide_cache_details=config.hide_cache_details,
         echo_text=checked.echo_text,
@@ -461,6 +465,12 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             max_request_pixels=config.max_request_pixels,
             max_model_len=max_model_len,
             faults=config.faults,
+            video_limits=VideoLimits(
+                max_bytes=config.max_video_bytes,
+                max_seconds=config.max_video_seconds,
+                max_frames=config.max_video_frames,
+                max_frame_pixels=config.max_image_pixels,
+            ),
         )
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())

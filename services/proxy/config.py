@@ -46,6 +46,10 @@ class ProxyConfig:
     max_messages: int = 2048  # chat messages of one request, bounded before the body is parsed
     max_image_pixels: int = 4096 * 4096  # width × height, read from the header before decoding
     max_request_pixels: int = 2 * 4096 * 4096  # all images of one request together, from their headers
+    # one video, checked from its header before decoding (a frame's size is capped by max_image_pixels)
+    max_video_frames: int = 64  # sampled frames (also bounds mm_processor_kwargs' num_frames / max_frames)
+    max_video_seconds: float = 300.0
+    max_video_bytes: int = 32 * MIB
     max_model_len: int = 0  # prompt + completion cap; 0 = the model's (match PD's flag)
     max_tokens_limit: int = 16384  # largest max_tokens a client may ask for
     default_max_tokens: int = 1024  # when the client does not say (also capped by context room)
@@ -114,6 +118,9 @@ class ProxyConfig:
             "max_messages": self.max_messages,
             "max_image_pixels": self.max_image_pixels,
             "max_request_pixels": self.max_request_pixels,
+            "max_video_frames": self.max_video_frames,
+            "max_video_seconds": self.max_video_seconds,
+            "max_video_bytes": self.max_video_bytes,
             "image_threads": self.image_threads,
             "max_tokens_limit": self.max_tokens_limit,
             "default_max_tokens": self.default_max_tokens,

@@ -36,7 +36,7 @@ from typing import Any
 
 from services.common import cli_args
 
-WORKLOAD_NAMES = ("mixed", "multi-image", "repeat", "text")
+WORKLOAD_NAMES = ("mixed", "multi-image", "repeat", "text", "video")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="mixed",
         choices=list(WORKLOAD_NAMES),
         help="mixed: 10%% of requests carry 1-4 images; multi-image: 4 images each; repeat: 1 image each, 50%% "
-        "repeat an earlier one; text: no images",
+        "repeat an earlier one; text: no images; video: half the requests carry a 2-4 s clip, 50%% repeated "
+        "(Qwen2-VL family models)",
     )
     add(
         work,
