@@ -177,3 +177,49 @@ def test_eight_concurrent_mixed_text_image_video_requests(client, oracle):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda item: chat(client, item[1], stream=item[0] % 2 == 1), enumerate(requests)))
     assert [token_ids for token_ids, _ in results] == expected
+
+
+def _video_requests(image_processor) -> list[tuple[list[dict], list, list]]:
+    """Six requests: videos of both lengths, a video with an image, text; (content, references, images)."""
+    text = {"type": "text", "text": "Describe the clip."}
+    short, long = reference_video(SHORT, image_processor), reference_video(LONG, image_processor)
+    picture = {"type": "image_url", "image_url": {"url": data_url(make_image(31))}}
+    return [
+        ([video_part(SHORT), text], [short], []),
+        ([video_part(LONG, "webm"), text], [long], []),
+        ([picture, video_part(LONG, "webm"), text], [long], [make_image(31)]),
+        ([{"type": "text", "text": "A text request among videos."}], [], []),
+        ([video_part(SHORT), text, video_part(LONG, "webm")], [short, long], []),
+        ([video_part(LONG, "webm"), {"type": "text", "text": "Once more."}], [long], []),
+    ]
+
+
+@pytest.mark.parametrize(
+    "pd", [{"max_num_batched_tokens": 16}, {"num_kv_blocks": 0, "block_size": 16}], ids=["chunked", "preempted"]
+)
+def test_videos_through_chunked_prefill_and_preemption(build_model, oracle_for, pd):
+    """A 16-token step budget splits every video span across steps; a KV pool barely larger than the longest
+    request forces recompute preemption. Either way the output equals generate()."""
+    oracle = oracle_for("qwen2.5-vl-tiny")
+    requests = _video_requests(oracle.processor.image_processor)
+    expected = [
+        oracle.generate([{"role": "user", "content": content}], images, MAX_TOKENS, videos=refs or None)
+        for content, refs, images in requests
+    ]
+    if "num_kv_blocks" in pd:
+        longest = max(len(oracle.prompt_ids([{"role": "user", "content": c}], i)) for c, _, i in requests)
+        pd = {**pd, "num_kv_blocks": -(-(longest + 48 + MAX_TOKENS) // 16) + 1}  # + the tokens of the videos
+    cluster = InProcessCluster(str(build_model("qwen2.5-vl-tiny")), pd=pd).start()
+    try:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=300)
+        with client, ThreadPoolExecutor(len(requests)) as pool:
+            got = list(pool.map(lambda r: chat(client, r[0], stream=False)[0], requests))
+        assert got == expected
+        stats = cluster.run(cluster.pds[0].stats())
+        if "num_kv_blocks" in pd:
+            assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+        else:
+            assert stats.num_steps >= 2 * len(requests)
+        assert cluster.leaks() == {}
+    finally:
+        cluster.stop()
