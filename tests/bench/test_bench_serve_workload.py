@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 import json
 import statistics
 
+import av
 import pytest
 
 from services.bench.serve.workload import (
@@ -103,14 +106,6 @@ def test_lone_requests_carry_the_workloads_most_images():
 
 
 def test_the_video_workload_sends_short_clips_half_of_them_repeated():
-    import base64
-    import io
-    import json
-
-    import av
-
-    from services.bench.serve.workload import encode_bodies
-
     specs = requests("video", count=40)
     with_video = [spec for spec in specs if spec.images]
     assert 10 < len(with_video) < 30 and all(len(spec.images) == 1 and spec.images[0].video for spec in with_video)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import math
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -188,3 +190,26 @@ def test_a_model_without_videos_refuses_a_video_item(tiny_model_dir):
     item.video_sampling.fps = 2.0
     with pytest.raises(ValueError, match="takes no videos"):
         item_pixels(item, 0, adapter.pixel_layout(), process_file)
+
+
+def _audio_only_webm() -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="webm") as container:
+        stream = container.add_stream("libopus", rate=48000)
+        for index in range(5):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 960), dtype=np.float32), format="flt", layout="mono")
+            frame.sample_rate, frame.pts = 48000, index * 960
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def test_a_file_without_a_video_stream_is_refused():
+    with pytest.raises(CorruptVideoError, match="no video stream"):
+        probe(_audio_only_webm(), VideoLimits())
+
+
+def test_a_webm_cut_before_its_first_frame_has_no_frames():
+    webm = make_video(1, num_frames=12, fmt="webm")
+    with pytest.raises(CorruptVideoError, match="no frames"):
+        probe(webm[: len(webm) // 2], VideoLimits())
