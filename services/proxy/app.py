@@ -28,7 +28,6 @@ from starlette.responses import JSONResponse, Response
 from services.common import launch_proof
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
-from services.common.video_files import VideoLimits
 from services.proxy import intake
 from services.proxy.backends import Backends
 from services.proxy.cache_isolation import tenant_salt
@@ -465,12 +464,7 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             max_request_pixels=config.max_request_pixels,
             max_model_len=max_model_len,
             faults=config.faults,
-            video_limits=VideoLimits(
-                max_bytes=config.max_video_bytes,
-                max_seconds=config.max_video_seconds,
-                max_frames=config.max_video_frames,
-                max_frame_pixels=config.max_image_pixels,
-            ),
+            video_limits=config.video_limits(),
         )
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())

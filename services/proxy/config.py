@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
+from services.common.video_files import VideoLimits
 from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.discovery import parse_target
 from services.proxy.faults import NO_FAULTS, ProxyFaults
@@ -92,6 +93,15 @@ class ProxyConfig:
     # (/metrics on the public port, behind the API key when one is set).
     metrics_port: int = -1
     metrics_host: str = ""  # "" = host
+
+    def video_limits(self) -> VideoLimits:
+        """The bounds of one video (``--max-video-*``; a frame's size is an image's, ``--max-image-pixels``)."""
+        return VideoLimits(
+            max_bytes=self.max_video_bytes,
+            max_seconds=self.max_video_seconds,
+            max_frames=self.max_video_frames,
+            max_frame_pixels=self.max_image_pixels,
+        )
 
     def __post_init__(self) -> None:
         # Normalise lists passed by callers into tuples so the config stays hashable.
