@@ -108,8 +108,8 @@ def _case(name: str, image_processor):
 RUNS = {
     "qwen2.5": ["one_video", "video_and_image", "two_videos", "frames", "num_frames"],
     "qwen2.5-colocated": ["one_video", "video_and_image", "two_videos"],
-    "qwen2": ["one_video", "two_videos"],
-    "qwen2-colocated": ["one_video"],
+    "qwen2": ["one_video", "video_and_image", "two_videos"],
+    "qwen2-colocated": ["one_video", "two_videos"],
 }
 
 
