@@ -213,3 +213,19 @@ def test_a_webm_cut_before_its_first_frame_has_no_frames():
     webm = make_video(1, num_frames=12, fmt="webm")
     with pytest.raises(CorruptVideoError, match="no frames"):
         probe(webm[: len(webm) // 2], VideoLimits())
+
+
+def _with_frames_zeroed(data: bytes, start_fraction: float) -> bytes:
+    """``data`` (an MP4 whose index follows its frames) with its frame bytes zeroed from ``start_fraction`` on."""
+    mdat, moov = data.find(b"mdat"), data.find(b"moov")
+    start = mdat + 4 + int((moov - mdat) * start_fraction)
+    return data[:start] + bytes(moov - 8 - start) + data[moov - 8 :]
+
+
+def test_zeroed_frame_data_is_refused_before_or_while_decoding():
+    with pytest.raises(CorruptVideoError, match="no frame size"):  # the first frame carries the codec header
+        probe(_with_frames_zeroed(CLIP, 0.0), VideoLimits())
+    damaged = _with_frames_zeroed(CLIP, 0.5)
+    assert probe(damaged, VideoLimits()).num_frames == 12  # the index is intact: packets count as frames
+    with pytest.raises(CorruptVideoError, match="truncated or corrupt"):
+        decode_frames(damaged, VideoLimits(), Sampling(num_frames=12))
