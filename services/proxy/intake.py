@@ -66,6 +66,8 @@ def read_chat(state: ProxyState, raw: bytes) -> tuple[ChatCompletionRequest, lis
     urls = image_urls(messages)
     state.preprocessor.check_image_count(len(urls))
     check_videos(state.preprocessor.adapter, len(video_refs(messages)), state.preprocessor.max_images)
+    if body.mm_processor_kwargs is not None:  # checked even without a video: nothing is silently dropped
+        sampling_options(body.mm_processor_kwargs, state.preprocessor.video_limits.max_frames, 1)
     return body, ignored, messages, urls
 
 

@@ -74,6 +74,7 @@ CASES = [
         "invalid_request",
     ),
     ("unknown_option", chat(video_part(CLIP), mm_processor_kwargs={SECRET: 1}), 400, "invalid_request"),
+    ("unknown_option_without_video", chat(SECRET, mm_processor_kwargs={SECRET: 1}), 400, "invalid_request"),
     ("fps_zero", chat(video_part(CLIP), mm_processor_kwargs={"fps": 0}), 400, "invalid_request"),
     (
         "frames_of_mixed_size",
