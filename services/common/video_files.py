@@ -50,6 +50,8 @@ class VideoLimits:
     max_seconds: float = 600.0
     max_frames: int = 768  # sampled frames
     max_frame_pixels: int = 4096 * 4096
+    # width x height x sampled frames: what decoding holds at once (3 bytes a pixel), 4 GiB-class frames never
+    max_total_pixels: int = 4 * 4096 * 4096
 
     @property
     def max_total_frames(self) -> int:
@@ -132,6 +134,11 @@ def decode_frames(data: bytes, limits: VideoLimits, sampling: Sampling) -> tuple
         raise CorruptVideoError("The video has too few frames to sample.")
     if len(indices) > limits.max_frames:
         raise VideoLimitError(f"The video would be sampled to {len(indices)} frames; the limit is {limits.max_frames}.")
+    total = len(indices) * info.width * info.height
+    if total > limits.max_total_pixels:
+        raise VideoLimitError(
+            f"The video's sampled frames have {total} pixels; the limit is {limits.max_total_pixels}."
+        )
     return _decode(data, limits, indices), info
 
 

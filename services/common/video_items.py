@@ -67,12 +67,18 @@ def sample_video(
         raise video_files.CorruptVideoError("The video has no frames.")
     if len(frame_files) > limits.max_frames:
         raise video_files.VideoLimitError(f"The video has more than {limits.max_frames} frames.")
+    sizes = [image_files.image_size(data, limits.max_frame_pixels) for data in frame_files]  # headers only
+    if len(set(sizes)) != 1:
+        raise video_files.CorruptVideoError("The video's frames must all have the same size.")
+    total = len(sizes) * sizes[0][0] * sizes[0][1]
+    if total > limits.max_total_pixels:
+        raise video_files.VideoLimitError(
+            f"The video's frames have {total} pixels; the limit is {limits.max_total_pixels}."
+        )
     frames: list[Image.Image] = []
     try:
         for data in frame_files:
             frames.append(image_files.decode_image_bytes(data, limits.max_frame_pixels))
-            if frames[-1].size != frames[0].size:
-                raise video_files.CorruptVideoError("The video's frames must all have the same size.")
     except ValueError:
         SampledVideo(frames, 1.0).close()
         raise

@@ -95,12 +95,14 @@ class ProxyConfig:
     metrics_host: str = ""  # "" = host
 
     def video_limits(self) -> VideoLimits:
-        """The bounds of one video (``--max-video-*``; a frame's size is an image's, ``--max-image-pixels``)."""
+        """The bounds of one video (``--max-video-*``; a frame's size is an image's, ``--max-image-pixels``, and
+        its sampled frames together are at most a request's images, ``--max-request-pixels``)."""
         return VideoLimits(
             max_bytes=self.max_video_bytes,
             max_seconds=self.max_video_seconds,
             max_frames=self.max_video_frames,
             max_frame_pixels=self.max_image_pixels,
+            max_total_pixels=self.max_request_pixels,
         )
 
     def __post_init__(self) -> None:

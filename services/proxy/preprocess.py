@@ -240,7 +240,9 @@ class Preprocessor:
         self.text_limit = TextLimit(self.tokenizer, max_model_len or adapter.max_model_len)
         self._settings = adapter.processor_settings()
         self._tokenizer_lock = threading.Lock()
-        self.video_limits = video_limits or VideoLimits(max_frame_pixels=max_image_pixels)
+        self.video_limits = video_limits or VideoLimits(
+            max_frame_pixels=max_image_pixels, max_total_pixels=self.max_request_pixels
+        )
         self.videos = VideoStage(adapter, self.video_limits)
 
     def check_image_count(self, num_images: int) -> None:

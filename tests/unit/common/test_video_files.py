@@ -229,3 +229,10 @@ def test_zeroed_frame_data_is_refused_before_or_while_decoding():
     assert probe(damaged, VideoLimits()).num_frames == 12  # the index is intact: packets count as frames
     with pytest.raises(CorruptVideoError, match="truncated or corrupt"):
         decode_frames(damaged, VideoLimits(), Sampling(num_frames=12))
+
+
+def test_the_sampled_frames_pixels_together_are_bounded_before_decoding():
+    limits = VideoLimits(max_total_pixels=48 * 32 * 5)  # CLIP samples 6 frames of 48x32 at 2 fps
+    with pytest.raises(VideoLimitError, match="sampled frames have 9216 pixels; the limit is 7680"):
+        decode_frames(CLIP, limits, Sampling(fps=2.0))
+    assert len(decode_frames(CLIP, limits, Sampling(num_frames=4))[0]) == 4

@@ -132,3 +132,9 @@ def test_the_frames_form_has_its_own_limits():
         video_items.sample_video(b"", (frame,) * 3, Sampling(), limits)
     with pytest.raises(CorruptVideoError, match="no frames"):
         video_items.sample_video(b"", (), Sampling(), limits)
+
+
+def test_the_frames_forms_pixels_together_are_bounded_from_their_headers():
+    frame = base64.b64decode(data_url(make_image(1, (32, 32))).split(",", 1)[1])
+    with pytest.raises(VideoLimitError, match="3072 pixels; the limit is 2048"):
+        video_items.sample_video(b"", (frame,) * 3, Sampling(), VideoLimits(max_total_pixels=2048))
