@@ -236,3 +236,15 @@ def test_the_sampled_frames_pixels_together_are_bounded_before_decoding():
     with pytest.raises(VideoLimitError, match="sampled frames have 9216 pixels; the limit is 7680"):
         decode_frames(CLIP, limits, Sampling(fps=2.0))
     assert len(decode_frames(CLIP, limits, Sampling(num_frames=4))[0]) == 4
+
+
+def test_a_video_hash_is_salted_per_tenant_and_checked_under_the_calls_salt(qwen):
+    adapter, image_processor, process_file = qwen
+    sampling = Sampling(fps=2.0, max_frames=64)
+    salt = "ab" * 32
+    shared = _video_item(adapter, image_processor, CLIP, sampling)
+    salted = _video_item(adapter, image_processor, CLIP, sampling, salt)
+    assert salted.mm_hash != shared.mm_hash
+    item_pixels(salted, 0, adapter.pixel_layout(), process_file, salt)
+    with pytest.raises(ValueError, match="mm_hash is not the hash"):  # another tenant's entry
+        item_pixels(salted, 0, adapter.pixel_layout(), process_file)
