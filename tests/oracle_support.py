@@ -42,8 +42,9 @@ def _hf_messages(messages: list[dict]) -> list[dict]:
     for message in messages:
         content = message["content"]
         if isinstance(content, list):
+            kinds = {"image_url": "image", "video_url": "video"}
             content = [
-                {"type": "image"} if part["type"] == "image_url" else {"type": "text", "text": part["text"]}
+                {"type": kinds[part["type"]]} if part["type"] in kinds else {"type": "text", "text": part["text"]}
                 for part in content
             ]
         hf_messages.append({"role": message["role"], "content": content})
@@ -66,9 +67,14 @@ class Oracle:
         """The prompt's token ids, image placeholders expanded, as ``generate()`` sees them."""
         return self.inputs(messages, images)["input_ids"][0].tolist()
 
-    def generate(self, messages: list[dict], images: list[Image.Image], max_tokens: int, **options) -> list[int]:
-        """Greedy new tokens; ``options`` go to ``generate()`` (e.g. ``min_new_tokens``, ``eos_token_id``)."""
-        inputs = self.inputs(messages, images)
+    def generate(
+        self, messages: list[dict], images: list[Image.Image], max_tokens: int, videos: list | None = None, **options
+    ) -> list[int]:
+        """Greedy new tokens; ``options`` go to ``generate()`` (e.g. ``min_new_tokens``, ``eos_token_id``);
+        ``videos``: ``video_support.ReferenceVideo`` each, in prompt order (Qwen only)."""
+        inputs = self.inputs(messages, images, videos) if videos else self.inputs(messages, images)
+        if self.model_type != "qwen2_5_vl":
+            inputs.pop("second_per_grid_ts", None)  # Qwen2-VL spaces video frames by one position
         with self.lock, torch.inference_mode():
             output = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **options)
         return output[0, inputs["input_ids"].shape[1] :].tolist()
@@ -112,18 +118,34 @@ class _QwenInputs:
         )
         self.image_token = tokenizer.image_token
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token = tokenizer.video_token
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
 
-    def __call__(self, messages: list[dict], images: list[Image.Image]) -> dict:
+    def __call__(self, messages: list[dict], images: list[Image.Image], videos: list | None = None) -> dict:
         tokenizer, image_processor = self.processor.tokenizer, self.processor.image_processor
         text = tokenizer.apply_chat_template(_hf_messages(messages), add_generation_prompt=True, tokenize=False)
+        merge = image_processor.merge_size
         vision = {}
         if images:
             vision = dict(image_processor(images=images, return_tensors="pt"))
-            merge = image_processor.merge_size
-            parts = text.split(self.image_token)
-            assert len(parts) == len(images) + 1, "one image token per image"
             counts = [int(grid.prod()) // (merge * merge) for grid in vision["image_grid_thw"]]
-            text = parts[0] + "".join(self.image_token * n + rest for n, rest in zip(counts, parts[1:]))
+            text = _repeat(text, self.image_token, counts)
+        if videos:
+            # transformers' own Qwen2-VL video processor needs torchvision (not installed): the frames come
+            # from video_support's independent implementation of its rules.
+            vision["pixel_values_videos"] = torch.cat([video.pixel_values for video in videos])
+            vision["video_grid_thw"] = torch.stack([video.grid for video in videos])
+            vision["second_per_grid_ts"] = torch.tensor([video.second_per_grid_t for video in videos])
+            counts = [int(video.grid.prod()) // (merge * merge) for video in videos]
+            text = _repeat(text, self.video_token, counts)
         encoded = tokenizer(text, return_tensors="pt")
-        mm_token_type_ids = (encoded["input_ids"] == self.image_token_id).int()
+        ids = encoded["input_ids"]
+        mm_token_type_ids = (ids == self.image_token_id).int() + 2 * (ids == self.video_token_id).int()
         return {**encoded, **vision, "mm_token_type_ids": mm_token_type_ids}
+
+
+def _repeat(text: str, token: str, counts: list[int]) -> str:
+    """Each occurrence of ``token`` repeated ``counts[i]`` times."""
+    parts = text.split(token)
+    assert len(parts) == len(counts) + 1, "one placeholder per item"
+    return parts[0] + "".join(token * n + rest for n, rest in zip(counts, parts[1:]))

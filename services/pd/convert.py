@@ -7,7 +7,9 @@ engine only ever sees well-formed requests. Messages never echo input.
 from __future__ import annotations
 
 import json
+import math
 import re
+import struct
 import time
 from collections.abc import Mapping, Sequence
 
@@ -58,6 +60,7 @@ MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema, regex or grammar (the proxy's boun
 MAX_CHOICES = 256
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII: ids end up in logs and metadata
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_MAX_SECONDS_PER_PATCH = 3600.0  # a temporal patch is two frames: even 1 frame an hour is far below
 
 
 def _invalid(message: str) -> EngineError:
@@ -96,12 +99,15 @@ def spans_from_pb(
     *,
     max_items: int = MAX_ITEMS,
     uses_grids: bool | None = None,
+    tokens_per_second: float | None = None,
 ) -> list[MultiModalSpan]:
     """Validates image items: not too many, well-formed hashes, inside the prompt, sorted, non-overlapping.
 
     A grid, when set, must multiply to ``num_tokens``. ``uses_grids`` (the
     model's multimodal RoPE) requires every item to carry one (True) or none
-    (False); None accepts either.
+    (False); None accepts either. A video (``second_per_grid_t`` set) gets its
+    temporal step: ``tokens_per_second * second_per_grid_t`` (Qwen2.5-VL), 1
+    when the model has no such rate (Qwen2-VL).
     """
     if len(items) > max_items:
         raise _invalid(f"at most {max_items} images per request")
@@ -116,9 +122,29 @@ def spans_from_pb(
             raise _invalid(f"item {index}: image spans must be sorted and must not overlap")
         if item.offset + item.num_tokens > prompt_len:
             raise _invalid(f"item {index}: image span extends past the prompt")
-        spans.append(MultiModalSpan(item.mm_hash, item.offset, item.num_tokens, _grid(item, index, uses_grids)))
+        grid = _grid(item, index, uses_grids)
+        step = video_time_step(item, index, grid, tokens_per_second)
+        spans.append(MultiModalSpan(item.mm_hash, item.offset, item.num_tokens, grid, step))
         end = item.offset + item.num_tokens
     return spans
+
+
+def video_time_step(
+    item: epd_pb2.MultiModalItem, index: int, grid: tuple[int, int, int] | None, tokens_per_second: float | None
+) -> float:
+    """The spacing of an item's temporal positions: 1 for an image; for a video (``second_per_grid_t`` set)
+    ``tokens_per_second * second_per_grid_t`` in float32, or 1 for a model without a rate (Qwen2-VL)."""
+    if not item.HasField("second_per_grid_t"):
+        return 1.0
+    seconds = item.second_per_grid_t
+    if grid is None:
+        raise _invalid(f"item {index}: a video needs a grid")
+    if not (math.isfinite(seconds) and 0 < seconds <= _MAX_SECONDS_PER_PATCH):
+        raise _invalid(f"item {index}: second_per_grid_t must be in (0, {_MAX_SECONDS_PER_PATCH}]")
+    if tokens_per_second is None:
+        return 1.0
+    # transformers multiplies the config's rate by a float32 tensor: the step is a float32.
+    return struct.unpack("f", struct.pack("f", tokens_per_second * seconds))[0]
 
 
 def _grid(item: epd_pb2.MultiModalItem, index: int, uses_grids: bool | None) -> tuple[int, int, int] | None:
@@ -232,6 +258,7 @@ def request_from_pb(
     max_model_len: int,
     max_items: int = MAX_ITEMS,
     uses_grids: bool | None = None,
+    tokens_per_second: float | None = None,
 ) -> Request:
     """Builds an engine ``Request`` from a validated ``GenerateRequest``.
 
@@ -252,7 +279,13 @@ def request_from_pb(
         request_id=message.request_id,
         prompt_token_ids=prompt,
         sampling=sampling,
-        mm_spans=spans_from_pb(message.mm_items, len(prompt), max_items=max_items, uses_grids=uses_grids),
+        mm_spans=spans_from_pb(
+            message.mm_items,
+            len(prompt),
+            max_items=max_items,
+            uses_grids=uses_grids,
+            tokens_per_second=tokens_per_second,
+        ),
         eos_token_ids=eos_token_ids,
         cache_salt=cache_salt,
     )

@@ -214,6 +214,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         "vocab_size": int(model.config.vocab_size),
         "max_model_len": max_model_len,
         "uses_mrope": adapter.uses_mrope,
+        "tokens_per_second": adapter.tokens_per_second,
         "model_id": adapter.model_id,
         "num_kv_blocks": num_blocks,
         "num_cuda_graphs": runner.static_decoder.num_graphs if runner.static_decoder is not None else 0,
@@ -277,6 +278,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         max_model_len=facts["max_model_len"],
         uses_grids=facts["uses_mrope"],
         grammars=facts["grammars"],
+        tokens_per_second=facts["tokens_per_second"],
     )
 
     def register(grpc_server) -> None:

@@ -66,13 +66,16 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         max_model_len: int,
         uses_grids: bool | None = None,
         grammars: GrammarCompiler | None = None,
+        tokens_per_second: float | None = None,
     ):
         """``uses_grids``: the model's multimodal RoPE needs every image item's grid (True), takes
         none (False); None accepts either (servers without a model, such as the transfer bench).
-        ``grammars`` compiles structured-output constraints; None refuses them (FAILED_PRECONDITION)."""
+        ``grammars`` compiles structured-output constraints; None refuses them (FAILED_PRECONDITION).
+        ``tokens_per_second``: the model's temporal rate for video positions (Qwen2.5-VL); None = 1 a patch."""
         self.engine = engine
         self.grammars = grammars
         self.uses_grids = uses_grids
+        self.tokens_per_second = tokens_per_second
         self.config = config
         self._live_per_peer: collections.Counter[str] = collections.Counter()  # Generate calls per caller
         self.eos_token_ids = eos_token_ids
@@ -108,6 +111,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                     len(request.prompt_token_ids),
                     max_items=self.config.max_items_per_request,
                     uses_grids=self.uses_grids,
+                    tokens_per_second=self.tokens_per_second,
                 )
                 lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
                 remaining = context.time_remaining()
@@ -178,6 +182,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 max_model_len=self.max_model_len,
                 max_items=self.config.max_items_per_request,
                 uses_grids=self.uses_grids,
+                tokens_per_second=self.tokens_per_second,
             )
             await self._attach_grammar(engine_request)
             events = await self.engine.add_request(engine_request)

@@ -83,6 +83,7 @@ from services.proxy.sampling import (
 from services.proxy.schemas import (
     _SamplingFields,
 )
+from services.proxy.videos import video_refs
 from services.proxy.workers import WorkPool
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,8 @@ async def chat_completions(request: Request) -> Response:
         await state.image_pool.run(state.preprocessor.chat_images, sources, salt, deadline=deadline) if sources else ()
     )
     del sources  # the image bytes are no longer needed
-    prompt = state.preprocessor.assemble(token_ids, images, salt)
+    videos = await intake.chat_videos(state, body, video_refs(messages), salt, deadline)
+    prompt = state.preprocessor.assemble(token_ids, images, salt, videos)
     trace.preprocess_ms = (time.monotonic() - trace.started) * 1000
     return await _generate(request, state, _Checked(body, prompt, trace, timeout_s, ChatFormatter, "chatcmpl", ignored))
 
@@ -274,6 +276,7 @@ async def _respond(
         state.served_model_name,
         state.decode_token,
         len(prompt.images),
+        num_video_tokens=prompt.num_video_tokens,
         return_token_ids=body.return_token_ids,
         hide_cache_details=config.hide_cache_details,
         echo_text=checked.echo_text,
@@ -461,6 +464,7 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
             max_request_pixels=config.max_request_pixels,
             max_model_len=max_model_len,
             faults=config.faults,
+            video_limits=config.video_limits(),
         )
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())

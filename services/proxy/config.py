@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
+from services.common.video_files import VideoLimits
 from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.discovery import parse_target
 from services.proxy.faults import NO_FAULTS, ProxyFaults
@@ -47,6 +48,10 @@ class ProxyConfig:
     max_messages: int = 2048  # chat messages of one request, bounded before the body is parsed
     max_image_pixels: int = 4096 * 4096  # width × height, read from the header before decoding
     max_request_pixels: int = 2 * 4096 * 4096  # all images of one request together, from their headers
+    # one video, checked from its header before decoding (a frame's size is capped by max_image_pixels)
+    max_video_frames: int = 64  # sampled frames (also bounds mm_processor_kwargs' num_frames / max_frames)
+    max_video_seconds: float = 300.0
+    max_video_bytes: int = 32 * MIB
     max_model_len: int = 0  # prompt + completion cap; 0 = the model's (match PD's flag)
     max_tokens_limit: int = 16384  # largest max_tokens a client may ask for
     default_max_tokens: int = 1024  # when the client does not say (also capped by context room)
@@ -90,6 +95,17 @@ class ProxyConfig:
     metrics_port: int = -1
     metrics_host: str = ""  # "" = host
 
+    def video_limits(self) -> VideoLimits:
+        """The bounds of one video (``--max-video-*``; a frame's size is an image's, ``--max-image-pixels``, and
+        its sampled frames together are at most a request's images, ``--max-request-pixels``)."""
+        return VideoLimits(
+            max_bytes=self.max_video_bytes,
+            max_seconds=self.max_video_seconds,
+            max_frames=self.max_video_frames,
+            max_frame_pixels=self.max_image_pixels,
+            max_total_pixels=self.max_request_pixels,
+        )
+
     def __post_init__(self) -> None:
         # Normalise lists passed by callers into tuples so the config stays hashable.
         object.__setattr__(self, "pd_addresses", tuple(self.pd_addresses))
@@ -115,6 +131,9 @@ class ProxyConfig:
             "max_messages": self.max_messages,
             "max_image_pixels": self.max_image_pixels,
             "max_request_pixels": self.max_request_pixels,
+            "max_video_frames": self.max_video_frames,
+            "max_video_seconds": self.max_video_seconds,
+            "max_video_bytes": self.max_video_bytes,
             "image_threads": self.image_threads,
             "max_tokens_limit": self.max_tokens_limit,
             "default_max_tokens": self.default_max_tokens,

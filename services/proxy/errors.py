@@ -164,6 +164,44 @@ class TooManyPixelsError(ImageError):
     code = "too_many_image_pixels"
 
 
+class VideoError(RequestError):
+    """Base of everything wrong with one video of a request (``param``: video_url or mm_processor_kwargs)."""
+
+    code = "invalid_video"
+
+
+class InvalidVideoUrlError(VideoError):
+    """Not a ``data:video/...;base64,`` URL (MP4, WebM, QuickTime, Matroska), a list of image URLs, nor a
+    URL this server may fetch."""
+
+    code = "invalid_video_url"
+
+
+class UnsupportedVideoFormatError(VideoError):
+    """Not an MP4/QuickTime or Matroska/WebM file, or a codec that is not decoded."""
+
+    code = "unsupported_video_format"
+
+
+class VideoTooLargeError(VideoError):
+    """Over ``--max-video-bytes``, ``--max-video-seconds``, ``--max-video-frames`` or the frame-size cap
+    (known from the header, before decoding)."""
+
+    code = "video_too_large"
+
+
+class InvalidVideoDataError(VideoError):
+    """The video's header or data is truncated or corrupt, or it has too few frames."""
+
+    code = "invalid_video_data"
+
+
+class VideoNotSupportedError(VideoError):
+    """The served model takes no videos (LLaVA)."""
+
+    code = "video_not_supported"
+
+
 class TooManyImagesError(RequestError):
     """More images in one request than ``max_images_per_request``."""
 

@@ -38,6 +38,7 @@ EXTENSIONS = (
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "chat_template_kwargs",
+    "mm_processor_kwargs",
     "cache_salt",
     "structured_outputs",
     "guided_json",

@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
-from services.proxy.errors import ApiError, deadline_during_body
+from services.proxy.errors import ApiError, InvalidVideoUrlError, deadline_during_body
 from services.proxy.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
 from services.proxy.http_util import check_message_count, parse_body, read_body
+from services.proxy.media import image_sources
 from services.proxy.preprocess import image_urls
 from services.proxy.sampling import check_logit_bias, check_stop_token_ids, check_supported
 from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.proxy.videos import ProcessedVideo, VideoRef, check_videos, sampling_options, video_refs
 
 if TYPE_CHECKING:
     from services.proxy.app import ProxyState
@@ -63,7 +65,32 @@ def read_chat(state: ProxyState, raw: bytes) -> tuple[ChatCompletionRequest, lis
     messages = body.messages_as_dicts()
     urls = image_urls(messages)
     state.preprocessor.check_image_count(len(urls))
+    check_videos(state.preprocessor.adapter, len(video_refs(messages)), state.preprocessor.max_images)
+    if body.mm_processor_kwargs is not None:  # checked even without a video: nothing is silently dropped
+        sampling_options(body.mm_processor_kwargs, state.preprocessor.video_limits.max_frames, 1)
     return body, ignored, messages, urls
+
+
+async def chat_videos(
+    state: ProxyState, body: ChatCompletionRequest, refs: list[VideoRef], cache_salt: str, deadline: float
+) -> tuple[ProcessedVideo, ...]:
+    """The video stage of a chat request: sampling options checked, remote URLs fetched (as images are),
+    then headers, frames and hashes on the image pool."""
+    if not refs:
+        return ()
+    preprocessor = state.preprocessor
+    temporal = int(getattr(preprocessor.processor.image_processor, "temporal_patch_size", 1))
+    sampling = sampling_options(body.mm_processor_kwargs, preprocessor.video_limits.max_frames, temporal)
+    flat = [url for ref in refs for url in ([ref] if isinstance(ref, str) else ref)]
+    if state.fetcher is None and any(not url.startswith("data:") for url in flat):
+        raise InvalidVideoUrlError("Only data: URLs are accepted (remote URLs are disabled).", "video_url")
+    fetched = await image_sources(flat, state.fetcher, deadline - time.monotonic())
+    sources: list[str | bytes | list[str | bytes]] = []
+    for ref in refs:  # back into one source per video: a URL's bytes, or a frame list
+        taken = 1 if isinstance(ref, str) else len(ref)
+        sources.append(fetched[0] if isinstance(ref, str) else fetched[:taken])
+        fetched = fetched[taken:]
+    return await state.image_pool.run(preprocessor.chat_videos, sources, sampling, cache_salt, deadline=deadline)
 
 
 def read_completion(state: ProxyState, raw: bytes) -> tuple[CompletionRequest, list[str]]:

@@ -117,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most chat messages in one request (and 16 content parts a message), counted in the raw body before "
         "it is parsed, so a body of many small messages costs no parsing to refuse",
     )
+    add(parser, "--max-video-frames", type=int, default=64, help="most frames sampled of one video")
+    add(parser, "--max-video-seconds", type=float, default=300.0, help="longest video (from its header)")
+    add(parser, "--max-video-bytes", type=int, default=32 * MIB, help="largest video file")
     add(
         parser,
         "--max-image-pixels",
@@ -294,6 +297,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_messages=args.max_messages,
         max_image_pixels=args.max_image_pixels,
         max_request_pixels=args.max_request_pixels,
+        max_video_frames=args.max_video_frames,
+        max_video_seconds=args.max_video_seconds,
+        max_video_bytes=args.max_video_bytes,
         max_model_len=args.max_model_len,
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,

@@ -17,6 +17,7 @@ from services.common.grids import grid_to_pb
 from services.common.hashing import hash_settings, mm_hash
 from services.common.models.processing import UnsupportedImageError
 from services.common.pb import epd_pb2
+from services.common.video_files import Sampling, VideoLimits
 from services.proxy.errors import (
     ImageError,
     PlaceholderMismatchError,
@@ -27,6 +28,7 @@ from services.proxy.errors import (
 from services.proxy.faults import NO_FAULTS, ProxyFaults
 from services.proxy.images import data_url_payload, decode_image_bytes, image_size
 from services.proxy.text_limits import TextLimit
+from services.proxy.videos import ProcessedVideo, VideoStage
 
 
 class Adapter(Protocol):
@@ -53,9 +55,12 @@ class ImageItem:
     # encoder, the same grid in LM tokens (t*h*w == num_tokens) to PD.
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
+    video: ProcessedVideo | None = None  # set when the item is a video (image_file is then empty)
 
     def encode_item_pb(self, reservation_id: str) -> epd_pb2.EncodeItem:
-        """The encoder's item for this image."""
+        """The encoder's item for this image or video."""
+        if self.video is not None:
+            return self.video.encode_item_pb(reservation_id)
         return epd_pb2.EncodeItem(
             mm_hash=self.mm_hash,
             reservation_id=reservation_id,
@@ -74,12 +79,21 @@ class Prompt:
 
     @property
     def num_image_tokens(self) -> int:
+        """Tokens of images and videos (embedding rows)."""
         return sum(item.num_tokens for item in self.images)
+
+    @property
+    def num_video_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.images if item.video is not None)
 
     def mm_items_pb(self) -> list[epd_pb2.MultiModalItem]:
         return [
             epd_pb2.MultiModalItem(
-                mm_hash=i.mm_hash, offset=i.offset, num_tokens=i.num_tokens, grid=grid_to_pb(i.token_grid)
+                mm_hash=i.mm_hash,
+                offset=i.offset,
+                num_tokens=i.num_tokens,
+                grid=grid_to_pb(i.token_grid),
+                second_per_grid_t=None if i.video is None else i.video.second_per_grid_t,
             )
             for i in self.images
         ]
@@ -107,24 +121,35 @@ def expand_placeholders(
     image tokens in ``token_ids`` must equal ``len(counts)``: an extra one
     means the text itself contained the image token.
     """
-    positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
-    if len(positions) != len(counts):
-        raise PlaceholderMismatchError(
-            f"The prompt has {len(positions)} image placeholders for {len(counts)} images; "
-            "text must not contain the image token.",
-            "messages",
-        )
-    if any(count <= 0 for count in counts):
-        raise ValueError("every image must expand to at least one token")
+    expanded, offsets = expand_media(token_ids, {image_token_id: counts})
+    return expanded, offsets[image_token_id]
+
+
+def expand_media(
+    token_ids: Sequence[int], placeholders: Mapping[int, Sequence[int]]
+) -> tuple[list[int], dict[int, list[int]]]:
+    """``expand_placeholders`` for several placeholder ids at once (images and videos): each id's i-th
+    occurrence becomes ``placeholders[id][i]`` copies; returns the ids and each placeholder's offsets."""
+    found = [token for token in token_ids if token in placeholders]
+    for token, counts in placeholders.items():
+        if found.count(token) != len(counts):
+            raise PlaceholderMismatchError(
+                f"The prompt has {found.count(token)} placeholders for {len(counts)} images or videos; "
+                "text must not contain the image or video token.",
+                "messages",
+            )
+    pending = {token: iter(counts) for token, counts in placeholders.items()}
+    offsets: dict[int, list[int]] = {token: [] for token in placeholders}
     expanded: list[int] = []
-    offsets: list[int] = []
-    start = 0
-    for position, count in zip(positions, counts):
-        expanded.extend(token_ids[start:position])
-        offsets.append(len(expanded))
-        expanded.extend([image_token_id] * count)
-        start = position + 1
-    expanded.extend(token_ids[start:])
+    for token in token_ids:
+        if token not in pending:
+            expanded.append(token)
+            continue
+        count = next(pending[token])
+        if count <= 0:
+            raise ValueError("every image must expand to at least one token")
+        offsets[token].append(len(expanded))
+        expanded.extend([token] * count)
     return expanded, offsets
 
 
@@ -152,12 +177,18 @@ def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         elif isinstance(content, str):
             parts = [{"type": "text", "text": content}]
         else:
-            parts = [
-                {"type": "image"} if part.get("type") == "image_url" else {"type": "text", "text": part["text"]}
-                for part in content
-            ]
+            parts = [_template_part(part) for part in content]
         converted.append({"role": message["role"], "content": parts})
     return converted
+
+
+def _template_part(part: Mapping[str, Any]) -> dict[str, Any]:
+    kind = part.get("type")
+    if kind == "image_url":
+        return {"type": "image"}
+    if kind == "video_url":
+        return {"type": "video"}
+    return {"type": "text", "text": part["text"]}
 
 
 @dataclass(frozen=True)
@@ -197,6 +228,7 @@ class Preprocessor:
         max_request_pixels: int | None = None,
         max_model_len: int | None = None,
         faults: ProxyFaults = NO_FAULTS,
+        video_limits: VideoLimits | None = None,
     ) -> None:
         self.adapter = adapter
         self.faults = faults  # test-only (services/proxy/faults.py)
@@ -208,6 +240,10 @@ class Preprocessor:
         self.text_limit = TextLimit(self.tokenizer, max_model_len or adapter.max_model_len)
         self._settings = adapter.processor_settings()
         self._tokenizer_lock = threading.Lock()
+        self.video_limits = video_limits or VideoLimits(
+            max_frame_pixels=max_image_pixels, max_total_pixels=self.max_request_pixels
+        )
+        self.videos = VideoStage(adapter, self.video_limits)
 
     def check_image_count(self, num_images: int) -> None:
         """Refuses more images than allowed (before any is fetched or decoded)."""
@@ -280,24 +316,37 @@ class Preprocessor:
         finally:
             image.close()  # the decoded pixels go now, not when the request ends
 
-    def assemble(self, token_ids: Sequence[int], images: Sequence[ProcessedImage], cache_salt: str = "") -> Prompt:
-        """Expands each image token of ``token_ids`` into its image's span; ``cache_salt`` must be the one
-        the images were hashed with."""
-        expanded, offsets = expand_placeholders(
-            token_ids, self.adapter.image_token_id, [image.num_tokens for image in images]
-        )
-        items = tuple(
-            ImageItem(
-                mm_hash=image.mm_hash,
-                offset=offset,
-                num_tokens=image.num_tokens,
-                image_file=image.image_file,
-                patch_grid=image.patch_grid,
-                token_grid=image.token_grid,
-            )
-            for image, offset in zip(images, offsets)
-        )
-        return Prompt(token_ids=expanded, images=items, cache_salt=cache_salt)
+    def chat_videos(
+        self, sources: Sequence[str | bytes | list[str | bytes]], sampling: Sampling, cache_salt: str = ""
+    ) -> tuple[ProcessedVideo, ...]:
+        """Video stage (``videos.VideoStage``): limits from headers first, then one video at a time."""
+        return self.videos.process(sources, sampling, cache_salt)
+
+    def assemble(
+        self,
+        token_ids: Sequence[int],
+        images: Sequence[ProcessedImage],
+        cache_salt: str = "",
+        videos: Sequence[ProcessedVideo] = (),
+    ) -> Prompt:
+        """Expands each image and video token of ``token_ids`` into its item's span; ``cache_salt`` must be
+        the one the items were hashed with."""
+        image_id, video_id = self.adapter.image_token_id, getattr(self.adapter, "video_token_id", None)
+        placeholders = {image_id: [image.num_tokens for image in images]}
+        if video_id is not None:
+            placeholders[video_id] = [video.num_tokens for video in videos]
+        expanded, offsets = expand_media(token_ids, placeholders)
+        items = [
+            ImageItem(image.mm_hash, offset, image.num_tokens, image.image_file, image.patch_grid, image.token_grid)
+            for image, offset in zip(images, offsets[image_id])
+        ]
+        if video_id is not None:
+            items += [
+                ImageItem(video.mm_hash, offset, video.num_tokens, b"", video.patch_grid, video.token_grid, video)
+                for video, offset in zip(videos, offsets[video_id])
+            ]
+        items.sort(key=lambda item: item.offset)
+        return Prompt(token_ids=expanded, images=tuple(items), cache_salt=cache_salt)
 
     def render(self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The chat template applied to ``messages``: one image token per image, generation prompt added;
@@ -319,8 +368,9 @@ class Preprocessor:
                 raise RequestError(f"Token ids must be in [0, {vocab_size}).", "prompt")
         if not token_ids:
             raise RequestError("The prompt is empty.", "prompt")
-        if self.adapter.image_token_id in token_ids:
-            raise PlaceholderMismatchError("Text-only prompts must not contain the image token.", "prompt")
+        media_ids = {self.adapter.image_token_id, getattr(self.adapter, "video_token_id", None)}
+        if any(token in media_ids for token in token_ids):
+            raise PlaceholderMismatchError("Text-only prompts must not contain the image or video token.", "prompt")
         return Prompt(token_ids=token_ids, cache_salt=cache_salt)
 
     def _encode(self, rendered: str) -> list[int]:

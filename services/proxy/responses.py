@@ -42,8 +42,9 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def usage_dict(usage: epd_pb2.Usage, trace: Trace, num_images: int) -> dict[str, Any]:
-    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` and the ``epd`` extension."""
+def usage_dict(usage: epd_pb2.Usage, trace: Trace, num_images: int, num_video_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` and the ``epd`` extension. PD counts every
+    embedding token as an image token; ``num_video_tokens`` of them were videos' (the proxy's count)."""
     timings = {
         "preprocess": _ms(trace.preprocess_ms),
         "preallocate": _ms(trace.preallocate_ms),
@@ -61,7 +62,8 @@ def usage_dict(usage: epd_pb2.Usage, trace: Trace, num_images: int) -> dict[str,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "epd": {
-            "image_tokens": usage.image_tokens,
+            "image_tokens": max(0, usage.image_tokens - num_video_tokens),
+            "video_tokens": num_video_tokens,
             "num_images": num_images,
             "num_images_ready": trace.num_images_ready,
             "num_encoder_cache_hits": trace.num_encoder_cache_hits,
@@ -79,6 +81,7 @@ class ResponseMeta:
     model: str
     decode_token: Callable[[int], str]  # token id -> its text (for logprobs)
     num_images: int = 0
+    num_video_tokens: int = 0  # prompt tokens that are video embeddings (usage.epd.video_tokens)
     return_token_ids: bool = False  # extension: each choice also carries "token_ids"
     hide_cache_details: bool = False  # --hide-cache-details: usage says nothing of what the caches did
     echo_text: str = ""  # completions' echo: the prompt's text, before each choice's own
@@ -291,7 +294,7 @@ def combined_usage(
     finals: Sequence[epd_pb2.GenerateResponse], traces: Sequence[Trace], meta: ResponseMeta
 ) -> dict[str, Any]:
     """Usage of a whole response: the prompt counted once, completions summed over the choices."""
-    usage = usage_dict(finals[0].usage, traces[0], meta.num_images)
+    usage = usage_dict(finals[0].usage, traces[0], meta.num_images, meta.num_video_tokens)
     if len(finals) > 1:
         usage["completion_tokens"] = sum(f.usage.completion_tokens for f in finals)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.proxy.cache_isolation import MAX_CACHE_SALT_CHARS
 
 _MAX_TEXT_PARTS = 1024  # per message; bounds work before the body reaches the tokenizer
+_MAX_FRAME_URLS = 768  # frames of one video given as images (transformers' Qwen2-VL max_frames)
 
 
 class _Body(BaseModel):
@@ -40,7 +41,18 @@ class ImagePart(_Body):
     image_url: ImageUrl
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoUrl(_Body):
+    """A video: a data/https URL, or its frames as image URLs (at most ``_MAX_FRAME_URLS``)."""
+
+    url: str | Annotated[list[str], Field(min_length=1, max_length=_MAX_FRAME_URLS)]
+
+
+class VideoPart(_Body):
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Body):
@@ -131,6 +143,8 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: str | None = Field(default=None, max_length=256)  # a cache hint; prefix caching is automatic
     # extension (vLLM): variables for the chat template (e.g. a model's ``enable_thinking``), checked in sampling.py
     chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
+    # extension (vLLM): video sampling (fps, num_frames, max_frames), checked in videos.sampling_options
+    mm_processor_kwargs: dict[str, int | float] | None = None
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
@@ -157,6 +171,8 @@ FIELD_NAMES = _field_names(
     ImageUrl,
     TextPart,
     ImagePart,
+    VideoUrl,
+    VideoPart,
     ChatMessage,
     StreamOptions,
     JsonSchemaFormat,

@@ -61,3 +61,13 @@ def test_an_existing_checkpoint_directory_is_used_as_is(tmp_path):
     assert serve._model_dir(str(tmp_path)) == str(tmp_path.resolve())
     assert serve._image_size(str(tmp_path)) == 48
     assert serve._image_size(str(tmp_path / "missing")) == 336
+
+
+def test_the_video_workload_needs_a_qwen_model(tmp_path, capsys):
+    llava = tmp_path / "llava"
+    llava.mkdir()
+    (llava / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    assert serve.run(parse("--workload", "video", "--model", str(llava), "--out", str(tmp_path / "out"))) == 2
+    assert "needs a Qwen2-VL family model" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert serve._model_type(str(tmp_path / "missing")) == ""

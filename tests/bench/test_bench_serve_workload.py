@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 import json
 import statistics
 
+import av
 import pytest
 
 from services.bench.serve.workload import (
@@ -99,7 +102,21 @@ def test_lone_requests_carry_the_workloads_most_images():
     assert [len(h.images) for h in heavy] == [4, 4]
     assert len({ref.key for h in heavy for ref in h.images}) == 8  # all new
     assert lone_requests("text", 2, seed=0, run=5, image_size=32)[1] == []
-    assert set(WORKLOADS) == {"mixed", "multi-image", "repeat", "text"}
+    assert set(WORKLOADS) == {"mixed", "multi-image", "repeat", "text", "video"}
+
+
+def test_the_video_workload_sends_short_clips_half_of_them_repeated():
+    specs = requests("video", count=40)
+    with_video = [spec for spec in specs if spec.images]
+    assert 10 < len(with_video) < 30 and all(len(spec.images) == 1 and spec.images[0].video for spec in with_video)
+    assert {spec.image_class for spec in with_video} == {"first_seen", "repeated"}
+    body = json.loads(encode_bodies(with_video[:1])[0])
+    part = body["messages"][0]["content"][1]
+    assert part["type"] == "video_url" and body["mm_processor_kwargs"]["fps"] in (1, 2)
+    data = base64.b64decode(part["video_url"]["url"].split(",", 1)[1])
+    with av.open(io.BytesIO(data)) as container:
+        frames = sum(1 for _ in container.decode(video=0))
+    assert frames == with_video[0].images[0].clip[0] and 8 <= frames <= 16
 
 
 def test_images_go_before_the_text_only_when_asked():

@@ -36,7 +36,7 @@ from typing import Any
 
 from services.common import cli_args
 
-WORKLOAD_NAMES = ("mixed", "multi-image", "repeat", "text")
+WORKLOAD_NAMES = ("mixed", "multi-image", "repeat", "text", "video")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="mixed",
         choices=list(WORKLOAD_NAMES),
         help="mixed: 10%% of requests carry 1-4 images; multi-image: 4 images each; repeat: 1 image each, 50%% "
-        "repeat an earlier one; text: no images",
+        "repeat an earlier one; text: no images; video: half the requests carry a 2-4 s clip, 50%% repeated "
+        "(Qwen2-VL family models)",
     )
     add(
         work,
@@ -204,6 +205,15 @@ def _image_size(model_dir: str) -> int:
         return 336  # llava-1.5's; only the image sizes depend on it
 
 
+def _model_type(model_dir: str) -> str:
+    """The checkpoint's ``model_type`` ('' when its config cannot be read)."""
+    try:
+        with open(Path(model_dir) / "config.json") as file:
+            return str(json.load(file).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 def _model_dir(model: str) -> str:
     """A checkpoint directory as is (the client never needs torch); otherwise a preset built on first use."""
     if model and (Path(model) / "config.json").is_file():
@@ -247,6 +257,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"epd bench serve: {problem}", file=sys.stderr, flush=True)
         return 2
     model_dir = _model_dir(args.model)
+    if args.workload == "video" and _model_type(model_dir) not in ("qwen2_vl", "qwen2_5_vl"):
+        print(
+            "epd bench serve: --workload video needs a Qwen2-VL family model (--model qwen2.5-vl-bench)",
+            file=sys.stderr,
+        )
+        return 2
     plan = RunPlan(
         workload=args.workload,
         num_requests=args.num_requests,

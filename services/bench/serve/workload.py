@@ -31,6 +31,7 @@ class WorkloadShape:
     max_images: int
     repeat_fraction: float = 0.0  # share of image requests whose image was sent earlier in the run
     description: str = ""
+    media: str = "image"  # "video": each "image" is a short clip (Qwen2-VL family models only)
 
 
 WORKLOADS = {
@@ -38,7 +39,17 @@ WORKLOADS = {
     "multi-image": WorkloadShape(1.0, 4, 4, description="every request carries 4 images"),
     "repeat": WorkloadShape(1.0, 1, 1, 0.5, description="one image per request; 50% repeat an earlier image (cache)"),
     "text": WorkloadShape(0.0, 0, 0, description="no images"),
+    "video": WorkloadShape(
+        0.5,
+        1,
+        1,
+        0.5,
+        description="half the requests carry one 2-4 s clip (4 fps, sampled at 1-2 fps); 50% of clips repeat",
+        media="video",
+    ),
 }
+
+VIDEO_FPS = 4  # frame rate of the bench's clips; the sampling rate (1 or 2 fps) is drawn per clip
 
 _WORDS = [
     "the",
@@ -116,6 +127,13 @@ class ImageRef:
     key: tuple[int, int, int]  # (seed, run, image number): unique within and across runs
     width: int
     height: int
+    video: bool = False  # a clip of 2-4 s (length and sampling rate drawn from ``key``)
+
+    @property
+    def clip(self) -> tuple[int, int]:
+        """(frames, sampling fps) of a video ref."""
+        rng = random.Random(f"epd-bench-serve:clip:{self.key}")
+        return VIDEO_FPS * rng.randint(2, 4), rng.choice((1, 2))
 
 
 @dataclass(frozen=True)
@@ -160,7 +178,7 @@ def make_requests(
                     num_repeated += 1
                 else:
                     width, height = (max(8, round(image_size * rng.uniform(0.75, 1.25))) for _ in range(2))
-                    images.append(ImageRef((seed, run, len(sent)), width, height))
+                    images.append(ImageRef((seed, run, len(sent)), width, height, shape.media == "video"))
                     sent.append(images[-1])
         requests.append(RequestSpec(index, prompt, tuple(images), _image_class(len(images), num_repeated), max_tokens))
     return requests
@@ -202,7 +220,10 @@ def lone_requests(
                 image_class="first_seen",
                 max_tokens=max_tokens,
                 images=tuple(
-                    ImageRef((seed, run, i * num_images + k), image_size, image_size) for k in range(num_images)
+                    ImageRef(
+                        (seed, run, i * num_images + k), image_size, image_size, WORKLOADS[workload].media == "video"
+                    )
+                    for k in range(num_images)
                 ),
             )
             for i, spec in enumerate(texts)
@@ -241,6 +262,30 @@ def render_image(ref: ImageRef) -> bytes:
     return buffer.getvalue()
 
 
+def render_video(ref: ImageRef) -> bytes:
+    """The MP4 bytes of a video ``ref``: frames of a noise image scrolling sideways (MPEG-4 part 2)."""
+    import av
+    import numpy as np
+
+    num_frames, _ = ref.clip
+    base = np.random.default_rng(list(ref.key)).integers(0, 256, size=(ref.height, ref.width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=VIDEO_FPS)
+        stream.width, stream.height, stream.pix_fmt = ref.width // 2 * 2, ref.height // 2 * 2, "yuv420p"
+        for index in range(num_frames):
+            frame = np.ascontiguousarray(np.roll(base, 4 * index, axis=1)[: stream.height, : stream.width])
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def _media_part(ref: ImageRef, urls: dict[tuple[int, int, int], str]) -> dict[str, Any]:
+    if ref.video:
+        return {"type": "video_url", "video_url": {"url": urls[ref.key]}}
+    return {"type": "image_url", "image_url": {"url": urls[ref.key]}}
+
+
 def chat_body(
     spec: RequestSpec, image_urls: dict[tuple[int, int, int], str], *, images_first: bool = False
 ) -> dict[str, Any]:
@@ -252,11 +297,14 @@ def chat_body(
     """
     if spec.images:
         text: list[Any] = [{"type": "text", "text": spec.prompt}]
-        images = [{"type": "image_url", "image_url": {"url": image_urls[ref.key]}} for ref in spec.images]
+        images = [_media_part(ref, image_urls) for ref in spec.images]
         content: Any = images + text if images_first else text + images
     else:
         content = spec.prompt
+    videos = [ref for ref in spec.images if ref.video]
+    sampling = {"mm_processor_kwargs": {"fps": videos[0].clip[1]}} if videos else {}
     return {
+        **sampling,
         "messages": [{"role": "user", "content": content}],
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -272,7 +320,9 @@ def encode_bodies(specs: list[RequestSpec], *, images_first: bool = False) -> li
     urls: dict[tuple[int, int, int], str] = {}
     for spec in specs:
         for ref in spec.images:
-            if ref.key not in urls:
+            if ref.key not in urls and ref.video:
+                urls[ref.key] = "data:video/mp4;base64," + base64.b64encode(render_video(ref)).decode()
+            elif ref.key not in urls:
                 urls[ref.key] = "data:image/jpeg;base64," + base64.b64encode(render_image(ref)).decode()
     return [
         json.dumps(chat_body(spec, urls, images_first=images_first), separators=(",", ":")).encode() for spec in specs

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .presets import PRESETS
 
-BUILD_VERSION = "v1"  # bump when the builder's output changes, so cached builds are not reused
+BUILD_VERSION = "v2"  # bump when the builder's output changes, so cached builds are not reused
 CONFIG_FILE = "config.json"
 DEFAULT_PRESET = "tiny"
 
@@ -25,7 +25,7 @@ class ModelBuildError(RuntimeError):
 
 
 def default_model_dir(preset: str = DEFAULT_PRESET) -> Path:
-    """``$EPD_CACHE_DIR/models/<preset>-v1`` (default cache dir ``~/.cache/epd``), read when called."""
+    """``$EPD_CACHE_DIR/models/<preset>-<BUILD_VERSION>`` (default cache dir ``~/.cache/epd``), read when called."""
     cache_dir = os.environ.get("EPD_CACHE_DIR") or str(Path("~/.cache/epd").expanduser())
     return Path(cache_dir).expanduser() / "models" / f"{preset}-{BUILD_VERSION}"
 

@@ -30,7 +30,8 @@ LLAVA_CHAT_TEMPLATE = (
 # Qwen2-VL's ChatML: ``<|im_start|>role\ncontent<|im_end|>\n`` per message, a default
 # system turn when the conversation has none, and each image as
 # ``<|vision_start|><|image_pad|><|vision_end|>`` where it stands (the processor
-# then repeats ``<|image_pad|>`` once per image token). Text parts are joined as is.
+# then repeats ``<|image_pad|>`` once per image token), each video likewise with
+# ``<|video_pad|>``. Text parts are joined as is.
 QWEN_VL_CHAT_TEMPLATE = (
     "{%- if messages and messages[0]['role'] != 'system' -%}"
     "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
@@ -42,6 +43,8 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{%- for part in message['content'] -%}"
     "{%- if part['type'] in ['image', 'image_url', 'input_image'] -%}"
     "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] in ['video', 'video_url'] -%}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
     "{%- endif -%}"
     "{%- endfor -%}"

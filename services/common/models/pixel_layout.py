@@ -25,12 +25,14 @@ class PixelLayout:
 
     ``patch_dim == 0``: whole images ``[3, H, W]`` and no grid. Otherwise
     flattened patches ``[t*h*w, patch_dim]`` with their patch grid ``(t, h, w)``,
-    ``h`` and ``w`` multiples of ``merge_size``, at most ``max_patches`` rows (0 = no cap).
+    ``h`` and ``w`` multiples of ``merge_size``, at most ``max_patches`` rows a
+    frame (0 = no cap) and at most ``max_temporal`` temporal patches (videos).
     """
 
     patch_dim: int = 0
     merge_size: int = 1
     max_patches: int = 0
+    max_temporal: int = 384  # 768 sampled frames in pairs: transformers' Qwen2-VL max_frames
 
     @property
     def uses_grids(self) -> bool:
@@ -56,7 +58,9 @@ class PixelLayout:
         t, h, w = grid
         if min(grid) <= 0 or h % self.merge_size or w % self.merge_size:
             raise ValueError(f"grid must be positive with h and w multiples of {self.merge_size}")
-        if self.max_patches and t * h * w > self.max_patches:
-            raise ValueError(f"grid has more than {self.max_patches} patches")
+        if self.max_patches and h * w > self.max_patches:
+            raise ValueError(f"grid has more than {self.max_patches} patches a frame")
+        if t > self.max_temporal:
+            raise ValueError(f"grid has more than {self.max_temporal} temporal patches")
         if tuple(pixels.shape) != (t * h * w, self.patch_dim):
             raise ValueError(f"pixel_values must have shape [t*h*w, {self.patch_dim}]")

@@ -82,7 +82,10 @@ class ModelProcessing(ABC):
     stops on: stopping and min_tokens masking need all of them),
     ``eos_token_id`` (the first of them), ``hidden_size`` (LM embedding width),
     ``max_model_len`` (LM positions), ``uses_mrope`` (the LM takes 3-D
-    multimodal rotary positions; items then carry grids).
+    multimodal rotary positions; items then carry grids), ``supports_video``
+    (Qwen2-VL family: ``video_token_id``, ``video_shape``, ``process_video``),
+    ``tokens_per_second`` (Qwen2.5-VL's temporal position rate; None = one per
+    temporal patch).
     """
 
     family: str
@@ -93,6 +96,9 @@ class ModelProcessing(ABC):
     hidden_size: int
     max_model_len: int
     uses_mrope: bool = False
+    supports_video: bool = False
+    video_token_id: int | None = None
+    tokens_per_second: float | None = None
 
     @property
     @abstractmethod

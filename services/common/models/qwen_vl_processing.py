@@ -26,6 +26,7 @@ from .processing import (
     float32_pixels,
     pixel_settings,
 )
+from .qwen_video import VideoBounds, video_bounds, video_grid, video_patches
 from .source import CONFIG_PATTERNS, PROCESSOR_PATTERNS, CheckpointSource
 
 # The patch count a tower accepts, relative to what the processor's max_pixels
@@ -52,6 +53,7 @@ class QwenVLProcessing(ModelProcessing):
     """Qwen2-VL / Qwen2.5-VL: dynamic resolution, 3-D rotary positions, grids on the wire."""
 
     uses_mrope = True
+    supports_video = True
 
     def __init__(self, source: CheckpointSource, config: Any):
         self.source = source
@@ -60,6 +62,9 @@ class QwenVLProcessing(ModelProcessing):
         text_config = self.text_config
         self.model_id = source.model_id
         self.image_token_id = config.image_token_id
+        self.video_token_id = config.video_token_id
+        # Qwen2.5-VL spaces a video's temporal positions by this many per second; Qwen2-VL by one per patch.
+        self.tokens_per_second = getattr(config.vision_config, "tokens_per_second", None)
         self.hidden_size = text_config.hidden_size
         self.max_model_len = text_config.max_position_embeddings
         self.eos_token_ids = eos_token_ids(source.directory(CONFIG_PATTERNS), text_config.eos_token_id)
@@ -124,6 +129,30 @@ class QwenVLProcessing(ModelProcessing):
             patch_grid=(1, height // patch, width // patch),
             token_grid=(1, height // patch // merge, width // patch // merge),
         )
+
+    @functools.cached_property
+    def video_bounds(self) -> VideoBounds:
+        """Pixels each video frame is resized within."""
+        return video_bounds(self.source.directory(PROCESSOR_PATTERNS), self._processor.image_processor)
+
+    def video_shape(self, num_frames: int, height: int, width: int) -> ImageShape:
+        """Tokens and grids of ``num_frames`` sampled frames of this size, without their pixels."""
+        processor = self._processor.image_processor
+        try:
+            t, h, w = video_grid(num_frames, height, width, self.video_bounds, processor)
+        except ValueError:
+            raise UnsupportedImageError(_SHAPE_REFUSED) from None
+        merge = self.merge_size
+        return ImageShape(t * h * w // (merge * merge), (t, h, w), (t, h // merge, w // merge))
+
+    def process_video(self, image_processor: Any, frames: list[Any]) -> ProcessedImage:
+        """Sampled RGB frames of one video through the image processor's rules (``qwen_video``)."""
+        try:
+            pixels, (t, h, w) = video_patches(image_processor, frames, self.video_bounds)
+        except ValueError:
+            raise UnsupportedImageError(_SHAPE_REFUSED) from None
+        merge = self.merge_size
+        return ProcessedImage(pixels, t * h * w // (merge * merge), (t, h, w), (t, h // merge, w // merge))
 
     def pixel_layout(self) -> PixelLayout:
         vision = self.config.vision_config

@@ -50,16 +50,18 @@ class ImageGrid(_message.Message):
     def __init__(self, t: _Optional[int] = ..., h: _Optional[int] = ..., w: _Optional[int] = ...) -> None: ...
 
 class MultiModalItem(_message.Message):
-    __slots__ = ("mm_hash", "offset", "num_tokens", "grid")
+    __slots__ = ("mm_hash", "offset", "num_tokens", "grid", "second_per_grid_t")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_FIELD_NUMBER: _ClassVar[int]
+    SECOND_PER_GRID_T_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     offset: int
     num_tokens: int
     grid: ImageGrid
-    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ...) -> None: ...
+    second_per_grid_t: float
+    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ..., second_per_grid_t: _Optional[float] = ...) -> None: ...
 
 class PreallocateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "items", "lease_ms", "cache_salt")
@@ -301,18 +303,34 @@ class PdLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., embedding_tokens_reserved: _Optional[int] = ..., embedding_tokens_ready: _Optional[int] = ..., embedding_tokens_capacity: _Optional[int] = ..., num_reservations: _Optional[int] = ...) -> None: ...
 
 class EncodeItem(_message.Message):
-    __slots__ = ("mm_hash", "reservation_id", "pixel_values", "grid", "image_file")
+    __slots__ = ("mm_hash", "reservation_id", "pixel_values", "grid", "image_file", "video_file", "video_sampling", "frame_files")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
     GRID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FILE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FILE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FILES_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     reservation_id: str
     pixel_values: Tensor
     grid: ImageGrid
     image_file: bytes
-    def __init__(self, mm_hash: _Optional[str] = ..., reservation_id: _Optional[str] = ..., pixel_values: _Optional[_Union[Tensor, _Mapping]] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ..., image_file: _Optional[bytes] = ...) -> None: ...
+    video_file: bytes
+    video_sampling: VideoSampling
+    frame_files: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, mm_hash: _Optional[str] = ..., reservation_id: _Optional[str] = ..., pixel_values: _Optional[_Union[Tensor, _Mapping]] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ..., image_file: _Optional[bytes] = ..., video_file: _Optional[bytes] = ..., video_sampling: _Optional[_Union[VideoSampling, _Mapping]] = ..., frame_files: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class VideoSampling(_message.Message):
+    __slots__ = ("fps", "num_frames", "max_frames")
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    fps: float
+    num_frames: int
+    max_frames: int
+    def __init__(self, fps: _Optional[float] = ..., num_frames: _Optional[int] = ..., max_frames: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "pd_address", "items", "cache_salt")

@@ -9,8 +9,16 @@ per token (temporal, height, width) instead of one. The rule, the one
   next text position ``s`` would be gets ``(s + ti, s + hi, s + wi)`` for its
   token at grid cell ``(ti, hi, wi)``; the text after it continues at
   ``s + max(h, w)``, so positions grow slower than token indices;
+- a video is an image with ``t > 1`` whose temporal ids are spaced by its
+  span's ``time_step`` (Qwen2.5-VL: ``tokens_per_second * second_per_grid_t``;
+  1 otherwise): ``s + int(ti * time_step)``, in float32 as transformers
+  computes it; the text after it still continues at ``s + max(h, w)``;
 - every token after the prompt (generated ones) sits at its index plus the
-  request's rope delta ``max(prompt positions) + 1 - prompt length``.
+  request's rope delta: it continues from the last prompt token's position
+  (transformers' ``generate()`` adds 1 per step to it), which for a prompt
+  ending in text is ``max(prompt positions) + 1 - prompt length`` unless a
+  video's time axis runs past the text after it; a prompt ending in an image
+  continues after its largest position.
 
 KV slots stay sequential (slot = token index); only the rotary ids change, so
 a token's positions depend only on the tokens and images before it (and on the
@@ -22,6 +30,7 @@ see the same positions. Spans without a grid (LLaVA) are ordinary text here.
 from __future__ import annotations
 
 import bisect
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,6 +49,20 @@ class GridSpan(Protocol):
     def end(self) -> int: ...
     @property
     def grid(self) -> tuple[int, int, int] | None: ...
+    @property
+    def time_step(self) -> float: ...
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def temporal_offset(ti: int, time_step: float) -> int:
+    """The temporal id of grid frame ``ti`` above the item's start: transformers'
+    ``(arange(t) * time_interval).long()``, a float32 product truncated."""
+    if time_step == 1.0:
+        return ti
+    return int(_float32(ti * _float32(time_step)))
 
 
 @dataclass(frozen=True)
@@ -49,6 +72,12 @@ class _PlacedImage:
     grid: tuple[int, int, int]  # (t, h, w) in LM tokens; t * h * w == end - offset
     start: int  # position id of its top-left token on every axis
     shift_after: int  # position - index of the text that follows it
+    time_step: float = 1.0  # temporal id spacing (videos)
+
+    @property
+    def max_position(self) -> int:
+        t, h, w = self.grid
+        return self.start + max(max(h, w) - 1, temporal_offset(t - 1, self.time_step))
 
 
 @dataclass(frozen=True)
@@ -92,7 +121,7 @@ class MRopePlan:
         for cell in range(index - image.offset, stop - image.offset):
             ti, rest = divmod(cell, h * w)
             hi, wi = divmod(rest, w)
-            axes[0].append(image.start + ti)
+            axes[0].append(image.start + temporal_offset(ti, image.time_step))
             axes[1].append(image.start + hi)
             axes[2].append(image.start + wi)
         return stop
@@ -110,13 +139,14 @@ def build_plan(spans: Sequence[GridSpan], num_prompt_tokens: int) -> MRopePlan |
             raise ValueError("an image's grid does not match its token count")
         start = span.offset + shift
         shift = start + max(h, w) - span.end
-        placed.append(_PlacedImage(span.offset, span.end, (t, h, w), start, shift))
+        placed.append(_PlacedImage(span.offset, span.end, (t, h, w), start, shift, span.time_step))
     if not placed:
         return None
-    # Text before an image sits below the image's start, so the largest position
-    # is an image's or that of the text after the last image.
+    # A prompt that ends in text continues from its last position (generate()'s rule); text before an image
+    # sits below the image's start, so a prompt that ends in an image continues after that image's largest.
     last = placed[-1]
-    text_after = num_prompt_tokens - 1 + last.shift_after if num_prompt_tokens > last.end else -1
-    image_max = max(image.start + max(image.grid) - 1 for image in placed)
-    delta = max(text_after, image_max) + 1 - num_prompt_tokens
+    if num_prompt_tokens > last.end:
+        delta = last.shift_after
+    else:
+        delta = max(image.max_position for image in placed) + 1 - num_prompt_tokens
     return MRopePlan(tuple(placed), num_prompt_tokens, delta, tuple(image.offset for image in placed))

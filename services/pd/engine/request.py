@@ -38,12 +38,14 @@ class MultiModalSpan:
     ``grid`` is the image's ``(t, h, w)`` layout in LM tokens (``t * h * w ==
     num_tokens``) for models with multimodal RoPE (Qwen2-VL family), which
     gives its tokens 3-D rotary positions (``positions.py``); None otherwise.
+    ``time_step`` spaces a video's temporal positions (1 for images).
     """
 
     mm_hash: str
     offset: int
     num_tokens: int
     grid: tuple[int, int, int] | None = None
+    time_step: float = 1.0
 
     @property
     def end(self) -> int:

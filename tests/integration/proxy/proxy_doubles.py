@@ -198,7 +198,8 @@ class FakeEncoder(epd_pb2_grpc.EncoderServicer):
             await self.push_failures[request.pd_address].raise_in(context)
         pd = self.pds_by_address[request.pd_address]
         for item in request.items:
-            assert item.image_file and not item.HasField("pixel_values")  # the proxy sends the client's file
+            has_file = item.image_file or item.video_file or item.frame_files
+            assert has_file and not item.HasField("pixel_values")  # the proxy sends the client's file
             pd.fill(item.reservation_id)
         return epd_pb2.EncodeResponse(
             items=[

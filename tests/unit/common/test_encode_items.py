@@ -63,12 +63,12 @@ def test_an_image_file_becomes_the_processors_own_pixels_with_the_proxys_grid(qw
 @pytest.mark.parametrize(
     ("item", "message"),
     [
-        (lambda grid, data: _item(grid), "exactly one of pixel_values and image_file"),
+        (lambda grid, data: _item(grid), "exactly one of pixel_values, image_file, video_file and frame_files"),
         (
             lambda grid, data: _item(
                 grid, image_file=data, pixel_values=wire.array_to_pb(np.zeros((4, 4), np.float32))
             ),
-            "exactly one of pixel_values and image_file",
+            "exactly one of pixel_values, image_file, video_file and frame_files",
         ),
         (lambda grid, data: _item((1, 2, 2), image_file=data), "grid must be the patch grid"),
         (lambda grid, data: _item(None, image_file=data), "grid must be the patch grid"),

@@ -45,7 +45,8 @@ def test_valid_patches_with_their_grid_are_accepted():
         (torch.zeros(8, 12), (1, 2, 3), "multiples of 2"),
         (torch.zeros(6, 12), (1, 2, 4), r"shape \[t\*h\*w, 12\]"),
         (torch.zeros(8, 10), (1, 2, 4), r"shape \[t\*h\*w, 12\]"),
-        (torch.zeros(128, 12), (2, 8, 8), "more than 64 patches"),
+        (torch.zeros(160, 12), (1, 10, 16), "more than 64 patches a frame"),
+        (torch.zeros(8 * 385, 12), (385, 2, 4), "more than 384 temporal patches"),
         (torch.full((8, 12), float("nan")), (1, 2, 4), "finite"),
     ],
 )

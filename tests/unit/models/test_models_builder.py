@@ -110,9 +110,9 @@ def test_unknown_preset_is_rejected(tmp_path: Path):
 
 def test_default_model_dir_reads_environment_when_called(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
-    assert default_model_dir("bench") == tmp_path / "models" / "bench-v1"
+    assert default_model_dir("bench") == tmp_path / "models" / "bench-v2"
     monkeypatch.delenv("EPD_CACHE_DIR")
-    assert default_model_dir() == Path("~/.cache/epd/models/tiny-v1").expanduser()
+    assert default_model_dir() == Path("~/.cache/epd/models/tiny-v2").expanduser()
 
 
 def test_ensure_model_builds_once_even_when_raced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -126,7 +126,7 @@ def test_ensure_model_builds_once_even_when_raced(monkeypatch: pytest.MonkeyPatc
     target = default_model_dir("tiny")
     assert results == [target, target]
     assert (target / "model.safetensors").is_file()
-    assert sorted(p.name for p in target.parent.iterdir()) == ["tiny-v1"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["tiny-v2"]
     assert ensure_model("tiny") == target
 
 

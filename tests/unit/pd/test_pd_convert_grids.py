@@ -71,3 +71,29 @@ def test_colocated_encode_checks_patches_against_the_tower():
     with pytest.raises(EngineError, match="grid is required for this model") as error:
         parse_encode_request(epd_pb2.EncodeRequest(request_id="r", items=[bad]), float("inf"), layout)
     assert error.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+def test_a_video_item_gets_its_temporal_step_from_the_models_rate():
+    item = _item(1, 12, (3, 2, 2))
+    item.second_per_grid_t = 2 / 3  # float32 on the wire
+    qwen25 = spans_from_pb([item], 16, uses_grids=True, tokens_per_second=2)
+    assert qwen25[0].time_step == pytest.approx(4 / 3) and qwen25[0].time_step != 4 / 3  # a float32 product
+    assert spans_from_pb([item], 16, uses_grids=True)[0].time_step == 1.0  # Qwen2-VL: one a patch
+    assert spans_from_pb([_item(1, 12, (3, 2, 2))], 16, uses_grids=True, tokens_per_second=2)[0].time_step == 1.0
+
+
+@pytest.mark.parametrize(
+    ("seconds", "grid", "message"),
+    [
+        (0.0, (3, 2, 2), "second_per_grid_t must be in"),
+        (float("nan"), (3, 2, 2), "second_per_grid_t must be in"),
+        (1e9, (3, 2, 2), "second_per_grid_t must be in"),
+        (1.0, None, "a video needs a grid"),
+    ],
+)
+def test_bad_video_timing_is_refused(seconds, grid, message):
+    item = _item(1, 12, grid)
+    item.second_per_grid_t = seconds
+    with pytest.raises(EngineError, match=message) as raised:
+        spans_from_pb([item], 16, tokens_per_second=2)
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT

@@ -10,11 +10,15 @@ from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
+from services.common.pb import epd_pb2
+from services.pd.convert import video_time_step
 from services.pd.engine.positions import build_plan
 from services.pd.engine.request import MultiModalSpan, Request, SamplingParams, rope_plan
 
 IMAGE = 7
+VIDEO = 8
 MERGE = 2
+TOKENS_PER_SECOND = 4
 HASH = "ab" * 32
 
 
@@ -38,11 +42,16 @@ def reference(request):
                 vision, hidden_size=8, out_hidden_size=16, intermediate_size=8, fullatt_block_indexes=[0]
             ),
             image_token_id=IMAGE,
+            video_token_id=VIDEO,
         )
+        config.vision_config.tokens_per_second = TOKENS_PER_SECOND
         model_class = Qwen2_5_VLModel
     else:
         config = Qwen2VLConfig(
-            text_config=text, vision_config=dict(vision, embed_dim=8, hidden_size=16), image_token_id=IMAGE
+            text_config=text,
+            vision_config=dict(vision, embed_dim=8, hidden_size=16),
+            image_token_id=IMAGE,
+            video_token_id=VIDEO,
         )
         model_class = Qwen2VLModel
     with torch.device("meta"):
@@ -137,3 +146,48 @@ def test_plan_is_computed_once_and_kept_on_the_request():
 def test_a_grid_that_does_not_match_its_span_is_refused():
     with pytest.raises(ValueError, match="grid"):
         build_plan([MultiModalSpan(HASH, 0, 5, (1, 2, 2))], 6)
+
+
+def _video_step(model, second_per_grid_t: float) -> float:
+    """What PD's convert makes of a video's seconds per patch for this family (convert._time_step)."""
+    rate = TOKENS_PER_SECOND if isinstance(model, Qwen2_5_VLModel) else None
+    item = epd_pb2.MultiModalItem(second_per_grid_t=second_per_grid_t)
+    return video_time_step(item, 0, (1, 1, 1), rate)
+
+
+@pytest.mark.parametrize("second_per_grid_t", [1.0, 0.5, 2 / 3, 0.4, 7.3])
+def test_videos_and_images_equal_get_rope_index(reference, second_per_grid_t):
+    """Videos (t > 1, temporal ids spaced by tokens_per_second * second_per_grid_t on Qwen2.5-VL) between
+    images; text after a long video continues below its last temporal id, as transformers has it, and
+    generated tokens continue from the last prompt token, as generate() steps them (get_rope_index's own
+    delta, from the largest position, is another number when a video's time axis outruns the text)."""
+    rng = random.Random(int(second_per_grid_t * 1000))
+    for trial in range(12):
+        ids, spans, image_grids, video_grids, seconds = [], [], [], [], []
+        for k in range(rng.randint(1, 4)):
+            ids += [1] * rng.randint(1, 5)
+            is_video = k % 2 == 0 or rng.random() < 0.5
+            t = rng.randint(2, 9) if is_video else 1
+            h, w = rng.randint(1, 5), rng.randint(1, 5)
+            step = _video_step(reference, second_per_grid_t) if is_video else 1.0
+            spans.append(MultiModalSpan(HASH, len(ids), t * h * w, (t, h, w), step))
+            (video_grids if is_video else image_grids).append((t, h * MERGE, w * MERGE))
+            if is_video:
+                seconds.append(second_per_grid_t)
+            ids += [VIDEO if is_video else IMAGE] * (t * h * w)
+        ids += [1] * rng.randint(1, 4)  # a chat prompt ends in text (the generation prompt)
+        input_ids = torch.tensor([ids])
+        types = (input_ids == IMAGE).int() + 2 * (input_ids == VIDEO).int()
+        kwargs = dict(
+            image_grid_thw=torch.tensor(image_grids) if image_grids else None,
+            video_grid_thw=torch.tensor(video_grids),
+        )
+        if isinstance(reference, Qwen2_5_VLModel):
+            kwargs["second_per_grid_ts"] = torch.tensor(seconds)  # float32, as the processor makes it
+        want, _ = reference.get_rope_index(input_ids, types, **kwargs)
+        plan = build_plan(spans, len(ids))
+        assert torch.equal(torch.tensor(plan.positions(0, len(ids))), want[:, 0]), f"trial {trial}"
+        # generate(): each new token's ids are the previous token's plus one, on every axis.
+        assert plan.positions(len(ids), len(ids) + 3) == tuple(
+            [int(want[0, 0, -1]) + k for k in (1, 2, 3)] for _ in range(3)
+        )

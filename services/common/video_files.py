@@ -1,0 +1,217 @@
+"""Strict decoding of video files: the proxy's client videos and the encoder's ``EncodeItem.video_file``.
+
+Decoded with PyAV (FFmpeg's demuxers and decoders, wheels for every platform,
+no torch or torchvision). As for images, each check runs before the work it
+protects: the byte count first; the container is sniffed from its magic
+bytes against an allow-list (MP4/QuickTime, Matroska/WebM) and opened with
+that demuxer only; width x height, codec and duration come from the header;
+the frames are counted from the packets (no decoding); the sampled frame
+count is checked; only then are frames decoded, one at a time, keeping the
+sampled ones. Messages never include the input.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import av
+from PIL import Image
+
+ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
+"""Video codecs decoded; anything else in an allowed container is refused before decoding."""
+
+_CONTAINERS = {"mp4": "mp4", "matroska": "matroska"}  # sniffed kind -> FFmpeg demuxer
+
+
+class VideoFileError(ValueError):
+    """Bytes that are not a video this project decodes."""
+
+
+class UnsupportedVideoError(VideoFileError):
+    """Not an MP4/QuickTime or Matroska/WebM file, or a codec outside ``ALLOWED_CODECS``."""
+
+
+class VideoLimitError(VideoFileError):
+    """Over a limit (bytes, seconds, frames, frame size), known before decoding."""
+
+
+class CorruptVideoError(VideoFileError):
+    """The header or the data is truncated or corrupt, or it holds no frame."""
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """Bounds on one video, checked before decoding (``--max-video-*`` flags)."""
+
+    max_bytes: int = 32 << 20
+    max_seconds: float = 600.0
+    max_frames: int = 768  # sampled frames
+    max_frame_pixels: int = 4096 * 4096
+    # width x height x sampled frames: what decoding holds at once (3 bytes a pixel), 4 GiB-class frames never
+    max_total_pixels: int = 4 * 4096 * 4096
+
+    @property
+    def max_total_frames(self) -> int:
+        """Frames a video may hold before sampling (at most 240 a second over ``max_seconds``): bounds decoding."""
+        return max(1, math.ceil(self.max_seconds * 240))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How frames are taken (``VideoSampling`` on the wire, vLLM's ``mm_processor_kwargs``).
+
+    ``num_frames`` > 0: that many, spread evenly; else ``fps`` frames a second,
+    at least ``min_frames``, at most ``max_frames``. Both are rounded down to a
+    multiple of ``temporal_patch_size`` (Qwen2-VL's ``sample_frames``).
+    """
+
+    fps: float = 2.0
+    num_frames: int = 0
+    max_frames: int = 768
+    min_frames: int = 4
+    temporal_patch_size: int = 2
+
+    def settings(self) -> dict[str, float | int]:
+        """What the hash covers of the sampling."""
+        return {"fps": self.fps, "num_frames": self.num_frames, "max_frames": self.max_frames}
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What the header and the packets say, before any frame is decoded."""
+
+    width: int
+    height: int
+    num_frames: int  # frames in the file (video packets)
+    fps: float  # the stream's average frame rate
+
+
+def sniff(data: bytes) -> str:
+    """The container kind of ``data`` from its magic bytes; ``UnsupportedVideoError`` otherwise."""
+    if len(data) >= 12 and data[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide"):
+        return "mp4"
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    raise UnsupportedVideoError("The video is not an MP4, QuickTime, Matroska or WebM file.")
+
+
+def sample_indices(num_frames: int, fps: float, sampling: Sampling) -> list[int]:
+    """Indices of the frames kept of ``num_frames`` at ``fps`` (Qwen2-VL's ``sample_frames``); may be empty."""
+    step = sampling.temporal_patch_size
+    if sampling.num_frames > 0:
+        wanted = min(round(sampling.num_frames / step) * step, num_frames // step * step)
+    else:
+        cap = math.floor(min(sampling.max_frames, num_frames) / step) * step
+        wanted_f = min(max(num_frames / fps * sampling.fps, sampling.min_frames), cap, num_frames)
+        wanted = math.floor(wanted_f / step) * step
+    # torch.arange(0, n, n / k).int() without its float steps: exact floors of i * n / k.
+    return [i * num_frames // wanted for i in range(wanted)] if wanted > 0 else []
+
+
+def sampled_fps(num_sampled: int, info: VideoInfo) -> float:
+    """The frame rate of the kept frames (transformers' ``VideoMetadata.sampled_fps``)."""
+    return num_sampled / info.num_frames * info.fps
+
+
+def probe(data: bytes, limits: VideoLimits) -> VideoInfo:
+    """Checks bytes, container, codec, frame size and duration from the header, then counts packets."""
+    if len(data) > limits.max_bytes:
+        raise VideoLimitError(f"The video is larger than {limits.max_bytes} bytes.")
+    with _open(data) as container:
+        stream = _video_stream(container, limits)
+        info = _count_frames(container, stream, limits)
+    return info
+
+
+def decode_frames(data: bytes, limits: VideoLimits, sampling: Sampling) -> tuple[list[Image.Image], VideoInfo]:
+    """The sampled frames of a video as RGB images (``probe`` first), and its header facts."""
+    info = probe(data, limits)
+    indices = sample_indices(info.num_frames, info.fps, sampling)
+    if not indices:
+        raise CorruptVideoError("The video has too few frames to sample.")
+    if len(indices) > limits.max_frames:
+        raise VideoLimitError(f"The video would be sampled to {len(indices)} frames; the limit is {limits.max_frames}.")
+    total = len(indices) * info.width * info.height
+    if total > limits.max_total_pixels:
+        raise VideoLimitError(
+            f"The video's sampled frames have {total} pixels; the limit is {limits.max_total_pixels}."
+        )
+    return _decode(data, limits, indices), info
+
+
+def _decode(data: bytes, limits: VideoLimits, indices: Sequence[int]) -> list[Image.Image]:
+    wanted = set(indices)
+    frames: list[Image.Image] = []
+    with _open(data) as container:
+        stream = _video_stream(container, limits)
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                if index in wanted:
+                    frames.append(frame.to_image())  # RGB24
+                if len(frames) == len(indices):
+                    break
+        except (av.FFmpegError, ValueError, MemoryError):
+            raise CorruptVideoError("The video data is truncated or corrupt.") from None
+    if len(frames) != len(indices):
+        raise CorruptVideoError("The video data is truncated or corrupt.")
+    return frames
+
+
+class _open:
+    """``av.open`` of ``data`` with the sniffed demuxer only, errors as ``VideoFileError``."""
+
+    def __init__(self, data: bytes) -> None:
+        kind = sniff(data)
+        try:
+            self.container = av.open(io.BytesIO(data), mode="r", format=_CONTAINERS[kind])
+        except (av.FFmpegError, ValueError, EOFError):
+            raise CorruptVideoError("The video header is corrupt.") from None
+
+    def __enter__(self) -> av.container.InputContainer:
+        return self.container
+
+    def __exit__(self, *exc: object) -> None:
+        self.container.close()
+
+
+def _video_stream(container: av.container.InputContainer, limits: VideoLimits) -> av.VideoStream:
+    if not container.streams.video:
+        raise CorruptVideoError("The file has no video stream.")
+    stream = container.streams.video[0]
+    if stream.codec_context.name not in ALLOWED_CODECS:
+        raise UnsupportedVideoError("The video's codec is not supported.")
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width <= 0 or height <= 0:
+        raise CorruptVideoError("The video has no frame size.")
+    if width * height > limits.max_frame_pixels:
+        raise VideoLimitError(
+            f"The video's frames have {width * height} pixels; the limit is {limits.max_frame_pixels}."
+        )
+    seconds = container.duration / av.time_base if container.duration else 0.0
+    if seconds > limits.max_seconds:
+        raise VideoLimitError(f"The video is longer than {limits.max_seconds:g} seconds.")
+    return stream
+
+
+def _count_frames(container: av.container.InputContainer, stream: av.VideoStream, limits: VideoLimits) -> VideoInfo:
+    rate = stream.average_rate or stream.guessed_rate
+    fps = float(rate) if rate else 0.0
+    if not fps > 0:
+        raise CorruptVideoError("The video has no frame rate.")
+    count = 0
+    try:
+        for packet in container.demux(stream):
+            if packet.size:  # the demuxer's final flush packet is empty
+                count += 1
+                if count > limits.max_total_frames:
+                    raise VideoLimitError(f"The video has more than {limits.max_total_frames} frames.")
+    except av.FFmpegError:
+        raise CorruptVideoError("The video data is truncated or corrupt.") from None
+    if count == 0:
+        raise CorruptVideoError("The video has no frames.")
+    if count / fps > limits.max_seconds:
+        raise VideoLimitError(f"The video is longer than {limits.max_seconds:g} seconds.")
+    return VideoInfo(stream.codec_context.width, stream.codec_context.height, count, fps)

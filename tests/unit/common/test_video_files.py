@@ -1,0 +1,250 @@
+"""Video files: sniffing, limits before decoding, sampling, corrupt input; the vision side's video items."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import av
+import numpy as np
+import pytest
+import torch
+from video_support import make_video, sample
+
+from services.common import encode_items, video_files, video_items
+from services.common.encode_items import file_processor, item_pixels
+from services.common.models import load_adapter
+from services.common.pb import epd_pb2
+from services.common.video_files import (
+    CorruptVideoError,
+    Sampling,
+    UnsupportedVideoError,
+    VideoLimitError,
+    VideoLimits,
+    decode_frames,
+    probe,
+    sample_indices,
+)
+
+CLIP = make_video(1, num_frames=12, size=(48, 32), fps=4)
+
+
+def test_probe_reads_size_frames_and_rate_without_decoding():
+    info = probe(CLIP, VideoLimits())
+    assert (info.width, info.height, info.num_frames, info.fps) == (48, 32, 12, 4.0)
+    webm = probe(make_video(2, num_frames=5, fps=5, fmt="webm"), VideoLimits())
+    assert (webm.num_frames, webm.fps) == (5, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("total", "video_fps", "fps"), [(12, 4.0, 2.0), (24, 4.0, 2.0), (30, 30.0, 1.0), (7, 3.0, 2.0), (100, 25.0, 2.0)]
+)
+def test_fps_sampling_follows_qwen2_vl_sample_frames(total, video_fps, fps):
+    assert sample_indices(total, video_fps, Sampling(fps=fps)) == sample(total, video_fps, fps, 2)
+
+
+def test_num_frames_sampling_is_spread_evenly_and_rounded_to_temporal_pairs():
+    assert sample_indices(24, 4.0, Sampling(num_frames=6)) == [0, 4, 8, 12, 16, 20]
+    assert sample_indices(24, 4.0, Sampling(num_frames=5)) == [i * 24 // 4 for i in range(4)]  # round(5/2)*2 = 4
+    assert sample_indices(1, 4.0, Sampling()) == []  # one frame: nothing to pair
+
+
+def test_decoded_frames_are_the_sampled_ones_with_their_rate():
+    frames, info = decode_frames(CLIP, VideoLimits(), Sampling(fps=2.0))
+    assert len(frames) == 6 and frames[0].size == (48, 32) and frames[0].mode == "RGB"
+    assert video_files.sampled_fps(len(frames), info) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        (VideoLimits(max_bytes=100), "larger than 100 bytes"),
+        (VideoLimits(max_seconds=1.0), "longer than 1 seconds"),
+        (VideoLimits(max_frame_pixels=48 * 31), "pixels; the limit"),
+        (VideoLimits(max_seconds=0.01), "longer than|more than"),
+    ],
+)
+def test_limits_are_checked_before_decoding(limits, message):
+    with pytest.raises(VideoLimitError, match=message):
+        probe(CLIP, limits)
+
+
+def test_too_many_sampled_frames_are_refused_before_decoding():
+    with pytest.raises(VideoLimitError, match="sampled to 6 frames; the limit is 4"):
+        decode_frames(CLIP, VideoLimits(max_frames=4), Sampling(fps=2.0))
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (b"\x89PNG\r\n\x1a\n" + b"\0" * 64, UnsupportedVideoError),  # an image is not a video
+        (b"plain text, not a container", UnsupportedVideoError),
+        (CLIP[:200], CorruptVideoError),  # truncated: header cut
+        (CLIP[:24] + bytes(len(CLIP) - 24), CorruptVideoError),  # the rest zeroed
+    ],
+)
+def test_bad_files_are_refused_with_their_kind(data, error):
+    with pytest.raises(error):
+        decode_frames(data, VideoLimits(), Sampling())
+
+
+def test_a_single_frame_video_has_nothing_to_sample():
+    with pytest.raises(CorruptVideoError, match="too few frames"):
+        decode_frames(make_video(3, num_frames=1), VideoLimits(), Sampling())
+
+
+def test_a_codec_outside_the_allow_list_is_refused(monkeypatch):
+    monkeypatch.setattr(video_files, "ALLOWED_CODECS", ("h264",))
+    with pytest.raises(UnsupportedVideoError, match="codec"):
+        probe(CLIP, VideoLimits())
+
+
+class _FewFrames(VideoLimits):
+    max_total_frames = 5  # type: ignore[assignment]  # the bound as a constant, under the 12 of CLIP
+
+
+def test_total_frames_are_bounded_while_counting():
+    assert VideoLimits(max_seconds=10.0).max_total_frames == 2400
+    with pytest.raises(VideoLimitError, match="more than 5 frames"):
+        probe(CLIP, _FewFrames())
+
+
+@pytest.fixture(scope="module")
+def qwen(build_model):
+    adapter = load_adapter(str(build_model("qwen2.5-vl-tiny")))
+    image_processor = adapter.load_processor().image_processor
+    return adapter, image_processor, file_processor(adapter, image_processor)
+
+
+def _video_item(adapter, image_processor, data: bytes, sampling: Sampling, salt: str = "") -> epd_pb2.EncodeItem:
+    video = video_items.sample_video(data, (), sampling, encode_items.VIDEO_LIMITS)
+    width, height = video.frames[0].size
+    shape = adapter.video_shape(len(video.frames), height, width)
+    digest = video_items.hash_video(
+        video, adapter.processor_settings(), sampling, shape.patch_grid, adapter.model_id, salt, frames_given=False
+    )
+    t, h, w = shape.patch_grid
+    return epd_pb2.EncodeItem(
+        mm_hash=digest,
+        reservation_id="r",
+        grid=epd_pb2.ImageGrid(t=t, h=h, w=w),
+        video_file=data,
+        video_sampling=video_items.sampling_to_pb(sampling),
+    )
+
+
+def test_a_video_item_is_decoded_processed_and_its_hash_checked(qwen):
+    adapter, image_processor, process_file = qwen
+    sampling = Sampling(fps=2.0, max_frames=64)
+    item = _video_item(adapter, image_processor, CLIP, sampling)
+    pixels, grid = item_pixels(item, 0, adapter.pixel_layout(), process_file)
+    assert grid == (3, 4, 6)  # 6 frames in pairs; 32x48 stays 32x48 (patch 8)
+    assert tuple(pixels.shape) == (3 * 4 * 6, adapter.pixel_layout().patch_dim) and pixels.dtype == torch.float32
+    forged = epd_pb2.EncodeItem()
+    forged.CopyFrom(item)
+    forged.mm_hash = "0" * 64
+    with pytest.raises(ValueError, match="mm_hash is not the hash"):
+        item_pixels(forged, 0, adapter.pixel_layout(), process_file)
+    resampled = epd_pb2.EncodeItem()
+    resampled.CopyFrom(item)
+    resampled.video_sampling.fps = 1.0  # the hash names the sampling too
+    with pytest.raises(ValueError, match="grid must be the patch grid|mm_hash is not the hash"):
+        item_pixels(resampled, 0, adapter.pixel_layout(), process_file)
+
+
+def test_video_patches_pair_consecutive_frames_channel_major(qwen):
+    """The layout of transformers' video patchify: rows (t, h/m, w/m, m, m), columns (C, T, P, P)."""
+    adapter, image_processor, _ = qwen
+    frames, _ = decode_frames(CLIP, VideoLimits(), Sampling(fps=2.0))
+    video = adapter.process_video(image_processor, frames)
+    single = [adapter.process_image(image_processor, frame).pixel_values for frame in frames[:2]]
+    patch = image_processor.patch_size
+    rows = single[0].shape[0]
+    one = [s.reshape(rows, 3, 2, patch, patch)[:, :, 0] for s in single]  # each image repeats its frame over T
+    paired = np.stack(one, axis=2).reshape(rows, -1)
+    np.testing.assert_array_equal(video.pixel_values[:rows], paired)
+    assert video.patch_grid[0] == math.ceil(len(frames) / 2)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda item: setattr(item.video_sampling, "fps", 0.0), "fps must be in"),
+        (lambda item: setattr(item.video_sampling, "num_frames", 10_000), "more than 768 frames"),
+        (lambda item: setattr(item, "video_file", CLIP[:100]), "video: The video header is corrupt"),
+        (lambda item: item.frame_files.append(b"x"), "exactly one of"),
+    ],
+)
+def test_bad_video_items_are_refused_naming_the_rule(qwen, change, message):
+    adapter, image_processor, process_file = qwen
+    item = _video_item(adapter, image_processor, CLIP, Sampling(fps=2.0, max_frames=64))
+    change(item)
+    with pytest.raises(ValueError, match=message):
+        item_pixels(item, 0, adapter.pixel_layout(), process_file)
+
+
+def test_a_model_without_videos_refuses_a_video_item(tiny_model_dir):
+    adapter = load_adapter(str(tiny_model_dir))
+    process_file = file_processor(adapter, adapter.load_processor().image_processor)
+    item = epd_pb2.EncodeItem(mm_hash="a" * 64, reservation_id="r", video_file=CLIP)
+    item.video_sampling.fps = 2.0
+    with pytest.raises(ValueError, match="takes no videos"):
+        item_pixels(item, 0, adapter.pixel_layout(), process_file)
+
+
+def _audio_only_webm() -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="webm") as container:
+        stream = container.add_stream("libopus", rate=48000)
+        for index in range(5):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 960), dtype=np.float32), format="flt", layout="mono")
+            frame.sample_rate, frame.pts = 48000, index * 960
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def test_a_file_without_a_video_stream_is_refused():
+    with pytest.raises(CorruptVideoError, match="no video stream"):
+        probe(_audio_only_webm(), VideoLimits())
+
+
+def test_a_webm_cut_before_its_first_frame_has_no_frames():
+    webm = make_video(1, num_frames=12, fmt="webm")
+    with pytest.raises(CorruptVideoError, match="no frames"):
+        probe(webm[: len(webm) // 2], VideoLimits())
+
+
+def _with_frames_zeroed(data: bytes, start_fraction: float) -> bytes:
+    """``data`` (an MP4 whose index follows its frames) with its frame bytes zeroed from ``start_fraction`` on."""
+    mdat, moov = data.find(b"mdat"), data.find(b"moov")
+    start = mdat + 4 + int((moov - mdat) * start_fraction)
+    return data[:start] + bytes(moov - 8 - start) + data[moov - 8 :]
+
+
+def test_zeroed_frame_data_is_refused_before_or_while_decoding():
+    with pytest.raises(CorruptVideoError, match="no frame size"):  # the first frame carries the codec header
+        probe(_with_frames_zeroed(CLIP, 0.0), VideoLimits())
+    damaged = _with_frames_zeroed(CLIP, 0.5)
+    assert probe(damaged, VideoLimits()).num_frames == 12  # the index is intact: packets count as frames
+    with pytest.raises(CorruptVideoError, match="truncated or corrupt"):
+        decode_frames(damaged, VideoLimits(), Sampling(num_frames=12))
+
+
+def test_the_sampled_frames_pixels_together_are_bounded_before_decoding():
+    limits = VideoLimits(max_total_pixels=48 * 32 * 5)  # CLIP samples 6 frames of 48x32 at 2 fps
+    with pytest.raises(VideoLimitError, match="sampled frames have 9216 pixels; the limit is 7680"):
+        decode_frames(CLIP, limits, Sampling(fps=2.0))
+    assert len(decode_frames(CLIP, limits, Sampling(num_frames=4))[0]) == 4
+
+
+def test_a_video_hash_is_salted_per_tenant_and_checked_under_the_calls_salt(qwen):
+    adapter, image_processor, process_file = qwen
+    sampling = Sampling(fps=2.0, max_frames=64)
+    salt = "ab" * 32
+    shared = _video_item(adapter, image_processor, CLIP, sampling)
+    salted = _video_item(adapter, image_processor, CLIP, sampling, salt)
+    assert salted.mm_hash != shared.mm_hash
+    item_pixels(salted, 0, adapter.pixel_layout(), process_file, salt)
+    with pytest.raises(ValueError, match="mm_hash is not the hash"):  # another tenant's entry
+        item_pixels(salted, 0, adapter.pixel_layout(), process_file)
