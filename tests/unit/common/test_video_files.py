@@ -248,3 +248,37 @@ def test_a_video_hash_is_salted_per_tenant_and_checked_under_the_calls_salt(qwen
     item_pixels(salted, 0, adapter.pixel_layout(), process_file, salt)
     with pytest.raises(ValueError, match="mm_hash is not the hash"):  # another tenant's entry
         item_pixels(salted, 0, adapter.pixel_layout(), process_file)
+
+
+class _StreamDouble:
+    """Test double of a PyAV video stream: the rates and frame size ``_count_frames`` reads."""
+
+    def __init__(self, rate) -> None:
+        self.average_rate = self.guessed_rate = rate
+        self.codec_context = type("CodecContext", (), {"width": 48, "height": 32})()
+
+
+class _PacketDouble:
+    size = 100
+
+
+class _ContainerDouble:
+    """Test double of a PyAV container whose demuxer fails after ``num_packets`` packets."""
+
+    def __init__(self, num_packets: int) -> None:
+        self.num_packets = num_packets
+
+    def demux(self, stream):
+        yield from [_PacketDouble()] * self.num_packets
+        raise av.error.InvalidDataError(1094995529, "Invalid data found when processing input")
+
+
+def test_a_stream_without_a_frame_rate_is_refused_before_counting():
+    with pytest.raises(CorruptVideoError, match="no frame rate"):
+        video_files._count_frames(_ContainerDouble(3), _StreamDouble(None), VideoLimits())
+
+
+def test_a_demuxer_error_while_counting_is_a_corrupt_video_not_a_crash():
+    # A real truncated WebM just ends early (fewer frames); a demuxer that fails mid-file must not escape.
+    with pytest.raises(CorruptVideoError, match="truncated or corrupt"):
+        video_files._count_frames(_ContainerDouble(3), _StreamDouble(4), VideoLimits())
