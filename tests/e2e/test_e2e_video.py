@@ -194,10 +194,11 @@ def _video_requests(image_processor) -> list[tuple[list[dict], list, list]]:
     ]
 
 
+@pytest.mark.parametrize("colocated", [False, True], ids=["disagg", "colocated"])
 @pytest.mark.parametrize(
     "pd", [{"max_num_batched_tokens": 16}, {"num_kv_blocks": 0, "block_size": 16}], ids=["chunked", "preempted"]
 )
-def test_videos_through_chunked_prefill_and_preemption(build_model, oracle_for, pd):
+def test_videos_through_chunked_prefill_and_preemption(build_model, oracle_for, pd, colocated):
     """A 16-token step budget splits every video span across steps; a KV pool barely larger than the longest
     request forces recompute preemption. Either way the output equals generate()."""
     oracle = oracle_for("qwen2.5-vl-tiny")
@@ -209,7 +210,7 @@ def test_videos_through_chunked_prefill_and_preemption(build_model, oracle_for, 
     if "num_kv_blocks" in pd:
         longest = max(len(oracle.prompt_ids([{"role": "user", "content": c}], i)) for c, _, i in requests)
         pd = {**pd, "num_kv_blocks": -(-(longest + 48 + MAX_TOKENS) // 16) + 1}  # + the tokens of the videos
-    cluster = InProcessCluster(str(build_model("qwen2.5-vl-tiny")), pd=pd).start()
+    cluster = InProcessCluster(str(build_model("qwen2.5-vl-tiny")), pd=pd, colocated=colocated).start()
     try:
         client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=300)
         with client, ThreadPoolExecutor(len(requests)) as pool:
