@@ -116,6 +116,20 @@ class Scheduler:
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_computed(self, request: Request) -> None:
+        """Run a request whose prompt K/V is already in its block table (a KV hand-off): a decode row at once.
+
+        Raises ValueError (never runnable here) or QueueFull (no free slot), changing nothing.
+        """
+        if request.request_id in self._requests:
+            raise ValueError("a request with this id is already queued")
+        validate_request(request, self.config, self.kv_cache.num_blocks_for, self.kv_cache.num_blocks)
+        if self.num_active >= self.config.max_num_seqs:
+            raise QueueFull(self.config.retry_after_s)
+        request.status = RequestStatus.RUNNING
+        self._requests[request.request_id] = request
+        self.running.append(request)
+
     def check_room(self, num_tokens: int) -> None:
         """Raises QueueFull unless one more request of ``num_tokens`` fits the waiting bounds now."""
         num_waiting_tokens = sum(r.num_tokens for r in self.waiting)
