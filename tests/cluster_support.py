@@ -174,6 +174,8 @@ class InProcessCluster:
                 "num_kv_blocks_used",
                 "num_live_requests",
                 "referenced_tokens",
+                "num_kv_reservations",
+                "num_kv_exports",
             ):
                 report[f"pd{i}.{key}"] = int(getattr(stats, key))
         for i, encoder in enumerate(self.encoders):

@@ -244,6 +244,15 @@ def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="both = prefill and decode here (default); prefill = prefill and sample the first token, then "
+        "push the KV to the decode instance its Generate names; decode = decode requests whose KV a "
+        "prefill instance pushed into a ReserveKV reservation",
+    )
+    add(
+        parser,
         "--encoder",
         default="remote",
         choices=["remote", "local"],
@@ -313,6 +322,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,
         encoder=args.encoder,
+        role=args.role,
         accept_pixel_values=args.accept_pixel_values,
         grace_s=args.grace,
         stall_timeout_s=args.stall_timeout_s,

@@ -26,6 +26,7 @@ from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.kv_cache import KVCacheManager
+from services.pd.engine.kv_handoff import Role
 from services.pd.engine.preallocated import PreallocationLimits
 from services.pd.engine.request import Request, SamplingParams
 from services.pd.engine.scheduler import Scheduler, SchedulerConfig
@@ -86,6 +87,8 @@ class PdServer:
             await self._wait_idle(deadline)
         await self.grpc.stop(max(0.0, deadline - time.monotonic()))
         await asyncio.to_thread(self.engine.shutdown)
+        if self.servicer is not None:
+            await self.servicer.kv.close()
         if self.metrics_http is not None:  # last: a scrape can still see the drain
             await self.metrics_http.stop()
 
@@ -206,6 +209,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         lease_sweep_interval_s=config.lease_sweep_interval_s,
         step_budget=_step_budget(config),
         preallocation_limits=PreallocationLimits(config.max_preallocations, config.max_preallocations_per_peer),
+        role=Role(config.role),
     )
     # The engine thread runs the model with the thread count chosen here.
     engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))

@@ -97,3 +97,12 @@ def test_bad_slo_values_are_usage_errors(flag, value, capsys):
 def test_impossible_budget_settings_are_refused(field, value):
     with pytest.raises(ValueError):
         PdConfig(model="", **{field: value})
+
+
+def test_role_flag_defaults_to_both():
+    assert _config([]).role == "both"
+    assert _config(["--role", "decode"]).role == "decode"
+    with pytest.raises(SystemExit):
+        _config(["--role", "neither"])
+    with pytest.raises(ValueError):
+        PdConfig(model="m", role="neither")
