@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.grpc_utils import peer_address, request_id_of, set_retry_after
+from services.common.grpc_utils import FAILED_HOP_KEY, KV_PUSH_HOP, peer_address, request_id_of, set_retry_after
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
@@ -207,6 +207,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                         try:
                             await self.kv.push(engine_request.request_id, handoff, context.time_remaining())
                         except EngineError as error:
+                            context.set_trailing_metadata(((FAILED_HOP_KEY, KV_PUSH_HOP),))  # D's hop, not ours
                             await abort_with(context, error, line)
                     final = convert.final_to_pb(event)
                     line.update(status="OK", **_usage_fields(final))

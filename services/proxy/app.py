@@ -42,6 +42,7 @@ from services.proxy.fairness import (
     key_identity,
 )
 from services.proxy.fields import ignored_fields_header
+from services.proxy.handoff import HandoffPipeline
 from services.proxy.http_util import (
     BoundedJSONResponse,
     ClientDisconnected,
@@ -467,8 +468,8 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         owned = backends is None
         pool = backends or Backends.connect(config)
         await pool.start()
-        metrics.watch_instances(lambda: [*pool.pds, *pool.encoders])
-        pipeline = Pipeline(
+        metrics.watch_instances(lambda: [*pool.pds, *pool.encoders, *pool.decodes])
+        pipeline = (HandoffPipeline if config.decode_addresses else Pipeline)(
             pool,
             lease_ms=config.lease_ms,
             pd_attempts=config.pd_attempts,
