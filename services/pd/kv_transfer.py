@@ -17,6 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -34,6 +35,28 @@ log = logging.getLogger(__name__)
 MAX_CHANNELS = 64
 """Decode-instance channels a prefill instance keeps open (least recently used closed first)."""
 _MAX_ADDRESS_CHARS = 255
+
+
+@dataclass
+class PushCounters:
+    """Pushes that landed on one side: how many, their bytes, and the seconds they took."""
+
+    num_pushes: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, num_bytes: int, seconds: float) -> None:
+        self.num_pushes += 1
+        self.num_bytes += num_bytes
+        self.seconds += seconds
+
+
+@dataclass
+class KVTransferStats:
+    """What ``epd_pd_kv_push_*`` reports: pushes sent (prefill side) and received (decode side)."""
+
+    sent: PushCounters = field(default_factory=PushCounters)
+    received: PushCounters = field(default_factory=PushCounters)
 
 
 def _invalid(message: str) -> EngineError:
@@ -60,9 +83,7 @@ class KVTransfer:
         self.uses_grids = uses_grids
         self._channel_factory = channel_factory or (lambda address: grpc_utils.aio_channel(address, config.security))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, epd_pb2_grpc.PrefillDecodeStub]] = OrderedDict()
-        self.num_bytes_pushed = 0
-        self.push_seconds = 0.0
-        self.num_pushes = 0
+        self.stats = KVTransferStats()
 
     # ------------------------------------------------------------ decode side
     async def reserve(self, request: epd_pb2.ReserveKVRequest, time_remaining: float | None) -> Any:
@@ -95,6 +116,7 @@ class KVTransfer:
         """PushKV: reads one push into its reservation; returns its payload bytes; raises EngineError."""
         stream = aiter(chunks)
         first = await self._next(stream)
+        started = time.perf_counter()
         if first is None or first.WhichOneof("kind") != "header":
             raise _invalid("a KV push must start with its header")
         header = first.header
@@ -128,6 +150,7 @@ class KVTransfer:
             core.fill_kv(*ids, header.first_token_id)
 
         await self.engine.call(land)
+        self.stats.received.add(num_bytes, time.perf_counter() - started)
         return num_bytes
 
     async def _read_payload(self, stream: AsyncIterator[epd_pb2.PushKVChunk], num_bytes: int) -> bytearray:
@@ -178,9 +201,7 @@ class KVTransfer:
                 first_token_id=export.first_token_id,
             )
             await self._send(handoff.address, header, payload, timeout_s)
-            self.num_pushes += 1
-            self.num_bytes_pushed += len(payload)
-            self.push_seconds += time.perf_counter() - started
+            self.stats.sent.add(len(payload), time.perf_counter() - started)
         finally:
             try:
                 await self.engine.call(core.release_export, request_id)

@@ -299,9 +299,9 @@ async def start_pd(config: PdConfig) -> PdServer:
     metrics_http = None
     try:
         if config.metrics_port >= 0:
-            metrics_http = await PdMetrics(engine, decode_paths=facts["decode_paths"]).serve(
-                config.metrics_host or config.host, config.metrics_port, token=config.security.metrics_token
-            )
+            metrics_http = await PdMetrics(
+                engine, decode_paths=facts["decode_paths"], transfer=servicer.kv.stats
+            ).serve(config.metrics_host or config.host, config.metrics_port, token=config.security.metrics_token)
         if config.warmup:
             await warm_up(engine, every_path=facts["device"].startswith("cuda"))
         if colocated is not None:

@@ -85,9 +85,9 @@ def test_a_repeated_prompt_pushes_only_what_the_decode_instance_lacks(cluster, c
     transfer = cluster.pds[0].servicer.kv
     pushed = []
     for _ in range(2):
-        before = transfer.num_bytes_pushed
+        before = transfer.stats.sent.num_bytes
         assert _chat(client, messages, False, max_tokens=MAX_TOKENS)[0] == expected
-        pushed.append(transfer.num_bytes_pushed - before)
+        pushed.append(transfer.stats.sent.num_bytes - before)
     # The second ReserveKV found the first request's full blocks in D's prefix cache: only the last is sent.
     assert 0 < pushed[1] < pushed[0]
 

@@ -225,3 +225,34 @@ def test_an_unreachable_decode_instance_fails_the_prefill(trio):
         )
     )
     assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def scrape(trio, index: int) -> dict[str, float]:
+    from services.pd.metrics import PdMetrics
+
+    pd = trio.cluster.pds[index]
+    text = trio.cluster.run(PdMetrics(pd.engine, transfer=pd.servicer.kv.stats).render()).decode()
+    return {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.startswith("epd_pd_kv_") and " " in line
+    }
+
+
+def test_push_metrics_count_both_sides(trio):
+    before = scrape(trio, 1), scrape(trio, 2)
+    handed_off(trio, list(range(200, 230)))
+    prefill, decode = scrape(trio, 1), scrape(trio, 2)
+    sent = (
+        prefill['epd_pd_kv_push_bytes_total{role="prefill"}'] - before[0]['epd_pd_kv_push_bytes_total{role="prefill"}']
+    )
+    received = (
+        decode['epd_pd_kv_push_bytes_total{role="decode"}'] - before[1]['epd_pd_kv_push_bytes_total{role="decode"}']
+    )
+    assert sent == received > 0
+    assert (
+        prefill['epd_pd_kv_pushes_total{role="prefill"}'] >= 1
+        and decode['epd_pd_kv_push_seconds_total{role="decode"}'] > 0
+    )
+    assert decode['epd_pd_kv_reservations{role="decode"}'] == prefill['epd_pd_kv_reservations{role="prefill"}'] == 0
+    assert 'epd_pd_kv_reservations_expired_total{role="decode"}' in decode
