@@ -29,6 +29,7 @@ from services.pd import convert
 from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
 from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.kv_handoff import KVExport
 
 log = logging.getLogger(__name__)
 
@@ -184,13 +185,17 @@ class KVTransfer:
         the decode instance's refusal)."""
         core = self.engine.core
         try:
-            export = await self.engine.call(core.take_export, request_id)
-            if export is None:
-                raise EngineError(ErrorKind.INTERNAL, "the prefilled KV was not held for its push")
-            if handoff.num_cached_blocks >= len(export.block_ids):
-                raise _invalid("num_cached_blocks leaves nothing to push")
             started = time.perf_counter()
-            kv = await self.engine.call(core.runner.read_kv_blocks, export.block_ids[handoff.num_cached_blocks :])
+
+            def read() -> tuple[KVExport, torch.Tensor]:  # one engine-thread call: an Abort cannot come between
+                export = core.take_export(request_id)
+                if export is None:
+                    raise EngineError(ErrorKind.UNAVAILABLE, "the prefilled KV is no longer held for its push")
+                if handoff.num_cached_blocks >= len(export.block_ids):
+                    raise _invalid("num_cached_blocks leaves nothing to push")
+                return export, core.runner.read_kv_blocks(export.block_ids[handoff.num_cached_blocks :])
+
+            export, kv = await self.engine.call(read)
             payload = tensors.tensor_bytes(kv)
             header = epd_pb2.KVHeader(
                 request_id=request_id,

@@ -134,3 +134,36 @@ def test_requests_fail_over_when_an_instance_is_gone(pairs, oracle_for, stopped)
     for pd in survivors:
         stats = pairs.run(pd.stats())
         assert stats.is_idle and stats.num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("cluster", ["qwen2.5"], indirect=True)
+def test_an_abort_storm_leaves_nothing_on_any_instance(cluster, client, oracle):
+    """24 requests, most abandoned at a different point (before a byte, after one or a few chunks),
+    with and without images; then a request still comes back token-exact."""
+    model = client.models.list().data[0].id
+
+    def one(i: int) -> None:
+        images = [make_image(500 + i)] if i % 2 else []
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[user_message(f"Storm {i}: tell a long story.", images)],
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+            timeout=0.05 if i % 4 == 0 else 120,  # some give up before the first token
+        )
+        with stream:
+            for count, _ in enumerate(stream):
+                if count >= i % 3:
+                    break
+
+    with ThreadPoolExecutor(8) as pool:
+        for future in [pool.submit(one, i) for i in range(24)]:
+            try:
+                future.result()
+            except openai.APIError:
+                pass  # the ones that timed out on the client side
+    text, images = CASES["one_image"]
+    messages = [user_message(text, images)]
+    assert _chat(client, messages, True, max_tokens=MAX_TOKENS)[0] == oracle.generate(messages, images, MAX_TOKENS)
+    # the client fixture then checks every instance for leaks

@@ -52,7 +52,7 @@ from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.handoff_core import KVHandoffMixin
 from services.pd.engine.invariants import check
-from services.pd.engine.kv_handoff import KVExports, KVReservations, Role
+from services.pd.engine.kv_handoff import Role
 from services.pd.engine.outputs import Allocation, Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
 from services.pd.engine.preallocated import Preallocated, PreallocatedRequests, PreallocationLimits, claim_spans
 from services.pd.engine.request import CachedPrefix, MultiModalSpan, Request, RequestStatus, SamplingParams
@@ -77,7 +77,8 @@ class EngineCore(KVHandoffMixin):
 
     ``runner`` has ``execute(SchedulerOutput, embeddings) -> ModelRunnerOutput`` and
     ``prepare_embedding(tensor)`` (to its device and dtype; ValueError for one it cannot
-    use). ``role`` says which side of a KV hand-off it serves (``handoff_core.py``). ``step_budget`` sizes each step's prefill (default: off, the whole step budget);
+    use). ``role``: which side of a KV hand-off it serves (``handoff_core.py``). ``step_budget`` sizes
+    each step's prefill (default: off, the whole step budget);
     ``timer`` measures steps. Errors are ``EngineError``s whose messages never echo input.
     """
 
@@ -111,11 +112,7 @@ class EngineCore(KVHandoffMixin):
         self.step_stats = StepStats()
         self.step_budget = step_budget or StepBudget.off(scheduler.config.max_num_batched_tokens)
         self._timer = timer
-        self.role = role
-        self.export_lease_s = export_lease_s
-        self._reservations = KVReservations()  # decode side: blocks reserved for a push
-        self._exports = KVExports()  # prefill side: blocks held until their push lands
-        self._num_expired_kv_reservations = 0
+        self._init_handoff(role, export_lease_s)
 
     # ------------------------------------------------------------ Preallocate
     def preallocate(
@@ -262,7 +259,9 @@ class EngineCore(KVHandoffMixin):
 
     # ------------------------------------------------------------------- exits
     def abort(self, request_id: str) -> Request | None:
-        """Ends a request (client gone, Abort); idempotent. Returns it if it was queued."""
+        """Ends a request (client gone, Abort; a finished prefill's K/V held for its push too); idempotent.
+        Returns it if it was queued."""
+        self.release_export(request_id)
         return self._end(request_id, RequestStatus.FINISHED_ABORTED)
 
     def fail_all(self, error: EngineError) -> None:
@@ -441,9 +440,7 @@ class EngineCore(KVHandoffMixin):
             num_expired_leases=self._num_expired_leases,
             steps=self.step_stats.snapshot(),
             budget=self.step_budget.snapshot(),
-            num_kv_reservations=self.num_kv_reservations,
-            num_kv_exports=self.num_kv_exports,
-            num_expired_kv_reservations=self._num_expired_kv_reservations,
+            **self.handoff_stats(),
         )
 
     def check_integrity(self) -> None:

@@ -43,6 +43,13 @@ class KVHandoffMixin:
 
         def _finish(self, request_id: str, request: Request | None, error: EngineError | None) -> None: ...
 
+    def _init_handoff(self, role: Role, export_lease_s: float) -> None:
+        self.role = role
+        self.export_lease_s = export_lease_s  # how long P holds a finished prefill's K/V for its push
+        self._reservations = KVReservations()  # decode side: blocks reserved for a push
+        self._exports = KVExports()  # prefill side: blocks held until their push lands
+        self._num_expired_kv_reservations = 0
+
     # ------------------------------------------------------------ decode side
     def reserve_kv(
         self,
@@ -109,7 +116,7 @@ class KVHandoffMixin:
         assert first is not None  # FILLED
         request.output_token_ids.append(first)
         try:
-            self.scheduler.add_computed(request)
+            self.scheduler.add_request(request, computed=True)
         except (ValueError, QueueFull) as exc:
             self.kv_cache.free(request)
             if isinstance(exc, QueueFull):
@@ -168,10 +175,10 @@ class KVHandoffMixin:
         """The requests-to-be holding reserved blocks (for ``check_integrity``)."""
         return [reservation.probe for reservation in self._reservations]
 
-    @property
-    def num_kv_reservations(self) -> int:
-        return len(self._reservations)
-
-    @property
-    def num_kv_exports(self) -> int:
-        return len(self._exports)
+    def handoff_stats(self) -> dict[str, int]:
+        """The hand-off's ``EngineStats`` fields."""
+        return {
+            "num_kv_reservations": len(self._reservations),
+            "num_kv_exports": len(self._exports),
+            "num_expired_kv_reservations": self._num_expired_kv_reservations,
+        }

@@ -81,13 +81,17 @@ def preallocate_and_push(stub, request_id, prompt, items, embedding):
             stub.PushEmbedding(push_chunks(request_id, allocation.reservation_id, item.mm_hash, embedding))
 
 
-def generate_request(request_id, prompt, items, max_tokens, **fields):
+def generate_request(request_id, prompt, items, max_tokens, sampling=None, **fields):
     return epd_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt, mm_items=items, sampling=greedy(max_tokens), **fields
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        mm_items=items,
+        sampling=sampling or greedy(max_tokens),
+        **fields,
     )
 
 
-def handed_off(trio, prompt, items=(), embedding=None, max_tokens=12):
+def handed_off(trio, prompt, items=(), embedding=None, max_tokens=12, sampling=None):
     """Runs one request through P then D; returns (P's tokens, D's tokens, D's final message)."""
     request_id = new_request_id()
     grant = trio.decode.ReserveKV(
@@ -99,19 +103,20 @@ def handed_off(trio, prompt, items=(), embedding=None, max_tokens=12):
         address=trio.decode_address, reservation_id=grant.reservation_id, num_cached_blocks=grant.num_cached_blocks
     )
     first, _, _ = run_generate(
-        trio.prefill, generate_request(request_id, prompt, items, max_tokens, kv_handoff=handoff)
+        trio.prefill, generate_request(request_id, prompt, items, max_tokens, sampling, kv_handoff=handoff)
     )
     tokens, _, final = run_generate(
-        trio.decode, generate_request(request_id, prompt, items, max_tokens, kv_reservation_id=grant.reservation_id)
+        trio.decode,
+        generate_request(request_id, prompt, items, max_tokens, sampling, kv_reservation_id=grant.reservation_id),
     )
     return first, tokens, final
 
 
-def whole(trio, prompt, items=(), embedding=None, max_tokens=12):
+def whole(trio, prompt, items=(), embedding=None, max_tokens=12, sampling=None):
     request_id = new_request_id()
     if items:
         preallocate_and_push(trio.both, request_id, prompt, items, embedding)
-    tokens, _, _ = run_generate(trio.both, generate_request(request_id, prompt, items, max_tokens))
+    tokens, _, _ = run_generate(trio.both, generate_request(request_id, prompt, items, max_tokens, sampling))
     return tokens
 
 
@@ -122,6 +127,13 @@ def test_text_is_token_exact_through_prefill_then_decode(trio):
     assert first == expected[:1]
     assert tokens == expected
     assert final.usage.completion_tokens == len(expected)
+
+
+def test_seeded_sampling_goes_on_where_the_prefill_stopped(trio):
+    prompt = list(range(7, 31))
+    sampling = epd_pb2.SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=12, min_tokens=3)
+    expected = whole(trio, prompt, sampling=sampling)
+    assert handed_off(trio, prompt, sampling=sampling)[1] == expected
 
 
 def test_an_image_is_token_exact_through_prefill_then_decode(trio):

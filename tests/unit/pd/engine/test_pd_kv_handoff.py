@@ -264,3 +264,9 @@ def test_reservation_table_remembers_a_bounded_number_of_expired_ids(monkeypatch
     with pytest.raises(EngineError) as remembered:
         table.lookup("r2", ids[2], 2.0)
     assert remembered.value.kind is ErrorKind.DEADLINE_EXCEEDED
+
+
+def test_an_abort_after_the_prefill_finished_lets_its_held_blocks_go(prefill):
+    prefill_and_hold(prefill)
+    prefill.abort("r")  # the client went away before the push started
+    assert prefill.take_export("r") is None
