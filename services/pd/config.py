@@ -96,6 +96,8 @@ class PdConfig:
             raise ValueError("max_waiting_requests, max_waiting_tokens and waiting_retry_after_ms must be positive")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError("role must be both, prefill or decode")
+        if self.role == "decode" and self.encoder == "local":
+            raise ValueError("a decode instance runs no prompt, so no vision tower (--encoder local)")
         if self.linear_backend not in ("auto", "torch", "onednn"):
             raise ValueError("linear_backend must be auto, torch or onednn")
         if self.stall_timeout_s < 0 or self.liveness_timeout_s < 0:

@@ -106,3 +106,5 @@ def test_role_flag_defaults_to_both():
         _config(["--role", "neither"])
     with pytest.raises(ValueError):
         PdConfig(model="m", role="neither")
+    with pytest.raises(ValueError):
+        PdConfig(model="m", role="decode", encoder="local")
