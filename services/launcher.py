@@ -266,6 +266,8 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
     # Encoders push only to this cluster's PDs (``epd encoder --pd-allow``), whatever an Encode names.
     roles = pd_roles(args)
     prefill_ports = [args.pd_base_port + j for j, role in enumerate(roles) if role != "decode"]
+    # Prefill PDs push KV only to this cluster's decode PDs (``epd pd --decode-allow``).
+    decode_ports = [f"{args.host}:{args.pd_base_port + j}" for j, role in enumerate(roles) if role == "decode"]
     pd_allow = ("--pd-allow", ",".join(f"{args.host}:{port}" for port in prefill_ports))
     specs = [
         grpc_service("encoder", i, args.encoder_base_port, args.encoder_metrics_base_port, "epd.v1.Encoder", *pd_allow)
@@ -280,6 +282,7 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
             "epd.v1.PrefillDecode",
             *(["--encoder", "local"] if args.colocated else []),
             *(["--role", role] if role != "both" else []),
+            *(["--decode-allow", ",".join(decode_ports)] if role == "prefill" else []),
         )
         for j, role in enumerate(roles)
     ]

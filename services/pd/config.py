@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.dial_allow import PdAllowSpec
 from services.common.ports import DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
@@ -69,6 +70,9 @@ class PdConfig:
     max_lease_ms: int = 600_000
     lease_sweep_interval_s: float = 0.25
     role: str = "both"  # both | prefill | decode: which side of a KV hand-off this instance serves
+    # The decode PDs a hand-off may name, which alone a prefill PD dials (services/common/dial_allow.py);
+    # the default allows loopback addresses only.
+    decode_allow: PdAllowSpec = PdAllowSpec()
     encoder: str = "remote"  # remote = encoder services push embeddings; local = colocated baseline
     accept_pixel_values: bool = False  # local: also take processed pixels (EncoderConfig.accept_pixel_values)
     # lifecycle

@@ -37,6 +37,7 @@ STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 FINISH_REASONS: dict[RequestStatus, int] = {

@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from services.common import grpc_utils, tensors
+from services.common.dial_allow import PdAllowList
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
 from services.pd.bridge import EngineBridge
@@ -76,7 +77,9 @@ class KVTransfer:
         max_model_len: int,
         uses_grids: bool | None,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        decode_allow: PdAllowList | None = None,
     ) -> None:
+        """``decode_allow``: the decode PDs a hand-off may name (default: ``config.decode_allow``)."""
         self.engine = engine
         self.config = config
         self.vocab_size = vocab_size
@@ -85,6 +88,7 @@ class KVTransfer:
         self._channel_factory = channel_factory or (lambda address: grpc_utils.aio_channel(address, config.security))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, epd_pb2_grpc.PrefillDecodeStub]] = OrderedDict()
         self.stats = KVTransferStats()
+        self._decode_allow = decode_allow or PdAllowList(config.decode_allow)
 
     # ------------------------------------------------------------ decode side
     async def reserve(self, request: epd_pb2.ReserveKVRequest, time_remaining: float | None) -> Any:
@@ -185,6 +189,7 @@ class KVTransfer:
         the decode instance's refusal)."""
         core = self.engine.core
         try:
+            await self.check_target(handoff)
             started = time.perf_counter()
 
             def read() -> tuple[KVExport, torch.Tensor]:  # one engine-thread call: an Abort cannot come between
@@ -212,6 +217,12 @@ class KVTransfer:
                 await self.engine.call(core.release_export, request_id)
             except EngineError:
                 pass  # the engine is stopping: its blocks go with it
+
+    async def check_target(self, handoff: epd_pb2.KVHandoff) -> None:
+        """Refuses (PERMISSION_DENIED) a decode PD outside ``--decode-allow``: the address decides where
+        this PD, and its token, go. Checked before the prefill is admitted, and again before the push."""
+        if not await self._decode_allow.allows(handoff.address):
+            raise EngineError(ErrorKind.PERMISSION_DENIED, "kv_handoff.address is not allowed (--decode-allow)")
 
     async def _send(self, address: str, header: epd_pb2.KVHeader, payload: memoryview, timeout_s: float | None) -> None:
         def chunks() -> Iterator[epd_pb2.PushKVChunk]:

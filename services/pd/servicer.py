@@ -185,6 +185,8 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 uses_grids=self.uses_grids,
             )
             handoff = handoff_of(request, engine_request, self.role)
+            if handoff is not None:
+                await self.kv.check_target(handoff)
             await self._attach_grammar(engine_request)
             events = await self.engine.add_request(engine_request, request.kv_reservation_id)
         except EngineError as error:

@@ -268,3 +268,15 @@ def test_push_metrics_count_both_sides(trio):
     )
     assert decode['epd_pd_kv_reservations{role="decode"}'] == prefill['epd_pd_kv_reservations{role="prefill"}'] == 0
     assert 'epd_pd_kv_reservations_expired_total{role="decode"}' in decode
+
+
+def test_a_decode_address_outside_decode_allow_is_refused_before_the_prefill(trio):
+    handoff = epd_pb2.KVHandoff(address="10.1.2.3:21061", reservation_id="kvres-x")  # not loopback: not allowed
+    steps = trio.cluster.run(trio.cluster.pds[1].stats()).num_steps
+    code = code_of(
+        lambda: run_generate(
+            trio.prefill, generate_request(new_request_id(), list(range(3, 12)), [], 4, kv_handoff=handoff)
+        )
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert trio.cluster.run(trio.cluster.pds[1].stats()).num_steps == steps  # no prefill was spent on it

@@ -154,6 +154,9 @@ def test_prefills_and_decodes_start_an_epd_cluster(clean_env):
     config = proxy_main.config_from_args(proxy_args.parse_args(proxy[1:]))
     assert config.decode_addresses == tuple(decodes.split(","))
     assert all(config_role(spec) in ("prefill", "decode") for spec in pds)
+    for spec in pds[:2]:  # prefill PDs push KV only to this cluster's decode PDs
+        assert spec.argv[spec.argv.index("--decode-allow") + 1] == decodes
+    assert not any("--decode-allow" in spec.argv for spec in pds[2:])
 
 
 def config_role(spec) -> str:

@@ -108,3 +108,12 @@ def test_role_flag_defaults_to_both():
         PdConfig(model="m", role="neither")
     with pytest.raises(ValueError):
         PdConfig(model="m", role="decode", encoder="local")
+
+
+def test_decode_allow_flag():
+    assert _config([]).decode_allow.entries == () and not _config([]).decode_allow.any
+    config = _config(["--decode-allow", "d0:21063,10.0.0.9:21064"])
+    assert config.decode_allow.entries == (("d0", 21063), ("10.0.0.9", 21064))
+    assert _config(["--decode-allow", "*"]).decode_allow.any
+    with pytest.raises(ValueError, match="--decode-allow"):
+        _config(["--decode-allow", "*,d0:1"])
