@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from services.pd.engine.errors import EngineError, ErrorKind
-from services.pd.engine.kv_handoff import KVExport, KVExports, KVGrant, KVReservations, Role
+from services.pd.engine.kv_handoff import KVExport, KVExports, KVGrant, KVReservations, ReservationState, Role
 from services.pd.engine.outputs import SampledToken
 from services.pd.engine.request import MultiModalSpan, Request, RequestStatus, SamplingParams
 from services.pd.engine.scheduler_config import QueueFull, validate_request
@@ -99,22 +99,13 @@ class KVHandoffMixin:
     def add_handed_off(self, request: Request, reservation_id: str) -> None:
         """Admits a Generate whose prompt K/V and first token came from P; it decodes from its second token.
 
-        Raises EngineError, holding nothing (the reservation stays until its lease or abort).
+        Raises EngineError, holding nothing: a Generate that does not fit its reservation (another prompt,
+        not filled yet, a first token its grammar refuses) leaves the reservation for the right one; a
+        refusal at admission (no slot) frees it.
         """
         if request.request_id in self._streams:
             raise EngineError(ErrorKind.ALREADY_EXISTS, "a request with this id is already running")
-        reservation = self._reservations.lookup(request.request_id, reservation_id, self._clock())
-        if not reservation.matches(request):
-            raise EngineError(ErrorKind.FAILED_PRECONDITION, "the prompt differs from the KV reservation's")
-        reservation = self._reservations.take(request.request_id, reservation_id, self._clock())
-        probe = reservation.probe
-        request.block_ids, probe.block_ids = probe.block_ids, []
-        request.block_hashes = probe.block_hashes
-        request.num_computed_tokens = probe.num_prompt_tokens
-        request.num_cached_tokens = probe.num_cached_tokens
-        first = reservation.first_token_id
-        assert first is not None  # FILLED
-        request.output_token_ids.append(first)
+        first = self._take_reservation(request, reservation_id)
         try:
             self.scheduler.add_request(request, computed=True)
         except (ValueError, QueueFull) as exc:
@@ -122,8 +113,7 @@ class KVHandoffMixin:
             if isinstance(exc, QueueFull):
                 raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "no free decode slot", exc.retry_after_s) from None
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(exc)) from None
-        now = self._clock()
-        request.timings.first_scheduled = request.timings.first_token = now
+        request.timings.first_scheduled = request.timings.first_token = self._clock()
         self.kv_cache.cache_full_blocks(request)  # the pushed blocks join D's prefix cache
         self._streams.open(request)
         status = request.stop_status(first, self.scheduler.config.max_model_len)
@@ -134,6 +124,26 @@ class KVHandoffMixin:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:  # its first token ended it
             self._finish(request.request_id, request, None)
+
+    def _take_reservation(self, request: Request, reservation_id: str) -> int:
+        """Moves a FILLED reservation's blocks and first token onto ``request``; returns the first token."""
+        now = self._clock()
+        reservation = self._reservations.lookup(request.request_id, reservation_id, now)
+        if not reservation.matches(request):
+            raise EngineError(ErrorKind.FAILED_PRECONDITION, "the prompt differs from the KV reservation's")
+        first = reservation.first_token_id
+        if reservation.state is not ReservationState.FILLED or first is None:
+            raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV reservation has not been filled")
+        # P's matcher accepted the first token; this request's own one must have too before it samples.
+        if request.grammar is not None and not request.grammar.accept(first):
+            raise EngineError(ErrorKind.FAILED_PRECONDITION, "the first token breaks the request's grammar")
+        probe = self._reservations.take(request.request_id, reservation_id, now).probe
+        request.block_ids, probe.block_ids = probe.block_ids, []
+        request.block_hashes = probe.block_hashes
+        request.num_computed_tokens = probe.num_prompt_tokens
+        request.num_cached_tokens = probe.num_cached_tokens
+        request.output_token_ids.append(first)
+        return first
 
     # ----------------------------------------------------------- prefill side
     def _hold_export(self, request: Request) -> None:

@@ -136,6 +136,16 @@ def test_seeded_sampling_goes_on_where_the_prefill_stopped(trio):
     assert handed_off(trio, prompt, sampling=sampling)[1] == expected
 
 
+def test_a_constrained_output_goes_on_under_the_same_grammar(trio):
+    if trio.model != "tiny":
+        pytest.skip("one model is enough: the grammar is the servicer's, not the model's")
+    prompt = list(range(9, 25))
+    constraint = epd_pb2.StructuredOutput(regex="[ab]{3}-[0-9]{2}")
+    sampling = epd_pb2.SamplingParams(temperature=0.0, max_tokens=16, structured_output=constraint)
+    expected = whole(trio, prompt, sampling=sampling)
+    assert handed_off(trio, prompt, sampling=sampling)[1] == expected
+
+
 def test_an_image_is_token_exact_through_prefill_then_decode(trio):
     prompt, items, embedding = image_prompt(trio, seed=1)
     expected = whole(trio, prompt, items, embedding)

@@ -270,3 +270,41 @@ def test_an_abort_after_the_prefill_finished_lets_its_held_blocks_go(prefill):
     prefill_and_hold(prefill)
     prefill.abort("r")  # the client went away before the push started
     assert prefill.take_export("r") is None
+
+
+class GrammarDouble:
+    """Accepts every token but ``refused``."""
+
+    def __init__(self, refused: int) -> None:
+        self.refused, self.accepted = refused, []
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return len(self.accepted)
+
+    def accept(self, token_id: int) -> bool:
+        if token_id == self.refused:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    @property
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_the_decode_side_grammar_accepts_the_first_token_before_it_samples(prefill, decode):
+    grant = decode.reserve_kv("r", PROMPT, [], LEASE_S)
+    decode.fill_kv("r", grant.reservation_id, 42)
+    refusing = request("r")
+    refusing.grammar = GrammarDouble(refused=42)
+    with pytest.raises(EngineError) as refused:
+        decode.add_handed_off(refusing, grant.reservation_id)
+    assert refused.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert decode.stats().num_kv_reservations == 1  # still there for the right Generate
+    accepting = request("r")
+    accepting.grammar = grammar = GrammarDouble(refused=-1)
+    decode.add_handed_off(accepting, grant.reservation_id)
+    assert grammar.accepted == [42]
+    run(decode)
+    assert grammar.accepted[0] == 42 and len(grammar.accepted) == 4  # the first token, then three sampled here
