@@ -126,8 +126,7 @@ class KVTransfer:
             raise _invalid("a KV push must start with its header")
         header = first.header
         convert.check_request_id(header.request_id)
-        if header.first_token_id >= self.vocab_size:
-            raise _invalid("first_token_id is outside the vocabulary")
+        first_token = convert.first_token_from_pb(header, self.vocab_size)
         runner = self.engine.core.runner
         if len(header.shape) != 6:
             raise _invalid("a KV push's shape has six dimensions")
@@ -152,7 +151,7 @@ class KVTransfer:
             if core.kv_push_targets(*ids, shape[3]) != targets:
                 raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV reservation changed during the push")
             runner.write_kv_blocks(targets, kv)
-            core.fill_kv(*ids, header.first_token_id)
+            core.fill_kv(*ids, first_token)
 
         await self.engine.call(land)
         self.stats.received.add(num_bytes, time.perf_counter() - started)
@@ -183,7 +182,13 @@ class KVTransfer:
             raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "the KV push sent nothing for too long") from None
 
     # ----------------------------------------------------------- prefill side
-    async def push(self, request_id: str, handoff: epd_pb2.KVHandoff, timeout_s: float | None) -> None:
+    async def push(
+        self,
+        request_id: str,
+        handoff: epd_pb2.KVHandoff,
+        timeout_s: float | None,
+        first_logprob: epd_pb2.TokenLogprob | None = None,
+    ) -> None:
         """Pushes a finished prefill's K/V (after ``handoff.num_cached_blocks``) and its first token to the
         decode instance; lets the held blocks go whatever happens. Raises EngineError (UNAVAILABLE, or
         the decode instance's refusal)."""
@@ -209,6 +214,7 @@ class KVTransfer:
                 shape=list(kv.shape),
                 num_bytes=len(payload),
                 first_token_id=export.first_token_id,
+                first_token_logprob=first_logprob,
             )
             await self._send(handoff.address, header, payload, timeout_s)
             self.stats.sent.add(len(payload), time.perf_counter() - started)

@@ -18,7 +18,7 @@ from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.kv_handoff import Role
-from services.pd.engine.outputs import Failed, Finished, TokenDelta
+from services.pd.engine.outputs import Failed, Finished, SampledToken, TokenDelta
 from services.pd.engine.request import Request, RequestStatus
 from services.pd.kv_transfer import KVTransfer
 from services.pd.push_intake import PushIntake
@@ -193,10 +193,12 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             await abort_with(context, error, line)
             return
         done = False
+        first_logprobs: list[SampledToken] = []
         try:
             while True:
                 event = await events.get()
                 if isinstance(event, TokenDelta):
+                    first_logprobs = first_logprobs or event.logprobs  # the hand-off sends the first token's
                     line.mark_first_token()
                     line.add("completion_tokens", len(event.token_ids))
                     yield convert.delta_to_pb(event)
@@ -207,7 +209,13 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                         await context.abort(grpc.StatusCode.CANCELLED, "request was aborted")
                     if handoff is not None:  # the first token is out: its K/V goes to the decode instance
                         try:
-                            await self.kv.push(engine_request.request_id, handoff, context.time_remaining())
+                            logprob = convert.delta_to_pb(TokenDelta([], "", first_logprobs[:1])).logprobs
+                            await self.kv.push(
+                                engine_request.request_id,
+                                handoff,
+                                context.time_remaining(),
+                                logprob[0] if logprob else None,
+                            )
                         except EngineError as error:
                             context.set_trailing_metadata(((FAILED_HOP_KEY, KV_PUSH_HOP),))  # D's hop, not ours
                             await abort_with(context, error, line)

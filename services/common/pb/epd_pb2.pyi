@@ -343,20 +343,22 @@ class ReserveKVResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "dtype", "shape", "num_bytes", "first_token_id")
+    __slots__ = ("request_id", "reservation_id", "dtype", "shape", "num_bytes", "first_token_id", "first_token_logprob")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
     first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    first_token_logprob: TokenLogprob
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PushKVChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -92,9 +92,10 @@ class KVHandoffMixin:
         """The block ids a push of ``num_blocks`` blocks writes; refuses (EngineError) a push not wanted."""
         return self._reservations.blocks_to_fill(request_id, reservation_id, num_blocks, self._clock())
 
-    def fill_kv(self, request_id: str, reservation_id: str, first_token_id: int) -> None:
-        """Records that a push's blocks were written and the first token P sampled."""
-        self._reservations.fill(request_id, reservation_id, first_token_id, self._clock())
+    def fill_kv(self, request_id: str, reservation_id: str, first_token: SampledToken | int) -> None:
+        """Records that a push's blocks were written and the first token P sampled (with its logprobs)."""
+        sampled = first_token if isinstance(first_token, SampledToken) else SampledToken(first_token)
+        self._reservations.fill(request_id, reservation_id, sampled, self._clock())
 
     def add_handed_off(self, request: Request, reservation_id: str) -> None:
         """Admits a Generate whose prompt K/V and first token came from P; it decodes from its second token.
@@ -106,6 +107,7 @@ class KVHandoffMixin:
         if request.request_id in self._streams:
             raise EngineError(ErrorKind.ALREADY_EXISTS, "a request with this id is already running")
         first = self._take_reservation(request, reservation_id)
+        token_id = first.token_id
         try:
             self.scheduler.add_request(request, computed=True)
         except (ValueError, QueueFull) as exc:
@@ -116,33 +118,33 @@ class KVHandoffMixin:
         request.timings.first_scheduled = request.timings.first_token = self._clock()
         self.kv_cache.cache_full_blocks(request)  # the pushed blocks join D's prefix cache
         self._streams.open(request)
-        status = request.stop_status(first, self.scheduler.config.max_model_len)
+        status = request.stop_status(token_id, self.scheduler.config.max_model_len)
         if status is not None:
             self.scheduler.finish_request(request.request_id, status)
-        stopped = self._streams.add_token(request, SampledToken(first))
+        stopped = self._streams.add_token(request, first)
         if stopped and not request.is_finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:  # its first token ended it
             self._finish(request.request_id, request, None)
 
-    def _take_reservation(self, request: Request, reservation_id: str) -> int:
+    def _take_reservation(self, request: Request, reservation_id: str) -> SampledToken:
         """Moves a FILLED reservation's blocks and first token onto ``request``; returns the first token."""
         now = self._clock()
         reservation = self._reservations.lookup(request.request_id, reservation_id, now)
         if not reservation.matches(request):
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "the prompt differs from the KV reservation's")
-        first = reservation.first_token_id
+        first = reservation.first_token
         if reservation.state is not ReservationState.FILLED or first is None:
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV reservation has not been filled")
         # P's matcher accepted the first token; this request's own one must have too before it samples.
-        if request.grammar is not None and not request.grammar.accept(first):
+        if request.grammar is not None and not request.grammar.accept(first.token_id):
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "the first token breaks the request's grammar")
         probe = self._reservations.take(request.request_id, reservation_id, now).probe
         request.block_ids, probe.block_ids = probe.block_ids, []
         request.block_hashes = probe.block_hashes
         request.num_computed_tokens = probe.num_prompt_tokens
         request.num_cached_tokens = probe.num_cached_tokens
-        request.output_token_ids.append(first)
+        request.output_token_ids.append(first.token_id)
         return first
 
     # ----------------------------------------------------------- prefill side

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.leases import LeaseQueue
+from services.pd.engine.outputs import SampledToken
 from services.pd.engine.request import Request
 
 EXPIRED_MEMORY = 4096
@@ -81,7 +82,7 @@ class KVReservation:
     deadline: float  # monotonic seconds
     num_cached_blocks: int
     state: ReservationState = ReservationState.RESERVED
-    first_token_id: int | None = None
+    first_token: SampledToken | None = None  # P's sample, with its logprobs when asked for
 
     def matches(self, request: Request) -> bool:
         """Whether ``request`` is the prompt this reservation was made for (its K/V is this prompt's)."""
@@ -144,13 +145,13 @@ class KVReservations:
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV push does not match the reservation's blocks")
         return list(block_ids)
 
-    def fill(self, request_id: str, reservation_id: str, first_token_id: int, now: float) -> None:
+    def fill(self, request_id: str, reservation_id: str, first_token: SampledToken, now: float) -> None:
         """Marks a reservation FILLED (its blocks were written) with the first token P sampled."""
         reservation = self.lookup(request_id, reservation_id, now)
         if reservation.state is not ReservationState.RESERVED:
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV reservation is already filled")
         reservation.state = ReservationState.FILLED
-        reservation.first_token_id = first_token_id
+        reservation.first_token = first_token
 
     def take(self, request_id: str, reservation_id: str, now: float) -> KVReservation:
         """Removes and returns a FILLED reservation for its Generate; raises EngineError, changing nothing."""

@@ -136,6 +136,30 @@ def test_seeded_sampling_goes_on_where_the_prefill_stopped(trio):
     assert handed_off(trio, prompt, sampling=sampling)[1] == expected
 
 
+def logprobs_of(stub, request) -> list[tuple[int, float, tuple[int, ...]]]:
+    return [
+        (lp.token_id, round(lp.logprob, 4), tuple(lp.top_token_ids))
+        for message in stub.Generate(request, timeout=60)
+        for lp in message.logprobs
+    ]
+
+
+def test_the_first_tokens_logprobs_come_over_with_it(trio):
+    prompt = list(range(11, 33))
+    sampling = epd_pb2.SamplingParams(temperature=0.0, max_tokens=5, logprobs=3)
+    expected = logprobs_of(trio.both, generate_request(new_request_id(), prompt, [], 5, sampling))
+    request_id = new_request_id()
+    grant = trio.decode.ReserveKV(epd_pb2.ReserveKVRequest(request_id=request_id, prompt_token_ids=prompt))
+    handoff = epd_pb2.KVHandoff(
+        address=trio.decode_address, reservation_id=grant.reservation_id, num_cached_blocks=grant.num_cached_blocks
+    )
+    run_generate(trio.prefill, generate_request(request_id, prompt, [], 5, sampling, kv_handoff=handoff))
+    decoded = logprobs_of(
+        trio.decode, generate_request(request_id, prompt, [], 5, sampling, kv_reservation_id=grant.reservation_id)
+    )
+    assert len(expected) == 5 and decoded == expected
+
+
 def test_a_constrained_output_goes_on_under_the_same_grammar(trio):
     if trio.model != "tiny":
         pytest.skip("one model is enough: the grammar is the servicer's, not the model's")
@@ -203,6 +227,7 @@ def test_pushes_that_are_not_wanted_are_refused(trio):
         ),
         (lambda: kv_push(request_id, grant.reservation_id, n, block, extra=b"x"), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda: iter([epd_pb2.PushKVChunk(data=b"x")]), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: kv_push(request_id, grant.reservation_id, n, block, first=10**7), grpc.StatusCode.INVALID_ARGUMENT),
     ]
     for chunks, code in cases:
         assert code_of(lambda chunks=chunks: trio.decode.PushKV(chunks(), timeout=30)) == code
