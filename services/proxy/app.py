@@ -398,7 +398,7 @@ async def retrieve_model(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder too.
+    """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder and a decode PD too.
 
     Read from the health monitor's state (no calls are made here). The
     per-instance report names backend addresses, so behind ``--api-key`` it
@@ -408,7 +408,8 @@ async def health(request: Request) -> JSONResponse:
     report = state.backends.health_report()
     pd_ok = any(report["pd"].values())
     encoder_ok = not state.backends.has_encoders or any(report["encoder"].values())
-    ok = pd_ok and encoder_ok
+    decode_ok = "decode" not in report or any(report["decode"].values())  # E+P+D needs a decode PD too
+    ok = pd_ok and encoder_ok and decode_ok
     body = {"status": "ok" if ok else "unavailable", **(report if state.guard.allows(request) else {})}
     headers = {}
     launch_key = state.config.security.launch_key

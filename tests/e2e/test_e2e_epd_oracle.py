@@ -11,8 +11,10 @@ referenced on any instance.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from cluster_support import InProcessCluster
@@ -167,3 +169,20 @@ def test_an_abort_storm_leaves_nothing_on_any_instance(cluster, client, oracle):
     messages = [user_message(text, images)]
     assert _chat(client, messages, True, max_tokens=MAX_TOKENS)[0] == oracle.generate(messages, images, MAX_TOKENS)
     # the client fixture then checks every instance for leaks
+
+
+def test_without_a_decode_instance_the_proxy_is_not_ready_and_answers_503(pairs):
+    for decode in pairs.decodes:
+        pairs.run(decode.stop(0))
+    health_url = pairs.base_url.removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + 20
+    while httpx.get(health_url, timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "the proxy still reports ready without a decode PD"
+        time.sleep(0.1)
+    client = openai.OpenAI(base_url=pairs.base_url, api_key="unused", max_retries=0, timeout=60)
+    with client, pytest.raises(openai.APIStatusError) as refused:
+        _chat(client, [user_message("Hello.", [])], False, max_tokens=4)
+    assert refused.value.status_code == 503
+    for pd in pairs.pds:  # nothing left on the prefill PDs
+        stats = pairs.run(pd.stats())
+        assert stats.is_idle and stats.num_kv_blocks_used == 0
