@@ -154,7 +154,7 @@ class InProcessCluster:
             decode_addresses=tuple(self.decode_addresses),
             **self.proxy_overrides,
         )
-        app = create_app(proxy_config)
+        app = self.app = create_app(proxy_config)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))

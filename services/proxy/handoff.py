@@ -20,6 +20,7 @@ from services.common.pb import epd_pb2
 from services.proxy.errors import internal_error, no_backend
 from services.proxy.instances import Outcome, PdClient, outcome_of
 from services.proxy.jobs import Job
+from services.proxy.metrics import ProxyMetrics
 from services.proxy.pipeline import Pipeline, _Attempt
 
 _DECODE_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
@@ -34,6 +35,7 @@ class HandoffAttempt(_Attempt):
         self.decode_probe = decode.begin()
         self.decode_outcome = Outcome.NEUTRAL
         self.prefill_call: grpc.aio.UnaryStreamCall | None = None
+        self.prefill_status: str | None = None  # P's final status once its part is done (``status``: D's then)
 
     async def start(self) -> epd_pb2.GenerateResponse:
         job, pipeline = self.job, self.pipeline
@@ -66,7 +68,7 @@ class HandoffAttempt(_Attempt):
             if grpc_utils.failed_hop(error) == grpc_utils.KV_PUSH_HOP:
                 self._blame_decode(error)
             raise
-        self.prefill_call, self.finished, self.status = self.call, False, "CANCELLED"
+        self.prefill_call, self.finished, self.prefill_status, self.status = self.call, False, self.status, "CANCELLED"
         return await self._start_decode(grant.reservation_id)
 
     async def _start_decode(self, reservation_id: str) -> epd_pb2.GenerateResponse:
@@ -100,6 +102,13 @@ class HandoffAttempt(_Attempt):
             self.decode.mark_busy(1.0)
         assert isinstance(self.pipeline, HandoffPipeline)
         self.pipeline.note_decode_failure(self.job, self.decode, error.code())
+
+    def count(self, metrics: ProxyMetrics) -> None:
+        if self.prefill_status is None:  # it ended in P's part (or in the reservation): D never streamed
+            super().count(metrics)
+            return
+        metrics.backend_requests.labels("pd", self.pd.address, self.prefill_status).inc()
+        metrics.backend_requests.labels("decode", self.decode.address, self.status).inc()
 
     async def abort(self) -> None:
         await super().abort()

@@ -213,6 +213,10 @@ class _Attempt:
         self.outcome = outcome_of(error.code())
         self.status = error.code().name
 
+    def count(self, metrics: ProxyMetrics) -> None:
+        """Counts this attempt's outcome per instance (``epd_proxy_backend_requests_total``)."""
+        metrics.backend_requests.labels("pd", self.pd.address, self.status).inc()
+
     async def abort(self) -> None:
         """Ends the request on every instance holding something of it (idempotent there)."""
         await self.pd.abort(self.request_id)
@@ -449,7 +453,7 @@ class Pipeline:
     async def _finish(self, attempt: _Attempt) -> None:
         """Stops the attempt; Abort on PD unless it finished cleanly. Survives cancellation."""
         tasks = attempt.stop()
-        self.metrics.backend_requests.labels("pd", attempt.pd.address, attempt.status).inc()
+        attempt.count(self.metrics)
         if attempt.job.trace.num_images_ready and attempt.finished:
             self.metrics.image_sources.labels("pd_cache").inc(attempt.job.trace.num_images_ready)
         needs_abort = attempt.started_rpc and not attempt.finished

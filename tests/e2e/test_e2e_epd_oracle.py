@@ -62,6 +62,9 @@ def test_greedy_tokens_equal_generate_through_prefill_and_decode(cluster, client
     assert usage.completion_tokens == len(expected)
     decode_stats = cluster.run(cluster.decodes[0].stats())
     assert decode_stats.num_steps > 0  # the decode instance generated
+    counted = cluster.app.state.proxy.metrics.backend_requests
+    for kind, address in (("pd", cluster.pd_addresses[0]), ("decode", cluster.decode_addresses[0])):
+        assert counted.labels(kind, address, "OK")._value.get() > 0  # each side's outcome, counted apart
 
 
 @pytest.mark.parametrize("cluster", ["llava", "qwen2.5"], indirect=True)
