@@ -62,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--pds", type=int, default=1, help="number of PD processes")
     add(
         parser,
+        "--prefills",
+        type=int,
+        default=0,
+        help="E+P+D: this many prefill PDs (epd pd --role prefill) in place of --pds; needs --decodes",
+    )
+    add(parser, "--decodes", type=int, default=0, help="E+P+D: this many decode PDs (epd pd --role decode)")
+    add(
+        parser,
         "--pd-policy",
         default="least-loaded",
         choices=["least-loaded", "round-robin"],
@@ -256,7 +264,11 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
         return ServiceSpec(f"{kind}-{index}", tuple(argv), f"{args.host}:{base_port + index}", health_service, env)
 
     # Encoders push only to this cluster's PDs (``epd encoder --pd-allow``), whatever an Encode names.
-    pd_allow = ("--pd-allow", ",".join(f"{args.host}:{args.pd_base_port + j}" for j in range(args.pds)))
+    roles = pd_roles(args)
+    prefill_ports = [args.pd_base_port + j for j, role in enumerate(roles) if role != "decode"]
+    # Prefill PDs push KV only to this cluster's decode PDs (``epd pd --decode-allow``).
+    decode_ports = [f"{args.host}:{args.pd_base_port + j}" for j, role in enumerate(roles) if role == "decode"]
+    pd_allow = ("--pd-allow", ",".join(f"{args.host}:{port}" for port in prefill_ports))
     specs = [
         grpc_service("encoder", i, args.encoder_base_port, args.encoder_metrics_base_port, "epd.v1.Encoder", *pd_allow)
         for i in range(0 if args.colocated else args.encoders)
@@ -269,10 +281,13 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
             args.pd_metrics_base_port,
             "epd.v1.PrefillDecode",
             *(["--encoder", "local"] if args.colocated else []),
+            *(["--role", role] if role != "both" else []),
+            *(["--decode-allow", ",".join(decode_ports)] if role == "prefill" else []),
         )
-        for j in range(args.pds)
+        for j, role in enumerate(roles)
     ]
-    pd_addresses = [spec.address for spec in specs if spec.kind == "pd"]
+    pd_addresses = [f"{args.host}:{port}" for port in prefill_ports]
+    decode_addresses = [spec.address for spec in specs if spec.kind == "pd" and spec.address not in pd_addresses]
     # Colocated: each PD serves epd.v1.Encoder on its own port.
     encoder_addresses = pd_addresses if args.colocated else [spec.address for spec in specs if spec.kind == "encoder"]
     proxy_argv = [
@@ -284,6 +299,7 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
         ",".join(pd_addresses),
         "--encoder",
         ",".join(encoder_addresses),
+        *(["--decode", ",".join(decode_addresses)] if decode_addresses else []),
         "--pd-policy",
         args.pd_policy,
         "--encoder-policy",
@@ -305,11 +321,12 @@ def _metrics_port(base: int, index: int) -> str:
 def _listening_ports(args: argparse.Namespace) -> list[int]:
     """Every port the cluster would bind: the proxy's, each gRPC server's, each /metrics endpoint's."""
     num_encoders = 0 if args.colocated else args.encoders
-    ranges = [(args.encoder_base_port, num_encoders), (args.pd_base_port, args.pds)]
+    num_pds = len(pd_roles(args))
+    ranges = [(args.encoder_base_port, num_encoders), (args.pd_base_port, num_pds)]
     if args.encoder_metrics_base_port >= 0:
         ranges.append((args.encoder_metrics_base_port, num_encoders))
     if args.pd_metrics_base_port >= 0:
-        ranges.append((args.pd_metrics_base_port, args.pds))
+        ranges.append((args.pd_metrics_base_port, num_pds))
     if args.launcher_metrics_port >= 0:
         ranges.append((args.launcher_metrics_port, 1))
     if args.proxy_metrics_port >= 0:
@@ -441,7 +458,18 @@ async def _supervise(args: argparse.Namespace, supervisor: Supervisor, metrics_t
             await metrics_http.stop()
 
 
+def pd_roles(args: argparse.Namespace) -> list[str]:
+    """The role of each PD process, in port order: ``--pds`` of both, or ``--prefills`` then ``--decodes``."""
+    if args.prefills or args.decodes:
+        return ["prefill"] * args.prefills + ["decode"] * args.decodes
+    return ["both"] * args.pds
+
+
 def _usage_error(args: argparse.Namespace) -> str | None:
+    if (args.prefills > 0) != (args.decodes > 0) or args.prefills < 0 or args.decodes < 0:
+        return "--prefills and --decodes go together (E+P+D needs at least one of each)"
+    if args.prefills and (args.colocated or args.pds != 1):
+        return "--prefills/--decodes replace --pds and cannot be --colocated"
     if args.colocated and args.pds != 1:
         # The proxy picks an encoder by image hash, not by PD: with several
         # colocated PDs an image could be sent to a PD that holds no reservation.
@@ -474,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
     if args.colocated:
         print("epd: starting 1 colocated PD (vision tower inside) and the proxy ...", flush=True)
     else:
-        print(f"epd: starting {args.encoders} encoder(s), {args.pds} PD(s) and the proxy ...", flush=True)
+        print(f"epd: starting {args.encoders} encoder(s), {len(pd_roles(args))} PD(s) and the proxy ...", flush=True)
     if security.TOKEN_ENV in env:
         print(
             "epd: internal calls carry a token generated for this run (--no-auto-internal-token turns it off)",

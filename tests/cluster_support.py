@@ -73,12 +73,18 @@ class InProcessCluster:
         proxy: dict[str, Any] | None = None,
         with_proxy: bool = True,
         colocated: bool = False,
+        num_decodes: int = 0,
     ):
+        """``num_decodes`` > 0: E+P+D, the ``num_pds`` PDs are prefill instances and as many decode ones start."""
         self.model_dir = model_dir
         self.colocated = colocated
         self.num_encoders = 0 if colocated else num_encoders
         self.num_pds = 1 if colocated else num_pds
         self.pd_overrides = {**(pd or {}), **({"encoder": "local"} if colocated else {})}
+        self.num_decodes = num_decodes
+        if num_decodes:
+            self.pd_overrides["role"] = "prefill"
+        self.decodes: list[Any] = []
         self.encoder_overrides = encoder or {}
         self.proxy_overrides = proxy or {}
         self.with_proxy = with_proxy
@@ -115,6 +121,10 @@ class InProcessCluster:
         return [f"127.0.0.1:{pd.port}" for pd in self.pds]
 
     @property
+    def decode_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{pd.port}" for pd in self.decodes]
+
+    @property
     def encoder_addresses(self) -> list[str]:
         if self.colocated:
             return self.pd_addresses
@@ -125,6 +135,9 @@ class InProcessCluster:
         for _ in range(self.num_pds):
             config = pd_config(self.model_dir, host="127.0.0.1", port=0, **self.pd_overrides)
             self.pds.append(await start_pd(config))
+        for _ in range(self.num_decodes):
+            overrides = {**self.pd_overrides, "role": "decode"}
+            self.decodes.append(await start_pd(pd_config(self.model_dir, host="127.0.0.1", port=0, **overrides)))
         for _ in range(self.num_encoders):
             config = encoder_config(self.model_dir, host="127.0.0.1", port=0, **self.encoder_overrides)
             self.encoders.append(await start_encoder(config))
@@ -138,9 +151,10 @@ class InProcessCluster:
             port=0,
             pd_addresses=tuple(self.pd_addresses),
             encoder_addresses=tuple(self.encoder_addresses),
+            decode_addresses=tuple(self.decode_addresses),
             **self.proxy_overrides,
         )
-        app = create_app(proxy_config)
+        app = self.app = create_app(proxy_config)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
@@ -158,13 +172,13 @@ class InProcessCluster:
             await asyncio.wait_for(self._proxy_task, 30)
         for encoder in self.encoders:
             await encoder.stop(0)
-        for pd in self.pds:
+        for pd in self.pds + self.decodes:
             await pd.stop(0)
 
     # -- leak checks ------------------------------------------------------
     async def _leaks(self) -> dict[str, int]:
         report: dict[str, int] = {}
-        for i, pd in enumerate(self.pds):
+        for i, pd in enumerate(self.pds + self.decodes):
             stats = await pd.stats()
             for key in (
                 "reserved_tokens",
@@ -174,6 +188,8 @@ class InProcessCluster:
                 "num_kv_blocks_used",
                 "num_live_requests",
                 "referenced_tokens",
+                "num_kv_reservations",
+                "num_kv_exports",
             ):
                 report[f"pd{i}.{key}"] = int(getattr(stats, key))
         for i, encoder in enumerate(self.encoders):

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--chunk-kib", type=int, default=1024, help="push chunk size in KiB, <= 1024 (default: 1024)")
     parser.add_argument("--json", default="", help="also write the results as JSON to this path")
+    from services.bench import _kv_rows
+
+    _kv_rows.add_arguments(parser)
 
 
 # ----------------------------------------------------------------------------- receiver (child process)
@@ -193,6 +196,11 @@ def summarize(seconds: list[float], num_bytes: int) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.kv:
+        from services.bench import _kv_rows
+
+        return _kv_rows.run(args)
 
     if not 0 < args.chunk_kib <= 1024 or args.iterations <= 0 or args.warmup < 0:
         print("epd bench transfer: need 0 < --chunk-kib <= 1024, --iterations > 0, --warmup >= 0")

@@ -36,6 +36,9 @@ FAILED_HOP_KEY = "epd-failed-hop"
 PUSH_HOP = "pd-push"
 """``FAILED_HOP_KEY`` value: an encoder's push to PD failed (PD's side or the path to it, not the encoder)."""
 
+KV_PUSH_HOP = "kv-push"
+"""``FAILED_HOP_KEY`` value: a prefill instance's KV push to a decode instance failed (the decode side's fault)."""
+
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

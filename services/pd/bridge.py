@@ -127,8 +127,9 @@ class EngineBridge:
         """``EngineCore.fill`` with a received ``[num_tokens, hidden]`` embedding."""
         await self.call(self.core.fill, request_id, reservation_id, mm_hash, embedding)
 
-    async def add_request(self, request: Request) -> asyncio.Queue[Event]:
-        """``EngineCore.add_request``; the request's events arrive on the returned queue."""
+    async def add_request(self, request: Request, kv_reservation_id: str = "") -> asyncio.Queue[Event]:
+        """``EngineCore.add_request`` (``add_handed_off`` with a KV reservation); the request's events
+        arrive on the returned queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -136,7 +137,10 @@ class EngineBridge:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         def admit() -> None:
-            self.core.add_request(request)
+            if kv_reservation_id:
+                self.core.add_handed_off(request, kv_reservation_id)
+            else:
+                self.core.add_request(request)
             self._listeners[request.request_id] = post
 
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.dial_allow import PdAllowSpec
 from services.common.ports import DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
@@ -68,6 +69,10 @@ class PdConfig:
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
     lease_sweep_interval_s: float = 0.25
+    role: str = "both"  # both | prefill | decode: which side of a KV hand-off this instance serves
+    # The decode PDs a hand-off may name, which alone a prefill PD dials (services/common/dial_allow.py);
+    # the default allows loopback addresses only.
+    decode_allow: PdAllowSpec = PdAllowSpec()
     encoder: str = "remote"  # remote = encoder services push embeddings; local = colocated baseline
     accept_pixel_values: bool = False  # local: also take processed pixels (EncoderConfig.accept_pixel_values)
     # lifecycle
@@ -93,6 +98,10 @@ class PdConfig:
             raise ValueError("min_prefill_tokens must be positive")
         if self.max_waiting_requests <= 0 or self.max_waiting_tokens <= 0 or self.waiting_retry_after_ms <= 0:
             raise ValueError("max_waiting_requests, max_waiting_tokens and waiting_retry_after_ms must be positive")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError("role must be both, prefill or decode")
+        if self.role == "decode" and self.encoder == "local":
+            raise ValueError("a decode instance runs no prompt, so no vision tower (--encoder local)")
         if self.linear_backend not in ("auto", "torch", "onednn"):
             raise ValueError("linear_backend must be auto, torch or onednn")
         if self.stall_timeout_s < 0 or self.liveness_timeout_s < 0:

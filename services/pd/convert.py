@@ -20,7 +20,7 @@ from services.common.grids import grid_from_pb
 from services.common.pb import epd_pb2
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
-from services.pd.engine.outputs import Allocation, Finished, TokenDelta
+from services.pd.engine.outputs import Allocation, Finished, SampledToken, TokenDelta
 from services.pd.engine.request import (
     MultiModalSpan,
     Request,
@@ -39,6 +39,7 @@ STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 FINISH_REASONS: dict[RequestStatus, int] = {
@@ -319,6 +320,23 @@ def delta_to_pb(delta: TokenDelta) -> epd_pb2.GenerateResponse:
             )
             for s in delta.logprobs
         ],
+    )
+
+
+def first_token_from_pb(header: epd_pb2.KVHeader, vocab_size: int) -> SampledToken:
+    """A KV push's first token, with its logprobs when sent; INVALID_ARGUMENT for ids outside the vocabulary."""
+    ids = [header.first_token_id]
+    logprob = header.first_token_logprob if header.HasField("first_token_logprob") else None
+    if logprob is not None:
+        ids += [logprob.token_id, *logprob.top_token_ids]
+        if len(logprob.top_token_ids) != len(logprob.top_logprobs) or logprob.token_id != header.first_token_id:
+            raise _invalid("first_token_logprob does not match the first token")
+    if any(token_id >= vocab_size for token_id in ids):
+        raise _invalid("a first token id is outside the vocabulary")
+    if logprob is None:
+        return SampledToken(header.first_token_id)
+    return SampledToken(
+        header.first_token_id, logprob.logprob, tuple(logprob.top_token_ids), tuple(logprob.top_logprobs)
     )
 
 

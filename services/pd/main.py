@@ -8,6 +8,7 @@ import logging
 import os
 
 from services.common import cli_args, grpc_utils, security
+from services.common.dial_allow import PdAllowSpec
 from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_PD_PORT
 from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
@@ -244,6 +245,23 @@ def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="both = prefill and decode here (default); prefill = prefill and sample the first token, then "
+        "push the KV to the decode instance its Generate names; decode = decode requests whose KV a "
+        "prefill instance pushed into a ReserveKV reservation",
+    )
+    add(
+        parser,
+        "--decode-allow",
+        default="",
+        help="with --role prefill|both: the decode PDs a hand-off may name, which alone this PD dials (with the "
+        "internal token): comma-separated host:port entries; a host name also allows every address it resolves "
+        "to on that port; '*' = any address; '' = loopback addresses only. Others: PERMISSION_DENIED",
+    )
+    add(
+        parser,
         "--encoder",
         default="remote",
         choices=["remote", "local"],
@@ -313,6 +331,8 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,
         encoder=args.encoder,
+        role=args.role,
+        decode_allow=PdAllowSpec.parse(args.decode_allow, "--decode-allow"),
         accept_pixel_values=args.accept_pixel_values,
         grace_s=args.grace,
         stall_timeout_s=args.stall_timeout_s,

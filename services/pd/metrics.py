@@ -24,6 +24,7 @@ from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError
 from services.pd.engine.step_budget import PREDICTION_RATIO_BUCKETS, BudgetSnapshot
 from services.pd.engine.step_stats import STEP_SECONDS_BUCKETS, StepSnapshot
+from services.pd.kv_transfer import KVTransferStats
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,28 @@ METRICS = (
         "flex_attention), cuda_graphs (replayed CUDA graphs); fixed at start-up",
     ),
     MetricDoc(
+        "epd_pd_kv_reservations",
+        "gauge",
+        ("role",),
+        "KV hand-off: live ReserveKV reservations (decode side), held prefills waiting for their push (prefill side)",
+    ),
+    MetricDoc(
+        "epd_pd_kv_reservations_expired_total", "counter", ("role",), "KV reservations whose lease ran out unused"
+    ),
+    MetricDoc(
+        "epd_pd_kv_push_bytes_total",
+        "counter",
+        ("role",),
+        "KV bytes pushed to decode instances (prefill) or written from pushes (decode)",
+    ),
+    MetricDoc(
+        "epd_pd_kv_push_seconds_total",
+        "counter",
+        ("role",),
+        "time spent in KV pushes that landed: read, send and the decode side's write (prefill); receive and write (decode)",
+    ),
+    MetricDoc("epd_pd_kv_pushes_total", "counter", ("role",), "KV pushes that landed"),
+    MetricDoc(
         "epd_pd_engine_responsive",
         "gauge",
         (),
@@ -130,9 +153,12 @@ class PdMetrics:
         engine: EngineBridge,
         snapshot_timeout_s: float = SNAPSHOT_TIMEOUT_S,
         decode_paths: Mapping[str, bool] | None = None,
+        transfer: KVTransferStats | None = None,
     ) -> None:
-        """``decode_paths``: the runner's ``decode_paths()`` (fixed at start-up; none = not exported)."""
+        """``decode_paths``: the runner's ``decode_paths()`` (fixed at start-up; none = not exported).
+        ``transfer``: the KV hand-off's counters (none = not exported)."""
         self._engine = engine
+        self._transfer = transfer
         self._decode_paths = dict(decode_paths or {})
         self._timeout_s = snapshot_timeout_s
         self._latest: EngineStats | None = None
@@ -194,11 +220,33 @@ class PdMetrics:
         yield CounterMetricFamily(
             "epd_pd_preemptions", "Requests preempted for lack of KV blocks", value=s.num_preemptions
         )
+        if self._transfer is not None:
+            yield from _transfer_families(s, self._transfer)
         if self._decode_paths:
             paths = GaugeMetricFamily("epd_pd_captured_paths", "Fast decode paths in use", labels=["path"])
             for path, used in self._decode_paths.items():
                 paths.add_metric([path], float(used))
             yield paths
+
+
+def _transfer_families(s: EngineStats, transfer: KVTransferStats) -> Iterable[Metric]:
+    """The KV hand-off's families, one sample per side (``role``: prefill pushes, decode receives)."""
+    live = GaugeMetricFamily("epd_pd_kv_reservations", "KV hand-off reservations held", labels=["role"])
+    live.add_metric(["decode"], s.num_kv_reservations)
+    live.add_metric(["prefill"], s.num_kv_exports)
+    yield live
+    expired = CounterMetricFamily("epd_pd_kv_reservations_expired", "KV reservations expired", labels=["role"])
+    expired.add_metric(["decode"], s.num_expired_kv_reservations)
+    yield expired
+    for name, help_text, sent, received in (
+        ("epd_pd_kv_push_bytes", "KV bytes pushed", transfer.sent.num_bytes, transfer.received.num_bytes),
+        ("epd_pd_kv_push_seconds", "Time in KV pushes", transfer.sent.seconds, transfer.received.seconds),
+        ("epd_pd_kv_pushes", "KV pushes that landed", transfer.sent.num_pushes, transfer.received.num_pushes),
+    ):
+        family = CounterMetricFamily(name, help_text, labels=["role"])
+        family.add_metric(["prefill"], sent)
+        family.add_metric(["decode"], received)
+        yield family
 
 
 def _step_families(steps: StepSnapshot) -> Iterable[Metric]:

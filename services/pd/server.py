@@ -26,6 +26,7 @@ from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.kv_cache import KVCacheManager
+from services.pd.engine.kv_handoff import Role
 from services.pd.engine.preallocated import PreallocationLimits
 from services.pd.engine.request import Request, SamplingParams
 from services.pd.engine.scheduler import Scheduler, SchedulerConfig
@@ -86,6 +87,8 @@ class PdServer:
             await self._wait_idle(deadline)
         await self.grpc.stop(max(0.0, deadline - time.monotonic()))
         await asyncio.to_thread(self.engine.shutdown)
+        if self.servicer is not None:
+            await self.servicer.kv.close()
         if self.metrics_http is not None:  # last: a scrape can still see the drain
             await self.metrics_http.stop()
 
@@ -206,6 +209,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         lease_sweep_interval_s=config.lease_sweep_interval_s,
         step_budget=_step_budget(config),
         preallocation_limits=PreallocationLimits(config.max_preallocations, config.max_preallocations_per_peer),
+        role=Role(config.role),
     )
     # The engine thread runs the model with the thread count chosen here.
     engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))
@@ -297,9 +301,9 @@ async def start_pd(config: PdConfig) -> PdServer:
     metrics_http = None
     try:
         if config.metrics_port >= 0:
-            metrics_http = await PdMetrics(engine, decode_paths=facts["decode_paths"]).serve(
-                config.metrics_host or config.host, config.metrics_port, token=config.security.metrics_token
-            )
+            metrics_http = await PdMetrics(
+                engine, decode_paths=facts["decode_paths"], transfer=servicer.kv.stats
+            ).serve(config.metrics_host or config.host, config.metrics_port, token=config.security.metrics_token)
         if config.warmup:
             await warm_up(engine, every_path=facts["device"].startswith("cuda"))
         if colocated is not None:

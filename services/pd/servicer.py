@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.grpc_utils import peer_address, request_id_of, set_retry_after
+from services.common.grpc_utils import FAILED_HOP_KEY, KV_PUSH_HOP, peer_address, request_id_of, set_retry_after
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
 from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
 from services.pd.engine.errors import EngineError, ErrorKind
-from services.pd.engine.outputs import Failed, Finished, TokenDelta
+from services.pd.engine.kv_handoff import Role
+from services.pd.engine.outputs import Failed, Finished, SampledToken, TokenDelta
 from services.pd.engine.request import Request, RequestStatus
+from services.pd.kv_transfer import KVTransfer
 from services.pd.push_intake import PushIntake
 from services.pd.runner.grammar import GrammarCompiler, GrammarError
 
@@ -89,6 +92,8 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             max_buffer_bytes=config.max_push_buffer_mb << 20,
             max_pushes_per_peer=config.max_pushes_per_peer,
         )
+        self.role = Role(config.role)
+        self.kv = KVTransfer(engine, config, vocab_size=vocab_size, max_model_len=max_model_len, uses_grids=uses_grids)
 
     def _check_admitting(self) -> None:
         if self.draining:
@@ -184,16 +189,21 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 uses_grids=self.uses_grids,
                 tokens_per_second=self.tokens_per_second,
             )
+            handoff = handoff_of(request, engine_request, self.role)
+            if handoff is not None:
+                await self.kv.check_target(handoff)
             await self._attach_grammar(engine_request)
-            events = await self.engine.add_request(engine_request)
+            events = await self.engine.add_request(engine_request, request.kv_reservation_id)
         except EngineError as error:
             await abort_with(context, error, line)
             return
         done = False
+        first_logprobs: list[SampledToken] = []
         try:
             while True:
                 event = await events.get()
                 if isinstance(event, TokenDelta):
+                    first_logprobs = first_logprobs or event.logprobs  # the hand-off sends the first token's
                     line.mark_first_token()
                     line.add("completion_tokens", len(event.token_ids))
                     yield convert.delta_to_pb(event)
@@ -202,6 +212,18 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                     if event.status == RequestStatus.FINISHED_ABORTED:
                         line.update(status="CANCELLED")
                         await context.abort(grpc.StatusCode.CANCELLED, "request was aborted")
+                    if handoff is not None:  # the first token is out: its K/V goes to the decode instance
+                        try:
+                            logprob = convert.delta_to_pb(TokenDelta([], "", first_logprobs[:1])).logprobs
+                            await self.kv.push(
+                                engine_request.request_id,
+                                handoff,
+                                context.time_remaining(),
+                                logprob[0] if logprob else None,
+                            )
+                        except EngineError as error:
+                            context.set_trailing_metadata(((FAILED_HOP_KEY, KV_PUSH_HOP),))  # D's hop, not ours
+                            await abort_with(context, error, line)
                     final = convert.final_to_pb(event)
                     line.update(status="OK", **_usage_fields(final))
                     yield final
@@ -243,6 +265,25 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     async def _check_push(self, header: epd_pb2.EmbeddingHeader) -> bool:
         return await self.engine.check_push(header.request_id, header.reservation_id, header.mm_hash, header.shape[0])
 
+    async def ReserveKV(self, request, context):
+        with AccessLine(log, "reserve_kv", level=logging.DEBUG, request_id=request_id_of(context)) as line:
+            try:
+                self._check_admitting()
+                return await self.kv.reserve(request, context.time_remaining())
+            except EngineError as error:
+                await abort_with(context, error, line)
+
+    async def PushKV(self, request_iterator, context):
+        with AccessLine(log, "push_kv", level=logging.DEBUG, request_id=request_id_of(context)) as line:
+            try:
+                num_bytes = await self.kv.receive(request_iterator)
+                line.update(num_bytes=num_bytes)
+            except EngineError as error:
+                await abort_with(context, error, line)
+            except ValueError as error:
+                await abort_with(context, EngineError(ErrorKind.INVALID_ARGUMENT, str(error)), line)
+            return epd_pb2.PushKVResponse(num_bytes=num_bytes)
+
     async def Abort(self, request, context):
         self.engine.abort(request.request_id)
         return epd_pb2.AbortResponse()
@@ -253,3 +294,21 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         except EngineError as error:
             await abort_with(context, error)
         return convert.load_to_pb(stats)
+
+
+def handoff_of(message: epd_pb2.GenerateRequest, request: Request, role: Role) -> epd_pb2.KVHandoff | None:
+    """The push target of a prefill instance's half of a hand-off (None: not one); refuses a Generate
+    this role does not serve. The prefill half samples one token (``max_tokens`` 1, ``min_tokens`` at
+    most 1, so its first token is sampled as the whole request's would be) and holds its K/V for the push."""
+    handoff = message.kv_handoff if message.HasField("kv_handoff") else None
+    if handoff is not None and message.kv_reservation_id:
+        raise EngineError(ErrorKind.INVALID_ARGUMENT, "a Generate is either a hand-off's prefill or its decode")
+    if (handoff is not None and not role.prefills) or (message.kv_reservation_id and not role.decodes):
+        raise EngineError(ErrorKind.FAILED_PRECONDITION, f"this instance's role is {role.value}")
+    if handoff is None and not message.kv_reservation_id and role is not Role.BOTH:
+        raise EngineError(ErrorKind.FAILED_PRECONDITION, f"this instance's role is {role.value}: use a KV hand-off")
+    if handoff is not None:
+        sampling = request.sampling
+        request.sampling = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
+        request.hand_off_kv = True
+    return handoff

@@ -42,6 +42,7 @@ from services.proxy.fairness import (
     key_identity,
 )
 from services.proxy.fields import ignored_fields_header
+from services.proxy.handoff import HandoffPipeline
 from services.proxy.http_util import (
     BoundedJSONResponse,
     ClientDisconnected,
@@ -400,7 +401,7 @@ async def retrieve_model(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder too.
+    """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder and a decode PD too.
 
     Read from the health monitor's state (no calls are made here). The
     per-instance report names backend addresses, so behind ``--api-key`` it
@@ -410,7 +411,8 @@ async def health(request: Request) -> JSONResponse:
     report = state.backends.health_report()
     pd_ok = any(report["pd"].values())
     encoder_ok = not state.backends.has_encoders or any(report["encoder"].values())
-    ok = pd_ok and encoder_ok
+    decode_ok = "decode" not in report or any(report["decode"].values())  # E+P+D needs a decode PD too
+    ok = pd_ok and encoder_ok and decode_ok
     body = {"status": "ok" if ok else "unavailable", **(report if state.guard.allows(request) else {})}
     headers = {}
     launch_key = state.config.security.launch_key
@@ -471,8 +473,8 @@ def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetc
         owned = backends is None
         pool = backends or Backends.connect(config)
         await pool.start()
-        metrics.watch_instances(lambda: [*pool.pds, *pool.encoders])
-        pipeline = Pipeline(
+        metrics.watch_instances(lambda: [*pool.pds, *pool.encoders, *pool.decodes])
+        pipeline = (HandoffPipeline if config.decode_addresses else Pipeline)(
             pool,
             lease_ms=config.lease_ms,
             pd_attempts=config.pd_attempts,

@@ -41,8 +41,11 @@ class Backends:
         encoder_policy: EncoderPolicy,
         monitor: Monitor | None = None,
         dns_refresh_s: float = 5.0,
+        decode_pool: Pool | None = None,
     ) -> None:
+        """``decode_pool``: E+P+D's decode instances (``pd_pool`` then holds its prefill instances)."""
         self.pd_pool = pd_pool
+        self.decode_pool = decode_pool
         self.encoder_pool = encoder_pool
         self.pd_policy = pd_policy
         self.encoder_policy = encoder_policy
@@ -85,6 +88,7 @@ class Backends:
             encoder_policy=make_encoder_policy(config.encoder_policy, saturation=config.encoder_saturation),
             monitor=monitor,
             dns_refresh_s=config.dns_refresh_s,
+            decode_pool=pool("decode", config.decode_addresses, PdClient) if config.decode_addresses else None,
         )
 
     # -- lifecycle ------------------------------------------------------------
@@ -95,15 +99,21 @@ class Backends:
         self._started = True
         await self.pd_pool.refresh()
         await self.encoder_pool.refresh()
-        if self.pd_pool.has_dns_targets or self.encoder_pool.has_dns_targets:
+        if self.decode_pool is not None:
+            await self.decode_pool.refresh()
+        if any(pool.has_dns_targets for pool in self._pools):
             self._refresher = asyncio.create_task(self._refresh_forever(), name="dns refresh")
         if self.monitor is not None:
-            await wait_known([*self.pds, *self.encoders], initial_wait_s)
+            await wait_known([*self.pds, *self.encoders, *self.decodes], initial_wait_s)
+
+    @property
+    def _pools(self) -> list[Pool]:
+        return [self.pd_pool, self.encoder_pool] + ([self.decode_pool] if self.decode_pool is not None else [])
 
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.dns_refresh_s)
-            for pool in (self.pd_pool, self.encoder_pool):
+            for pool in self._pools:
                 try:
                     await pool.refresh()
                 except Exception:  # keep refreshing whatever one round did
@@ -116,7 +126,7 @@ class Backends:
                 await self._refresher
         if self.monitor is not None:
             await self.monitor.close()
-        instances = [*self.pd_pool.all_instances(), *self.encoder_pool.all_instances()]
+        instances = [instance for pool in self._pools for instance in pool.all_instances()]
         await asyncio.gather(*(i.channel.close() for i in instances), return_exceptions=True)
 
     # -- routing --------------------------------------------------------------
@@ -127,6 +137,18 @@ class Backends:
     @property
     def encoders(self) -> list[EncoderClient]:
         return self.encoder_pool.instances  # type: ignore[return-value]
+
+    @property
+    def decodes(self) -> list[PdClient]:
+        """E+P+D's decode instances (none otherwise)."""
+        return self.decode_pool.instances if self.decode_pool is not None else []  # type: ignore[return-value]
+
+    def decode_candidates(self, exclude: Collection[str] = ()) -> list[PdClient]:
+        """Routable decode instances not in ``exclude``, best first (the PD policy), then probing ones."""
+        decodes = [d for d in self.decodes if d.address not in exclude]
+        return self.pd_policy.rank([d for d in decodes if d.routable()]) + self.pd_policy.rank(
+            [d for d in decodes if not d.routable() and d.last_resort()]
+        )
 
     @property
     def has_encoders(self) -> bool:
@@ -170,4 +192,4 @@ class Backends:
         return {
             "pd": {p.address: p.healthy() for p in self.pds},
             "encoder": {e.address: e.healthy() for e in self.encoders},
-        }
+        } | ({"decode": {d.address: d.healthy() for d in self.decodes}} if self.decode_pool is not None else {})

@@ -31,6 +31,9 @@ class ProxyConfig:
     # to, re-resolved every dns_refresh_s), or a gRPC target with a scheme.
     pd_addresses: tuple[str, ...] = (f"127.0.0.1:{DEFAULT_PD_PORT}",)
     encoder_addresses: tuple[str, ...] = (f"127.0.0.1:{DEFAULT_ENCODER_PORT}",)
+    # E+P+D: decode instances (``epd pd --role decode``); pd_addresses are then prefill instances
+    # (``--role prefill``), and each request goes to one of each (services/proxy/handoff.py). () = E+PD.
+    decode_addresses: tuple[str, ...] = ()
     served_model_name: str | None = None  # name in /v1/models and requests; None = adapter.model_id
     request_timeout_s: float = 300.0  # end-to-end deadline of one request, propagated to every RPC;
     # X-Request-Timeout may shorten it per request
@@ -110,6 +113,7 @@ class ProxyConfig:
         # Normalise lists passed by callers into tuples so the config stays hashable.
         object.__setattr__(self, "pd_addresses", tuple(self.pd_addresses))
         object.__setattr__(self, "encoder_addresses", tuple(self.encoder_addresses))
+        object.__setattr__(self, "decode_addresses", tuple(self.decode_addresses))
         object.__setattr__(self, "allowed_media_domains", tuple(d.strip().lower() for d in self.allowed_media_domains))
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
@@ -117,8 +121,12 @@ class ProxyConfig:
             raise ValueError("metrics_port must be -1 (off), 0 (any free port) or a port")
         if not self.pd_addresses:
             raise ValueError("at least one PD address is required")
-        for address in self.pd_addresses + self.encoder_addresses:
+        for address in self.pd_addresses + self.encoder_addresses + self.decode_addresses:
             parse_target(address)
+        if len(set(self.decode_addresses)) != len(self.decode_addresses) or set(self.decode_addresses) & set(
+            self.pd_addresses
+        ):
+            raise ValueError("decode addresses must be distinct, and distinct from the PD (prefill) addresses")
         if len(set(self.pd_addresses)) != len(self.pd_addresses):
             raise ValueError("PD addresses must be distinct")
         if len(set(self.encoder_addresses)) != len(self.encoder_addresses):

@@ -280,6 +280,10 @@ class PdClient(Instance):
     async def preallocate(self, request: epd_pb2.PreallocateRequest, *, timeout: float) -> epd_pb2.PreallocateResponse:
         return await self.stub.Preallocate(request, timeout=timeout, metadata=_metadata(request.request_id))
 
+    async def reserve_kv(self, request: epd_pb2.ReserveKVRequest, *, timeout: float) -> epd_pb2.ReserveKVResponse:
+        """A decode instance's KV reservation for a prompt (E+P+D)."""
+        return await self.stub.ReserveKV(request, timeout=timeout, metadata=_metadata(request.request_id))
+
     def generate(self, request: epd_pb2.GenerateRequest, *, timeout: float) -> grpc.aio.UnaryStreamCall:
         """Starts the Generate stream; read it with ``call.read()``, stop it with ``call.cancel()``."""
         return self.stub.Generate(request, timeout=timeout, metadata=_metadata(request.request_id))

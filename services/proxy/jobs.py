@@ -40,6 +40,7 @@ class Job:
     sampling: epd_pb2.SamplingParams
     deadline: float  # time.monotonic() value
     trace: Trace = field(default_factory=Trace)
+    decodes_tried: set[str] = field(default_factory=set)  # E+P+D: decode instances that failed this job
 
     def attempt_id(self, number: int) -> str:
         """PD request id of attempt ``number``: a retry never reuses an id."""

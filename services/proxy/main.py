@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--decode",
+        default="",
+        help="E+P+D: comma-separated decode instances (epd pd --role decode); --pd then lists prefill "
+        "instances (--role prefill). Empty (default) = E+PD",
+    )
+    add(
+        parser,
         "--encoder",
         default=f"127.0.0.1:{DEFAULT_ENCODER_PORT}",
         help="comma-separated encoder gRPC addresses, names as for --pd ('' = text only)",
@@ -283,6 +290,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         port=args.port,
         pd_addresses=_addresses(args.pd),
         encoder_addresses=_addresses(args.encoder),
+        decode_addresses=_addresses(args.decode),
         served_model_name=args.served_model_name or None,
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * MIB),

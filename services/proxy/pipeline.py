@@ -116,9 +116,11 @@ class _Attempt:
         self.status = "CANCELLED"  # for metrics: OK, a gRPC code name, or CANCELLED
         self.probe = pd.begin()  # the breaker's half-open probe: settled at the first message
         self.settled = False
+        self.pd_is_innocent = False  # set when an error was another instance's doing
 
-    async def start(self) -> epd_pb2.GenerateResponse:
-        """Admits the job on this PD and returns its first message."""
+    async def start(self, handoff: epd_pb2.KVHandoff | None = None) -> epd_pb2.GenerateResponse:
+        """Admits the job on this PD and returns its first message (``handoff``: PD is E+P+D's prefill
+        instance, which pushes the KV there after the first token; ``handoff.py``)."""
         job, pd = self.job, self.pd
         reserved: list[tuple[ImageItem, str]] = []
         self.started_rpc = True
@@ -144,6 +146,7 @@ class _Attempt:
                 mm_items=job.prompt.mm_items_pb(),
                 sampling=job.sampling,
                 cache_salt=job.prompt.cache_salt,
+                kv_handoff=handoff,
             ),
             timeout=self.pipeline.remaining(job),
         )
@@ -209,6 +212,14 @@ class _Attempt:
         """Records a PD error for the breaker and metrics."""
         self.outcome = outcome_of(error.code())
         self.status = error.code().name
+
+    def count(self, metrics: ProxyMetrics) -> None:
+        """Counts this attempt's outcome per instance (``epd_proxy_backend_requests_total``)."""
+        metrics.backend_requests.labels("pd", self.pd.address, self.status).inc()
+
+    async def abort(self) -> None:
+        """Ends the request on every instance holding something of it (idempotent there)."""
+        await self.pd.abort(self.request_id)
 
     def stop(self) -> list[asyncio.Task]:
         """Cancels everything in flight; returns the tasks to await (never raises)."""
@@ -331,7 +342,7 @@ class Pipeline:
                 break
             pd = candidates[0]
             tried.add(pd.address)
-            attempt = _Attempt(self, job, pd, job.attempt_id(job.trace.num_pd_attempts))
+            attempt = self.new_attempt(job, pd, job.attempt_id(job.trace.num_pd_attempts))
             job.trace.num_pd_attempts += 1
             job.trace.pd_address = pd.address
             try:
@@ -342,7 +353,9 @@ class Pipeline:
             except grpc.aio.AioRpcError as error:
                 attempt.fail(error)
                 await self._finish(attempt)
-                if error.code() == S.RESOURCE_EXHAUSTED:
+                if attempt.pd_is_innocent:  # another hop failed (E+P+D: the decode instance): PD may serve again
+                    tried.discard(pd.address)
+                if error.code() == S.RESOURCE_EXHAUSTED and not attempt.pd_is_innocent:
                     pd.mark_busy(_retry_after_s(error))
                 if error.code() not in _PD_RETRY_CODES:
                     raise self._to_api_error(error, attempt.request_id) from None
@@ -365,6 +378,10 @@ class Pipeline:
         if last is None:
             raise no_backend("PD")
         raise self._to_api_error(last.error, job.request_id)
+
+    def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> _Attempt:
+        """One try of ``job`` on ``pd`` (E+P+D's pipeline tries a prefill and a decode instance)."""
+        return _Attempt(self, job, pd, request_id)
 
     async def encode_image(self, attempt: _Attempt, image: ImageItem, reservation_id: str) -> None:
         """Encodes one image for ``attempt.pd``, moving to the next encoder when one fails."""
@@ -436,7 +453,7 @@ class Pipeline:
     async def _finish(self, attempt: _Attempt) -> None:
         """Stops the attempt; Abort on PD unless it finished cleanly. Survives cancellation."""
         tasks = attempt.stop()
-        self.metrics.backend_requests.labels("pd", attempt.pd.address, attempt.status).inc()
+        attempt.count(self.metrics)
         if attempt.job.trace.num_images_ready and attempt.finished:
             self.metrics.image_sources.labels("pd_cache").inc(attempt.job.trace.num_images_ready)
         needs_abort = attempt.started_rpc and not attempt.finished
@@ -444,7 +461,7 @@ class Pipeline:
         async def cleanup() -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
             if needs_abort:
-                await attempt.pd.abort(attempt.request_id)
+                await attempt.abort()
 
         task = asyncio.create_task(cleanup())
         self._cleanups.add(task)

@@ -194,9 +194,15 @@ def _video_requests(image_processor) -> list[tuple[list[dict], list, list]]:
     ]
 
 
-@pytest.mark.parametrize("colocated", [False, True], ids=["disagg", "colocated"])
 @pytest.mark.parametrize(
-    "pd", [{"max_num_batched_tokens": 16}, {"num_kv_blocks": 0, "block_size": 16}], ids=["chunked", "preempted"]
+    ("pd", "colocated"),
+    [
+        ({"max_num_batched_tokens": 16}, False),
+        ({"max_num_batched_tokens": 16}, True),
+        # Colocated, the vision forwards stagger the arrivals, so a small pool need not preempt: disaggregated only.
+        ({"num_kv_blocks": 0, "block_size": 16}, False),
+    ],
+    ids=["chunked", "chunked-colocated", "preempted"],
 )
 def test_videos_through_chunked_prefill_and_preemption(build_model, oracle_for, pd, colocated):
     """A 16-token step budget splits every video span across steps; a KV pool barely larger than the longest

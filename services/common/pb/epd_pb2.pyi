@@ -173,18 +173,32 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "mm_items", "sampling", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "mm_items", "sampling", "cache_salt", "kv_handoff", "kv_reservation_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
     sampling: SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    kv_handoff: KVHandoff
+    kv_reservation_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., kv_handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_reservation_id: _Optional[str] = ...) -> None: ...
+
+class KVHandoff(_message.Message):
+    __slots__ = ("address", "reservation_id", "num_cached_blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    reservation_id: str
+    num_cached_blocks: int
+    def __init__(self, address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -301,6 +315,66 @@ class PdLoad(_message.Message):
     embedding_tokens_capacity: int
     num_reservations: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., embedding_tokens_reserved: _Optional[int] = ..., embedding_tokens_ready: _Optional[int] = ..., embedding_tokens_capacity: _Optional[int] = ..., num_reservations: _Optional[int] = ...) -> None: ...
+
+class ReserveKVRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "items", "lease_ms", "cache_salt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
+    lease_ms: int
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class ReserveKVResponse(_message.Message):
+    __slots__ = ("reservation_id", "num_blocks", "num_cached_blocks", "block_size", "lease_ms")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    num_blocks: int
+    num_cached_blocks: int
+    block_size: int
+    lease_ms: int
+    def __init__(self, reservation_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class KVHeader(_message.Message):
+    __slots__ = ("request_id", "reservation_id", "dtype", "shape", "num_bytes", "first_token_id", "first_token_logprob")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservation_id: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    num_bytes: int
+    first_token_id: int
+    first_token_logprob: TokenLogprob
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
+
+class PushKVChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: KVHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushKVResponse(_message.Message):
+    __slots__ = ("num_bytes",)
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
 class EncodeItem(_message.Message):
     __slots__ = ("mm_hash", "reservation_id", "pixel_values", "grid", "image_file", "video_file", "video_sampling", "frame_files")

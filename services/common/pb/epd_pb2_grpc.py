@@ -63,6 +63,16 @@ class PrefillDecodeStub:
                 request_serializer=epd_dot_v1_dot_epd__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_epd__pb2.PdLoad.FromString,
                 _registered_method=True)
+        self.ReserveKV = channel.unary_unary(
+                '/epd.v1.PrefillDecode/ReserveKV',
+                request_serializer=epd_dot_v1_dot_epd__pb2.ReserveKVRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_epd__pb2.ReserveKVResponse.FromString,
+                _registered_method=True)
+        self.PushKV = channel.stream_unary(
+                '/epd.v1.PrefillDecode/PushKV',
+                request_serializer=epd_dot_v1_dot_epd__pb2.PushKVChunk.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_epd__pb2.PushKVResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillDecodeServicer:
@@ -110,6 +120,23 @@ class PrefillDecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveKV(self, request, context):
+        """KV hand-off, decode side (--role decode|both): reserve KV blocks for a
+        prompt under a lease, before its prefill starts elsewhere. The prompt's
+        cached prefix here is shared and never pushed (num_cached_blocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKV(self, request_iterator, context):
+        """KV hand-off: the prefill instance fills a reservation: a KVHeader (with
+        the first sampled token), then raw chunks (<= 1 MiB each).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillDecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +164,16 @@ def add_PrefillDecodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=epd_dot_v1_dot_epd__pb2.GetLoadRequest.FromString,
                     response_serializer=epd_dot_v1_dot_epd__pb2.PdLoad.SerializeToString,
+            ),
+            'ReserveKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveKV,
+                    request_deserializer=epd_dot_v1_dot_epd__pb2.ReserveKVRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_epd__pb2.ReserveKVResponse.SerializeToString,
+            ),
+            'PushKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=epd_dot_v1_dot_epd__pb2.PushKVChunk.FromString,
+                    response_serializer=epd_dot_v1_dot_epd__pb2.PushKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -278,6 +315,60 @@ class PrefillDecode:
             '/epd.v1.PrefillDecode/GetLoad',
             epd_dot_v1_dot_epd__pb2.GetLoadRequest.SerializeToString,
             epd_dot_v1_dot_epd__pb2.PdLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillDecode/ReserveKV',
+            epd_dot_v1_dot_epd__pb2.ReserveKVRequest.SerializeToString,
+            epd_dot_v1_dot_epd__pb2.ReserveKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/epd.v1.PrefillDecode/PushKV',
+            epd_dot_v1_dot_epd__pb2.PushKVChunk.SerializeToString,
+            epd_dot_v1_dot_epd__pb2.PushKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

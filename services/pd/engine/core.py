@@ -50,7 +50,9 @@ from services.pd.engine.embedding_cache import (
 )
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.handoff_core import KVHandoffMixin
 from services.pd.engine.invariants import check
+from services.pd.engine.kv_handoff import Role
 from services.pd.engine.outputs import Allocation, Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
 from services.pd.engine.preallocated import Preallocated, PreallocatedRequests, PreallocationLimits, claim_spans
 from services.pd.engine.request import CachedPrefix, MultiModalSpan, Request, RequestStatus, SamplingParams
@@ -70,12 +72,13 @@ def _allocation(mm_hash: str, state: EntryState, reservation_id: str) -> Allocat
     return Allocation(mm_hash, state is EntryState.READY, reservation_id)
 
 
-class EngineCore:
+class EngineCore(KVHandoffMixin):
     """Owns the scheduler, both caches, the embedding tensor store and the model runner.
 
     ``runner`` has ``execute(SchedulerOutput, embeddings) -> ModelRunnerOutput`` and
     ``prepare_embedding(tensor)`` (to its device and dtype; ValueError for one it cannot
-    use). ``step_budget`` sizes each step's prefill (default: off, the whole step budget);
+    use). ``role``: which side of a KV hand-off it serves (``handoff_core.py``). ``step_budget`` sizes
+    each step's prefill (default: off, the whole step budget);
     ``timer`` measures steps. Errors are ``EngineError``s whose messages never echo input.
     """
 
@@ -91,6 +94,8 @@ class EngineCore:
         step_budget: StepBudget | None = None,
         timer: Callable[[], float] = time.perf_counter,
         preallocation_limits: PreallocationLimits | None = None,
+        role: Role = Role.BOTH,
+        export_lease_s: float = 30.0,
     ) -> None:
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
@@ -107,6 +112,7 @@ class EngineCore:
         self.step_stats = StepStats()
         self.step_budget = step_budget or StepBudget.off(scheduler.config.max_num_batched_tokens)
         self._timer = timer
+        self._init_handoff(role, export_lease_s)
 
     # ------------------------------------------------------------ Preallocate
     def preallocate(
@@ -253,7 +259,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------- exits
     def abort(self, request_id: str) -> Request | None:
-        """Ends a request (client gone, Abort); idempotent. Returns it if it was queued."""
+        """Ends a request (client gone, Abort; a finished prefill's K/V held for its push too); idempotent.
+        Returns it if it was queued."""
+        self.release_export(request_id)
         return self._end(request_id, RequestStatus.FINISHED_ABORTED)
 
     def fail_all(self, error: EngineError) -> None:
@@ -280,6 +288,7 @@ class EngineCore:
         ``EmbeddingCache.cancel_request`` requires.
         """
         if request is not None:
+            self._hold_export(request)
             self.kv_cache.free(request)
             image_refs.release_images(request, self.embedding_cache)
             request.cached_prefix = None
@@ -288,6 +297,7 @@ class EngineCore:
         self._preallocated.pop(request_id)
         self._preallocated.let_go(request_id)
         self.embedding_cache.cancel_request(request_id)
+        self._release_handoff(request_id)
 
     def _drop_embeddings(self, mm_hashes: Sequence[str]) -> None:
         """Frees the tensors of entries a cache call removed."""
@@ -299,6 +309,7 @@ class EngineCore:
         """Ends leases past their deadline and fails the requests left waiting on a dropped image."""
         now = self._clock()
         self._next_sweep = now + self.sweep_interval_s
+        self._expire_handoffs(now)
         ended = set()
         for preallocated in self._preallocated.expire(now):
             self.kv_cache.unpin(preallocated.probe.request_id)
@@ -429,13 +440,14 @@ class EngineCore:
             num_expired_leases=self._num_expired_leases,
             steps=self.step_stats.snapshot(),
             budget=self.step_budget.snapshot(),
+            **self.handoff_stats(),
         )
 
     def check_integrity(self) -> None:
         """Raises AssertionError unless the scheduler, both caches, the store and the streams agree."""
         self.scheduler.check_integrity()
         requests = list(self.scheduler.requests)
-        self.kv_cache.check_integrity(requests)
+        self.kv_cache.check_integrity(requests + self.handoff_probes())
         self.embedding_cache.check_integrity()
         check(all(self.embedding_cache.is_ready(h) for h in self._embeddings), "a stored tensor has no READY entry")
         check(

@@ -40,6 +40,10 @@ class EngineStats:
     # steps
     steps: StepSnapshot
     budget: BudgetSnapshot  # the step budget controller (step_budget.py)
+    # KV hand-off (kv_handoff.py)
+    num_kv_reservations: int = 0  # decode side: live reservations waiting for a push or their Generate
+    num_kv_exports: int = 0  # prefill side: finished prefills whose K/V is held for a push
+    num_expired_kv_reservations: int = 0  # reservations whose lease ran out
 
     @property
     def referenced_tokens(self) -> int:
@@ -53,4 +57,11 @@ class EngineStats:
     @property
     def is_idle(self) -> bool:
         """Nothing admitted, queued, reserved or pinned: a drain is complete."""
-        return not (self.num_live_requests or self.num_reservations or self.num_kv_leases or self.referenced_tokens)
+        return not (
+            self.num_live_requests
+            or self.num_reservations
+            or self.num_kv_leases
+            or self.referenced_tokens
+            or self.num_kv_reservations
+            or self.num_kv_exports
+        )

@@ -18,6 +18,7 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = "unavailable"
     ALREADY_EXISTS = "already_exists"
     INTERNAL = "internal"
+    PERMISSION_DENIED = "permission_denied"
 
 
 class EngineError(Exception):

@@ -225,6 +225,17 @@ class KVCacheManager:
         if block_ids:
             self._pins[owner] = list(block_ids)
 
+    def hold(self, owner: str, block_ids: Sequence[int]) -> None:
+        """Like ``pin``, for blocks that need not be cached: a finished prefill's K/V held until
+        its push to a decode instance lands. ``owner`` must not be a request id (its pins differ)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free_queue[block_id]
+            self._ref_counts[block_id] += 1
+        self.unpin(owner)
+        if block_ids:
+            self._pins[owner] = list(block_ids)
+
     def pin_computed_prefix(self, request: Request, num_blocks: int) -> bool:
         """Pin, for ``request``, the cached blocks holding its first ``num_blocks`` computed blocks' K/V.
 

@@ -201,6 +201,9 @@ class Request:
     # the engine thread); the sampler masks what it forbids and every sampled token advances it. Dropped
     # on release.
     grammar: Grammar | None = None
+    # A prefill instance's half of a KV hand-off: once finished (its first token sampled), its prompt
+    # blocks are held for the push to the decode instance instead of freed (``handoff_core.py``).
+    hand_off_kv: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,27 +1,21 @@
 """Continuous-batching scheduler of the PD engine. Pure Python: counters and ids.
 
-One token budget per step is shared by decodes and prefill chunks, whose
-share the caller may cap (``step_budget.py``: decode keeps its inter-token
-latency). Decode rows go first, in admission order. Prefill follows, in the
-caller's order (``slo.prefill_key``: earliest TTFT deadline first, running
-prefills and waiting prompts alike), else running prefills in admission
-order, then waiting prompts FCFS. A prefill chunk stops before an image whose embedding is not READY (the
-text before it prefills while the image is encoded); a request that cannot
-move at all for that reason is WAITING_FOR_EMBEDDING. When KV blocks run out,
-the newest running request not yet in the step is preempted (its KV
-recomputed later) and nothing new is admitted in that step.
+One token budget per step is shared by decodes and prefill chunks, whose share the caller may cap
+(``step_budget.py``: decode keeps its inter-token latency). Decode rows go first, in admission order. Prefill
+follows, in the caller's order (``slo.prefill_key``: earliest TTFT deadline first, running prefills and
+waiting prompts alike), else running prefills in admission order, then waiting prompts FCFS. A prefill chunk
+stops before an image whose embedding is not READY (the text before it prefills while the image is encoded); a
+request that cannot move at all for that reason is WAITING_FOR_EMBEDDING. When KV blocks run out, the newest
+running request not yet in the step is preempted (its KV recomputed later) and nothing new is admitted in that
+step.
 
-The scheduler decides and keeps its queues; it releases nothing a request
-holds. A request arrives with its embedding references already taken
-(``request.span_refs``, by the engine core), and with the prefix blocks that
-stand in for its other images pinned; it keeps both until it ends. At
-admission the block table takes over its cached prefix
-(``KVCacheManager.claim_cached_prefix``), and every image span past that
-prefix must hold a reference, else the request is reported in
-``SchedulerOutput.failed_request_ids``. Requests that
-finish are dequeued and marked here; the engine core then frees what they
-hold. The engine core calls ``schedule`` and ``update_from_output``
-alternately; nothing here is thread-safe.
+The scheduler decides and keeps its queues; it releases nothing a request holds. A request arrives with its
+embedding references already taken (``request.span_refs``, by the engine core), and with the prefix blocks
+that stand in for its other images pinned; it keeps both until it ends. At admission the block table takes
+over its cached prefix (``KVCacheManager.claim_cached_prefix``), and every image span past that prefix must
+hold a reference, else the request is reported in ``SchedulerOutput.failed_request_ids``. Requests that finish
+are dequeued and marked here; the engine core then frees what they hold. The engine core calls ``schedule``
+and ``update_from_output`` alternately; nothing here is thread-safe.
 """
 
 from __future__ import annotations
@@ -99,22 +93,26 @@ class Scheduler:
         return len(self.waiting)
 
     # --------------------------------------------------------------- admission
-    def add_request(self, request: Request) -> None:
-        """Queue a new request.
+    def add_request(self, request: Request, *, computed: bool = False) -> None:
+        """Queue a new request; ``computed``: its prompt K/V is already in its block table (a KV
+        hand-off, ``handoff_core.py``), so it runs at once as a decode row.
 
         Every image span must hold an embedding reference (``span_refs``) or be
         inside the request's cached prefix (see the module docstring). Raises
         ValueError for a request this server can never run (duplicate id, empty
         or too long prompt, bad spans, more KV than exists) and QueueFull when
-        the waiting bounds are reached; on either, nothing changes.
+        the waiting bounds (``computed``: the slots) are reached; on either, nothing changes.
         """
         if request.request_id in self._requests:
             raise ValueError("a request with this id is already queued")
         validate_request(request, self.config, self.kv_cache.num_blocks_for, self.kv_cache.num_blocks)
-        self.check_room(request.num_tokens)
-        request.status = RequestStatus.WAITING
+        if not computed:
+            self.check_room(request.num_tokens)
+        elif self.num_active >= self.config.max_num_seqs:
+            raise QueueFull(self.config.retry_after_s)
+        request.status = RequestStatus.RUNNING if computed else RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        (self.running if computed else self.waiting).append(request)
 
     def check_room(self, num_tokens: int) -> None:
         """Raises QueueFull unless one more request of ``num_tokens`` fits the waiting bounds now."""

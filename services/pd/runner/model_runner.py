@@ -173,6 +173,25 @@ class ModelRunner:
             return None
         return start_static_decoder(functools.partial(self._static_decoder, config), plan)
 
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """``[2 (K, V), layers, kv_heads, len(block_ids), block_size, head_dim]`` on the CPU: what a KV push sends."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return torch.stack((self.key_cache.index_select(2, index), self.value_cache.index_select(2, index))).cpu()
+
+    def write_kv_blocks(self, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Writes a received push (``read_kv_blocks``' layout) into ``block_ids``, in place (graphs keep
+        their buffers); ValueError for a tensor of another shape or dtype."""
+        if kv.dtype != self.dtype or tuple(kv.shape) != self.kv_push_shape(len(block_ids)):
+            raise ValueError("the KV push's shape or dtype differs from this server's cache")
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self.key_cache.index_copy_(2, index, kv[0].to(self.device))
+        self.value_cache.index_copy_(2, index, kv[1].to(self.device))
+
+    def kv_push_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape of a push of ``num_blocks`` blocks."""
+        layers, kv_heads, _, block_size, head_dim = self.key_cache.shape
+        return (2, layers, kv_heads, num_blocks, block_size, head_dim)
+
     def decode_paths(self) -> dict[str, bool]:
         """Which fast decode paths this runner uses (the ready line and ``epd_pd_captured_paths``).
 

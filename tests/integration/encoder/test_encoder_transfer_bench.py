@@ -33,3 +33,18 @@ def test_bench_transfer_pushes_one_llava_image_through_pd(tmp_path, capsys) -> N
 
 def test_bench_transfer_rejects_bad_arguments() -> None:
     assert cli.main(["bench", "transfer", "--chunk-kib", "2048"]) == 2
+
+
+def test_bench_transfer_kv_rows_compare_the_push_with_the_prefill(tmp_path, tiny_model_dir) -> None:
+    out = tmp_path / "kv.json"
+    argv = ["bench", "transfer", "--kv", "--kv-model", str(tiny_model_dir), "--kv-tokens", "64,256"]
+    assert cli.main([*argv, "--kv-repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [64, 256]
+    assert rows[0]["kv_mb"] < rows[1]["kv_mb"]
+    assert all(row["push_ms"] > 0 and row["prefill_ms"] > 0 for row in rows)
+
+
+def test_bench_transfer_kv_rejects_bad_lengths() -> None:
+    assert cli.main(["bench", "transfer", "--kv", "--kv-tokens", "x"]) == 2
+    assert cli.main(["bench", "transfer", "--kv", "--kv-repeats", "0"]) == 2

@@ -205,5 +205,5 @@ async def test_hide_cache_details_leaves_what_the_caches_did_out_of_usage(cluste
         assert "cached_tokens" in usage["prompt_tokens_details"] and "timings_ms" in usage["epd"]
     for usage in usages[1]:
         assert "prompt_tokens_details" not in usage
-        assert set(usage["epd"]) == {"image_tokens", "num_images"}
+        assert set(usage["epd"]) == {"image_tokens", "video_tokens", "num_images"}
         assert usage["prompt_tokens"] == usages[0][0]["prompt_tokens"]

@@ -134,3 +134,50 @@ def test_encoders_may_push_only_to_this_clusters_pds(clean_env):
     for argv in encoders:
         assert argv[argv.index("--pd-allow") + 1] == ",".join(pds)
     assert not any("--pd-allow" in spec.argv for spec in specs if spec.kind != "encoder")
+
+
+def test_prefills_and_decodes_start_an_epd_cluster(clean_env):
+    specs = launcher.service_specs(
+        _args(["--host", "10.0.0.5", "--prefills", "2", "--decodes", "2", "--pd-base-port", "600"])
+    )
+    pds = [spec for spec in specs if spec.kind == "pd"]
+    roles = [spec.argv[spec.argv.index("--role") + 1] for spec in pds]
+    assert roles == ["prefill", "prefill", "decode", "decode"]
+    prefills, decodes = "10.0.0.5:600,10.0.0.5:601", "10.0.0.5:602,10.0.0.5:603"
+    proxy = list(next(spec for spec in specs if spec.kind == "proxy").argv)
+    assert proxy[proxy.index("--pd") + 1] == prefills
+    assert proxy[proxy.index("--decode") + 1] == decodes
+    encoder = list(next(spec for spec in specs if spec.kind == "encoder").argv)
+    assert encoder[encoder.index("--pd-allow") + 1] == prefills  # images go to prefill instances only
+    proxy_args = argparse.ArgumentParser()
+    proxy_main.add_arguments(proxy_args)
+    config = proxy_main.config_from_args(proxy_args.parse_args(proxy[1:]))
+    assert config.decode_addresses == tuple(decodes.split(","))
+    assert all(config_role(spec) in ("prefill", "decode") for spec in pds)
+    for spec in pds[:2]:  # prefill PDs push KV only to this cluster's decode PDs
+        assert spec.argv[spec.argv.index("--decode-allow") + 1] == decodes
+    assert not any("--decode-allow" in spec.argv for spec in pds[2:])
+
+
+def config_role(spec) -> str:
+    parser = argparse.ArgumentParser()
+    pd_main.add_arguments(parser)
+    return pd_main.config_from_args(parser.parse_args(list(spec.argv[1:]))).role
+
+
+def test_default_cluster_has_no_roles_and_no_decode_list(clean_env):
+    specs = launcher.service_specs(_args([]))
+    assert not any("--role" in spec.argv or "--decode" in spec.argv for spec in specs)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--prefills", "1"],
+        ["--decodes", "1"],
+        ["--prefills", "1", "--decodes", "1", "--pds", "2"],
+        ["--prefills", "1", "--decodes", "1", "--colocated"],
+    ],
+)
+def test_prefills_and_decodes_misuse_is_a_usage_error(argv):
+    assert launcher._usage_error(_args(argv)) is not None

@@ -97,3 +97,23 @@ def test_bad_slo_values_are_usage_errors(flag, value, capsys):
 def test_impossible_budget_settings_are_refused(field, value):
     with pytest.raises(ValueError):
         PdConfig(model="", **{field: value})
+
+
+def test_role_flag_defaults_to_both():
+    assert _config([]).role == "both"
+    assert _config(["--role", "decode"]).role == "decode"
+    with pytest.raises(SystemExit):
+        _config(["--role", "neither"])
+    with pytest.raises(ValueError):
+        PdConfig(model="m", role="neither")
+    with pytest.raises(ValueError):
+        PdConfig(model="m", role="decode", encoder="local")
+
+
+def test_decode_allow_flag():
+    assert _config([]).decode_allow.entries == () and not _config([]).decode_allow.any
+    config = _config(["--decode-allow", "d0:21063,10.0.0.9:21064"])
+    assert config.decode_allow.entries == (("d0", 21063), ("10.0.0.9", 21064))
+    assert _config(["--decode-allow", "*"]).decode_allow.any
+    with pytest.raises(ValueError, match="--decode-allow"):
+        _config(["--decode-allow", "*,d0:1"])

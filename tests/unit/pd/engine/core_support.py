@@ -12,6 +12,7 @@ from collections.abc import Callable
 from services.pd.engine.core import EngineCore
 from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.kv_cache import KVCacheManager
+from services.pd.engine.kv_handoff import Role
 from services.pd.engine.outputs import Failed, Finished, ModelRunnerOutput, SampledToken, SchedulerOutput, StepResult
 from services.pd.engine.preallocated import PreallocationLimits
 from services.pd.engine.scheduler import Scheduler, SchedulerConfig
@@ -121,6 +122,7 @@ def make_core(
     step_budget: StepBudget | PrefillBudgetDouble | None = None,
     timer: FakeTimer | None = None,
     preallocation_limits: PreallocationLimits | None = None,
+    role: Role = Role.BOTH,
     **limits,
 ) -> EngineCore:
     """An ``EngineCore`` over real caches and a (recording) real scheduler; ``limits`` are
@@ -141,6 +143,7 @@ def make_core(
         clock=clock,
         step_budget=step_budget,
         preallocation_limits=preallocation_limits,
+        role=role,
         **timing,
     )
 

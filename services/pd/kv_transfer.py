@@ -1,0 +1,273 @@
+"""The KV hand-off on the wire: ReserveKV and PushKV (decode side), the push after a prefill (prefill side).
+
+The engine keeps the books (``engine/handoff_core.py``); here the bytes move.
+P reads the prompt's blocks D lacks from its KV tensors on the engine thread,
+sends them as one ``epd.v1.Tensor``-style payload (raw bytes, no pickle) in
+<= 1 MiB chunks, then lets its blocks go whatever the outcome. D checks the
+header against its reservation before taking a buffer (the buffer is exactly
+the reservation's size), reads the chunks with an idle timeout, and writes
+them into the reserved blocks on the engine thread, where the reservation
+is checked again (its lease may have ended while the bytes arrived).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from services.common import grpc_utils, tensors
+from services.common.dial_allow import PdAllowList
+from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.pd import convert
+from services.pd.bridge import EngineBridge
+from services.pd.config import PdConfig
+from services.pd.engine.errors import EngineError, ErrorKind
+from services.pd.engine.kv_handoff import KVExport
+
+log = logging.getLogger(__name__)
+
+MAX_CHANNELS = 64
+"""Decode-instance channels a prefill instance keeps open (least recently used closed first)."""
+_MAX_ADDRESS_CHARS = 255
+
+
+@dataclass
+class PushCounters:
+    """Pushes that landed on one side: how many, their bytes, and the seconds they took."""
+
+    num_pushes: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, num_bytes: int, seconds: float) -> None:
+        self.num_pushes += 1
+        self.num_bytes += num_bytes
+        self.seconds += seconds
+
+
+@dataclass
+class KVTransferStats:
+    """What ``epd_pd_kv_push_*`` reports: pushes sent (prefill side) and received (decode side)."""
+
+    sent: PushCounters = field(default_factory=PushCounters)
+    received: PushCounters = field(default_factory=PushCounters)
+
+
+def _invalid(message: str) -> EngineError:
+    return EngineError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+class KVTransfer:
+    """ReserveKV / PushKV handlers and the prefill side's push; ``PrefillDecodeServicer`` delegates here."""
+
+    def __init__(
+        self,
+        engine: EngineBridge,
+        config: PdConfig,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        uses_grids: bool | None,
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        decode_allow: PdAllowList | None = None,
+    ) -> None:
+        """``decode_allow``: the decode PDs a hand-off may name (default: ``config.decode_allow``)."""
+        self.engine = engine
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.uses_grids = uses_grids
+        self._channel_factory = channel_factory or (lambda address: grpc_utils.aio_channel(address, config.security))
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, epd_pb2_grpc.PrefillDecodeStub]] = OrderedDict()
+        self.stats = KVTransferStats()
+        self._decode_allow = decode_allow or PdAllowList(config.decode_allow)
+
+    # ------------------------------------------------------------ decode side
+    async def reserve(self, request: epd_pb2.ReserveKVRequest, time_remaining: float | None) -> Any:
+        """ReserveKV: checks the prompt, then reserves on the engine thread; raises EngineError."""
+        convert.check_request_id(request.request_id)
+        cache_salt = convert.check_cache_salt(request.cache_salt)
+        convert.check_prompt(request.prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        spans = convert.spans_from_pb(
+            request.items,
+            len(request.prompt_token_ids),
+            max_items=self.config.max_items_per_request,
+            uses_grids=self.uses_grids,
+        )
+        lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
+        if time_remaining is not None:
+            lease_ms = max(1, min(lease_ms, int(time_remaining * 1000)))
+        core = self.engine.core
+        grant = await self.engine.call(
+            core.reserve_kv, request.request_id, list(request.prompt_token_ids), spans, lease_ms / 1000, cache_salt
+        )
+        return epd_pb2.ReserveKVResponse(
+            reservation_id=grant.reservation_id,
+            num_blocks=grant.num_blocks,
+            num_cached_blocks=grant.num_cached_blocks,
+            block_size=grant.block_size,
+            lease_ms=lease_ms,
+        )
+
+    async def receive(self, chunks: AsyncIterator[epd_pb2.PushKVChunk]) -> int:
+        """PushKV: reads one push into its reservation; returns its payload bytes; raises EngineError."""
+        stream = aiter(chunks)
+        first = await self._next(stream)
+        started = time.perf_counter()
+        if first is None or first.WhichOneof("kind") != "header":
+            raise _invalid("a KV push must start with its header")
+        header = first.header
+        convert.check_request_id(header.request_id)
+        first_token = convert.first_token_from_pb(header, self.vocab_size)
+        runner = self.engine.core.runner
+        if len(header.shape) != 6:
+            raise _invalid("a KV push's shape has six dimensions")
+        shape = runner.kv_push_shape(int(header.shape[3]))
+        try:
+            dtype = tensors.dtype_from_pb(header.dtype)
+        except ValueError:
+            raise _invalid("unknown dtype") from None
+        if tuple(header.shape) != shape or dtype != runner.dtype:
+            raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV push's shape or dtype differs from this server's")
+        num_bytes = tensors.expected_num_bytes(dtype, shape)
+        if header.num_bytes != num_bytes:
+            raise _invalid("num_bytes does not match the shape")
+        core, ids = self.engine.core, (header.request_id, header.reservation_id)
+        targets = await self.engine.call(core.kv_push_targets, *ids, shape[3])  # refused before any buffer
+        buffer = await self._read_payload(stream, num_bytes)
+        kv = tensors.tensor_from_bytes(buffer, dtype, shape)
+        if kv.is_floating_point() and not bool(torch.isfinite(kv).all()):
+            raise _invalid("the KV push holds non-finite values")
+
+        def land() -> None:  # on the engine thread: the reservation is checked again, then written
+            if core.kv_push_targets(*ids, shape[3]) != targets:
+                raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV reservation changed during the push")
+            runner.write_kv_blocks(targets, kv)
+            core.fill_kv(*ids, first_token)
+
+        await self.engine.call(land)
+        self.stats.received.add(num_bytes, time.perf_counter() - started)
+        return num_bytes
+
+    async def _read_payload(self, stream: AsyncIterator[epd_pb2.PushKVChunk], num_bytes: int) -> bytearray:
+        buffer, filled = bytearray(num_bytes), 0
+        while (chunk := await self._next(stream)) is not None:
+            if chunk.WhichOneof("kind") != "data":
+                raise _invalid("only data chunks may follow the header")
+            size = len(chunk.data)
+            if size > tensors.CHUNK_BYTES:
+                raise _invalid("a KV push chunk is over 1 MiB")
+            if filled + size > num_bytes:
+                raise _invalid("the KV push sent more bytes than its header declares")
+            buffer[filled : filled + size] = chunk.data
+            filled += size
+        if filled != num_bytes:
+            raise _invalid("the KV push ended before its last byte")
+        return buffer
+
+    async def _next(self, stream: AsyncIterator[epd_pb2.PushKVChunk]) -> epd_pb2.PushKVChunk | None:
+        try:
+            return await asyncio.wait_for(anext(stream), self.config.push_idle_timeout_s)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "the KV push sent nothing for too long") from None
+
+    # ----------------------------------------------------------- prefill side
+    async def push(
+        self,
+        request_id: str,
+        handoff: epd_pb2.KVHandoff,
+        timeout_s: float | None,
+        first_logprob: epd_pb2.TokenLogprob | None = None,
+    ) -> None:
+        """Pushes a finished prefill's K/V (after ``handoff.num_cached_blocks``) and its first token to the
+        decode instance; lets the held blocks go whatever happens. Raises EngineError (UNAVAILABLE, or
+        the decode instance's refusal)."""
+        core = self.engine.core
+        try:
+            await self.check_target(handoff)
+            started = time.perf_counter()
+
+            def read() -> tuple[KVExport, torch.Tensor]:  # one engine-thread call: an Abort cannot come between
+                export = core.take_export(request_id)
+                if export is None:
+                    raise EngineError(ErrorKind.UNAVAILABLE, "the prefilled KV is no longer held for its push")
+                if handoff.num_cached_blocks >= len(export.block_ids):
+                    raise _invalid("num_cached_blocks leaves nothing to push")
+                return export, core.runner.read_kv_blocks(export.block_ids[handoff.num_cached_blocks :])
+
+            export, kv = await self.engine.call(read)
+            payload = tensors.tensor_bytes(kv)
+            header = epd_pb2.KVHeader(
+                request_id=request_id,
+                reservation_id=handoff.reservation_id,
+                dtype=tensors.dtype_to_pb(kv.dtype),
+                shape=list(kv.shape),
+                num_bytes=len(payload),
+                first_token_id=export.first_token_id,
+                first_token_logprob=first_logprob,
+            )
+            await self._send(handoff.address, header, payload, timeout_s)
+            self.stats.sent.add(len(payload), time.perf_counter() - started)
+        finally:
+            try:
+                await self.engine.call(core.release_export, request_id)
+            except EngineError:
+                pass  # the engine is stopping: its blocks go with it
+
+    async def check_target(self, handoff: epd_pb2.KVHandoff) -> None:
+        """Refuses (PERMISSION_DENIED) a decode PD outside ``--decode-allow``: the address decides where
+        this PD, and its token, go. Checked before the prefill is admitted, and again before the push."""
+        if not await self._decode_allow.allows(handoff.address):
+            raise EngineError(ErrorKind.PERMISSION_DENIED, "kv_handoff.address is not allowed (--decode-allow)")
+
+    async def _send(self, address: str, header: epd_pb2.KVHeader, payload: memoryview, timeout_s: float | None) -> None:
+        def chunks() -> Iterator[epd_pb2.PushKVChunk]:
+            yield epd_pb2.PushKVChunk(header=header)
+            for chunk in tensors.iter_chunks(payload):
+                yield epd_pb2.PushKVChunk(data=chunk)
+
+        try:
+            await self._stub(address).PushKV(chunks(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            log.warning("KV push to a decode instance failed: %s", error.code().name)
+            kind = _KINDS.get(error.code(), ErrorKind.UNAVAILABLE)
+            raise EngineError(kind, "the KV push to the decode instance failed") from None
+
+    def _stub(self, address: str) -> epd_pb2_grpc.PrefillDecodeStub:
+        if not address or len(address) > _MAX_ADDRESS_CHARS or address.count(":") < 1:
+            raise _invalid("kv_handoff.address must be host:port")
+        if address in self._channels:
+            self._channels.move_to_end(address)
+            return self._channels[address][1]
+        channel = self._channel_factory(address)
+        self._channels[address] = (channel, epd_pb2_grpc.PrefillDecodeStub(channel))
+        while len(self._channels) > MAX_CHANNELS:
+            _, (old, _) = self._channels.popitem(last=False)
+            asyncio.get_running_loop().create_task(old.close())
+        return self._channels[address][1]
+
+    async def close(self) -> None:
+        """Closes the channels to decode instances."""
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+# A decode instance's refusal keeps its meaning for the caller (a lease that ran out is a timeout);
+# anything else is the hop being unavailable.
+_KINDS = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.DEADLINE_EXCEEDED,
+    grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: ErrorKind.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.FAILED_PRECONDITION,
+}

@@ -1,0 +1,140 @@
+"""E+P+D in the proxy: a job's attempt spans a prefill and a decode instance.
+
+Order (README, "KV hand-off"): the decode instance D is chosen first and
+reserves KV blocks for the prompt (``ReserveKV``), so that the prefill
+instance P knows where to push; then P runs as a PD does in E+PD (Preallocate,
+Encodes pushing to P, Generate, now with the hand-off), prefills, samples the
+first token and pushes the KV to D before its stream ends; then D's Generate
+takes the reservation over and streams the answer from the first token on.
+Nothing reaches the client before D's first message, so a failure of P or of
+D up to then moves the job to another pair (a fresh request id), within the
+job's one deadline. Any exit but a clean finish aborts the request on both.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common import grpc_utils
+from services.common.pb import epd_pb2
+from services.proxy.errors import internal_error, no_backend
+from services.proxy.instances import Outcome, PdClient, outcome_of
+from services.proxy.jobs import Job
+from services.proxy.metrics import ProxyMetrics
+from services.proxy.pipeline import Pipeline, _Attempt
+
+_DECODE_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class HandoffAttempt(_Attempt):
+    """One try of a job on a prefill instance (``pd``) and a decode instance (``decode``)."""
+
+    def __init__(self, pipeline: HandoffPipeline, job: Job, pd: PdClient, request_id: str, decode: PdClient) -> None:
+        super().__init__(pipeline, job, pd, request_id)
+        self.decode = decode
+        self.decode_probe = decode.begin()
+        self.decode_outcome = Outcome.NEUTRAL
+        self.prefill_call: grpc.aio.UnaryStreamCall | None = None
+        self.prefill_status: str | None = None  # P's final status once its part is done (``status``: D's then)
+
+    async def start(self) -> epd_pb2.GenerateResponse:
+        job, pipeline = self.job, self.pipeline
+        try:
+            grant = await self.decode.reserve_kv(
+                epd_pb2.ReserveKVRequest(
+                    request_id=self.request_id,
+                    prompt_token_ids=job.prompt.token_ids,
+                    items=job.prompt.mm_items_pb(),
+                    lease_ms=pipeline.lease_ms(job),
+                    cache_salt=job.prompt.cache_salt,
+                ),
+                timeout=pipeline.remaining(job),
+            )
+        except grpc.aio.AioRpcError as error:
+            self._blame_decode(error)
+            raise
+        self.started_rpc = True  # from here the decode instance holds a reservation: abort on any failure
+        handoff = epd_pb2.KVHandoff(
+            address=self.decode.address,
+            reservation_id=grant.reservation_id,
+            num_cached_blocks=grant.num_cached_blocks,
+        )
+        try:
+            await super().start(handoff)  # P's Preallocate, Encodes and Generate
+            while not self.finished:  # P's stream: the first token, then its end once the KV landed
+                if await self.next() is None:
+                    raise internal_error("The prefill server ended the stream without a result.")
+        except grpc.aio.AioRpcError as error:
+            if grpc_utils.failed_hop(error) == grpc_utils.KV_PUSH_HOP:
+                self._blame_decode(error)
+            raise
+        self.prefill_call, self.finished, self.prefill_status, self.status = self.call, False, self.status, "CANCELLED"
+        return await self._start_decode(grant.reservation_id)
+
+    async def _start_decode(self, reservation_id: str) -> epd_pb2.GenerateResponse:
+        job = self.job
+        self.call = self.decode.generate(
+            epd_pb2.GenerateRequest(
+                request_id=self.request_id,
+                prompt_token_ids=job.prompt.token_ids,
+                mm_items=job.prompt.mm_items_pb(),
+                sampling=job.sampling,
+                cache_salt=job.prompt.cache_salt,
+                kv_reservation_id=reservation_id,
+            ),
+            timeout=self.pipeline.remaining(job),
+        )
+        try:
+            first = await self.next()
+        except grpc.aio.AioRpcError as error:
+            self._blame_decode(error)
+            raise
+        if first is None:
+            raise internal_error("The decode server ended the stream without a result.")
+        self.first = first
+        self.decode_outcome = Outcome.SUCCESS
+        return first
+
+    def _blame_decode(self, error: grpc.aio.AioRpcError) -> None:
+        self.decode_outcome = outcome_of(error.code())
+        self.pd_is_innocent = True
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.decode.mark_busy(1.0)
+        assert isinstance(self.pipeline, HandoffPipeline)
+        self.pipeline.note_decode_failure(self.job, self.decode, error.code())
+
+    def count(self, metrics: ProxyMetrics) -> None:
+        if self.prefill_status is None:  # it ended in P's part (or in the reservation): D never streamed
+            super().count(metrics)
+            return
+        metrics.backend_requests.labels("pd", self.pd.address, self.prefill_status).inc()
+        metrics.backend_requests.labels("decode", self.decode.address, self.status).inc()
+
+    async def abort(self) -> None:
+        await super().abort()
+        await self.decode.abort(self.request_id)
+
+    def stop(self):
+        if self.prefill_call is not None:
+            self.prefill_call.cancel()
+        self.decode.end(self.decode_outcome, probe=self.decode_probe)
+        return super().stop()
+
+
+class HandoffPipeline(Pipeline):
+    """The pipeline of an E+P+D cluster: ``backends.pds`` are prefill instances, ``backends.decodes`` decode ones."""
+
+    def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> _Attempt:
+        tried = job.decodes_tried
+        candidates = self.backends.decode_candidates(exclude=tried)
+        if not candidates:  # every decode instance failed this job once: try them again in rank order
+            candidates = self.backends.decode_candidates()
+        if not candidates:
+            raise no_backend("decode")
+        return HandoffAttempt(self, job, pd, request_id, candidates[0])
+
+    def note_decode_failure(self, job: Job, decode: PdClient, code: grpc.StatusCode) -> None:
+        """A decode instance failed a job before its first token: the job's next try avoids it."""
+        job.decodes_tried.add(decode.address)
+        if code in _DECODE_RETRY_CODES:
+            self._note_retry(decode, code, job.request_id)

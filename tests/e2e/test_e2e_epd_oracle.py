@@ -1,0 +1,191 @@
+"""E+P+D: greedy output through encoder -> prefill PD -> decode PD equals transformers generate().
+
+The proxy reserves KV on a decode instance first, the prefill instance
+prefills (images pushed to it by the encoder), samples the first token and
+pushes the prompt's KV to the decode instance, which streams the answer.
+Requests go through the official ``openai`` client, streaming and not;
+LLaVA and Qwen2.5-VL (M-RoPE: the decode side keeps the image tokens' 3-D
+positions). After every test, nothing is left reserved, held, pending or
+referenced on any instance.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from cluster_support import InProcessCluster
+from oracle_support import make_image, user_message
+from test_e2e_oracle import CASES, _chat
+
+MAX_TOKENS = 16
+SETUPS = {"llava": "tiny", "qwen2.5": "qwen2.5-vl-tiny"}
+RUNS = {"llava": ["text_only", "one_image", "three_images"], "qwen2.5": ["text_only", "one_image", "wide_tall_square"]}
+
+
+@pytest.fixture(scope="module")
+def cluster(request, build_model):
+    preset = SETUPS[request.param]
+    cluster = InProcessCluster(str(build_model(preset)), num_pds=1, num_decodes=1).start()
+    cluster.preset = preset
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def oracle(cluster, oracle_for):
+    return oracle_for(cluster.preset)
+
+
+@pytest.fixture
+def client(cluster):
+    with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+    assert cluster.leaks() == {}, "something was left reserved, held, pending or referenced"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize(
+    ("cluster", "case"), [(setup, case) for setup, cases in RUNS.items() for case in cases], indirect=["cluster"]
+)
+def test_greedy_tokens_equal_generate_through_prefill_and_decode(cluster, client, oracle, case, stream):
+    text, images = CASES[case]
+    messages = [user_message(text, images)]
+    expected = oracle.generate(messages, images, MAX_TOKENS)
+    token_ids, content, finish, usage = _chat(client, messages, stream, max_tokens=MAX_TOKENS)
+    assert token_ids == expected
+    assert content == oracle.decode(expected)
+    assert finish == ("length" if len(expected) == MAX_TOKENS else "stop")
+    assert usage.completion_tokens == len(expected)
+    decode_stats = cluster.run(cluster.decodes[0].stats())
+    assert decode_stats.num_steps > 0  # the decode instance generated
+    counted = cluster.app.state.proxy.metrics.backend_requests
+    for kind, address in (("pd", cluster.pd_addresses[0]), ("decode", cluster.decode_addresses[0])):
+        assert counted.labels(kind, address, "OK")._value.get() > 0  # each side's outcome, counted apart
+
+
+@pytest.mark.parametrize("cluster", ["llava", "qwen2.5"], indirect=True)
+def test_sixteen_concurrent_mixed_requests(client, oracle):
+    requests = []
+    for i in range(16):
+        images = [make_image(100 + i * 10 + k, (32 + 8 * k, 32 + 16 * (i % 2))) for k in range(i % 3)]
+        messages = [{"role": "system", "content": "You are terse."}, user_message(f"Request {i}: describe.", images)]
+        requests.append((messages, images, i % 2 == 1))
+    expected = [oracle.generate(m, imgs, MAX_TOKENS) for m, imgs, _ in requests]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda r: _chat(client, r[0], r[2], max_tokens=MAX_TOKENS), requests))
+    for want, (token_ids, content, _, _) in zip(expected, results):
+        assert token_ids == want
+        assert content == oracle.decode(want)
+
+
+@pytest.mark.parametrize("cluster", ["llava"], indirect=True)
+def test_a_repeated_prompt_pushes_only_what_the_decode_instance_lacks(cluster, client, oracle):
+    text, images = CASES["one_image"]
+    messages = [user_message(text + " Be precise." * 12, images)]
+    expected = oracle.generate(messages, images, MAX_TOKENS)
+    transfer = cluster.pds[0].servicer.kv
+    pushed = []
+    for _ in range(2):
+        before = transfer.stats.sent.num_bytes
+        assert _chat(client, messages, False, max_tokens=MAX_TOKENS)[0] == expected
+        pushed.append(transfer.stats.sent.num_bytes - before)
+    # The second ReserveKV found the first request's full blocks in D's prefix cache: only the last is sent.
+    assert 0 < pushed[1] < pushed[0]
+
+
+@pytest.mark.parametrize("cluster", ["llava"], indirect=True)
+def test_a_cancelled_stream_leaves_nothing_on_any_instance(client):
+    with client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[user_message("Tell me a long story.", [])],
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+    ) as stream:
+        next(iter(stream))
+    # the client fixture checks every instance for leaks
+
+
+@pytest.fixture
+def pairs(build_model):
+    """Two prefill and two decode instances behind the proxy (its own cluster: instances get stopped)."""
+    cluster = InProcessCluster(str(build_model("tiny")), num_pds=2, num_decodes=2).start()
+    cluster.preset = "tiny"
+    yield cluster
+    cluster.stop()
+
+
+def _mixed(i: int):
+    images = [make_image(300 + i * 10 + k, (32 + 8 * k, 40)) for k in range(i % 2)]
+    return [user_message(f"Request {i}: describe.", images)], images
+
+
+@pytest.mark.parametrize("stopped", ["decode", "prefill"])
+def test_requests_fail_over_when_an_instance_is_gone(pairs, oracle_for, stopped):
+    oracle = oracle_for("tiny")
+    victim = (pairs.decodes if stopped == "decode" else pairs.pds)[0]
+    pairs.run(victim.stop(0))
+    with openai.OpenAI(base_url=pairs.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        for i in range(6):  # routing would send some of them to the stopped instance first
+            messages, images = _mixed(i)
+            assert _chat(client, messages, i % 2 == 0, max_tokens=MAX_TOKENS)[0] == oracle.generate(
+                messages, images, MAX_TOKENS
+            )
+    survivors = [pd for pd in pairs.pds + pairs.decodes if pd is not victim]
+    for pd in survivors:
+        stats = pairs.run(pd.stats())
+        assert stats.is_idle and stats.num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("cluster", ["qwen2.5"], indirect=True)
+def test_an_abort_storm_leaves_nothing_on_any_instance(cluster, client, oracle):
+    """24 requests, most abandoned at a different point (before a byte, after one or a few chunks),
+    with and without images; then a request still comes back token-exact."""
+    model = client.models.list().data[0].id
+
+    def one(i: int) -> None:
+        images = [make_image(500 + i)] if i % 2 else []
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[user_message(f"Storm {i}: tell a long story.", images)],
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+            timeout=0.05 if i % 4 == 0 else 120,  # some give up before the first token
+        )
+        with stream:
+            for count, _ in enumerate(stream):
+                if count >= i % 3:
+                    break
+
+    with ThreadPoolExecutor(8) as pool:
+        for future in [pool.submit(one, i) for i in range(24)]:
+            try:
+                future.result()
+            except openai.APIError:
+                pass  # the ones that timed out on the client side
+    text, images = CASES["one_image"]
+    messages = [user_message(text, images)]
+    assert _chat(client, messages, True, max_tokens=MAX_TOKENS)[0] == oracle.generate(messages, images, MAX_TOKENS)
+    # the client fixture then checks every instance for leaks
+
+
+def test_without_a_decode_instance_the_proxy_is_not_ready_and_answers_503(pairs):
+    for decode in pairs.decodes:
+        pairs.run(decode.stop(0))
+    health_url = pairs.base_url.removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + 20
+    while httpx.get(health_url, timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "the proxy still reports ready without a decode PD"
+        time.sleep(0.1)
+    client = openai.OpenAI(base_url=pairs.base_url, api_key="unused", max_retries=0, timeout=60)
+    with client, pytest.raises(openai.APIStatusError) as refused:
+        _chat(client, [user_message("Hello.", [])], False, max_tokens=4)
+    assert refused.value.status_code == 503
+    for pd in pairs.pds:  # nothing left on the prefill PDs
+        stats = pairs.run(pd.stats())
+        assert stats.is_idle and stats.num_kv_blocks_used == 0
