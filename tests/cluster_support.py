@@ -12,9 +12,10 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
+import openai
 import uvicorn
 
 from services.encoder.config import EncoderConfig
@@ -247,3 +248,18 @@ class ProxyThread:
         self.task.result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def serving_preset(build_model: Any, preset: str, **cluster: Any) -> Iterator[InProcessCluster]:
+    """A module fixture's body: an ``InProcessCluster`` serving ``preset`` (kept as ``.preset``), stopped after."""
+    started = InProcessCluster(str(build_model(preset)), **cluster).start()
+    started.preset = preset  # type: ignore[attr-defined]
+    yield started
+    started.stop()
+
+
+def checked_client(cluster: InProcessCluster) -> Iterator[openai.OpenAI]:
+    """A test fixture's body: an OpenAI client of ``cluster``; afterwards nothing may be left held."""
+    with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+    assert cluster.leaks() == {}, "something was left reserved, held, pending or referenced"

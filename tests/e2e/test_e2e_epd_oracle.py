@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from cluster_support import InProcessCluster
+from cluster_support import InProcessCluster, checked_client, serving_preset
 from oracle_support import make_image, user_message
 from test_e2e_oracle import CASES, _chat
 
@@ -28,11 +28,7 @@ RUNS = {"llava": ["text_only", "one_image", "three_images"], "qwen2.5": ["text_o
 
 @pytest.fixture(scope="module")
 def cluster(request, build_model):
-    preset = SETUPS[request.param]
-    cluster = InProcessCluster(str(build_model(preset)), num_pds=1, num_decodes=1).start()
-    cluster.preset = preset
-    yield cluster
-    cluster.stop()
+    yield from serving_preset(build_model, SETUPS[request.param], num_pds=1, num_decodes=1)
 
 
 @pytest.fixture
@@ -42,9 +38,7 @@ def oracle(cluster, oracle_for):
 
 @pytest.fixture
 def client(cluster):
-    with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-    assert cluster.leaks() == {}, "something was left reserved, held, pending or referenced"
+    yield from checked_client(cluster)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])

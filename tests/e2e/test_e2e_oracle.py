@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from cluster_support import InProcessCluster
+from cluster_support import InProcessCluster, checked_client, serving_preset
 from oracle_support import Oracle, make_image, user_message
 
 MAX_TOKENS = 24
@@ -35,10 +35,7 @@ SETUPS = {
 @pytest.fixture(scope="module")
 def cluster(request, build_model):
     preset, colocated = SETUPS[request.param]
-    cluster = InProcessCluster(str(build_model(preset)), colocated=colocated).start()
-    cluster.preset = preset
-    yield cluster
-    cluster.stop()
+    yield from serving_preset(build_model, preset, colocated=colocated)
 
 
 @pytest.fixture
@@ -49,9 +46,7 @@ def oracle(cluster, oracle_for):
 
 @pytest.fixture
 def client(cluster):
-    with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-    assert cluster.leaks() == {}, "something was left reserved, pending or referenced"
+    yield from checked_client(cluster)
 
 
 def _model(client) -> str:

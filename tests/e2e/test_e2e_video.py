@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from cluster_support import InProcessCluster
+from cluster_support import InProcessCluster, checked_client, serving_preset
 from oracle_support import data_url, make_image
 from video_support import make_video, reference_frames, reference_video, video_part
 
@@ -34,10 +34,7 @@ LONG = make_video(2, num_frames=24, size=(32, 48), fps=4, fmt="webm")  # 6 s: 12
 @pytest.fixture(scope="module")
 def cluster(request, build_model):
     preset, colocated = SETUPS[request.param]
-    cluster = InProcessCluster(str(build_model(preset)), colocated=colocated).start()
-    cluster.preset = preset
-    yield cluster
-    cluster.stop()
+    yield from serving_preset(build_model, preset, colocated=colocated)
 
 
 @pytest.fixture
@@ -47,9 +44,7 @@ def oracle(cluster, oracle_for):
 
 @pytest.fixture
 def client(cluster):
-    with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-    assert cluster.leaks() == {}, "something was left reserved, pending or referenced"
+    yield from checked_client(cluster)
 
 
 def chat(client, content: list[dict], stream: bool, **extensions):
