@@ -74,14 +74,7 @@ class HandoffAttempt(_Attempt):
     async def _start_decode(self, reservation_id: str) -> epd_pb2.GenerateResponse:
         job = self.job
         self.call = self.decode.generate(
-            epd_pb2.GenerateRequest(
-                request_id=self.request_id,
-                prompt_token_ids=job.prompt.token_ids,
-                mm_items=job.prompt.mm_items_pb(),
-                sampling=job.sampling,
-                cache_salt=job.prompt.cache_salt,
-                kv_reservation_id=reservation_id,
-            ),
+            job.generate_request(self.request_id, kv_reservation_id=reservation_id),
             timeout=self.pipeline.remaining(job),
         )
         try:

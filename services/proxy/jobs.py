@@ -42,6 +42,17 @@ class Job:
     trace: Trace = field(default_factory=Trace)
     decodes_tried: set[str] = field(default_factory=set)  # E+P+D: decode instances that failed this job
 
+    def generate_request(self, request_id: str, **handoff: object) -> epd_pb2.GenerateRequest:
+        """The Generate of attempt ``request_id``; ``handoff``: E+P+D's ``kv_handoff`` or ``kv_reservation_id``."""
+        return epd_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=self.prompt.token_ids,
+            mm_items=self.prompt.mm_items_pb(),
+            sampling=self.sampling,
+            cache_salt=self.prompt.cache_salt,
+            **handoff,  # type: ignore[arg-type]
+        )
+
     def attempt_id(self, number: int) -> str:
         """PD request id of attempt ``number``: a retry never reuses an id."""
         return self.request_id if number == 0 else f"{self.request_id}-r{number}"

@@ -140,15 +140,7 @@ class _Attempt:
             job.trace.preallocate_ms = (time.monotonic() - begin) * 1000
             reserved = self._reserved(reply)
         self.call = pd.generate(
-            epd_pb2.GenerateRequest(
-                request_id=self.request_id,
-                prompt_token_ids=job.prompt.token_ids,
-                mm_items=job.prompt.mm_items_pb(),
-                sampling=job.sampling,
-                cache_salt=job.prompt.cache_salt,
-                kv_handoff=handoff,
-            ),
-            timeout=self.pipeline.remaining(job),
+            job.generate_request(self.request_id, kv_handoff=handoff), timeout=self.pipeline.remaining(job)
         )
         self.encode_tasks = [
             asyncio.create_task(self.pipeline.encode_image(self, image, reservation_id))

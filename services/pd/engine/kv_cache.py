@@ -217,13 +217,7 @@ class KVCacheManager:
         """
         if any(self._block_keys[b] is None for b in block_ids):
             raise ValueError("only prefix-cached blocks can be pinned")
-        for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
-                del self._free_queue[block_id]
-            self._ref_counts[block_id] += 1
-        self.unpin(owner)
-        if block_ids:
-            self._pins[owner] = list(block_ids)
+        self.hold(owner, block_ids)
 
     def hold(self, owner: str, block_ids: Sequence[int]) -> None:
         """Like ``pin``, for blocks that need not be cached: a finished prefill's K/V held until
