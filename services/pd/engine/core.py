@@ -1,6 +1,7 @@
 """The PD engine core: one synchronous object that owns a request's whole life.
 
-Read a request's life here, top to bottom, plus ``scheduler.py``:
+Read a request's life here, top to bottom, plus ``scheduler.py`` (1 and 2 live in
+``embedding_intake.py``, a mixin of this class; E+P+D's hand-off in ``handoff_core.py``):
 
 1. ``preallocate``: before any encoder work, PD promises room for the
    prompt's images. The prompt's cached prefix is looked up, once; images
@@ -35,27 +36,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from services.pd.engine import image_refs
-from services.pd.engine.embedding_cache import (
-    AlreadyFilled,
-    EmbeddingCacheFull,
-    EntryState,
-    LeaseExpired,
-    Preallocation,
-    ReservationNotFound,
-    ReservationRejected,
-)
+from services.pd.engine.embedding_intake import EmbeddingIntakeMixin
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.handoff_core import KVHandoffMixin
 from services.pd.engine.invariants import check
 from services.pd.engine.kv_handoff import Role
-from services.pd.engine.outputs import Allocation, Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
-from services.pd.engine.preallocated import Preallocated, PreallocatedRequests, PreallocationLimits, claim_spans
-from services.pd.engine.request import CachedPrefix, MultiModalSpan, Request, RequestStatus, SamplingParams
+from services.pd.engine.outputs import Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
+from services.pd.engine.preallocated import PreallocatedRequests, PreallocationLimits, claim_spans
+from services.pd.engine.request import CachedPrefix, Request, RequestStatus
 from services.pd.engine.scheduler import QueueFull, Scheduler
 from services.pd.engine.step_budget import StepBudget
 from services.pd.engine.step_stats import StepStats
@@ -65,14 +58,9 @@ log = logging.getLogger(__name__)
 
 _EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
 _NOT_DELIVERED = "an image embedding was not delivered before its lease expired"
-_PREALLOCATED_RETRY_S = 0.5  # a held Preallocate ends within a lease: its Generate, an abort or expiry
 
 
-def _allocation(mm_hash: str, state: EntryState, reservation_id: str) -> Allocation:
-    return Allocation(mm_hash, state is EntryState.READY, reservation_id)
-
-
-class EngineCore(KVHandoffMixin):
+class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
     """Owns the scheduler, both caches, the embedding tensor store and the model runner.
 
     ``runner`` has ``execute(SchedulerOutput, embeddings) -> ModelRunnerOutput`` and
@@ -113,112 +101,6 @@ class EngineCore(KVHandoffMixin):
         self.step_budget = step_budget or StepBudget.off(scheduler.config.max_num_batched_tokens)
         self._timer = timer
         self._init_handoff(role, export_lease_s)
-
-    # ------------------------------------------------------------ Preallocate
-    def preallocate(
-        self,
-        request_id: str,
-        spans: Sequence[MultiModalSpan],
-        lease_s: float,
-        prompt_token_ids: Sequence[int] = (),
-        peer: str = "",
-        cache_salt: str = "",
-    ) -> list[Allocation]:
-        """Claims every image of a prompt, all or nothing; raises EngineError, changing nothing.
-
-        ``peer`` is the caller's address: requests holding room before their
-        Generate are bounded in total and per caller (``PreallocationLimits``).
-        """
-        if request_id in self._streams:
-            raise EngineError(ErrorKind.ALREADY_EXISTS, "a request with this id is already running")
-        if not self._preallocated.has_room(peer):
-            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many preallocated requests", _PREALLOCATED_RETRY_S)
-        try:  # no room held, and no encoder work spent, for a request Generate would refuse
-            self.scheduler.check_room(len(prompt_token_ids))
-        except QueueFull as exc:
-            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many waiting requests", exc.retry_after_s) from None
-        now = self._clock()
-        probe = Request(
-            request_id, list(prompt_token_ids), SamplingParams(), mm_spans=list(spans), cache_salt=cache_salt
-        )
-        looked_up = bool(spans and prompt_token_ids)
-        prefix = self.kv_cache.claim_cached_prefix(probe) if looked_up else CachedPrefix()
-        rest = [s for s in spans if not prefix.covers(s)]
-        granted = self._reserve(request_id, rest, now, lease_s) if rest else Preallocation([], [])
-        self._drop_embeddings(granted.evicted)
-        if looked_up:  # Generate takes this prefix over; what stands in for images stays pinned
-            covered_end = max((s.end for s in spans if prefix.covers(s)), default=0)
-            self._pin_prefix(probe, covered_end)
-            self._preallocated.add(Preallocated(probe, now + lease_s, covers_images=covered_end > 0))
-        if looked_up or granted.items:
-            self._preallocated.hold(request_id, peer)
-        answers = iter(granted.items)
-        return [
-            Allocation(span.mm_hash, True, self._preallocated.new_pin_id(), via_prefix_cache=True)
-            if prefix.covers(span)
-            else _allocation(*next(answers))
-            for span in spans
-        ]
-
-    def _pin_prefix(self, request: Request, num_tokens: int) -> None:
-        """Pins only the cached blocks of the first ``num_tokens`` tokens: the K/V standing in
-        for images the request holds no embedding for, until it ends."""
-        prefix = request.cached_prefix
-        blocks = prefix.block_ids[: self.kv_cache.num_blocks_for(num_tokens)] if num_tokens and prefix else ()
-        self.kv_cache.pin(request.request_id, blocks)
-
-    def _reserve(self, request_id: str, spans: list[MultiModalSpan], now: float, lease_s: float) -> Preallocation:
-        try:
-            return self.embedding_cache.preallocate(
-                request_id, [(s.mm_hash, s.num_tokens) for s in spans], now + lease_s, now
-            )
-        except EmbeddingCacheFull as exc:
-            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "embedding cache is full", exc.retry_after_s) from None
-        except ValueError as exc:
-            # Our own message (size conflict or over total capacity), never input.
-            raise EngineError(ErrorKind.INVALID_ARGUMENT, str(exc)) from None
-
-    # ------------------------------------------------------------------ pushes
-    def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> bool:
-        """Whether a push is wanted: False for a repeat of one that landed (a retried Encode).
-
-        Raises NOT_FOUND, DEADLINE_EXCEEDED (lease over) or FAILED_PRECONDITION
-        for a push whose reservation is not live or whose size differs.
-        """
-        if self._preallocated.is_pin_id(reservation_id):
-            raise EngineError(
-                ErrorKind.FAILED_PRECONDITION, "push rejected: reservation is a pin of cached KV, not a push target"
-            )
-        try:
-            self.embedding_cache.check_push(request_id, reservation_id, mm_hash, num_tokens, self._clock())
-        except AlreadyFilled:
-            return False
-        except ReservationNotFound:
-            raise EngineError(ErrorKind.NOT_FOUND, "unknown reservation") from None
-        except LeaseExpired:
-            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "push rejected: reservation lease expired") from None
-        except ReservationRejected as exc:
-            raise EngineError(ErrorKind.FAILED_PRECONDITION, f"push rejected: {exc}") from None
-        return True
-
-    def fill(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
-        """Stores a pushed ``[num_tokens, hidden]`` embedding in its reservation; a repeat changes nothing."""
-        if not self.check_push(request_id, reservation_id, mm_hash, int(embedding.shape[0])):
-            return
-        try:
-            tensor = self.runner.prepare_embedding(embedding)
-        except ValueError as exc:
-            raise EngineError(ErrorKind.INVALID_ARGUMENT, f"embedding rejected: {exc}") from None
-        if self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock()):
-            self._embeddings[mm_hash] = tensor
-
-    def fill_cached(self, request_id: str, reservation_id: str, mm_hash: str) -> bool:
-        """Fills a reservation from the embedding already READY here; False when it is not."""
-        if not self.embedding_cache.is_ready(mm_hash):
-            return False
-        if self.check_push(request_id, reservation_id, mm_hash, self.embedding_cache.num_tokens(mm_hash)):
-            self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock())
-        return True
 
     # ---------------------------------------------------------------- Generate
     def add_request(self, request: Request) -> None:
@@ -299,12 +181,6 @@ class EngineCore(KVHandoffMixin):
         self.embedding_cache.cancel_request(request_id)
         self._release_handoff(request_id)
 
-    def _drop_embeddings(self, mm_hashes: Sequence[str]) -> None:
-        """Frees the tensors of entries a cache call removed."""
-        for mm_hash in mm_hashes:
-            self._embeddings.pop(mm_hash, None)
-
-    # ------------------------------------------------------------------ leases
     def sweep(self) -> None:
         """Ends leases past their deadline and fails the requests left waiting on a dropped image."""
         now = self._clock()
