@@ -272,6 +272,11 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 return await self.kv.reserve(request, context.time_remaining())
             except EngineError as error:
                 await abort_with(context, error, line)
+            except asyncio.CancelledError:
+                # The caller went away mid-call: a reservation it never learnt of is ended behind the
+                # reserve on the engine thread, not left to its lease.
+                self.engine.abort(request.request_id)
+                raise
 
     async def PushKV(self, request_iterator, context):
         with AccessLine(log, "push_kv", level=logging.DEBUG, request_id=request_id_of(context)) as line:

@@ -39,6 +39,9 @@ class HandoffAttempt(_Attempt):
 
     async def start(self) -> epd_pb2.GenerateResponse:
         job, pipeline = self.job, self.pipeline
+        # From the call on, the decode instance may hold a reservation, even when this task is
+        # cancelled while the call is in flight: any exit but a clean finish aborts it there.
+        self.started_rpc = True
         try:
             grant = await self.decode.reserve_kv(
                 epd_pb2.ReserveKVRequest(
@@ -53,7 +56,6 @@ class HandoffAttempt(_Attempt):
         except grpc.aio.AioRpcError as error:
             self._blame_decode(error)
             raise
-        self.started_rpc = True  # from here the decode instance holds a reservation: abort on any failure
         handoff = epd_pb2.KVHandoff(
             address=self.decode.address,
             reservation_id=grant.reservation_id,

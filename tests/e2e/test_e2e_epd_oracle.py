@@ -11,6 +11,7 @@ referenced on any instance.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -183,3 +184,24 @@ def test_without_a_decode_instance_the_proxy_is_not_ready_and_answers_503(pairs)
     for pd in pairs.pds:  # nothing left on the prefill PDs
         stats = pairs.run(pd.stats())
         assert stats.is_idle and stats.num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("cluster", ["llava"], indirect=True)
+def test_a_client_gone_while_the_decode_instance_reserves_leaves_no_reservation(cluster, client, monkeypatch):
+    """The proxy marked the attempt as holding something only once ReserveKV had answered: a client
+    that left while the call was in flight left D's reservation to its lease."""
+    kv = cluster.decodes[0].servicer.kv
+    reserve = kv.reserve
+
+    async def slow_reserve(*args, **kwargs):  # test double: the real reserve, answered late
+        grant = await reserve(*args, **kwargs)
+        await asyncio.sleep(1.0)
+        return grant
+
+    monkeypatch.setattr(kv, "reserve", slow_reserve)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(
+            model=model, messages=[user_message("Gone early.", [])], max_tokens=4, timeout=0.3
+        )
+    # the client fixture then checks every instance for leaks
