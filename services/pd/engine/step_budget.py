@@ -125,6 +125,10 @@ class StepBudget:
         self._last_step_end: float | None = None  # when the last executed step ended (the core's timer)
         self._num_ttft_missed = 0
         self._num_itl_missed = 0
+        # Auto TTFT targets by prompt length, for the model's current fit: every step orders and
+        # walks the whole queue by deadline, and the prediction behind a target costs two model calls.
+        self._ttft_targets: dict[int, float] = {}
+        self._ttft_targets_fit = -1  # the model's num_updates they were computed for
 
     @classmethod
     def off(cls, max_num_batched_tokens: int) -> StepBudget:
@@ -205,7 +209,14 @@ class StepBudget:
             return fixed or math.inf
         if not self.model.is_seeded:
             return math.inf
-        return AUTO_TTFT_MULTIPLE * self.lone_prefill_s(max(num_prompt_tokens, TYPICAL_PROMPT_TOKENS))
+        if self._ttft_targets_fit != self.model.num_updates:
+            self._ttft_targets.clear()
+            self._ttft_targets_fit = self.model.num_updates
+        num_tokens = max(num_prompt_tokens, TYPICAL_PROMPT_TOKENS)
+        target = self._ttft_targets.get(num_tokens)
+        if target is None:
+            target = self._ttft_targets[num_tokens] = AUTO_TTFT_MULTIPLE * self.lone_prefill_s(num_tokens)
+        return target
 
     def lone_prefill_s(self, num_tokens: int) -> float:
         """Predicted seconds to prefill ``num_tokens`` with nothing else running (whole-cap chunks)."""

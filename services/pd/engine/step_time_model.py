@@ -109,6 +109,7 @@ class StepTimeModel:
         self._residual_size: float | None = None  # running mean |residual|, seconds
         self.num_decode_steps = 0  # observed steps with decode rows and no prefill
         self.num_prefill_steps = 0  # observed steps with prefill tokens
+        self.num_updates = 0  # observed steps of any kind: predictions change only when this does
 
     @property
     def is_seeded(self) -> bool:
@@ -126,6 +127,7 @@ class StepTimeModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Updates the fit with one measured step."""
+        self.num_updates += 1
         if shape.num_prefill_tokens:
             self.num_prefill_steps += 1
         elif shape.num_decode_rows:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import httpx
+import openai
 from PIL import Image
 
 from services.common import grpc_utils
@@ -294,3 +295,8 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("condition not reached")
+
+
+def openai_client(cluster: Cluster) -> openai.AsyncOpenAI:
+    """The official SDK against a cluster served over real HTTP (``cluster_factory(http=True)``)."""
+    return openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)

@@ -13,7 +13,7 @@ import openai
 import pydantic
 import pytest
 from PIL import Image
-from proxy_doubles import Failure, image_message, png_data_url, wait_until
+from proxy_doubles import Failure, image_message, openai_client, png_data_url, wait_until
 
 from services.proxy.media import MediaFetcher, MediaPolicy
 
@@ -202,10 +202,6 @@ async def test_non_stream_client_disconnect_cancels_and_aborts(cluster_factory):
         await task
     await wait_until(lambda: pd.num_active == 0 and pd.aborts)
     assert pd.aborts == [pd.generates[0].request_id]
-
-
-def openai_client(cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 async def test_openai_client_non_stream_and_stream(cluster_factory):

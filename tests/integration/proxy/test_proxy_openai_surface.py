@@ -6,14 +6,11 @@ import json
 
 import openai
 import pytest
+from proxy_doubles import openai_client
 
 SECRET = "zebra-secret-42"
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 COMPLETION = {"prompt": "Once", "max_tokens": 8}
-
-
-def openai_client(cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def assert_openai_error(reply, status: int, code: str, param: str | None = None) -> dict:

@@ -6,16 +6,13 @@ import logging
 
 import openai
 import pytest
+from proxy_doubles import openai_client
 
 SECRET = "zebra-secret-42"
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 COMPLETION = {"prompt": "Once", "max_tokens": 8}
 BODIES = [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
 IGNORED = "X-EPD-Ignored-Fields"
-
-
-def openai_client(cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def assert_refused(reply, code: str, param: str | None) -> dict:
