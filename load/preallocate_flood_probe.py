@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from services.bench.serve.procs import free_port
+from services.common import grpc_utils
 from services.common.models import ensure_model
 from services.common.pb import epd_pb2, epd_pb2_grpc
 
@@ -104,17 +105,8 @@ def main() -> None:
     argv += ["--port", str(port), "--metrics-port", "-1"]
     child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    grpc.channel_ready_future(channel).result(timeout=1)
-                    epd_pb2_grpc.PrefillDecodeStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=1)
-                break
-            except (grpc.RpcError, grpc.FutureTimeoutError):
-                if child.poll() is not None or time.monotonic() > deadline:
-                    sys.exit("epd pd did not start")
-                time.sleep(0.5)
+        # Readiness, not liveness: PD reports it once its warm-up step has run.
+        asyncio.run(grpc_utils.wait_healthy(f"127.0.0.1:{port}", "epd.v1.PrefillDecode", timeout=120))
         asyncio.run(probe(f"127.0.0.1:{port}", image_token))
     finally:
         os.killpg(child.pid, signal.SIGINT)
