@@ -15,8 +15,6 @@ caching no block can be pinned, and the references stay until the end.
 
 from __future__ import annotations
 
-import itertools
-
 from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.kv_cache import KVCacheManager
 from services.pd.engine.request import Request
@@ -35,7 +33,11 @@ def retake_images(request: Request, kv_cache: KVCacheManager, embedding_cache: E
     """Trades a queued request's pinned K/V back for image references when every image it lacks one
     for is still cached, freeing the pinned blocks for others; False, holding what it held, if not."""
     missing = [i for i in range(len(request.mm_spans)) if i not in request.span_refs]
-    taken = list(itertools.takewhile(lambda i: embedding_cache.acquire(request.mm_spans[i].mm_hash), missing))
+    taken: list[int] = []
+    for index in missing:
+        if not embedding_cache.acquire(request.mm_spans[index].mm_hash):
+            break
+        taken.append(index)
     if len(taken) < len(missing):
         for index in taken:
             embedding_cache.release(request.mm_spans[index].mm_hash)
