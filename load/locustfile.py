@@ -45,35 +45,16 @@ A weight of 0 leaves that kind of user out.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import random
 import time
 from typing import Any
 
+from chat_requests import bad_body, chat_body, clean_error, clean_rejection, noise_image_url
 from locust import HttpUser, events, task
 
 CHAT_PATH = "/v1/chat/completions"
-PROMPT_WORDS = (
-    "tell",
-    "me",
-    "about",
-    "the",
-    "picture",
-    "river",
-    "city",
-    "light",
-    "story",
-    "garden",
-    "morning",
-    "color",
-    "window",
-    "market",
-    "quiet",
-    "bright",
-)
 
 
 @events.init_command_line_parser.add_listener
@@ -162,15 +143,6 @@ def _apply_options(environment: Any, **_: Any) -> None:
         raise ValueError("user weights must be >= 0 and at least one positive")
 
 
-def noise_image_url(data: bytes, size: int) -> str:
-    """A JPEG data URL of ``size`` x ``size`` pixels made from ``data`` (3 bytes a pixel)."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.frombytes("RGB", (size, size), data).save(buffer, format="JPEG", quality=90)
-    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 def _fire(environment: Any, kind: str, name: str, milliseconds: float) -> None:
     environment.events.request.fire(
         request_type=kind, name=name, response_time=milliseconds, response_length=0, exception=None, context={}
@@ -180,25 +152,6 @@ def _fire(environment: Any, kind: str, name: str, milliseconds: float) -> None:
 def _outcome(environment: Any, outcome: str) -> None:
     """One ``OUTCOME`` entry per request: succeeded, rejected, disconnected, bad-input-rejected or failed."""
     _fire(environment, "OUTCOME", outcome, 0.0)
-
-
-def clean_error(reply: Any) -> str | None:
-    """Why an error reply is not a clean OpenAI error (JSON ``{"error": {...}}`` of at most 1 KiB), or None."""
-    body = reply.content or b""
-    if len(body) > 1024:
-        return f"error body of {len(body)} bytes"
-    try:
-        error = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        return "error body is not JSON"
-    if not isinstance(error, dict) or not error.get("message"):
-        return "error body is not an OpenAI error"
-    return None
-
-
-def clean_rejection(reply: Any) -> bool:
-    """An overload answer a client can act on: 429/503 with Retry-After and an OpenAI error body."""
-    return reply.status_code in (429, 503) and bool(reply.headers.get("Retry-After")) and clean_error(reply) is None
 
 
 class _ChatUser(HttpUser):
@@ -221,21 +174,7 @@ class _ChatUser(HttpUser):
 
     def _body(self) -> dict[str, Any]:
         options = self.environment.parsed_options
-        prompt = " ".join(self.rng.choice(PROMPT_WORDS) for _ in range(24))
-        urls = self.image_urls()
-        content: Any = prompt
-        if urls:
-            content = [{"type": "text", "text": prompt}] + [
-                {"type": "image_url", "image_url": {"url": u}} for u in urls
-            ]
-        return {
-            "messages": [{"role": "user", "content": content}],
-            "stream": True,
-            "max_tokens": options.max_tokens if options else 32,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
+        return chat_body(self.rng, self.image_urls(), options.max_tokens if options else 32)
 
     @task
     def chat(self) -> None:
@@ -355,15 +294,6 @@ class DisconnectingChatUser(_ChatUser):
         return body
 
 
-BAD_IMAGE_URLS = (
-    "data:image/png;base64,not-base64!",
-    "data:image/jpeg;base64," + base64.b64encode(b"these bytes are not an image").decode(),
-    "data:text/plain;base64,aGVsbG8=",
-    "file:///etc/passwd",
-    "http://127.0.0.1:1/image.png",
-)
-
-
 class InvalidInputUser(HttpUser):
     """Invalid requests: broken images, bad parameters, malformed JSON. Each must get a clean 4xx."""
 
@@ -375,23 +305,11 @@ class InvalidInputUser(HttpUser):
     def on_start(self) -> None:
         self.rng = random.Random()
 
-    def _bad_body(self) -> bytes:
-        choice = self.rng.randrange(5)
-        if choice == 0:
-            return b'{"messages": [{"role": "user", "content": "unterminated'
-        if choice == 1:
-            return json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode()
-        if choice == 2:
-            return json.dumps({"messages": [], "max_tokens": 4}).encode()
-        url = self.rng.choice(BAD_IMAGE_URLS)
-        content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]
-        return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 4}).encode()
-
     @task
     def bad_request(self) -> None:
         headers = {"Content-Type": "application/json"}
         with self.client.post(
-            CHAT_PATH, data=self._bad_body(), headers=headers, catch_response=True, name="chat invalid"
+            CHAT_PATH, data=bad_body(self.rng), headers=headers, catch_response=True, name="chat invalid"
         ) as reply:
             problem = None if 400 <= reply.status_code < 500 else f"HTTP {reply.status_code} for a bad input"
             problem = problem or clean_error(reply)

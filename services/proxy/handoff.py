@@ -17,16 +17,17 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.pb import epd_pb2
+from services.proxy.attempt import Attempt
 from services.proxy.errors import internal_error, no_backend
 from services.proxy.instances import Outcome, PdClient, outcome_of
 from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.pipeline import Pipeline, _Attempt
+from services.proxy.pipeline import Pipeline
 
 _DECODE_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
-class HandoffAttempt(_Attempt):
+class HandoffAttempt(Attempt):
     """One try of a job on a prefill instance (``pd``) and a decode instance (``decode``)."""
 
     def __init__(self, pipeline: HandoffPipeline, job: Job, pd: PdClient, request_id: str, decode: PdClient) -> None:
@@ -119,7 +120,7 @@ class HandoffAttempt(_Attempt):
 class HandoffPipeline(Pipeline):
     """The pipeline of an E+P+D cluster: ``backends.pds`` are prefill instances, ``backends.decodes`` decode ones."""
 
-    def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> _Attempt:
+    def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> Attempt:
         tried = job.decodes_tried
         candidates = self.backends.decode_candidates(exclude=tried)
         if not candidates:  # every decode instance failed this job once: try them again in rank order

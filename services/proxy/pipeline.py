@@ -48,6 +48,7 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.pb import epd_pb2
+from services.proxy.attempt import Attempt
 from services.proxy.backends import Backends
 from services.proxy.errors import ApiError, from_grpc, internal_error, no_backend, stalled
 from services.proxy.instances import Instance, Outcome, PdClient, outcome_of
@@ -96,131 +97,6 @@ class BackendError(Exception):
         self.code = error.code()
         self.instance = instance
         self.pd_push = pd_push
-
-
-class _Attempt:
-    """One try of a job on one PD: its Preallocate, Generate stream and Encode tasks."""
-
-    def __init__(self, pipeline: Pipeline, job: Job, pd: PdClient, request_id: str) -> None:
-        self.pipeline = pipeline
-        self.job = job
-        self.pd = pd
-        self.request_id = request_id
-        self.call: grpc.aio.UnaryStreamCall | None = None
-        self.encode_tasks: list[asyncio.Task] = []
-        self._pending_encodes: set[asyncio.Task] = set()
-        self.first: epd_pb2.GenerateResponse | None = None  # set by start()
-        self.finished = False  # PD sent its final message
-        self.started_rpc = False
-        self.outcome = Outcome.NEUTRAL
-        self.status = "CANCELLED"  # for metrics: OK, a gRPC code name, or CANCELLED
-        self.probe = pd.begin()  # the breaker's half-open probe: settled at the first message
-        self.settled = False
-        self.pd_is_innocent = False  # set when an error was another instance's doing
-
-    async def start(self, handoff: epd_pb2.KVHandoff | None = None) -> epd_pb2.GenerateResponse:
-        """Admits the job on this PD and returns its first message (``handoff``: PD is E+P+D's prefill
-        instance, which pushes the KV there after the first token; ``handoff.py``)."""
-        job, pd = self.job, self.pd
-        reserved: list[tuple[ImageItem, str]] = []
-        self.started_rpc = True
-        job.trace.num_images_ready = job.trace.num_encoder_cache_hits = 0  # this attempt's, not a failed one's
-        if job.prompt.images:
-            begin = time.monotonic()
-            reply = await pd.preallocate(
-                epd_pb2.PreallocateRequest(
-                    request_id=self.request_id,
-                    prompt_token_ids=job.prompt.token_ids,
-                    items=job.prompt.mm_items_pb(),
-                    lease_ms=self.pipeline.lease_ms(job),
-                    cache_salt=job.prompt.cache_salt,
-                ),
-                timeout=self.pipeline.remaining(job),
-            )
-            job.trace.preallocate_ms = (time.monotonic() - begin) * 1000
-            reserved = self._reserved(reply)
-        self.call = pd.generate(
-            job.generate_request(self.request_id, kv_handoff=handoff), timeout=self.pipeline.remaining(job)
-        )
-        self.encode_tasks = [
-            asyncio.create_task(self.pipeline.encode_image(self, image, reservation_id))
-            for image, reservation_id in reserved
-        ]
-        self._pending_encodes = set(self.encode_tasks)
-        self.first = await self.next()
-        if self.first is None:
-            raise internal_error("The model server ended the stream without a result.")
-        self.outcome = Outcome.SUCCESS
-        pd.settle(Outcome.SUCCESS, probe=self.probe)
-        self.settled = True
-        return self.first
-
-    def _reserved(self, reply: epd_pb2.PreallocateResponse) -> list[tuple[ImageItem, str]]:
-        """Items that need an encoder, with their reservation ids; READY ones are already on PD."""
-        images = self.job.prompt.images
-        if len(reply.items) != len(images) or any(a.mm_hash != i.mm_hash for a, i in zip(reply.items, images)):
-            raise internal_error("The model server's reservation did not match the request.")
-        reserved, seen = [], set()
-        for alloc, image in zip(reply.items, images):
-            if alloc.state == epd_pb2.ItemAllocation.READY:
-                self.job.trace.num_images_ready += 1
-            elif alloc.state == epd_pb2.ItemAllocation.RESERVED and alloc.reservation_id:
-                # The same image twice may share one reservation: push it once.
-                if alloc.reservation_id not in seen:
-                    seen.add(alloc.reservation_id)
-                    reserved.append((image, alloc.reservation_id))
-            else:
-                raise internal_error("The model server's reservation did not match the request.")
-        return reserved
-
-    async def next(self) -> epd_pb2.GenerateResponse | None:
-        """The next PD message (None at end of stream); raises the first Encode failure."""
-        assert self.call is not None
-        read = asyncio.ensure_future(self.call.read())
-        try:
-            while self._pending_encodes:
-                done, _ = await asyncio.wait({read, *self._pending_encodes}, return_when=asyncio.FIRST_COMPLETED)
-                if read in done:
-                    # PD answered first. If it failed, that is the cause; an Encode
-                    # failing at the same moment (pushing to that PD) is its echo.
-                    break
-                for task in done:
-                    self._pending_encodes.discard(task)
-                    task.result()  # an Encode failure ends the request: PD would wait forever
-            message = await read
-        finally:
-            # Cancelling a pending read cancels the RPC, which is what every
-            # early exit from here wants.
-            if not read.done():
-                read.cancel()
-        if message is grpc.aio.EOF:
-            return None
-        if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
-            self.finished = True
-            self.status = "OK"
-        return message
-
-    def fail(self, error: grpc.aio.AioRpcError) -> None:
-        """Records a PD error for the breaker and metrics."""
-        self.outcome = outcome_of(error.code())
-        self.status = error.code().name
-
-    def count(self, metrics: ProxyMetrics) -> None:
-        """Counts this attempt's outcome per instance (``epd_proxy_backend_requests_total``)."""
-        metrics.backend_requests.labels("pd", self.pd.address, self.status).inc()
-
-    async def abort(self) -> None:
-        """Ends the request on every instance holding something of it (idempotent there)."""
-        await self.pd.abort(self.request_id)
-
-    def stop(self) -> list[asyncio.Task]:
-        """Cancels everything in flight; returns the tasks to await (never raises)."""
-        if self.call is not None:
-            self.call.cancel()
-        for task in self.encode_tasks:
-            task.cancel()
-        self.pd.end(self.outcome, probe=self.probe, settled=self.settled)
-        return self.encode_tasks
 
 
 class Pipeline:
@@ -325,7 +201,7 @@ class Pipeline:
                 yield message
             return
 
-    async def _admit(self, job: Job, tried: set[str]) -> _Attempt:
+    async def _admit(self, job: Job, tried: set[str]) -> Attempt:
         """Starts the job on the best PD not tried yet, failing over on refusals and outages."""
         last: BackendError | None = None
         while job.trace.num_pd_attempts < self.pd_attempts:
@@ -371,11 +247,11 @@ class Pipeline:
             raise no_backend("PD")
         raise self._to_api_error(last.error, job.request_id)
 
-    def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> _Attempt:
+    def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> Attempt:
         """One try of ``job`` on ``pd`` (E+P+D's pipeline tries a prefill and a decode instance)."""
-        return _Attempt(self, job, pd, request_id)
+        return Attempt(self, job, pd, request_id)
 
-    async def encode_image(self, attempt: _Attempt, image: ImageItem, reservation_id: str) -> None:
+    async def encode_image(self, attempt: Attempt, image: ImageItem, reservation_id: str) -> None:
         """Encodes one image for ``attempt.pd``, moving to the next encoder when one fails."""
         job = attempt.job
         request = epd_pb2.EncodeRequest(
@@ -442,7 +318,7 @@ class Pipeline:
         log.log(level, "request %s: %s failed with %s: %.200s", request_id, what, code.name, error.details() or "")
         return from_grpc(code, grpc_utils.retry_after_ms(error) if code == S.RESOURCE_EXHAUSTED else None)
 
-    async def _finish(self, attempt: _Attempt) -> None:
+    async def _finish(self, attempt: Attempt) -> None:
         """Stops the attempt; Abort on PD unless it finished cleanly. Survives cancellation."""
         tasks = attempt.stop()
         attempt.count(self.metrics)
