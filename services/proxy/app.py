@@ -6,74 +6,55 @@ Handlers convert and delegate: body -> validated request -> image sources
 pools (``workers``): the text stage on the text pool, the image stage on
 the image pool, so image work never delays a text-only request and a full
 queue is a 503, not an unbounded backlog. All state lives on
-``app.state.proxy`` and is built by the lifespan.
+``app.state.proxy`` (``services.proxy.state``) and is built by the lifespan
+(``services.proxy.lifespan``); the read-only endpoints (models, health,
+metrics) are in ``services.proxy.info_endpoints``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from services.common import launch_proof
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
 from services.proxy import intake
 from services.proxy.backends import Backends
-from services.proxy.cache_isolation import tenant_salt
+from services.proxy.bounded_responses import BoundedJSONResponse, EventStreamResponse, WriteBound
 from services.proxy.config import ProxyConfig
-from services.proxy.errors import ApiError, RequestError, invalid_api_key, model_not_found
-from services.proxy.fairness import (
-    REFUSAL_REASONS,
-    Admission,
-    ClientLimiter,
-    FairnessLimits,
-    address_identity,
-    key_identity,
-)
+from services.proxy.errors import ApiError, RequestError
+from services.proxy.fairness import Admission
 from services.proxy.fields import ignored_fields_header
-from services.proxy.handoff import HandoffPipeline
+from services.proxy.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
 from services.proxy.http_util import (
-    BoundedJSONResponse,
     ClientDisconnected,
-    EventStreamResponse,
-    WriteBound,
     check_json_content_type,
     request_timeout,
     unless_disconnected,
 )
+from services.proxy.info_endpoints import health, list_models, live, metrics, retrieve_model
 from services.proxy.jobs import Job, Trace, new_request_id
-from services.proxy.media import MediaFetcher, MediaPolicy, image_sources
-from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from services.proxy.lifespan import proxy_lifespan
+from services.proxy.media import MediaFetcher, image_sources
+from services.proxy.metrics import ProxyMetrics
 from services.proxy.middleware import (
     AccessLogMiddleware,
     ApiKeyMiddleware,
-    InternalsGuard,
     MetricsMiddleware,
     access_line,
     install_error_handlers,
 )
 from services.proxy.openapi import openapi_document
-from services.proxy.pipeline import Pipeline, StallLimits
-from services.proxy.preprocess import Preprocessor, Prompt
-from services.proxy.responses import (
-    ChatFormatter,
-    Choice,
-    CompletionFormatter,
-    ResponseMeta,
-    collect,
-    stream_events,
-)
+from services.proxy.preprocess import Prompt
+from services.proxy.responses import Choice, collect, stream_events
 from services.proxy.sampling import (
     choice_sampling,
     requested_logprobs,
@@ -81,64 +62,11 @@ from services.proxy.sampling import (
     resolve_max_tokens,
     sampling_params,
 )
-from services.proxy.schemas import (
-    _SamplingFields,
-)
+from services.proxy.schemas import _SamplingFields
+from services.proxy.state import ProxyState, proxy_state
 from services.proxy.videos import video_refs
-from services.proxy.workers import WorkPool
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ProxyState:
-    """Everything handlers need, built once by the lifespan."""
-
-    config: ProxyConfig
-    adapter: Any
-    preprocessor: Preprocessor
-    backends: Backends
-    pipeline: Pipeline
-    text_pool: WorkPool
-    image_pool: WorkPool
-    metrics: ProxyMetrics
-    fetcher: MediaFetcher | None
-    served_model_name: str
-    max_model_len: int
-    created: int
-    guard: InternalsGuard
-    limiter: ClientLimiter  # per-client limits (off unless configured)
-
-    def client_identity(self, request: Request) -> str:
-        """Who a request counts against: the API key's hash when keys are required, else the peer address."""
-        if self.config.api_key is not None:  # ApiKeyMiddleware let only this key through
-            return key_identity(self.config.api_key)
-        return address_identity(request.client.host if request.client else None)
-
-    def cache_salt(self, request: Request, body: _SamplingFields) -> str:
-        """The request's wire cache salt: its tenant under ``--cache-isolation`` and its ``cache_salt``."""
-        return tenant_salt(self.config.cache_isolation, self.client_identity(request), body.cache_salt)
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
-            raise model_not_found()
-
-    def decode_token(self, token_id: int) -> str:
-        return self.preprocessor.tokenizer.decode([token_id])
-
-    def model_object(self) -> dict[str, Any]:
-        """The OpenAI model object of the one model this proxy serves."""
-        return {
-            "id": self.served_model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "epd",
-            "max_model_len": self.max_model_len,
-        }
-
-
-def _state(request: Request) -> ProxyState:
-    return request.app.state.proxy
 
 
 @dataclass(frozen=True)
@@ -164,7 +92,7 @@ class _Checked:
 
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions`` (text and images, streaming or not)."""
-    state, trace = _state(request), Trace()
+    state, trace = proxy_state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
     raw = await intake.read_request_body(request, state, trace.started + timeout_s)
     check_json_content_type(request)
@@ -189,7 +117,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions`` (text-only: a string or a list of token ids)."""
-    state, trace = _state(request), Trace()
+    state, trace = proxy_state(request), Trace()
     timeout_s = request_timeout(request, state.config.request_timeout_s)
     raw = await intake.read_request_body(request, state, trace.started + timeout_s)
     check_json_content_type(request)
@@ -242,11 +170,27 @@ async def _generate(request: Request, state: ProxyState, checked: _Checked) -> R
             admission.release()
 
 
+def _jobs(checked: _Checked, request_id: str, max_tokens: int) -> list[Job]:
+    """One job per choice (``n``); the first carries the request's own id and trace."""
+    body, prompt, trace = checked.body, checked.prompt, checked.trace
+    sampling = sampling_params(body, max_tokens)
+    return [
+        Job(
+            request_id=request_id if index == 0 else f"{request_id}-n{index}",
+            prompt=prompt,
+            sampling=choice_sampling(sampling, index),
+            deadline=checked.deadline,
+            trace=trace if index == 0 else Trace(started=trace.started, preprocess_ms=trace.preprocess_ms),
+        )
+        for index in range(body.n or 1)
+    ]
+
+
 async def _respond(
     request: Request, state: ProxyState, checked: _Checked, max_tokens: int, admission: Admission
 ) -> Response:
     """``_generate`` once admitted: builds the jobs and answers (a stream's response owns ``admission``)."""
-    config, body, prompt, trace = state.config, checked.body, checked.prompt, checked.trace
+    config, body, prompt = state.config, checked.body, checked.prompt
     request_id = new_request_id(checked.id_prefix)
     line = access_line(request)
     if line is not None:
@@ -260,17 +204,7 @@ async def _respond(
             ttft_ms=None,
             outcome="ok",
         )
-    sampling = sampling_params(body, max_tokens)
-    jobs = [
-        Job(
-            request_id=request_id if index == 0 else f"{request_id}-n{index}",
-            prompt=prompt,
-            sampling=choice_sampling(sampling, index),
-            deadline=checked.deadline,
-            trace=trace if index == 0 else Trace(started=trace.started, preprocess_ms=trace.preprocess_ms),
-        )
-        for index in range(body.n or 1)
-    ]
+    jobs = _jobs(checked, request_id, max_tokens)
     state.metrics.images.inc(len(prompt.images))
     meta = ResponseMeta(
         request_id,
@@ -309,14 +243,6 @@ async def _respond(
     except ClientDisconnected:
         return Response(status_code=499)
     return BoundedJSONResponse(result, bound=bound, headers=headers)
-
-
-def default_served_name(model: str, model_id: str) -> str:
-    """A built-in preset is served under its preset name ("tiny"); anything else under its model id."""
-    from services.common.models.presets import PRESETS
-
-    name = model or "tiny"
-    return name if name in PRESETS else model_id
 
 
 async def _observed(
@@ -387,162 +313,6 @@ def _note_choice(line: AccessLine, trace: Trace, num_tokens: int, outcome: str, 
         line.update(outcome=outcome, error_code=error_code)
 
 
-async def list_models(request: Request) -> JSONResponse:
-    """``GET /v1/models``: the one model this proxy serves."""
-    return JSONResponse({"object": "list", "data": [_state(request).model_object()]})
-
-
-async def retrieve_model(request: Request) -> JSONResponse:
-    """``GET /v1/models/{model_id}``: the served model's object, or a 404 that does not repeat the id."""
-    state = _state(request)
-    if request.path_params["model_id"] != state.served_model_name:
-        raise model_not_found("model_id")
-    return JSONResponse(state.model_object())
-
-
-async def health(request: Request) -> JSONResponse:
-    """``GET /health``: 200 when a PD is ready and (if any are configured) an encoder and a decode PD too.
-
-    Read from the health monitor's state (no calls are made here). The
-    per-instance report names backend addresses, so behind ``--api-key`` it
-    is shown only to an authenticated caller; the status is for everyone.
-    """
-    state = _state(request)
-    report = state.backends.health_report()
-    pd_ok = any(report["pd"].values())
-    encoder_ok = not state.backends.has_encoders or any(report["encoder"].values())
-    decode_ok = "decode" not in report or any(report["decode"].values())  # E+P+D needs a decode PD too
-    ok = pd_ok and encoder_ok and decode_ok
-    body = {"status": "ok" if ok else "unavailable", **(report if state.guard.allows(request) else {})}
-    headers = {}
-    launch_key = state.config.security.launch_key
-    if launch_key is not None:  # ``epd up`` asks who answers on this port (services/common/launch_proof.py)
-        proof = launch_proof.answer(launch_key, list(request.headers.items()))
-        if proof is not None:
-            headers[launch_proof.PROOF_METADATA_KEY] = proof
-    return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
-
-
-async def live(request: Request) -> JSONResponse:
-    """``GET /health/live``: 200 whenever this process's event loop answers, whatever the backends do.
-
-    The liveness probe's endpoint: a TCP probe passes while the loop is
-    blocked (the kernel completes the handshake from the listen backlog),
-    and ``/health`` fails during a backend outage, which a restart of the
-    proxy would not mend. It names nothing and needs no secret.
-    """
-    return JSONResponse({"status": "alive"})
-
-
-async def metrics(request: Request) -> Response:
-    """``GET /metrics``: behind ``--api-key`` it needs the key, with ``--metrics-require-token`` and no key it
-    is closed; with ``--metrics-port`` it is served there only (404 here)."""
-    state = _state(request)
-    if state.config.metrics_port >= 0:
-        raise StarletteHTTPException(404)
-    if not state.guard.allows(request):
-        raise invalid_api_key()
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-
-# --------------------------------------------------------------------------- wiring
-
-
-def _lifespan(config: ProxyConfig, backends: Backends | None, fetcher: MediaFetcher | None, metrics: ProxyMetrics):
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
-        from services.common.models.cache import ensure_model_in_child
-        from services.common.models.supported import load_processing
-
-        # The torch-free half of the adapter; a missing built-in model is built in a child process.
-        adapter = await asyncio.to_thread(lambda: load_processing(str(ensure_model_in_child(config.model))))
-        processor = await asyncio.to_thread(adapter.load_processor)
-        max_model_len = min(config.max_model_len or adapter.max_model_len, adapter.max_model_len)
-        preprocessor = Preprocessor(
-            adapter,
-            processor,
-            max_images=config.max_images_per_request,
-            max_image_pixels=config.max_image_pixels,
-            max_request_pixels=config.max_request_pixels,
-            max_model_len=max_model_len,
-            faults=config.faults,
-            video_limits=config.video_limits(),
-        )
-        if config.faults.enabled:
-            log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
-        owned = backends is None
-        pool = backends or Backends.connect(config)
-        await pool.start()
-        metrics.watch_instances(lambda: [*pool.pds, *pool.encoders, *pool.decodes])
-        pipeline = (HandoffPipeline if config.decode_addresses else Pipeline)(
-            pool,
-            lease_ms=config.lease_ms,
-            pd_attempts=config.pd_attempts,
-            encoder_attempts=config.encoder_attempts,
-            metrics=metrics,
-            stall_limits=StallLimits(
-                config.first_token_timeout_s, config.inter_token_timeout_s, config.encode_timeout_s
-            ),
-        )
-        media = fetcher
-        if media is None and config.allowed_media_domains:
-            media = MediaFetcher(
-                MediaPolicy(config.allowed_media_domains, config.media_timeout_s, config.max_media_bytes)
-            )
-        refusals = metrics.client_limit_refusals
-        for reason in REFUSAL_REASONS:
-            refusals.labels(reason)  # exported at 0 from the start
-        limiter = ClientLimiter(
-            FairnessLimits(config.max_requests_per_client, config.max_tokens_per_client_per_minute),
-            on_refusal=lambda reason: refusals.labels(reason).inc(),
-        )
-        text_pool = WorkPool("text", config.preprocess_threads, config.text_queue)
-        image_pool = WorkPool("image", config.image_threads, config.image_queue)
-        app.state.proxy = ProxyState(
-            config=config,
-            adapter=adapter,
-            preprocessor=preprocessor,
-            backends=pool,
-            pipeline=pipeline,
-            text_pool=text_pool,
-            image_pool=image_pool,
-            metrics=metrics,
-            fetcher=media,
-            served_model_name=config.served_model_name or default_served_name(config.model, adapter.model_id),
-            max_model_len=max_model_len,
-            created=int(time.time()),
-            guard=InternalsGuard(config.api_key, require_token=config.security.metrics_auth),
-            limiter=limiter,
-        )
-        scrape_port = None
-        if config.metrics_port >= 0:
-            host = config.metrics_host or config.host
-            scrape_port = await metrics.serve(host, config.metrics_port, token=config.security.metrics_token)
-        app.state.metrics_http = scrape_port
-        log.info(
-            "proxy serving %s: PDs %s, encoders %s (policies %s / %s)",
-            app.state.proxy.served_model_name,
-            [p.address for p in pool.pds],
-            [e.address for e in pool.encoders],
-            config.pd_policy,
-            config.encoder_policy,
-        )
-        try:
-            yield
-        finally:
-            if scrape_port is not None:
-                await scrape_port.stop()
-            await pipeline.drain()
-            if owned:
-                await pool.close()
-            if media is not None and fetcher is None:
-                await media.aclose()
-            text_pool.shutdown()
-            image_pool.shutdown()
-
-    return lifespan
-
-
 def create_app(
     config: ProxyConfig, backends: Backends | None = None, *, fetcher: MediaFetcher | None = None
 ) -> FastAPI:
@@ -561,7 +331,7 @@ def create_app(
         openapi_url="/openapi.json",
         docs_url=None,
         redoc_url=None,
-        lifespan=_lifespan(config, backends, fetcher, metrics_),
+        lifespan=proxy_lifespan(config, backends, fetcher, metrics_),
     )
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])

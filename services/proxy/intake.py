@@ -27,7 +27,7 @@ from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _Sa
 from services.proxy.videos import ProcessedVideo, VideoRef, check_videos, sampling_options, video_refs
 
 if TYPE_CHECKING:
-    from services.proxy.app import ProxyState
+    from services.proxy.state import ProxyState
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""PD messages -> OpenAI response objects and SSE events.
+"""PD messages -> OpenAI responses: the SSE stream and the whole (collected) response.
 
-Two formatters (chat and text completions) share one streaming and one
-collecting routine. A request with ``n`` choices has one PD stream per
-choice, merged as messages arrive. A stream that fails after its first
+The two formatters (chat and text completions, ``services.proxy.formatters``)
+share the one streaming and the one collecting routine here. A request with
+``n`` choices has one PD stream per choice, merged as messages arrive. A stream that fails after its first
 event ends with an OpenAI error event and ``[DONE]``, never with a normal
 ``finish_reason``.
 """
@@ -14,12 +14,12 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import ApiError, internal_error
+from services.proxy.formatters import ChatFormatter, ResponseMeta
 from services.proxy.jobs import Trace
 
 log = logging.getLogger(__name__)
@@ -73,214 +73,11 @@ def usage_dict(usage: epd_pb2.Usage, trace: Trace, num_images: int, num_video_to
     }
 
 
-@dataclass
-class ResponseMeta:
-    """What every object of one response shares."""
-
-    response_id: str
-    model: str
-    decode_token: Callable[[int], str]  # token id -> its text (for logprobs)
-    num_images: int = 0
-    num_video_tokens: int = 0  # prompt tokens that are video embeddings (usage.epd.video_tokens)
-    return_token_ids: bool = False  # extension: each choice also carries "token_ids"
-    hide_cache_details: bool = False  # --hide-cache-details: usage says nothing of what the caches did
-    echo_text: str = ""  # completions' echo: the prompt's text, before each choice's own
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
 class Choice(NamedTuple):
     """One choice's PD messages (``Pipeline.generate``) and its proxy-side trace."""
 
     messages: AsyncGenerator[epd_pb2.GenerateResponse, None]
     trace: Trace
-
-
-class ChatFormatter:
-    """``chat.completion`` / ``chat.completion.chunk`` objects."""
-
-    object_name = "chat.completion.chunk"
-
-    def __init__(self, meta: ResponseMeta) -> None:
-        self.meta = meta
-
-    def _chunk(
-        self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, with_usage: bool = False
-    ) -> dict[str, Any]:
-        chunk = {
-            "id": self.meta.response_id,
-            "object": self.object_name,
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": choices,
-        }
-        if with_usage:
-            chunk["usage"] = usage
-        return chunk
-
-    def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
-        return self._chunk(
-            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-            with_usage=with_usage,
-        )
-
-    def delta_chunk(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[epd_pb2.TokenLogprob] | None,
-        with_usage: bool,
-        token_ids: list[int] | None = None,
-    ) -> dict[str, Any]:
-        choice = {
-            "index": index,
-            "delta": {"content": text},
-            "finish_reason": None,
-            "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
-        }
-        return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
-
-    def _with_ids(self, choice: dict[str, Any], token_ids: list[int] | None) -> dict[str, Any]:
-        if self.meta.return_token_ids:
-            choice["token_ids"] = list(token_ids or [])
-        return choice
-
-    def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
-        return self._chunk(
-            [{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}], with_usage=with_usage
-        )
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return self._chunk([], usage=usage, with_usage=True)
-
-    def choice(
-        self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, token_ids: list[int]
-    ) -> dict[str, Any]:
-        """One entry of a whole response's ``choices``."""
-        choice = {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
-            "finish_reason": reason,
-        }
-        return self._with_ids(choice, token_ids)
-
-    def full(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.meta.response_id,
-            "object": "chat.completion",
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": choices,
-            "usage": usage,
-        }
-
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.meta.decode_token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def logprobs(self, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
-        return {
-            "content": [
-                {
-                    **self._entry(e.token_id, e.logprob),
-                    "top_logprobs": [self._entry(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)],
-                }
-                for e in entries
-            ]
-        }
-
-
-class CompletionFormatter(ChatFormatter):
-    """``text_completion`` objects (streamed and whole)."""
-
-    object_name = "text_completion"
-
-    def __init__(self, meta: ResponseMeta) -> None:
-        super().__init__(meta)
-        # Characters of generated text per streamed choice so far: a chunk's
-        # text_offset continues where the previous chunk's tokens ended.
-        self._streamed_chars: dict[int, int] = {}
-        self._echoed: set[int] = set()  # streamed choices whose prompt text went out already
-
-    def _with_echo(self, index: int, text: str) -> str:
-        """``text``, after the prompt's text in the first chunk of choice ``index`` (``echo``)."""
-        if not self.meta.echo_text or index in self._echoed:
-            return text
-        self._echoed.add(index)
-        return self.meta.echo_text + text
-
-    def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
-        return None  # text completions have no role chunk
-
-    def delta_chunk(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[epd_pb2.TokenLogprob] | None,
-        with_usage: bool,
-        token_ids: list[int] | None = None,
-    ) -> dict[str, Any]:
-        choice = {
-            "index": index,
-            "text": self._with_echo(index, text),
-            "finish_reason": None,
-            "logprobs": None if logprobs is None else self._streamed_logprobs(index, logprobs),
-        }
-        return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
-
-    def _streamed_logprobs(self, index: int, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
-        result = self.logprobs(entries, start=self._streamed_chars.get(index, 0))
-        offsets, tokens = result["text_offset"], result["tokens"]
-        if offsets:
-            self._streamed_chars[index] = offsets[-1] + len(tokens[-1])
-        return result
-
-    def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
-        return self._chunk(
-            [{"index": index, "text": self._with_echo(index, ""), "logprobs": None, "finish_reason": reason}],
-            with_usage=with_usage,
-        )
-
-    def choice(
-        self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, token_ids: list[int]
-    ) -> dict[str, Any]:
-        choice = {
-            "index": index,
-            "text": self.meta.echo_text + text,
-            "finish_reason": reason,
-            "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
-        }
-        return self._with_ids(choice, token_ids)
-
-    def full(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.meta.response_id,
-            "object": "text_completion",
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": choices,
-            "usage": usage,
-        }
-
-    def logprobs(self, entries: list[epd_pb2.TokenLogprob], start: int = 0) -> dict[str, Any]:
-        """Legacy completions logprobs; ``text_offset`` counts characters of generated text from ``start``."""
-        tokens = [self.meta.decode_token(e.token_id) for e in entries]
-        offsets, position = [], start
-        for token in tokens:
-            offsets.append(position)
-            position += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [self._top(token, e) for token, e in zip(tokens, entries)],
-            "text_offset": offsets,
-        }
-
-    def _top(self, token: str, entry: epd_pb2.TokenLogprob) -> dict[str, float]:
-        """A token's alternatives; with ``logprobs: 0`` (none asked) the sampled token alone, as OpenAI answers."""
-        if not entry.top_token_ids:
-            return {token: entry.logprob}
-        return {self.meta.decode_token(t): lp for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
 
 
 def _finish_reason(message: epd_pb2.GenerateResponse) -> str:

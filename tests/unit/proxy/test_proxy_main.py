@@ -133,7 +133,7 @@ def test_api_key_from_the_environment(monkeypatch):
 
 
 def test_a_built_in_preset_is_served_under_its_name():
-    from services.proxy.app import default_served_name
+    from services.proxy.lifespan import default_served_name
 
     assert default_served_name("", "tiny-v1") == "tiny"  # the README's curl example uses "tiny"
     assert default_served_name("bench", "bench-v1") == "bench"

@@ -10,13 +10,11 @@ import pytest
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import ApiError, from_grpc
+from services.proxy.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
 from services.proxy.jobs import Trace
 from services.proxy.responses import (
     SSE_DONE,
-    ChatFormatter,
     Choice,
-    CompletionFormatter,
-    ResponseMeta,
     collect,
     sse_event,
     stream_events,
