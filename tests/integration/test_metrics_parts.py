@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from services import launcher
+from services import cluster_specs, launcher
 from services.common.metrics_http import MAX_HEAD_BYTES, MetricsHttpServer
 from services.encoder import main as encoder_main
 from services.encoder.config import EncoderConfig
@@ -330,5 +330,5 @@ def test_up_ports_do_not_collide_when_metrics_are_off():
             "-1",
         ],
     )
-    ports = launcher._listening_ports(args)
+    ports = cluster_specs.listening_ports(args)
     assert len(ports) == len(set(ports)) == 1 + 150 + 1 + 1  # proxy, encoders, PD, PD metrics

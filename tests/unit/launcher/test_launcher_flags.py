@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services import launcher
+from services import cluster_specs, launcher
 from services.common import ports, security
 from services.encoder import main as encoder_main
 from services.encoder.config import EncoderConfig
@@ -116,7 +116,7 @@ def test_default_grpc_ports_are_outside_the_ephemeral_range(monkeypatch):
     assert defaults == [ports.DEFAULT_ENCODER_PORT, ports.DEFAULT_PD_PORT] * 2
     assert EncoderConfig().port == ports.DEFAULT_ENCODER_PORT and PdConfig(model="m").port == ports.DEFAULT_PD_PORT
     # Every port a large default `epd up` binds: 10 encoders (the most before PD's port) and 16 PDs.
-    cluster = launcher._listening_ports(_args(["--encoders", "10", "--pds", "16"]))
+    cluster = cluster_specs.listening_ports(_args(["--encoders", "10", "--pds", "16"]))
     for port in [*defaults, *cluster]:
         assert port not in ports.LINUX_EPHEMERAL_PORTS and port not in _host_ephemeral_ports(), port
         assert port not in range(30000, 32768), port  # Kubernetes NodePorts
