@@ -75,8 +75,10 @@ class InProcessCluster:
         with_proxy: bool = True,
         colocated: bool = False,
         num_decodes: int = 0,
+        decode: dict[str, Any] | None = None,
     ):
-        """``num_decodes`` > 0: E+P+D, the ``num_pds`` PDs are prefill instances and as many decode ones start."""
+        """``num_decodes`` > 0: E+P+D, the ``num_pds`` PDs are prefill instances and as many decode ones start
+        (with ``pd``'s overrides, then ``decode``'s)."""
         self.model_dir = model_dir
         self.colocated = colocated
         self.num_encoders = 0 if colocated else num_encoders
@@ -86,6 +88,7 @@ class InProcessCluster:
         if num_decodes:
             self.pd_overrides["role"] = "prefill"
         self.decodes: list[Any] = []
+        self.decode_overrides = decode or {}
         self.encoder_overrides = encoder or {}
         self.proxy_overrides = proxy or {}
         self.with_proxy = with_proxy
@@ -137,7 +140,7 @@ class InProcessCluster:
             config = pd_config(self.model_dir, host="127.0.0.1", port=0, **self.pd_overrides)
             self.pds.append(await start_pd(config))
         for _ in range(self.num_decodes):
-            overrides = {**self.pd_overrides, "role": "decode"}
+            overrides = {**self.pd_overrides, **self.decode_overrides, "role": "decode"}
             self.decodes.append(await start_pd(pd_config(self.model_dir, host="127.0.0.1", port=0, **overrides)))
         for _ in range(self.num_encoders):
             config = encoder_config(self.model_dir, host="127.0.0.1", port=0, **self.encoder_overrides)

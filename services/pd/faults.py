@@ -86,7 +86,8 @@ class FaultyRunner:
     """Wraps the engine's model runner and injects ``faults`` into its steps.
 
     The engine core calls ``execute`` and ``prepare_embedding``, always on the
-    engine thread; ``thaw`` may be called from any thread to end a freeze early (tests).
+    engine thread; any other attribute is the wrapped runner's. ``thaw`` may be
+    called from any thread to end a freeze early (tests).
     """
 
     def __init__(self, runner: Any, faults: PdFaults) -> None:
@@ -111,6 +112,13 @@ class FaultyRunner:
 
     def prepare_embedding(self, embedding: Any) -> Any:
         return self.inner.prepare_embedding(embedding)
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything not faulted is the wrapped runner's: the KV hand-off's ``read_kv_blocks``,
+        ``write_kv_blocks``, ``kv_push_shape`` and ``dtype`` (a faulty prefill PD still pushes)."""
+        if name == "inner":  # not set yet (a copy under construction): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def thaw(self) -> None:
         """Ends a freeze in progress (and cancels one still to come)."""

@@ -58,7 +58,7 @@ class ProxyConfig:
     max_model_len: int = 0  # prompt + completion cap; 0 = the model's (match PD's flag)
     max_tokens_limit: int = 16384  # largest max_tokens a client may ask for
     default_max_tokens: int = 1024  # when the client does not say (also capped by context room)
-    lease_ms: int = 0  # Preallocate lease; 0 = PD default (always <= the deadline)
+    lease_ms: int = 0  # Preallocate and ReserveKV lease; 0 = the remaining deadline (always <= it)
     preprocess_threads: int = 2  # text work (chat template, tokenization), off the event loop
     text_queue: int = 64  # text jobs waiting for a thread beyond which requests get 503
     image_threads: int = 2  # image work (decode, hash, image processor), its own pool

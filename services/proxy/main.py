@@ -144,7 +144,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--max-model-len", type=int, default=0, help="prompt + completion tokens (0 = the model's; match PD's)")
     add(parser, "--max-tokens-limit", type=int, default=16384, help="largest max_tokens a client may ask for")
     add(parser, "--default-max-tokens", type=int, default=1024, help="max_tokens when the client does not set it")
-    add(parser, "--lease-ms", type=int, default=0, help="Preallocate lease (0 = PD's default)")
+    add(
+        parser,
+        "--lease-ms",
+        type=int,
+        default=0,
+        help="lease of a request's image reservations on PD and (E+P+D) of its KV reservation on the "
+        "decode PD, ms; 0 = the request's remaining deadline",
+    )
     add(
         parser,
         "--preprocess-threads",

@@ -171,10 +171,16 @@ class KVHandoffMixin:
 
     # ------------------------------------------------------------------ hooks
     def _release_handoff(self, request_id: str) -> None:
-        """Frees a reservation of ``request_id`` (abort, error). Not its export: the push owns that."""
+        """Frees a reservation of ``request_id`` (abort, error). Not its export: the push owns that.
+
+        A reservation past its lease that the sweep has not reached yet (its late push was refused,
+        then the proxy aborted it) counts as expired, as it would have a sweep earlier.
+        """
         reservation = self._reservations.pop_request(request_id)
         if reservation is not None:
             self.kv_cache.free(reservation.probe)
+            if reservation.deadline < self._clock():
+                self._num_expired_kv_reservations += 1
 
     def _expire_handoffs(self, now: float) -> None:
         for reservation in self._reservations.expire(now):

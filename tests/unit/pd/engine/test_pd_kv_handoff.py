@@ -158,6 +158,22 @@ def test_a_lease_past_its_deadline_refuses_before_the_sweep(clock, decode):
     decode.sweep()
 
 
+def test_a_lease_past_its_deadline_aborted_before_the_sweep_still_counts_as_expired(clock, decode):
+    """The proxy's Abort after a refused late push can come before the sweep: the lease still ran out."""
+    grant = decode.reserve_kv("r", PROMPT, [], LEASE_S)
+    decode.reserve_kv("live", PROMPT + [11], [], LEASE_S * 10)
+    clock.now += LEASE_S + 1
+    with pytest.raises(EngineError) as late:
+        decode.kv_push_targets("r", grant.reservation_id, 3)
+    assert late.value.kind is ErrorKind.DEADLINE_EXCEEDED
+    decode.abort("r")
+    decode.abort("live")  # aborted within its lease: not expired
+    stats = decode.stats()
+    assert stats.num_kv_blocks_used == 0 and stats.num_expired_kv_reservations == 1
+    decode.sweep()
+    assert decode.stats().num_expired_kv_reservations == 1  # counted once
+
+
 @pytest.mark.parametrize(
     ("request_id", "reservation", "num_blocks", "kind"),
     [
