@@ -11,7 +11,10 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 GPU_COMPOSE_FILE = DEPLOY / "docker-compose.gpu.yml"
+EPD_COMPOSE_FILE = DEPLOY / "docker-compose.epd.yml"
 K8S_DIR = DEPLOY / "k8s"
+K8S_EPD_DIR = DEPLOY / "k8s-epd"
+"""The E+P+D overlay; beside the base, not in it (kustomize refuses a base that contains its overlay)."""
 DOCKERFILE = DEPLOY / "Dockerfile"
 
 READY_SERVICE = {"pd": "epd.v1.PrefillDecode", "encoder": "epd.v1.Encoder"}
@@ -30,8 +33,31 @@ _DEFAULT_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
 
-def load_compose() -> dict:
-    return yaml.safe_load(COMPOSE_FILE.read_text())
+def load_compose(*overrides: Path) -> dict:
+    """docker-compose.yml, with each override file merged in as ``docker compose -f ... -f ...`` merges it."""
+    merged = yaml.safe_load(COMPOSE_FILE.read_text())
+    for path in overrides:
+        merged = _merge_compose(merged, yaml.safe_load(path.read_text()))
+    return merged
+
+
+_MERGED_BY_TARGET = ("volumes",)
+"""Lists compose merges entry by entry, keyed by the mount's container path; every other list is replaced."""
+
+
+def _merge_compose(base, override, key: str = ""):
+    """Compose's merge for what the deploy files use: mappings key by key (``depends_on``,
+    ``environment`` add to the base), ``volumes`` by container path, other values replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            out[k] = _merge_compose(base[k], v, k) if k in base else v
+        return out
+    if key in _MERGED_BY_TARGET and isinstance(base, list) and isinstance(override, list):
+        by_target = {entry.split(":")[1]: entry for entry in base}
+        by_target.update({entry.split(":")[1]: entry for entry in override})
+        return list(by_target.values())
+    return override
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

@@ -16,6 +16,7 @@ import pytest
 from deploy_support import (
     COMPOSE_FILE,
     DEPLOY,
+    EPD_COMPOSE_FILE,
     GPU_COMPOSE_FILE,
     READY_SERVICE,
     dockerfile_instructions,
@@ -68,6 +69,11 @@ PLANNED_METRICS = frozenset(
         "epd_pd_step_budget_tokens",
         "epd_pd_itl_target_seconds",
         "epd_pd_step_time_prediction_ratio",
+        "epd_pd_kv_push_bytes_total",
+        "epd_pd_kv_push_seconds_total",
+        "epd_pd_kv_pushes_total",
+        "epd_pd_kv_reservations",
+        "epd_pd_kv_reservations_expired_total",
     }
 )
 """The metric names the dashboard is drawn for (histograms without _bucket/_sum/_count)."""
@@ -326,6 +332,24 @@ def test_grafana_dashboard_draws_the_planned_metrics():
     assert used <= {doc.name for doc in (*PROXY, *ENCODER, *PD)}, "the dashboard draws a metric nobody exports"
 
 
+def test_grafana_kv_handoff_panels_split_by_role():
+    """Every PD exports both sides of the hand-off (``role``: prefill sends, decode receives), so a sum
+    over instances without ``by (role)`` would add the bytes sent to the bytes received."""
+    import re
+
+    from services.pd.metrics import METRICS as PD
+
+    labels = {doc.name: doc.labels for doc in PD}
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] if p["type"] != "row" for t in p["targets"]]
+    kv = [expr for expr in exprs if "epd_pd_kv_push" in expr or "epd_pd_kv_reservations" in expr]
+    assert len(kv) == 4
+    for expr in kv:
+        assert all("role" in labels[name] for name in re.findall(r"\bepd_pd_kv_[a-z_]+", expr)), expr
+        aggregations = re.findall(r"\b(sum|min|max|avg)\b( by \(([^)]*)\))?", expr)
+        assert aggregations and all(by == "role" for _, _, by in aggregations), expr
+
+
 def test_default_grpc_ports_are_outside_the_ephemeral_range(services):
     """Security review: the compose stack's gRPC ports lie outside Linux's ephemeral range."""
     grpc_ports = [
@@ -340,3 +364,93 @@ def test_encoders_push_only_to_the_pds_the_proxy_routes_to(services):
     proxy = [str(token) for token in services["proxy"]["command"]]
     allowed = parse_epd_args(encoder).pd_allow.split(",")
     assert allowed == flag(proxy, "--pd").split(",") and "*" not in allowed
+
+
+@pytest.fixture(scope="module")
+def epd_services() -> dict:
+    return load_compose(EPD_COMPOSE_FILE)["services"]
+
+
+def test_docker_compose_config_validates_with_the_epd_override():
+    import yaml
+
+    for extra in ([], [GPU_COMPOSE_FILE]):
+        args = [arg for path in (COMPOSE_FILE, *extra, EPD_COMPOSE_FILE) for arg in ("-f", str(path))]
+        result = _docker_compose(*args, "--profile", "monitoring")
+        assert result.returncode == 0, result.stderr
+        merged = yaml.safe_load(result.stdout)["services"]
+        assert set(merged) == {*SERVERS, "decode", *MONITORING}
+        assert restart_blockers(merged) == [], extra
+    # What the tests read (load_compose's merge) is what the engine runs.
+    ours = load_compose(EPD_COMPOSE_FILE)["services"]
+    result = _docker_compose("-f", str(COMPOSE_FILE), "-f", str(EPD_COMPOSE_FILE), "--profile", "monitoring")
+    merged = yaml.safe_load(result.stdout)["services"]
+    for name in ("pd", "decode", "encoder", "proxy"):
+        assert merged[name]["command"] == ours[name]["command"], name
+        assert merged[name].get("depends_on", {}) == ours[name].get("depends_on", {}), name
+        assert merged[name]["healthcheck"]["test"] == ours[name]["healthcheck"]["test"], name
+    (config,) = [v.split(":")[0] for v in merged["prometheus"]["volumes"] if ":/etc/prometheus/" in v]
+    assert config.endswith("/deploy/prometheus.epd.yml")  # in place of prometheus.yml, not beside it
+
+
+def test_epd_override_routes_prompts_to_prefill_and_generation_to_decode(epd_services):
+    commands = {name: [str(t) for t in epd_services[name]["command"]] for name in (*SERVERS, "decode")}
+    args = {name: parse_epd_args(argv) for name, argv in commands.items()}
+    assert (args["pd"].role, args["decode"].role) == ("prefill", "decode")
+    prefill = f"pd:{flag(commands['pd'], '--port')}"
+    decode = f"decode:{flag(commands['decode'], '--port')}"
+    assert flag(commands["proxy"], "--pd") == prefill and flag(commands["proxy"], "--decode") == decode
+    # Encoders push only to the prefill PDs; prefill PDs push KV only to the decode PDs.
+    assert args["encoder"].pd_allow.split(",") == [prefill]
+    assert args["pd"].decode_allow.split(",") == [decode]
+    assert args["decode"].host == "0.0.0.0" and "ports" not in epd_services["decode"]
+    assert "container_name" not in epd_services["decode"], "decode scales with --scale decode=N"
+    assert epd_services["proxy"]["depends_on"] == {
+        name: {"condition": "service_healthy"} for name in ("pd", "encoder", "decode")
+    }
+
+
+def test_epd_decode_service_is_set_up_as_the_others(epd_services, services):
+    decode, pd = epd_services["decode"], services["pd"]
+    command = [str(t) for t in decode["command"]]
+    assert decode["healthcheck"]["test"] == [
+        "CMD",
+        "epd",
+        "health",
+        "--address",
+        f"127.0.0.1:{flag(command, '--port')}",
+        "--service",
+        READY_SERVICE["pd"],
+    ]
+    assert {k: v for k, v in decode["healthcheck"].items() if k != "test"} == {
+        k: v for k, v in pd["healthcheck"].items() if k != "test"
+    }
+    assert duration_s(decode["stop_grace_period"]) > grace_s(command)
+    for key in ("image", "init", "build", "environment", "secrets", "restart"):
+        assert decode[key] == pd[key], key
+    port = int(flag(command, "--port"))
+    assert port not in LINUX_EPHEMERAL_PORTS
+    # Its own ports: one host running every service (the local test) needs them distinct.
+    assert port != int(flag(pd["command"], "--port"))
+    assert flag(command, "--metrics-port") != flag(pd["command"], "--metrics-port")
+
+
+def test_epd_prometheus_scrapes_every_metrics_port(epd_services):
+    import yaml
+
+    config = yaml.safe_load((DEPLOY / "prometheus.epd.yml").read_text())
+    targets = {
+        (name, sd["port"]) for job in config["scrape_configs"] for sd in job["dns_sd_configs"] for name in sd["names"]
+    }
+    assert targets == {
+        (name, int(flag(epd_services[name]["command"], "--metrics-port")))
+        for name in ("proxy", "encoder", "pd", "decode")
+    }
+    for job in config["scrape_configs"]:
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/epd_internal_token"}
+    # Everything else is prometheus.yml's.
+    base = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    assert {k: v for k, v in config.items() if k != "scrape_configs"} == {
+        k: v for k, v in base.items() if k != "scrape_configs"
+    }
+    assert [job["job_name"] for job in config["scrape_configs"]] == [job["job_name"] for job in base["scrape_configs"]]

@@ -27,7 +27,16 @@ from pathlib import Path
 
 import httpx
 from cluster_support import free_ports
-from deploy_support import REPO, duration_s, flag, image_model_build, image_model_step, load_compose, with_defaults
+from deploy_support import (
+    EPD_COMPOSE_FILE,
+    REPO,
+    duration_s,
+    flag,
+    image_model_build,
+    image_model_step,
+    load_compose,
+    with_defaults,
+)
 from oracle_support import data_url, make_image
 
 START_TIMEOUT_S = 120.0
@@ -228,9 +237,8 @@ def _restart_after_sigkill(host: SingleHost, item: Running, services: dict, tmp:
     return restarted
 
 
-def test_compose_services_run_as_local_processes(tmp_path):
-    services = load_compose()["services"]
-    wanted = ["pd", "encoder", "proxy"]
+def _single_host(services: dict, tmp_path: Path) -> SingleHost:
+    """One host for ``services``: free ports, a fresh token as the secret, and the image's model built."""
     host = SingleHost(service_names=set(services), models_dir=tmp_path / "models", secrets_dir=tmp_path / "secrets")
     host.models_dir.mkdir()
     host.secrets_dir.mkdir()
@@ -246,14 +254,51 @@ def test_compose_services_run_as_local_processes(tmp_path):
     assert "config.json" in {p.name for p in files} and "model.safetensors" in {p.name for p in files}
     # Root builds it, uid 10001 serves it: every file must be readable by others.
     assert [p.name for p in files if not p.stat().st_mode & 0o004] == []
+    return host
+
+
+def _start_in_order(host: SingleHost, services: dict, wanted: list[str], tmp_path: Path, running: dict) -> None:
+    """Starts ``wanted`` wave by wave into ``running``, each wave healthy before the next starts."""
+    for wave in _start_waves(services, wanted):
+        servers = [_start(host, name, services[name], tmp_path) for name in wave]
+        running.update((server.name, server) for server in servers)
+        for server in servers:
+            env = host.environment(services[server.name], tmp_path / "cache")
+            _wait_healthy(host, server, services[server.name]["healthcheck"], env)
+
+
+def _kill_all(running: dict) -> None:
+    for item in running.values():
+        if item.process.poll() is None:
+            item.process.kill()
+            item.process.wait(timeout=10)
+
+
+def _scrape(host: SingleHost, service: dict) -> str:
+    port = host.port_map[int(flag(service["command"], "--metrics-port"))]
+    token = (host.secrets_dir / "epd_internal_token").read_text()
+    reply = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert reply.status_code == 200
+    return reply.text
+
+
+def _sample(text: str, name: str, role: str) -> float:
+    (value,) = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(f'{name}{{role="{role}"}} ')]
+    return value
+
+
+def _plain_sample(text: str, name: str) -> float:
+    (value,) = [float(line.split()[1]) for line in text.splitlines() if line.startswith(f"{name} ")]
+    return value
+
+
+def test_compose_services_run_as_local_processes(tmp_path):
+    services = load_compose()["services"]
+    wanted = ["pd", "encoder", "proxy"]
+    host = _single_host(services, tmp_path)
     running: dict[str, Running] = {}
     try:
-        for wave in _start_waves(services, wanted):
-            servers = [_start(host, name, services[name], tmp_path) for name in wave]
-            running.update((server.name, server) for server in servers)
-            for server in servers:
-                env = host.environment(services[server.name], tmp_path / "cache")
-                _wait_healthy(host, server, services[server.name]["healthcheck"], env)
+        _start_in_order(host, services, wanted, tmp_path, running)
 
         proxy_port = host.port_map[int(flag(services["proxy"]["command"], "--port"))]
         _chat_with_image(f"http://127.0.0.1:{proxy_port}")
@@ -272,7 +317,28 @@ def test_compose_services_run_as_local_processes(tmp_path):
             _chat_with_image(f"http://127.0.0.1:{proxy_port}", attempts=20)
         _stop([running[name] for name in reversed(wanted)], services)
     finally:
-        for item in running.values():
-            if item.process.poll() is None:
-                item.process.kill()
-                item.process.wait(timeout=10)
+        _kill_all(running)
+
+
+def test_compose_epd_override_serves_through_prefill_and_decode(tmp_path):
+    """docker-compose.epd.yml merged in: the request goes encoder -> pd (prefill) -> decode, and the KV
+    hand-off shows in both PDs' metrics, each under its own role."""
+    services = load_compose(EPD_COMPOSE_FILE)["services"]
+    wanted = ["pd", "decode", "encoder", "proxy"]
+    host = _single_host(services, tmp_path)
+    running: dict[str, Running] = {}
+    try:
+        _start_in_order(host, services, wanted, tmp_path, running)
+        proxy_port = host.port_map[int(flag(services["proxy"]["command"], "--port"))]
+        _chat_with_image(f"http://127.0.0.1:{proxy_port}")
+
+        prefill, decode = _scrape(host, services["pd"]), _scrape(host, services["decode"])
+        assert _sample(prefill, "epd_pd_kv_pushes_total", "prefill") == 1
+        assert _sample(decode, "epd_pd_kv_pushes_total", "decode") == 1
+        assert _sample(prefill, "epd_pd_kv_push_bytes_total", "prefill") > 0
+        assert _sample(decode, "epd_pd_kv_push_bytes_total", "decode") > 0
+        # The first token came from the prefill PD; the decode PD generated the rest.
+        assert _plain_sample(decode, "epd_pd_generation_tokens_total") >= 1
+        _stop([running[name] for name in reversed(wanted)], services)
+    finally:
+        _kill_all(running)
