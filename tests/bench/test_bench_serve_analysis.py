@@ -97,3 +97,66 @@ def test_goodput_target_without_a_passing_baseline_asks_for_lower_rates():
     by_rate = {"colocated": {1.0: summary(1.0, 1, 1, p99_ttft=900.0)}, "disagg": {1.0: summary(1.0, 1, 1)}}
     targets = evaluate_targets("multi-image", by_rate, analyze("multi-image", by_rate, SLO)["goodput"], 1.0)
     assert targets[0].met is None and "sweep lower rates" in targets[0].note
+
+
+def test_long_mixed_compares_epd_with_disagg_on_short_text_and_goodput():
+    by_rate = {
+        "disagg": {1.0: summary(1.0, 200.0, 300.0), 2.0: summary(2.0, 400.0, 500.0, p99_ttft=900.0)},
+        "epd": {1.0: summary(1.0, 50.0, 450.0), 2.0: summary(2.0, 60.0, 700.0)},
+    }
+    result = analyze("long-mixed", by_rate, SLO)
+    # Without (a) or (b), the rate is the first configuration's saturation.
+    assert result["target_rate"] == 2.0 and "disagg" in result["target_rate_reason"]
+    assert result["ratios_to_disagg"]["epd"]["2"]["itl_p99_text"] == 0.15
+    targets = {t["name"]: t for t in result["targets"]}
+    assert targets["p99 ITL of short text requests, (d) / (c)"]["value"] == 0.15
+    assert targets["p99 ITL of short text requests, (d) / (c)"]["met"] is True
+    assert targets["mean TTFT of short text requests, (d) / (c)"]["met"] is False  # 700 / 500
+    assert targets["p99 TTFT of all requests, (d) / (c)"]["value"] == round(100 / 900, 4)
+    assert result["goodput"]["disagg"]["rate"] == 1.0 and result["goodput"]["epd"]["rate"] == 2.0
+    assert targets["goodput (d) / (c)"]["value"] == 2.0 and targets["goodput (d) / (c)"]["met"] is True
+    only_epd = evaluate_targets("long-mixed", {"epd": by_rate["epd"]}, {"epd": {"rate": 2.0}}, 2.0)
+    assert [t.met for t in only_epd] == [None, None, None, None]
+
+
+def test_report_shows_epd_beside_the_other_configurations():
+    from services.bench.serve.report import render_markdown
+
+    by_rate = {
+        "disagg": {1.0: summary(1.0, 200.0, 300.0)},
+        "epd": {1.0: summary(1.0, 50.0, 450.0)},
+    }
+    for runs in by_rate.values():
+        runs[1.0]["groups"]["long"] = {"num_requests": 2, "ttft": {"mean": 2000.0}}
+    results = {
+        "command": "epd bench serve",
+        "machine": {"cpu": "cpu", "num_cpus": 2, "cores": [0, 1], "platform": "linux", "torch": "2"},
+        "model": {"path": "/m", "image_size": 32},
+        "workload": {
+            "name": "long-mixed",
+            "description": "long",
+            "num_requests": 10,
+            "prompt_words": 8,
+            "max_tokens": 4,
+            "seed": 0,
+            "repeats": 1,
+        },
+        "rates": [1.0],
+        "rates_source": "given",
+        "slo": {"ttft_ms": 200.0, "tpot_ms": 20.0, "derivation": "given"},
+        "configs": {
+            name: {
+                "label": label,
+                "notes": [],
+                "processes": [],
+                "error": None,
+                "by_rate": {"1": runs[1.0]},
+            }
+            for (name, runs), label in zip(by_rate.items(), ("(c) E+PD", "(d) E+P+D"))
+        },
+        "analysis": analyze("long-mixed", by_rate, SLO),
+    }
+    markdown = render_markdown(results)
+    assert "| itl_p99_text | 0.25 |" in markdown and "epd / disagg < 1" in markdown
+    assert "| epd | text (short) |" in markdown and "| epd | long |" in markdown
+    assert "| epd | 1" in markdown and "goodput (d) / (c)" in markdown

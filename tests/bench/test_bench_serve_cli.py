@@ -31,6 +31,12 @@ def test_placement_and_message_order_flags():
         parse("--encoder-placement", "beside")
 
 
+def test_epd_configuration_and_long_mixed_workload_flags():
+    args = parse("--configs", "disagg,epd", "--prefills", "1", "--decodes", "2", "--workload", "long-mixed")
+    assert (args.configs, args.prefills, args.decodes, args.workload) == ("disagg,epd", 1, 2, "long-mixed")
+    assert parse().prefills == 0 and parse().decodes == 0
+
+
 def test_lists_parse_and_bad_lists_are_refused():
     args = parse("--rates", "0.5,1,2", "--cores", "0,1")
     assert args.rates == (0.5, 1.0, 2.0) and args.cores == (0, 1)
@@ -48,6 +54,7 @@ def test_lists_parse_and_bad_lists_are_refused():
         (["--slo-tpot-ms", "-1"], "must be >= 0"),
         (["--cores", "0", "--configs", "disagg"], "at least 2 cores"),
         (["--encoder-threads", "-1", "--configs", "disagg"], "encoder threads"),
+        (["--cores", "0,1", "--configs", "epd"], "--encoder-placement shared"),
     ],
 )
 def test_usage_errors_exit_2_before_starting_anything(flags, message, tmp_path, capsys):

@@ -104,3 +104,78 @@ def test_children_get_no_epd_settings_and_fixed_threads(monkeypatch):
     env = child_env(3)
     assert "EPD_MAX_NUM_SEQS" not in env and env["EPD_CACHE_DIR"] == "/tmp/cache"
     assert env["OMP_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "3"
+
+
+def test_epd_on_two_cores_puts_prefill_and_encoders_on_one_core_and_decode_alone_on_the_other():
+    config = LayoutConfig(cores=(0, 1), encoder_placement="shared")
+    # Not in the default configurations: it is asked for.
+    assert "epd" not in build_topologies(config)
+    topology = build_topologies(config, ("epd", "disagg"))
+    assert list(topology) == ["disagg", "epd"]
+    epd = {p.name: p for p in topology["epd"].processes}
+    assert list(epd) == ["encoder-0", "prefill-0", "decode-0", "proxy-0"]
+    assert (epd["prefill-0"].cores, epd["prefill-0"].pd_role) == ((0,), "prefill")
+    assert (epd["decode-0"].cores, epd["decode-0"].pd_role) == ((1,), "decode")
+    # The encoder feeds the prefill PD only, and never shares a core with decoding.
+    assert epd["encoder-0"].cores == (0,) and epd["encoder-0"].threads == 1
+    assert epd["encoder-0"].push_to == ("prefill-0",) and epd["prefill-0"].push_to == ("decode-0",)
+    proxy = epd["proxy-0"]
+    assert proxy.pd_names == ("prefill-0",) and proxy.decode_names == ("decode-0",)
+    assert proxy.encoder_names == ("encoder-0",) and proxy.cores == (0,)
+    assert topology["epd"].label == "(d) E+P+D: 1E + 1P + 1D on 2 cores, encoders over the prefill cores"
+    assert any("decode PDs' cores only decode" in note for note in topology["epd"].notes)
+    # The same cores as every other configuration.
+    assert {c for p in topology["epd"].servers for c in p.cores} == {0, 1}
+
+
+def test_epd_with_encoders_on_their_own_cores_and_more_prefills_and_decodes():
+    topology = build_topologies(LayoutConfig(cores=tuple(range(8)), prefills=2, decodes=2), ("epd",))["epd"]
+    servers = [(p.name, p.cores, p.pd_role) for p in topology.servers]
+    assert servers == [
+        ("encoder-0", (0,), "both"),
+        ("encoder-1", (1,), "both"),
+        ("prefill-0", (2,), "prefill"),
+        ("prefill-1", (3,), "prefill"),
+        ("decode-0", (4, 5), "decode"),  # extra cores go to the decode PDs
+        ("decode-1", (6, 7), "decode"),
+    ]
+    by_name = {p.name: p for p in topology.processes}
+    assert by_name["encoder-1"].push_to == ("prefill-0", "prefill-1")
+    assert by_name["prefill-1"].push_to == ("decode-0", "decode-1")
+    assert by_name["proxy-0"].decode_names == ("decode-0", "decode-1")
+    # One P and one D by default, splitting what the encoder leaves.
+    default = {p.name: p.cores for p in build_topologies(LayoutConfig(cores=(0, 1, 2, 3)), ("epd",))["epd"].servers}
+    assert default == {"encoder-0": (0,), "prefill-0": (1,), "decode-0": (2, 3)}
+
+
+def test_epd_layout_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="needs 3 cores .*--encoder-placement shared"):
+        build_topologies(LayoutConfig(cores=(0, 1)), ("epd",))
+    with pytest.raises(ValueError, match="2 encoders pinned over the prefill cores"):
+        build_topologies(LayoutConfig(cores=(0, 1), encoders=2, encoder_placement="shared"), ("epd",))
+    with pytest.raises(ValueError, match=">= 0"):
+        build_topologies(LayoutConfig(cores=(0, 1), decodes=-1, encoder_placement="shared"), ("epd",))
+
+
+def test_epd_command_lines_give_roles_allow_lists_and_the_decode_pool(tmp_path):
+    topology = build_topologies(LayoutConfig(cores=(0, 1), encoder_placement="shared"), ("epd",))["epd"]
+    cluster = Cluster(topology, ServiceArgs(model_dir="/m"), tmp_path)
+    address = {c.spec.name: c.address for c in cluster.children}
+    argv = {c.spec.name: c.argv for c in cluster.children}
+
+    def flag(name, option):
+        args = argv[name]
+        return args[args.index(option) + 1] if option in args else None
+
+    assert flag("encoder-0", "--pd-allow") == address["prefill-0"]
+    assert (flag("prefill-0", "--role"), flag("prefill-0", "--decode-allow")) == ("prefill", address["decode-0"])
+    assert (flag("decode-0", "--role"), flag("decode-0", "--decode-allow")) == ("decode", None)
+    assert flag("decode-0", "--encoder") == "remote"
+    assert flag("proxy-0", "--pd") == address["prefill-0"] and flag("proxy-0", "--decode") == address["decode-0"]
+    assert flag("proxy-0", "--encoder") == address["encoder-0"]
+    assert [c.describe()["pd_role"] for c in cluster.children] == [None, "prefill", "decode", None]
+    # E+PD keeps PDs of both roles and no decode pool; its encoders may push to every PD.
+    disagg = Cluster(build_topologies(LayoutConfig(cores=(0, 1)), ("disagg",))["disagg"], ServiceArgs("/m"), tmp_path)
+    by_name = {c.spec.name: c for c in disagg.children}
+    assert "--role" not in by_name["pd-0"].argv and "--decode" not in by_name["proxy-0"].argv
+    assert by_name["encoder-0"].argv[by_name["encoder-0"].argv.index("--pd-allow") + 1] == by_name["pd-0"].address

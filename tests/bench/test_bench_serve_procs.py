@@ -58,6 +58,8 @@ HEALTH_REPLIES = {
     "/ready/health": (200, {"status": "ok", "pd": {"a": True}, "encoder": {"b": True}}),
     "/partial/health": (200, {"status": "ok", "pd": {"a": True, "c": False}, "encoder": {"b": True}}),
     "/down/health": (503, {"status": "unavailable"}),
+    "/epd/health": (200, {"status": "ok", "pd": {"a": True}, "encoder": {"b": True}, "decode": {"c": True}}),
+    "/nodecode/health": (200, {"status": "ok", "pd": {"a": True}, "encoder": {"b": True}, "decode": {"c": False}}),
 }
 
 
@@ -91,6 +93,9 @@ def test_proxy_ready_needs_every_backend_ready(health_server):
     assert not proxy_ready(f"{health_server}/partial")
     assert not proxy_ready(f"{health_server}/down")
     assert not proxy_ready("http://127.0.0.1:1")
+    # E+P+D: the decode PDs must be ready too.
+    assert proxy_ready(f"{health_server}/epd")
+    assert not proxy_ready(f"{health_server}/nodecode")
 
 
 def test_a_configuration_that_fails_is_reported_and_the_others_still_run(tmp_path):

@@ -115,3 +115,56 @@ def test_bench_serve_writes_json_markdown_and_plots(tiny_model_dir, tmp_path):
         assert sorted(results["plots"].values()) == ["cdf-mixed.png", "rates-mixed.png"]
         for name in results["plots"].values():
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def seed_with_every_long_mixed_kind(count: int) -> int:
+    """The first seed whose ``long-mixed`` run has short text, long-prompt and image requests."""
+    for seed in range(1000):
+        specs = make_requests("long-mixed", count, seed=seed, run=0, image_size=32, prompt_words=8)
+        if {s.kind for s in specs} == {"text", "long", "image"}:
+            return seed
+    raise AssertionError("no such seed")
+
+
+def test_bench_serve_runs_epd_beside_disagg_on_the_long_mixed_workload(tiny_model_dir, tmp_path):
+    """(d) E+P+D end to end on two cores: prefill PD + encoder on one, decode PD on the other, compared with (c)."""
+    out = tmp_path / "out"
+    seed = seed_with_every_long_mixed_kind(8)
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("the E+P+D layout needs two cores")
+    command = [
+        *(sys.executable, "-m", "services.cli", "bench", "serve", "--model", str(tiny_model_dir)),
+        *("--workload", "long-mixed", "--configs", "disagg,epd", "--encoder-placement", "shared"),
+        *("--encoder-threads", "1", "--rates", "4", "--num-requests", "8", "--max-tokens", "4"),
+        # tiny has 2048 positions and ~2.8 tokens a word: short long prompts keep the test quick.
+        *("--prompt-words", "8", "--long-prompt-words", "100,200", "--seed", str(seed)),
+        *("--calibration-requests", "1", "--startup-timeout", "120", "--request-timeout", "60"),
+        *("--cores", ",".join(map(str, cores)), "--out", str(out), "--no-progress", "--no-plots"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["workload"]["long_prompt_words"] == [100, 200]
+    epd = results["configs"]["epd"]
+    assert epd["error"] is None and epd["label"].startswith("(d) E+P+D: 1E + 1P + 1D on 2 cores")
+    processes = {p["name"]: p for p in epd["processes"]}
+    assert [processes[n]["pd_role"] for n in ("prefill-0", "decode-0")] == ["prefill", "decode"]
+    assert processes["decode-0"]["measured_affinity"] == [cores[1]]
+    assert processes["encoder-0"]["measured_affinity"] == processes["prefill-0"]["measured_affinity"] == [cores[0]]
+    proxy_argv = processes["proxy-0"]["argv"]
+    assert proxy_argv[proxy_argv.index("--decode") + 1] == processes["decode-0"]["address"]
+    for name in ("disagg", "epd"):
+        summary = results["configs"][name]["by_rate"]["4"]
+        assert summary["num_ok"] == 8 and summary["num_failed"] == 0
+        assert {"all", "text", "long", "image"} <= set(summary["groups"])
+    analysis = results["analysis"]
+    assert set(analysis["goodput"]) == {"disagg", "epd"}
+    assert analysis["ratios_to_disagg"]["epd"]["4"]["itl_p99_text"] is not None
+    # No timing is asserted: the goodput ratio needs (c) to meet the SLO, which a busy machine may not allow.
+    targets = analysis["targets"]
+    assert [t["name"] for t in targets][-1] == "goodput (d) / (c)"
+    assert all(t["value"] is not None for t in targets[:-1])
+    assert "| epd | text (short) |" in (out / "results.md").read_text()

@@ -102,6 +102,14 @@ def test_first_seen_and_repeated_groups_only_when_something_repeats():
     assert set(summary["groups"]) == {"all", "text", "image"}
 
 
+def test_long_prompt_requests_are_a_group_of_their_own_beside_short_text():
+    summary = summarize_run([record(0, "text", (0.1, 0.2)), record(1, "long", (2.0, 2.5), 2.5), record(2)])
+    assert set(summary["groups"]) == {"all", "text", "long"}
+    assert summary["groups"]["text"]["num_requests"] == 2 and summary["groups"]["long"]["num_requests"] == 1
+    assert stat(summary, "text", "itl", "p99") == 100.0  # the long prompt's 500 ms gap is not a short stream's
+    assert stat(summary, "long", "ttft", "mean") == 2000.0
+
+
 def summary_with(p99_ttft_ms, p99_tpot_ms, failed=0, throughput=1.0):
     return {
         "num_failed": failed,

@@ -19,6 +19,7 @@ from services.bench.serve.workload import (
     make_requests,
     poisson_arrivals,
     render_image,
+    warmup_requests,
 )
 
 
@@ -54,6 +55,35 @@ def test_mixed_workload_is_mostly_text_with_one_to_four_images():
     assert {len(s.images) for s in with_images} == {1, 2, 3, 4}
     assert all(s.kind == "text" and s.image_class is None for s in specs if not s.images)
     assert all(s.image_class == "first_seen" for s in with_images)
+
+
+def test_long_mixed_workload_has_long_text_prompts_images_and_short_text():
+    specs = requests("long-mixed", count=1000)
+    long = [s for s in specs if s.kind == "long"]
+    with_images = [s for s in specs if s.kind == "image"]
+    short = [s for s in specs if s.kind == "text"]
+    assert 0.17 < len(long) / len(specs) < 0.23
+    assert 0.07 < len(with_images) / len(specs) < 0.13
+    assert len(short) == len(specs) - len(long) - len(with_images)
+    # Long prompts: 420-840 words (~1-2k tokens on the bench checkpoint), text only; short ones keep
+    # --prompt-words.
+    assert all(420 <= len(s.prompt.split()) <= 840 and not s.images and s.image_class is None for s in long)
+    assert all(len(s.prompt.split()) == 8 for s in short + with_images)
+    assert {len(s.images) for s in with_images} == {1, 2}
+    assert requests("long-mixed") == requests("long-mixed")
+    # The other workloads draw no long prompts, and theirs stay what they were.
+    assert not any(s.long_prompt for w in WORKLOADS if w != "long-mixed" for s in requests(w, count=50))
+
+
+def test_long_mixed_calibrates_on_its_longest_prompt_and_warms_up_every_kind():
+    texts, heavy = lone_requests("long-mixed", 2, seed=0, run=5, image_size=32)
+    assert [t.kind for t in texts] == ["text", "text"]
+    assert [(h.kind, len(h.prompt.split())) for h in heavy] == [("long", 840), ("long", 840)]
+    warm = warmup_requests("long-mixed", seed=0, run=5, image_size=32, prompt_words=8)
+    assert [w.kind for w in warm] == ["text", "long", "image"]
+    assert [len(w.images) for w in warm] == [0, 0, 2]
+    assert [w.kind for w in warmup_requests("mixed", seed=0, run=5, image_size=32)] == ["text", "image"]
+    assert [w.kind for w in warmup_requests("text", seed=0, run=5, image_size=32)] == ["text"]
 
 
 def test_multi_image_and_text_workloads():
@@ -102,7 +132,7 @@ def test_lone_requests_carry_the_workloads_most_images():
     assert [len(h.images) for h in heavy] == [4, 4]
     assert len({ref.key for h in heavy for ref in h.images}) == 8  # all new
     assert lone_requests("text", 2, seed=0, run=5, image_size=32)[1] == []
-    assert set(WORKLOADS) == {"mixed", "multi-image", "repeat", "text", "video"}
+    assert set(WORKLOADS) == {"mixed", "long-mixed", "multi-image", "repeat", "text", "video"}
 
 
 def test_the_video_workload_sends_short_clips_half_of_them_repeated():

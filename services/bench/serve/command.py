@@ -10,7 +10,17 @@ open-loop Poisson workload against each:
   its own cores (the method of vLLM's published EPD comparison);
 - (c) ``disagg``: E encoders + P PDs splitting the cores (default on 2 cores:
   1 encoder on one core, 1 PD on the other), or with ``--encoder-placement
-  shared`` one PD per core and the encoders pinned over them.
+  shared`` one PD per core and the encoders pinned over them;
+- (d) ``epd`` (not in the default ``--configs``): E+P+D, the encoders of (c)
+  with prefill PDs (``--prefills``) and decode PDs (``--decodes``) instead of
+  PDs that do both; the prefill PDs push each request's KV to a decode PD.
+  With ``--encoder-placement shared`` the encoders sit over the prefill
+  cores only (on 2 cores: 1 prefill PD + the encoders on one core, 1 decode
+  PD on the other); ``own`` needs a core per process.
+
+``--workload long-mixed`` (20% long text prompts, 10% image requests, the
+rest short text) is the workload (d) is for: its report compares (d) with (c)
+on the p99 ITL and TTFT of the short text requests and on goodput.
 
 Each process is pinned (CPU affinity) and runs one torch thread per core it
 owns; the proxy is pinned to ``--proxy-core`` and shares it (recorded).
@@ -36,7 +46,7 @@ from typing import Any
 
 from services.common import cli_args
 
-WORKLOAD_NAMES = ("mixed", "multi-image", "repeat", "text", "video")
+WORKLOAD_NAMES = ("mixed", "long-mixed", "multi-image", "repeat", "text", "video")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -64,9 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         default="mixed",
         choices=list(WORKLOAD_NAMES),
-        help="mixed: 10%% of requests carry 1-4 images; multi-image: 4 images each; repeat: 1 image each, 50%% "
-        "repeat an earlier one; text: no images; video: half the requests carry a 2-4 s clip, 50%% repeated "
-        "(Qwen2-VL family models)",
+        help="mixed: 10%% of requests carry 1-4 images; long-mixed: 20%% have a long text prompt (420-840 words, "
+        "~1-2k tokens; reported as 'long', the short ones as 'text'), 10%% carry 1-2 images, the rest short text; "
+        "multi-image: 4 images each; repeat: 1 image each, 50%% repeat an earlier one; text: no images; video: "
+        "half the requests carry a 2-4 s clip, 50%% repeated (Qwen2-VL family models)",
     )
     add(
         work,
@@ -76,7 +87,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(work, "--num-requests", type=int, default=100, help="requests per rate (and per repeat)")
     add(work, "--max-tokens", type=int, default=64, help="output tokens of every request (ignore_eos)")
-    add(work, "--prompt-words", type=int, default=32, help="words of random text in each prompt")
+    add(work, "--prompt-words", type=int, default=32, help="words of random text in each (short) prompt")
+    add(
+        work,
+        "--long-prompt-words",
+        type=_ints,
+        default=(),
+        help="long-mixed: MIN,MAX words of a long prompt ('' = 420,840: ~1-2k tokens with the bench checkpoint's "
+        "tokenizer, about 2.4 tokens a word). Keep MAX x tokens-a-word + --max-tokens within the model's context "
+        "(tiny: 2048 positions, 2.8 tokens a word; bench: 4096)",
+    )
     add(
         work,
         "--images-first",
@@ -120,27 +140,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(work, "--calibration-requests", type=int, default=3, help="lone requests of each kind for calibration")
     add(work, "--burst-requests", type=int, default=24, help="requests of the capacity burst (automatic rates)")
     lay = parser.add_argument_group("layout")
-    add(lay, "--configs", default="colocated,replicas,disagg", help="configurations to run, comma-separated")
+    add(
+        lay,
+        "--configs",
+        default="colocated,replicas,disagg",
+        help="configurations to run, comma-separated: colocated (a), replicas (b), disagg (c, E+PD), epd (d, "
+        "E+P+D: prefill and decode in separate PDs, KV handed over)",
+    )
     add(
         lay, "--cores", type=_ints, default=(), help="CPU ids every configuration shares ('' = this process's affinity)"
     )
     add(lay, "--replicas", type=int, default=0, help="(b): colocated PD replicas (0 = one per core)")
-    add(lay, "--encoders", type=int, default=0, help="(c): encoder processes (0 = max(1, cores // 4))")
+    add(lay, "--encoders", type=int, default=0, help="(c), (d): encoder processes (0 = max(1, cores // 4))")
     add(lay, "--pds", type=int, default=0, help="(c): PD processes (0 = the remaining cores, one each)")
+    add(
+        lay,
+        "--prefills",
+        type=int,
+        default=0,
+        help="(d): prefill PDs (0 = 1). The PD cores (all cores with --encoder-placement shared, else those "
+        "the encoders leave) are split between prefills and decodes, extra cores to the decodes",
+    )
+    add(
+        lay,
+        "--decodes",
+        type=int,
+        default=0,
+        help="(d): decode PDs (0 = 1). On 2 cores use --encoder-placement shared: 1 prefill PD with the encoders "
+        "over its core, 1 decode PD alone on the other (own placement needs a core per process)",
+    )
     add(
         lay,
         "--encoder-placement",
         default="own",
         choices=["own", "shared"],
-        help="(c): encoders on cores of their own (split with the PDs), or pinned over the PDs' cores (PDs then "
-        "default to one per core and the kernel time-slices encoding against decoding)",
+        help="(c), (d): encoders on cores of their own (split with the PDs), or pinned over the PDs' cores (PDs "
+        "then default to one per core and the kernel time-slices encoding against decoding; (d): over the "
+        "prefill PDs' cores only)",
     )
     add(
         lay,
         "--encoder-threads",
         type=int,
         default=0,
-        help="(c): torch threads per encoder (0 = one per core it is pinned to)",
+        help="(c), (d): torch threads per encoder (0 = one per core it is pinned to)",
     )
     add(lay, "--proxy-core", type=int, default=-1, help="CPU id the proxy is pinned to (-1 = the first core)")
     add(lay, "--proxy-threads", type=int, default=1, help="proxy preprocessing threads")
@@ -247,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
         replica_proxy=args.replica_proxy,
         encoder_placement=args.encoder_placement,
         encoder_threads=args.encoder_threads,
+        prefills=args.prefills,
+        decodes=args.decodes,
     )
     problem = _usage_problem(args)
     try:
@@ -269,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         prompt_words=args.prompt_words,
         images_first=args.images_first,
+        long_words=(args.long_prompt_words[0], args.long_prompt_words[1]) if args.long_prompt_words else None,
         seed=args.seed,
         image_size=_image_size(model_dir),
         rates=tuple(args.rates),
@@ -322,4 +368,7 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         return "--prompt-words must be >= 1 and --slo-factor > 0"
     if args.slo_ttft_ms < 0 or args.slo_tpot_ms < 0:
         return "--slo-ttft-ms and --slo-tpot-ms must be >= 0"
+    words = tuple(args.long_prompt_words)
+    if words and (len(words) != 2 or not 1 <= words[0] <= words[1]):
+        return "--long-prompt-words must be MIN,MAX with 1 <= MIN <= MAX"
     return None

@@ -51,6 +51,7 @@ def build_results(runner: Runner, context: dict[str, Any]) -> dict[str, Any]:
             "seed": plan.seed,
             "repeats": plan.repeats,
             "images_first": plan.images_first,
+            **_long_words(plan.workload, plan.long_words),
         },
         "plan": context["plan"],
         "rates": runner.rates,
@@ -60,6 +61,12 @@ def build_results(runner: Runner, context: dict[str, Any]) -> dict[str, Any]:
         "configs": configs,
         "analysis": analyze(plan.workload, by_rate, slo),
     }
+
+
+def _long_words(workload: str, given: tuple[int, int] | None) -> dict[str, Any]:
+    """The long prompts' word range, for a workload that has long prompts."""
+    shape = WORKLOADS[workload]
+    return {"long_prompt_words": list(given or shape.long_words)} if shape.long_fraction else {}
 
 
 def _write_requests(path: Path, runner: Runner) -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 from services.bench.serve.stats import RequestRecord, Slo, metric_values, stat
 
-COLORS = {"colocated": "tab:red", "replicas": "tab:orange", "disagg": "tab:blue"}
+COLORS = {"colocated": "tab:red", "replicas": "tab:orange", "disagg": "tab:blue", "epd": "tab:green"}
 LOG_FLOOR_MS = 0.01
-SHORT = {"colocated": "(a) colocated", "replicas": "(b) replicas", "disagg": "(c) disaggregated"}
+SHORT = {"colocated": "(a) colocated", "replicas": "(b) replicas", "disagg": "(c) disaggregated", "epd": "(d) E+P+D"}
 
 
 def _pyplot():
@@ -25,13 +25,15 @@ def _pyplot():
 def plot_cdfs(path: Path, records: dict[str, Sequence[RequestRecord]], rate: float, workload: str) -> Path:
     """Latency CDFs (TTFT, TPOT, ITL, E2E) of each configuration at one rate."""
     plt = _pyplot()
+    # With other kinds beside short text (images, long prompts), the ITL panel shows the short text
+    # streams alone: theirs is the stall the other kinds' prefills cause.
     mixed = any(r.kind == "text" for rs in records.values() for r in rs) and any(
-        r.kind == "image" for rs in records.values() for r in rs
+        r.kind != "text" for rs in records.values() for r in rs
     )
     panels = [
         ("ttft", "TTFT", None),
         ("tpot", "TPOT", None),
-        ("itl", "inter-token latency" + (" (text requests)" if mixed else ""), "text" if mixed else None),
+        ("itl", "inter-token latency" + (" (short text requests)" if mixed else ""), "text" if mixed else None),
         ("e2e", "end-to-end latency", None),
     ]
     figure, axes = plt.subplots(2, 2, figsize=(11, 8))

@@ -6,6 +6,9 @@ on, so a stray variable cannot change one configuration and not another),
 pinned to its cores with ``sched_setaffinity`` before exec, with its torch
 threads set by ``--threads`` and ``OMP_NUM_THREADS``. Ports are picked by
 binding port 0 and releasing it. Output goes to one log file per process.
+Allow-lists are explicit where a topology names the peers a process pushes
+to (encoders: ``--pd-allow``; E+P+D prefill PDs: ``--decode-allow``), as
+``epd up`` sets them.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class Child:
             "measured_affinity": list(self.measured_cores),
             "threads": self.spec.threads,
             "encoder_local": self.spec.encoder_local,
+            "pd_role": self.spec.pd_role if self.spec.role == "pd" else None,
             "address": self.address,
             "argv": self.argv,
         }
@@ -138,7 +142,9 @@ class Cluster:
         s = self.service
         port = addresses[spec.name].rsplit(":", 1)[1]
         common = ["--model", s.model_dir, "--host", s.host, "--port", port, "--log-level", s.log_level]
+        push_to = ",".join(addresses[n] for n in spec.push_to)
         if spec.role == "proxy":
+            decode = ["--decode", ",".join(addresses[n] for n in spec.decode_names)] if spec.decode_names else []
             return [
                 "proxy",
                 *common,
@@ -146,6 +152,7 @@ class Cluster:
                 ",".join(addresses[n] for n in spec.pd_names),
                 "--encoder",
                 ",".join(addresses[n] for n in spec.encoder_names),
+                *decode,
                 "--preprocess-threads",
                 str(spec.threads),
                 "--grace",
@@ -154,9 +161,13 @@ class Cluster:
             ]
         served = [*common, "--metrics-port", "-1", "--threads", str(spec.threads)]
         if spec.role == "encoder":
-            return ["encoder", *served, "--grace", str(CHILD_GRACE_S), *s.encoder_args]
+            allow = ["--pd-allow", push_to] if push_to else []
+            return ["encoder", *served, *allow, "--grace", str(CHILD_GRACE_S), *s.encoder_args]
         local = ["--encoder", "local" if spec.encoder_local else "remote"]
-        return ["pd", *served, *local, "--grace", str(CHILD_GRACE_S), *s.pd_args]
+        role = ["--role", spec.pd_role] if spec.pd_role != "both" else []
+        if spec.pd_role == "prefill" and push_to:
+            role += ["--decode-allow", push_to]
+        return ["pd", *served, *local, *role, "--grace", str(CHILD_GRACE_S), *s.pd_args]
 
     def start(self) -> None:
         """Starts every process (servers first); they load and warm up in parallel."""
@@ -243,7 +254,7 @@ class Cluster:
 
 
 def proxy_ready(base_url: str, timeout_s: float = 2.0) -> bool:
-    """The proxy answers /health with 200 and reports every backend it knows as ready."""
+    """The proxy answers /health with 200 and reports every backend it knows as ready (E+P+D: decode PDs too)."""
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as reply:
             if reply.status != 200:
@@ -251,7 +262,7 @@ def proxy_ready(base_url: str, timeout_s: float = 2.0) -> bool:
             report = json.loads(reply.read())
     except (OSError, ValueError, urllib.error.HTTPError):
         return False
-    backends = [*report.get("pd", {}).values(), *report.get("encoder", {}).values()]
+    backends = [*report.get("pd", {}).values(), *report.get("encoder", {}).values(), *report.get("decode", {}).values()]
     return all(bool(ok) for ok in backends)
 
 

@@ -41,7 +41,8 @@ def _setup(results: dict[str, Any]) -> list[str]:
         f"- Model: `{model['path']}` (image size {model['image_size']} px)",
         (
             f"- Workload: {workload['description']}; {workload['num_requests']} requests per rate and repeat, "
-            f"prompt {workload['prompt_words']} words{' after the images' if workload.get('images_first') else ''}, "
+            f"prompt {workload['prompt_words']} words{' after the images' if workload.get('images_first') else ''}"
+            f"{_long_prompts(workload)}, "
             f"{workload['max_tokens']} output tokens (ignore_eos), seed {workload['seed']}, {workload['repeats']} repeat(s)"
         ),
         f"- Rates (req/s): {', '.join(f'{r:g}' for r in results['rates'])} ({results['rates_source']})",
@@ -51,6 +52,11 @@ def _setup(results: dict[str, Any]) -> list[str]:
         ),
         "",
     ]
+
+
+def _long_prompts(workload: dict[str, Any]) -> str:
+    words = workload.get("long_prompt_words")
+    return f" (long prompts {words[0]}-{words[1]} words)" if words else ""
 
 
 def _layout(results: dict[str, Any]) -> list[str]:
@@ -115,7 +121,8 @@ def _groups_at_target(results: dict[str, Any]) -> list[str]:
             rows.append(
                 [
                     name,
-                    group,
+                    # Beside long prompts, "text" are the short ones (whose ITL a long prefill stalls).
+                    "text (short)" if group == "text" and "long" in summary["groups"] else group,
                     str(values["num_requests"]),
                     *[" / ".join(_latency_cells(summary, group, m)) for m in ("ttft", "tpot", "itl", "e2e")],
                 ]
@@ -131,7 +138,10 @@ def _ratios(results: dict[str, Any]) -> list[str]:
         return []
     key = f"{rate:g}"
     configs = [c for c in ratios if key in ratios[c]]
-    lines = [f"## Ratios to (c) at {key} req/s (baseline / disaggregated; > 1 on a latency = (c) is faster)", ""]
+    title = f"## Ratios to (c) at {key} req/s (baseline / disaggregated; > 1 on a latency = (c) is faster"
+    if "epd" in configs:
+        title += "; epd / disagg < 1 on a latency = (d) E+P+D is faster than E+PD"
+    lines = [title + ")", ""]
     rows = [[name] + [_num(ratios[c][key][name], 2) for c in configs] for name, *_ in RATIO_METRICS]
     return lines + markdown_table(["metric", *[f"{c} / disagg" for c in configs]], rows)
 

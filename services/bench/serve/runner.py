@@ -31,6 +31,7 @@ from services.bench.serve.workload import (
     lone_requests,
     make_requests,
     poisson_arrivals,
+    warmup_requests,
 )
 
 
@@ -45,6 +46,7 @@ class RunPlan:
     seed: int
     image_size: int
     images_first: bool = False  # images before the text in each message
+    long_words: tuple[int, int] | None = None  # long prompts' word range (None = the workload's)
     rates: tuple[float, ...] = ()  # empty = automatic sweep
     rate_multipliers: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 3.0)
     repeats: int = 1
@@ -156,24 +158,24 @@ class Runner:
             image_size=p.image_size,
             prompt_words=p.prompt_words,
             max_tokens=p.max_tokens,
+            long_words=p.long_words,
         )
 
     def _bodies(self, specs) -> list[bytes]:
         return encode_bodies(specs, images_first=self.plan.images_first)
 
     def _warm_up(self, urls: list[str]) -> None:
-        """One text and one image request (untimed): first-call costs stay out of the measurement."""
+        """One request of each kind the workload sends (untimed): first-call costs stay out of the measurement."""
         p = self.plan
-        texts, heavy = lone_requests(
+        specs = warmup_requests(
             p.workload,
-            1,
             seed=p.seed,
             run=WARMUP_RUN,
             image_size=p.image_size,
             prompt_words=p.prompt_words,
             max_tokens=min(p.max_tokens, 8),
+            long_words=p.long_words,
         )
-        specs = texts + heavy
         done = asyncio.run(run_sequential(urls, specs, self._bodies(specs), request_timeout_s=p.request_timeout_s))
         failed = [f"{r.kind}: {r.error}" for r in done if not r.ok]
         if failed:
@@ -190,6 +192,7 @@ class Runner:
             image_size=p.image_size,
             prompt_words=p.prompt_words,
             max_tokens=p.max_tokens,
+            long_words=p.long_words,
         )
         lone = asyncio.run(
             run_sequential(urls, texts + heavy, self._bodies(texts + heavy), request_timeout_s=p.request_timeout_s)
@@ -199,7 +202,7 @@ class Runner:
             raise RuntimeError(f"calibration requests failed: {sorted({r.error for r in lone if not r.ok})}")
         step_ms = _median_ms([r.tpot for r in lone_text])
         ttft_ms = _median_ms([r.ttft for r in (lone_heavy or lone_text)])
-        heavy_what = f"a lone request with {len(heavy[0].images)} images" if heavy else "a lone text request"
+        heavy_what = _describe_heavy(heavy)
         self.calibration = {
             "config": name,
             "step_ms": step_ms,
@@ -293,6 +296,15 @@ class Runner:
             total = self.plan.repeats * len(self.topologies) * len(self.rates) * self.plan.num_requests
             self._bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
         return self._bar
+
+
+def _describe_heavy(heavy: list) -> str:
+    """What the SLO's TTFT reference request is, for the report."""
+    if not heavy:
+        return "a lone text request"
+    if heavy[0].images:
+        return f"a lone request with {len(heavy[0].images)} images"
+    return f"a lone {len(heavy[0].prompt.split())}-word text request (the workload's longest prompt)"
 
 
 def _say(message: str) -> None:

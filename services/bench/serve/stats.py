@@ -24,8 +24,9 @@ from typing import Any
 
 PERCENTILES = (("median", 50.0), ("p90", 90.0), ("p99", 99.0))
 METRICS = ("ttft", "tpot", "itl", "e2e")
-GROUPS = ("all", "text", "image", "first_seen", "repeated")
-"""``first_seen`` / ``repeated``: image requests none / all of whose images were sent before in the run."""
+GROUPS = ("all", "text", "long", "image", "first_seen", "repeated")
+"""``text``: short text prompts (with ``long``, the long ones, in ``long-mixed``); ``first_seen`` /
+``repeated``: image requests none / all of whose images were sent before in the run."""
 
 
 @dataclass
@@ -33,7 +34,7 @@ class RequestRecord:
     """What the client saw of one request."""
 
     index: int
-    kind: str  # "text" | "image"
+    kind: str  # "text" (short prompt) | "long" (long text prompt) | "image"
     num_images: int
     image_class: str | None  # "first_seen" | "repeated" | "partial" | None (text)
     scheduled_s: float  # arrival time in the schedule, seconds after the run started
@@ -75,7 +76,7 @@ class RequestRecord:
     def in_group(self, group: str) -> bool:
         if group == "all":
             return True
-        if group in ("text", "image"):
+        if group in ("text", "long", "image"):
             return self.kind == group
         return self.image_class == group
 

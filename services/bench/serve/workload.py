@@ -11,6 +11,7 @@ every configuration the same requests.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import random
@@ -32,6 +33,10 @@ class WorkloadShape:
     repeat_fraction: float = 0.0  # share of image requests whose image was sent earlier in the run
     description: str = ""
     media: str = "image"  # "video": each "image" is a short clip (Qwen2-VL family models only)
+    # Share of requests with a long text prompt (no images) of ``long_words`` words, uniform in [min, max];
+    # drawn before the images, so image requests are a share of the remaining requests.
+    long_fraction: float = 0.0
+    long_words: tuple[int, int] = (0, 0)
 
 
 WORKLOADS = {
@@ -39,6 +44,19 @@ WORKLOADS = {
     "multi-image": WorkloadShape(1.0, 4, 4, description="every request carries 4 images"),
     "repeat": WorkloadShape(1.0, 1, 1, 0.5, description="one image per request; 50% repeat an earlier image (cache)"),
     "text": WorkloadShape(0.0, 0, 0, description="no images"),
+    # Long prompts are what E+P+D is for: on a PD that also decodes, a 1-2k-token prefill lands
+    # between the decode steps of every stream in its batch. 420-840 words are ~1-2k tokens with the
+    # bench checkpoint's tokenizer (about 2.4 tokens a word, 2.8 for tiny's): with 64 output tokens
+    # they stay well inside its 4096 positions.
+    "long-mixed": WorkloadShape(
+        0.125,  # of the other 80%: 10% of all requests
+        1,
+        2,
+        long_fraction=0.2,
+        long_words=(420, 840),
+        description="20% of requests have a long text prompt (420-840 words, ~1-2k tokens), 10% carry 1-2 "
+        "images, the rest are short text",
+    ),
     "video": WorkloadShape(
         0.5,
         1,
@@ -145,10 +163,14 @@ class RequestSpec:
     images: tuple[ImageRef, ...]
     image_class: str | None  # "first_seen" | "repeated" | "partial" | None (text)
     max_tokens: int
+    long_prompt: bool = False  # a long text prompt of a ``long_fraction`` workload
 
     @property
     def kind(self) -> str:
-        return "image" if self.images else "text"
+        """The request's kind: image, long (a long text prompt) or text (a short one: a stream a prefill stalls)."""
+        if self.images:
+            return "image"
+        return "long" if self.long_prompt else "text"
 
 
 def make_requests(
@@ -160,9 +182,11 @@ def make_requests(
     image_size: int,
     prompt_words: int = 32,
     max_tokens: int = 64,
+    long_words: tuple[int, int] | None = None,
 ) -> list[RequestSpec]:
-    """The requests of one run, in arrival order."""
-    shape = WORKLOADS[workload]
+    """The requests of one run, in arrival order (``long_words``: the long prompts' word range, None = the
+    workload's)."""
+    shape = _with_long_words(WORKLOADS[workload], long_words)
     rng = random.Random(f"epd-bench-serve:{workload}:{seed}:{run}")
     sent: list[ImageRef] = []
     requests = []
@@ -171,6 +195,11 @@ def make_requests(
         earlier = len(sent)  # images of earlier requests: sent[:earlier]
         images: list[ImageRef] = []
         num_repeated = 0
+        # Only workloads with long prompts draw for them: the others' requests stay what they were.
+        if shape.long_fraction and rng.random() < shape.long_fraction:
+            prompt = _long_prompt(rng, shape)
+            requests.append(RequestSpec(index, prompt, (), None, max_tokens, long_prompt=True))
+            continue
         if rng.random() < shape.image_request_fraction:
             for _ in range(rng.randint(shape.min_images, shape.max_images)):
                 if earlier and rng.random() < shape.repeat_fraction:
@@ -182,6 +211,19 @@ def make_requests(
                     sent.append(images[-1])
         requests.append(RequestSpec(index, prompt, tuple(images), _image_class(len(images), num_repeated), max_tokens))
     return requests
+
+
+def _with_long_words(shape: WorkloadShape, long_words: tuple[int, int] | None) -> WorkloadShape:
+    if long_words is None or not shape.long_fraction:
+        return shape
+    low, high = long_words
+    if not 1 <= low <= high:
+        raise ValueError(f"long prompt words must be 1 <= min <= max, got {low},{high}")
+    return dataclasses.replace(shape, long_words=(low, high))
+
+
+def _long_prompt(rng: random.Random, shape: WorkloadShape) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(*shape.long_words)))
 
 
 def _image_class(num_images: int, num_repeated: int) -> str | None:
@@ -202,15 +244,57 @@ def lone_requests(
     image_size: int,
     prompt_words: int = 32,
     max_tokens: int = 64,
+    long_words: tuple[int, int] | None = None,
 ) -> tuple[list[RequestSpec], list[RequestSpec]]:
-    """(text requests, heaviest image requests of ``workload``) for single-request calibration.
+    """(text requests, heaviest requests of ``workload``) for single-request calibration.
 
-    The heavy ones carry the workload's most images, each new and exactly
-    ``image_size`` square; the list is empty for a workload without images.
+    The heavy ones have the workload's longest prompt when it has long
+    prompts (a 2k-token prefill costs more than its 1-2 images), otherwise
+    they carry its most images, each new and exactly ``image_size`` square;
+    the list is empty for a workload with neither.
     """
     texts = make_requests(
         "text", count, seed=seed, run=run, image_size=image_size, prompt_words=prompt_words, max_tokens=max_tokens
     )
+    shape = _with_long_words(WORKLOADS[workload], long_words)
+    if shape.long_fraction:
+        rng = random.Random(f"epd-bench-serve:long:{seed}:{run}")
+        longest = [" ".join(rng.choice(_WORDS) for _ in range(shape.long_words[1])) for _ in texts]
+        return texts, [RequestSpec(i, p, (), None, max_tokens, long_prompt=True) for i, p in enumerate(longest)]
+    return texts, _heaviest_image_requests(workload, texts, seed=seed, run=run, image_size=image_size)
+
+
+def warmup_requests(
+    workload: str,
+    *,
+    seed: int,
+    run: int,
+    image_size: int,
+    prompt_words: int = 32,
+    max_tokens: int = 8,
+    long_words: tuple[int, int] | None = None,
+) -> list[RequestSpec]:
+    """One request of each kind ``workload`` sends (text, long prompt, images): first-call costs of every
+    path stay out of the measurement."""
+    texts, heavy = lone_requests(
+        workload,
+        1,
+        seed=seed,
+        run=run,
+        image_size=image_size,
+        prompt_words=prompt_words,
+        max_tokens=max_tokens,
+        long_words=long_words,
+    )
+    images = _heaviest_image_requests(workload, texts, seed=seed, run=run, image_size=image_size)
+    return texts + heavy + [spec for spec in images if spec not in heavy]
+
+
+def _heaviest_image_requests(
+    workload: str, texts: list[RequestSpec], *, seed: int, run: int, image_size: int
+) -> list[RequestSpec]:
+    """``texts`` each carrying ``workload``'s most images (none for a workload without images)."""
+    max_tokens = texts[0].max_tokens if texts else 0
     num_images = WORKLOADS[workload].max_images
     heavy = (
         [
@@ -231,7 +315,7 @@ def lone_requests(
         if num_images
         else []
     )
-    return texts, heavy
+    return heavy
 
 
 def poisson_arrivals(num_requests: int, rate: float, *, seed: int) -> list[float]:
