@@ -162,3 +162,41 @@ def parse_epd_args(argv: list[str]):
     from services.cli import build_parser
 
     return build_parser(argv).parse_args(argv)
+
+
+# ------------------------------------------------------------------ Kubernetes objects
+K8S_SCHEMA_VERSION = "1.30.0"
+"""The oldest Kubernetes whose schemas the manifests are checked against (native gRPC probes are GA since 1.27)."""
+
+
+def main_container(deployment: dict) -> dict:
+    """The one container of a Deployment's pods."""
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def container_ports(container: dict) -> dict[str, int]:
+    """A container's ports by name."""
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def component(selector: dict) -> str:
+    """The ``app.kubernetes.io/component`` an epd pod selector names."""
+    labels = selector["podSelector"]["matchLabels"]
+    assert labels["app.kubernetes.io/name"] == "epd"
+    return labels["app.kubernetes.io/component"]
+
+
+def admitted_peers(docs: dict[tuple[str, str], dict], name: str) -> dict[str, set[str]]:
+    """Which components the ``{name}-ingress`` NetworkPolicy admits, by named port of ``name``'s pods
+    (``anyone`` for a rule without ``from``); every rule's port must be one the pods expose."""
+    policy = docs[("NetworkPolicy", f"{name}-ingress")]["spec"]
+    assert component(policy) == name and policy["policyTypes"] == ["Ingress"]
+    ports = container_ports(main_container(docs[("Deployment", name)]))
+    admitted: dict[str, set[str]] = {}
+    for rule in policy["ingress"]:
+        sources = {component(peer) for peer in rule["from"]} if "from" in rule else {"anyone"}
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP" and port["port"] in ports
+            admitted.setdefault(port["port"], set()).update(sources)
+    return admitted

@@ -131,6 +131,19 @@ def test_encoder_can_be_scaled(services):
     assert flag(proxy_command, "--pd") == f"pd:{flag(services['pd']['command'], '--port')}"
 
 
+def _grpc_health_test(command: list, kind: str) -> list[str]:
+    """The healthcheck a gRPC server's service should carry: `epd health` on its own port, its readiness service."""
+    return [
+        "CMD",
+        "epd",
+        "health",
+        "--address",
+        f"127.0.0.1:{flag(command, '--port')}",
+        "--service",
+        READY_SERVICE[kind],
+    ]
+
+
 def test_start_order_and_health_checks(services):
     # PD and encoders start at once; the proxy waits until both are healthy.
     assert "depends_on" not in services["pd"] and "depends_on" not in services["encoder"]
@@ -139,16 +152,7 @@ def test_start_order_and_health_checks(services):
         "encoder": {"condition": "service_healthy"},
     }
     for name in ("pd", "encoder"):
-        command, test = services[name]["command"], services[name]["healthcheck"]["test"]
-        assert test == [
-            "CMD",
-            "epd",
-            "health",
-            "--address",
-            f"127.0.0.1:{flag(command, '--port')}",
-            "--service",
-            READY_SERVICE[name],
-        ]
+        assert services[name]["healthcheck"]["test"] == _grpc_health_test(services[name]["command"], name)
     port = flag(services["proxy"]["command"], "--port")
     assert services["proxy"]["healthcheck"]["test"] == [
         "CMD",
@@ -413,15 +417,7 @@ def test_epd_override_routes_prompts_to_prefill_and_generation_to_decode(epd_ser
 def test_epd_decode_service_is_set_up_as_the_others(epd_services, services):
     decode, pd = epd_services["decode"], services["pd"]
     command = [str(t) for t in decode["command"]]
-    assert decode["healthcheck"]["test"] == [
-        "CMD",
-        "epd",
-        "health",
-        "--address",
-        f"127.0.0.1:{flag(command, '--port')}",
-        "--service",
-        READY_SERVICE["pd"],
-    ]
+    assert decode["healthcheck"]["test"] == _grpc_health_test(command, "pd")
     assert {k: v for k, v in decode["healthcheck"].items() if k != "test"} == {
         k: v for k, v in pd["healthcheck"].items() if k != "test"
     }

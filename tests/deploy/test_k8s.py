@@ -9,12 +9,16 @@ import pytest
 import yaml
 from deploy_support import (
     K8S_DIR,
+    K8S_SCHEMA_VERSION,
     READY_SERVICE,
+    admitted_peers,
+    container_ports,
     flag,
     grace_s,
     image_model_build,
     load_compose,
     load_k8s,
+    main_container,
     parse_epd_args,
     with_defaults,
 )
@@ -24,8 +28,6 @@ from services.proxy.app import create_app
 from services.proxy.config import ProxyConfig
 
 SERVERS = ("pd", "encoder", "proxy")
-K8S_SCHEMA_VERSION = "1.30.0"
-"""The oldest Kubernetes whose schemas the manifests are checked against (native gRPC probes are GA since 1.27)."""
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +38,6 @@ def docs() -> dict[tuple[str, str], dict]:
         assert key not in by_key, f"duplicate {key}"
         by_key[key] = doc
     return by_key
-
-
-def _main_container(deployment: dict) -> dict:
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return container
-
-
-def _ports(container: dict) -> dict[str, int]:
-    return {p["name"]: p["containerPort"] for p in container["ports"]}
 
 
 def test_the_expected_objects_and_no_namespace(docs):
@@ -66,7 +59,7 @@ def test_the_expected_objects_and_no_namespace(docs):
 
 def test_containers_run_real_cli_commands(docs):
     for name in SERVERS:
-        container = _main_container(docs[("Deployment", name)])
+        container = main_container(docs[("Deployment", name)])
         assert "command" not in container  # the image's ENTRYPOINT is `epd`
         args = parse_epd_args(container["args"])
         assert args.command == name and args.host == "0.0.0.0"
@@ -76,31 +69,31 @@ def test_containers_run_real_cli_commands(docs):
 def test_proxy_metrics_are_scraped_on_its_metrics_port(docs):
     """Security review: Prometheus scrapes the proxy's --metrics-port with the token, not its public port."""
     deployment = docs[("Deployment", "proxy")]
-    container = _main_container(deployment)
+    container = main_container(deployment)
     port = flag(container["args"], "--metrics-port")
     assert port is not None and int(port) != int(flag(container["args"], "--port"))
-    assert _ports(container)["metrics"] == int(port)
+    assert container_ports(container)["metrics"] == int(port)
     assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == port
 
 
 def test_grpc_probes(docs):
     for name in ("pd", "encoder"):
-        container = _main_container(docs[("Deployment", name)])
+        container = main_container(docs[("Deployment", name)])
         port = int(flag(container["args"], "--port"))
-        assert _ports(container)["grpc"] == port
+        assert container_ports(container)["grpc"] == port
         assert container["readinessProbe"]["grpc"] == {"port": port, "service": READY_SERVICE[name]}
         assert container["livenessProbe"]["grpc"] == {"port": port, "service": ""}
         # Loading weights happens before the port opens: liveness waits for startup.
         assert container["startupProbe"]["grpc"] == {"port": port, "service": ""}
-        assert _ports(container)["metrics"] == int(flag(container["args"], "--metrics-port"))
+        assert container_ports(container)["metrics"] == int(flag(container["args"], "--metrics-port"))
         annotations = docs[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == flag(container["args"], "--metrics-port")
 
 
 def test_proxy_probes(docs):
-    container = _main_container(docs[("Deployment", "proxy")])
+    container = main_container(docs[("Deployment", "proxy")])
     port = int(flag(container["args"], "--port"))
-    assert _ports(container)["http"] == port
+    assert container_ports(container)["http"] == port
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
     assert container["startupProbe"]["tcpSocket"] == {"port": port}
 
@@ -111,7 +104,7 @@ def test_proxy_liveness_probe_is_http_not_tcp(docs):
     Liveness asks the proxy's own liveness endpoint over HTTP (it must not be
     ``/health``, or a PD outage restarts every proxy).
     """
-    container = _main_container(docs[("Deployment", "proxy")])
+    container = main_container(docs[("Deployment", "proxy")])
     port = int(flag(container["args"], "--port"))
     probe = container["livenessProbe"]
     assert "tcpSocket" not in probe
@@ -125,7 +118,7 @@ def test_resources_and_grace(docs):
     for name in SERVERS:
         deployment = docs[("Deployment", name)]
         spec = deployment["spec"]["template"]["spec"]
-        container = _main_container(deployment)
+        container = main_container(deployment)
         for part in [container, *spec.get("initContainers", [])]:
             assert {"cpu", "memory"} <= set(part["resources"]["requests"]), part["name"]
             assert "memory" in part["resources"]["limits"], part["name"]
@@ -134,7 +127,7 @@ def test_resources_and_grace(docs):
 
 
 def test_headless_services_route_to_the_right_pods_and_ports(docs):
-    proxy_args = _main_container(docs[("Deployment", "proxy")])["args"]
+    proxy_args = main_container(docs[("Deployment", "proxy")])["args"]
     for name in ("pd", "encoder"):
         deployment = docs[("Deployment", name)]
         service = docs[("Service", f"{name}-headless")]["spec"]
@@ -142,10 +135,10 @@ def test_headless_services_route_to_the_right_pods_and_ports(docs):
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert service["selector"].items() <= labels.items()
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        container_ports = _ports(_main_container(deployment))
+        ports = container_ports(main_container(deployment))
         for port in service["ports"]:
-            assert port["port"] == container_ports[port["targetPort"]]
-        grpc_port = container_ports["grpc"]
+            assert port["port"] == ports[port["targetPort"]]
+        grpc_port = ports["grpc"]
         # The proxy discovers instances by resolving the headless name.
         assert flag(proxy_args, f"--{name}") == f"{name}-headless:{grpc_port}"
 
@@ -156,7 +149,7 @@ def test_proxy_service(docs):
     assert service.get("type", "ClusterIP") == "ClusterIP"
     assert service["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     (port,) = service["ports"]
-    assert _ports(_main_container(deployment))[port["targetPort"]] == port["port"]
+    assert container_ports(main_container(deployment))[port["targetPort"]] == port["port"]
 
 
 def test_every_pod_serves_the_model_built_into_the_image(docs):
@@ -234,26 +227,11 @@ def test_the_schema_check_catches_a_broken_object(docs):
         _validate(broken)
 
 
-def _component(selector: dict) -> str:
-    labels = selector["podSelector"]["matchLabels"]
-    assert labels["app.kubernetes.io/name"] == "epd"
-    return labels["app.kubernetes.io/component"]
-
-
 @pytest.mark.parametrize(("name", "allowed"), [("encoder", {"proxy"}), ("pd", {"proxy", "encoder"})])
 def test_network_policies_admit_only_the_expected_peers_to_grpc(docs, name, allowed):
-    policy = docs[("NetworkPolicy", f"{name}-ingress")]["spec"]
-    assert _component(policy) == name and policy["policyTypes"] == ["Ingress"]
-    container_ports = _ports(_main_container(docs[("Deployment", name)]))
-    admitted: dict[str, set[str]] = {}
-    for rule in policy["ingress"]:
-        sources = {_component(peer) for peer in rule["from"]} if "from" in rule else {"anyone"}
-        for port in rule["ports"]:
-            assert port["protocol"] == "TCP" and port["port"] in container_ports
-            admitted.setdefault(port["port"], set()).update(sources)
     # gRPC (the push port included: one port per service) from the allowed pods only;
     # metrics from anywhere (Prometheus), where the token guards it.
-    assert admitted == {"grpc": allowed, "metrics": {"anyone"}}
+    assert admitted_peers(docs, name) == {"grpc": allowed, "metrics": {"anyone"}}
 
 
 def test_every_server_reads_the_internal_token_from_the_secret(docs):
@@ -263,7 +241,7 @@ def test_every_server_reads_the_internal_token_from_the_secret(docs):
     for name in SERVERS:
         spec = docs[("Deployment", name)]["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
-        mounts = {m["name"]: m for m in _main_container(docs[("Deployment", name)])["volumeMounts"]}
+        mounts = {m["name"]: m for m in main_container(docs[("Deployment", name)])["volumeMounts"]}
         secret = volumes["internal-token"]["secret"]
         assert secret["secretName"] == "epd-internal-token"
         assert mounts["internal-token"] == {"name": "internal-token", "mountPath": token_dir, "readOnly": True}
@@ -276,8 +254,8 @@ def test_default_grpc_ports_are_outside_the_ephemeral_range(docs):
     """Security review: every port the manifests name lies outside Linux's ephemeral range."""
     named = []
     for name in SERVERS:
-        container = _main_container(docs[("Deployment", name)])
-        named += [int(flag(container["args"], "--port")), *_ports(container).values()]
+        container = main_container(docs[("Deployment", name)])
+        named += [int(flag(container["args"], "--port")), *container_ports(container).values()]
         named += [
             int(address.rsplit(":", 1)[1])
             for flag_name in ("--pd", "--encoder")
@@ -291,8 +269,8 @@ def test_default_grpc_ports_are_outside_the_ephemeral_range(docs):
 
 
 def test_encoders_push_only_to_the_pds_the_proxy_routes_to(docs):
-    encoder = _main_container(docs[("Deployment", "encoder")])["args"]
-    proxy = _main_container(docs[("Deployment", "proxy")])["args"]
+    encoder = main_container(docs[("Deployment", "encoder")])["args"]
+    proxy = main_container(docs[("Deployment", "proxy")])["args"]
     allowed = parse_epd_args(encoder).pd_allow.split(",")
     assert allowed == flag(proxy, "--pd").split(",") and "*" not in allowed
     # The name is the PDs' headless Service on their gRPC port: it resolves to the PD pods the proxy sees.

@@ -13,8 +13,19 @@ import subprocess
 
 import pytest
 import yaml
-from deploy_support import K8S_EPD_DIR, READY_SERVICE, flag, grace_s, load_k8s, parse_epd_args
-from test_k8s import K8S_SCHEMA_VERSION, _component, _main_container, _ports
+from deploy_support import (
+    K8S_EPD_DIR,
+    K8S_SCHEMA_VERSION,
+    READY_SERVICE,
+    admitted_peers,
+    component,
+    container_ports,
+    flag,
+    grace_s,
+    load_k8s,
+    main_container,
+    parse_epd_args,
+)
 
 from services.common.ports import LINUX_EPHEMERAL_PORTS
 
@@ -42,7 +53,7 @@ def rendered() -> dict[tuple[str, str], dict]:
 
 
 def _args(docs: dict, name: str) -> list[str]:
-    return [str(token) for token in _main_container(docs[("Deployment", name)])["args"]]
+    return [str(token) for token in main_container(docs[("Deployment", name)])["args"]]
 
 
 def _schema_validate(doc: dict) -> None:
@@ -102,7 +113,7 @@ def test_commands_and_routing(rendered):
     proxy = _args(rendered, "proxy")
     for role, proxy_flag in (("prefill", "--pd"), ("decode", "--decode")):
         # The proxy discovers each role's ready pods through its headless Service, on their gRPC port.
-        port = _ports(_main_container(rendered[("Deployment", role)]))["grpc"]
+        port = container_ports(main_container(rendered[("Deployment", role)]))["grpc"]
         assert flag(proxy, proxy_flag) == f"{role}-headless:{port}"
     # Encoders push only to the prefill pods, prefill pods push KV only to the decode pods.
     assert args["encoder"].pd_allow.split(",") == flag(proxy, "--pd").split(",")
@@ -119,27 +130,27 @@ def test_headless_services_select_each_roles_pods(rendered):
         assert labels["app.kubernetes.io/component"] == role
         assert service["selector"].items() <= labels.items()
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        container_ports = _ports(_main_container(deployment))
-        assert {p["targetPort"]: p["port"] for p in service["ports"]} == container_ports
-        assert not [port for port in container_ports.values() if port in LINUX_EPHEMERAL_PORTS]
+        ports = container_ports(main_container(deployment))
+        assert {p["targetPort"]: p["port"] for p in service["ports"]} == ports
+        assert not [port for port in ports.values() if port in LINUX_EPHEMERAL_PORTS]
 
 
-def test_probes_and_metrics_ports(rendered):
+def test_probes_and_metricscontainer_ports(rendered):
     for role in PD_ROLES:
         deployment = rendered[("Deployment", role)]
-        container = _main_container(deployment)
+        container = main_container(deployment)
         args = container["args"]
         port = int(flag(args, "--port"))
         assert container["readinessProbe"]["grpc"] == {"port": port, "service": READY_SERVICE["pd"]}
         assert container["livenessProbe"]["grpc"] == {"port": port, "service": ""}
         assert container["startupProbe"]["grpc"] == {"port": port, "service": ""}
-        assert _ports(container) == {"grpc": port, "metrics": int(flag(args, "--metrics-port"))}
+        assert container_ports(container) == {"grpc": port, "metrics": int(flag(args, "--metrics-port"))}
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == flag(args, "--metrics-port")
         assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace_s(args)
 
 
-def test_prefill_and_decode_pods_are_the_base_pd_but_for_role_and_ports(rendered):
+def test_prefill_and_decode_pods_are_the_base_pd_but_for_role_andcontainer_ports(rendered):
     """Security context, token mount, resources, probes' timing, image: as the base PD's, so the two
     roles cannot drift from it."""
     (base,) = [d for d in load_k8s() if d["kind"] == "Deployment" and d["metadata"]["name"] == "pd"]
@@ -154,7 +165,7 @@ def test_prefill_and_decode_pods_are_the_base_pd_but_for_role_and_ports(rendered
         ):
             labels["app.kubernetes.io/component"] = "X"
         doc["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] = "X"
-        container = _main_container(doc)
+        container = main_container(doc)
         container["name"] = container["args"] = "X"
         container["ports"] = [{**p, "containerPort": "X"} for p in container["ports"]]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -169,16 +180,7 @@ def test_prefill_and_decode_pods_are_the_base_pd_but_for_role_and_ports(rendered
     ("name", "allowed"), [("encoder", {"proxy"}), ("prefill", {"proxy", "encoder"}), ("decode", {"proxy", "prefill"})]
 )
 def test_network_policies_admit_only_the_expected_peers_to_grpc(rendered, name, allowed):
-    policy = rendered[("NetworkPolicy", f"{name}-ingress")]["spec"]
-    assert _component(policy) == name and policy["policyTypes"] == ["Ingress"]
-    container_ports = _ports(_main_container(rendered[("Deployment", name)]))
-    admitted: dict[str, set[str]] = {}
-    for rule in policy["ingress"]:
-        sources = {_component(peer) for peer in rule["from"]} if "from" in rule else {"anyone"}
-        for port in rule["ports"]:
-            assert port["protocol"] == "TCP" and port["port"] in container_ports
-            admitted.setdefault(port["port"], set()).update(sources)
-    assert admitted == {"grpc": allowed, "metrics": {"anyone"}}
+    assert admitted_peers(rendered, name) == {"grpc": allowed, "metrics": {"anyone"}}
 
 
 def test_every_policy_names_pods_that_exist(rendered):
@@ -191,4 +193,4 @@ def test_every_policy_names_pods_that_exist(rendered):
     for (kind, name), doc in rendered.items():
         if kind == "NetworkPolicy":
             peers = [peer for rule in doc["spec"]["ingress"] for peer in rule.get("from", [])]
-            assert {_component(doc["spec"]), *map(_component, peers)} <= components, name
+            assert {component(doc["spec"]), *map(component, peers)} <= components, name
