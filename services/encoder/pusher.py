@@ -236,8 +236,8 @@ class EmbeddingPusher:
             try:
                 await call.write(epd_pb2.PushEmbeddingChunk(header=header))
                 sent = True
-                for start in range(0, len(data), self._chunk_bytes):
-                    await call.write(push_wire.encode_data_chunk(data[start : start + self._chunk_bytes]))
+                for encoded in push_wire.iter_data_chunks(data, self._chunk_bytes):
+                    await call.write(encoded)
                 for chunk in self._faults.extra_chunks():
                     await call.write(epd_pb2.PushEmbeddingChunk(data=chunk))
                 await call.done_writing()

@@ -1,13 +1,19 @@
 """The KV hand-off on the wire: ReserveKV and PushKV (decode side), the push after a prefill (prefill side).
 
 The engine keeps the books (``engine/handoff_core.py``); here the bytes move.
-P reads the prompt's blocks D lacks from its KV tensors on the engine thread,
-sends them as one ``epd.v1.Tensor``-style payload (raw bytes, no pickle) in
-<= 1 MiB chunks, then lets its blocks go whatever the outcome. D checks the
-header against its reservation before taking a buffer (the buffer is exactly
-the reservation's size), reads the chunks with an idle timeout, and writes
-them into the reserved blocks on the engine thread, where the reservation
-is checked again (its lease may have ended while the bytes arrived).
+P copies the prompt's blocks D lacks out of its KV tensors on the engine
+thread (one gather into the tensor that is sent: the blocks may be reused as
+soon as that call returns), then, off the engine thread, sends it as one
+``epd.v1.Tensor``-style payload (raw bytes, no pickle) in <= 1 MiB chunks and
+lets its blocks go whatever the outcome. The chunks take ``push_wire``'s
+path, as the embedding push does: each is encoded straight from the
+tensor's memory (one copy), and D's handler gets each data chunk as a view
+of the received message, copied once into its buffer. D checks the header
+against its reservation before taking a buffer (the buffer is exactly the
+reservation's size), reads the chunks with an idle timeout, and writes them
+into the reserved blocks on the engine thread, where the reservation is
+checked again (its lease may have ended while the bytes arrived). The bytes
+on the wire are the protobuf encoding: generated-stub peers interoperate.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from typing import Any
 import grpc
 import torch
 
-from services.common import grpc_utils, tensors
+from services.common import grpc_utils, push_wire, tensors
 from services.common.dial_allow import PdAllowList
-from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.common.pb import epd_pb2
 from services.pd import convert
 from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
@@ -86,7 +92,7 @@ class KVTransfer:
         self.max_model_len = max_model_len
         self.uses_grids = uses_grids
         self._channel_factory = channel_factory or (lambda address: grpc_utils.aio_channel(address, config.security))
-        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, epd_pb2_grpc.PrefillDecodeStub]] = OrderedDict()
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, grpc.aio.StreamUnaryMultiCallable]] = OrderedDict()
         self.stats = KVTransferStats()
         self._decode_allow = decode_allow or PdAllowList(config.decode_allow)
 
@@ -117,12 +123,14 @@ class KVTransfer:
             lease_ms=lease_ms,
         )
 
-    async def receive(self, chunks: AsyncIterator[epd_pb2.PushKVChunk]) -> int:
-        """PushKV: reads one push into its reservation; returns its payload bytes; raises EngineError."""
+    async def receive(self, chunks: AsyncIterator[Any]) -> int:
+        """PushKV: reads one push into its reservation; returns its payload bytes; raises EngineError.
+
+        ``chunks``: ``PushKVChunk`` messages, or data chunks as views (``push_wire.deserialize_kv_chunk``)."""
         stream = aiter(chunks)
         first = await self._next(stream)
         started = time.perf_counter()
-        if first is None or first.WhichOneof("kind") != "header":
+        if first is None or push_wire.data_of(first) is not None or first.WhichOneof("kind") != "header":
             raise _invalid("a KV push must start with its header")
         header = first.header
         convert.check_request_id(header.request_id)
@@ -144,7 +152,7 @@ class KVTransfer:
         targets = await self.engine.call(core.kv_push_targets, *ids, shape[3])  # refused before any buffer
         buffer = await self._read_payload(stream, num_bytes)
         kv = tensors.tensor_from_bytes(buffer, dtype, shape)
-        if kv.is_floating_point() and not bool(torch.isfinite(kv).all()):
+        if not tensors.all_finite(kv):
             raise _invalid("the KV push holds non-finite values")
 
         def land() -> None:  # on the engine thread: the reservation is checked again, then written
@@ -157,23 +165,26 @@ class KVTransfer:
         self.stats.received.add(num_bytes, time.perf_counter() - started)
         return num_bytes
 
-    async def _read_payload(self, stream: AsyncIterator[epd_pb2.PushKVChunk], num_bytes: int) -> bytearray:
+    async def _read_payload(self, stream: AsyncIterator[Any], num_bytes: int) -> bytearray:
+        """The payload, each chunk's bytes copied once (from the received message) into the buffer."""
         buffer, filled = bytearray(num_bytes), 0
-        while (chunk := await self._next(stream)) is not None:
-            if chunk.WhichOneof("kind") != "data":
-                raise _invalid("only data chunks may follow the header")
-            size = len(chunk.data)
-            if size > tensors.CHUNK_BYTES:
-                raise _invalid("a KV push chunk is over 1 MiB")
-            if filled + size > num_bytes:
-                raise _invalid("the KV push sent more bytes than its header declares")
-            buffer[filled : filled + size] = chunk.data
-            filled += size
+        with memoryview(buffer) as view:
+            while (chunk := await self._next(stream)) is not None:
+                data = push_wire.data_of(chunk)
+                if data is None:
+                    raise _invalid("only data chunks may follow the header")
+                size = len(data)
+                if size > tensors.CHUNK_BYTES:
+                    raise _invalid("a KV push chunk is over 1 MiB")
+                if filled + size > num_bytes:
+                    raise _invalid("the KV push sent more bytes than its header declares")
+                view[filled : filled + size] = data
+                filled += size
         if filled != num_bytes:
             raise _invalid("the KV push ended before its last byte")
         return buffer
 
-    async def _next(self, stream: AsyncIterator[epd_pb2.PushKVChunk]) -> epd_pb2.PushKVChunk | None:
+    async def _next(self, stream: AsyncIterator[Any]) -> Any | None:
         try:
             return await asyncio.wait_for(anext(stream), self.config.push_idle_timeout_s)
         except StopAsyncIteration:
@@ -203,10 +214,12 @@ class KVTransfer:
                     raise EngineError(ErrorKind.UNAVAILABLE, "the prefilled KV is no longer held for its push")
                 if handoff.num_cached_blocks >= len(export.block_ids):
                     raise _invalid("num_cached_blocks leaves nothing to push")
+                # The engine thread only copies the blocks out (into the CPU tensor that is sent);
+                # encoding and sending happen here, on the event loop.
                 return export, core.runner.read_kv_blocks(export.block_ids[handoff.num_cached_blocks :])
 
             export, kv = await self.engine.call(read)
-            payload = tensors.tensor_bytes(kv)
+            payload = tensors.tensor_bytes(kv)  # a view of kv's memory (a CPU tensor: no copy)
             header = epd_pb2.KVHeader(
                 request_id=request_id,
                 reservation_id=handoff.reservation_id,
@@ -231,26 +244,25 @@ class KVTransfer:
             raise EngineError(ErrorKind.PERMISSION_DENIED, "kv_handoff.address is not allowed (--decode-allow)")
 
     async def _send(self, address: str, header: epd_pb2.KVHeader, payload: memoryview, timeout_s: float | None) -> None:
-        def chunks() -> Iterator[epd_pb2.PushKVChunk]:
+        def chunks() -> Iterator[epd_pb2.PushKVChunk | bytes]:  # each data chunk encoded as it is sent
             yield epd_pb2.PushKVChunk(header=header)
-            for chunk in tensors.iter_chunks(payload):
-                yield epd_pb2.PushKVChunk(data=chunk)
+            yield from push_wire.iter_data_chunks(payload)
 
         try:
-            await self._stub(address).PushKV(chunks(), timeout=timeout_s)
+            await self._push_call(address)(chunks(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             log.warning("KV push to a decode instance failed: %s", error.code().name)
             kind = _KINDS.get(error.code(), ErrorKind.UNAVAILABLE)
             raise EngineError(kind, "the KV push to the decode instance failed") from None
 
-    def _stub(self, address: str) -> epd_pb2_grpc.PrefillDecodeStub:
+    def _push_call(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         if not address or len(address) > _MAX_ADDRESS_CHARS or address.count(":") < 1:
             raise _invalid("kv_handoff.address must be host:port")
         if address in self._channels:
             self._channels.move_to_end(address)
             return self._channels[address][1]
         channel = self._channel_factory(address)
-        self._channels[address] = (channel, epd_pb2_grpc.PrefillDecodeStub(channel))
+        self._channels[address] = (channel, push_wire.push_call(channel, "PushKV"))
         while len(self._channels) > MAX_CHANNELS:
             _, (old, _) = self._channels.popitem(last=False)
             asyncio.get_running_loop().create_task(old.close())

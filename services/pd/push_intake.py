@@ -26,6 +26,7 @@ import torch
 
 from services.common import tensors
 from services.common.pb import epd_pb2
+from services.common.push_wire import data_of
 from services.pd import convert
 from services.pd.engine.errors import EngineError, ErrorKind
 
@@ -39,13 +40,6 @@ _BUSY_RETRY_S = 0.2  # a push in flight ends within its idle timeout or complete
 
 def _invalid(message: str) -> EngineError:
     return EngineError(ErrorKind.INVALID_ARGUMENT, message)
-
-
-def data_of(chunk: memoryview | epd_pb2.PushEmbeddingChunk) -> memoryview | bytes | None:
-    """The payload of a data chunk (``push_wire`` hands those over as views), or None for a header."""
-    if isinstance(chunk, memoryview):
-        return chunk
-    return chunk.data if chunk.WhichOneof("kind") == "data" else None
 
 
 class PushIntake:
@@ -110,7 +104,7 @@ class PushIntake:
         if payload is None:
             return header, None
         embedding = tensors.tensor_from_bytes(payload, tensors.dtype_from_pb(header.dtype), list(header.shape))
-        if not bool(torch.isfinite(embedding).all()):
+        if not tensors.all_finite(embedding):
             raise _invalid("embedding has non-finite values")
         return header, embedding
 

@@ -174,9 +174,18 @@ class ModelRunner:
         return start_static_decoder(functools.partial(self._static_decoder, config), plan)
 
     def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """``[2 (K, V), layers, kv_heads, len(block_ids), block_size, head_dim]`` on the CPU: what a KV push sends."""
+        """``[2 (K, V), layers, kv_heads, len(block_ids), block_size, head_dim]`` on the CPU: what a KV push sends.
+
+        A copy the blocks can be reused after: on the CPU one gather straight into the tensor that is
+        sent (no stack, no second copy); on an accelerator a gather there, then one copy to the host."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        return torch.stack((self.key_cache.index_select(2, index), self.value_cache.index_select(2, index))).cpu()
+        out = torch.empty(self.kv_push_shape(len(block_ids)), dtype=self.dtype)
+        for half, cache in zip(out, (self.key_cache, self.value_cache), strict=True):
+            if self.device.type == "cpu":
+                torch.index_select(cache, 2, index, out=half)
+            else:
+                half.copy_(cache.index_select(2, index))
+        return out
 
     def write_kv_blocks(self, block_ids: Sequence[int], kv: torch.Tensor) -> None:
         """Writes a received push (``read_kv_blocks``' layout) into ``block_ids``, in place (graphs keep

@@ -7,12 +7,16 @@ Generate on D with the reservation. Greedy tokens must equal those of a
 oracle tests): text, an image, and Qwen2.5-VL with an image, whose M-RoPE
 positions D derives from the reserved spans. Refusals (late, foreign or
 malformed pushes, wrong role) leave nothing behind on any of the three.
+P sends with ``push_wire``'s pre-encoded chunks and D receives data chunks as
+views; a relay on the generated stubs between them (a generated-stub
+receiver, then a generated-stub sender) must change nothing.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from concurrent import futures
 
 import grpc
 import pytest
@@ -91,8 +95,9 @@ def generate_request(request_id, prompt, items, max_tokens, sampling=None, **fie
     )
 
 
-def handed_off(trio, prompt, items=(), embedding=None, max_tokens=12, sampling=None):
-    """Runs one request through P then D; returns (P's tokens, D's tokens, D's final message)."""
+def handed_off(trio, prompt, items=(), embedding=None, max_tokens=12, sampling=None, address=None):
+    """Runs one request through P then D (P pushing to ``address``, default D's); returns
+    (P's tokens, D's tokens, D's final message)."""
     request_id = new_request_id()
     grant = trio.decode.ReserveKV(
         epd_pb2.ReserveKVRequest(request_id=request_id, prompt_token_ids=prompt, items=items), timeout=30
@@ -100,7 +105,9 @@ def handed_off(trio, prompt, items=(), embedding=None, max_tokens=12, sampling=N
     if items:
         preallocate_and_push(trio.prefill, request_id, prompt, items, embedding)
     handoff = epd_pb2.KVHandoff(
-        address=trio.decode_address, reservation_id=grant.reservation_id, num_cached_blocks=grant.num_cached_blocks
+        address=address or trio.decode_address,
+        reservation_id=grant.reservation_id,
+        num_cached_blocks=grant.num_cached_blocks,
     )
     first, _, _ = run_generate(
         trio.prefill, generate_request(request_id, prompt, items, max_tokens, sampling, kv_handoff=handoff)
@@ -177,6 +184,40 @@ def test_an_image_is_token_exact_through_prefill_then_decode(trio):
     assert tokens == expected
 
 
+class GeneratedStubRelay(epd_pb2_grpc.PrefillDecodeServicer):
+    """A PushKV receiver on the generated stubs (parsed messages) that forwards each push to D with
+    the generated stub's sender, keeping the chunks it saw."""
+
+    def __init__(self, decode: epd_pb2_grpc.PrefillDecodeStub) -> None:
+        self.decode = decode
+        self.pushes: list[list[epd_pb2.PushKVChunk]] = []
+
+    def PushKV(self, request_iterator, context):
+        chunks = list(request_iterator)
+        self.pushes.append(chunks)
+        return self.decode.PushKV(iter(chunks), timeout=30)
+
+
+def test_generated_stub_peers_interoperate_with_the_fast_push(trio):
+    relay = GeneratedStubRelay(trio.decode)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    epd_pb2_grpc.add_PrefillDecodeServicer_to_server(relay, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        prompt = list(range(300, 345))
+        expected = whole(trio, prompt)
+        first, tokens, _ = handed_off(trio, prompt, address=f"127.0.0.1:{port}")
+    finally:
+        server.stop(0)
+    assert first == expected[:1] and tokens == expected
+    (chunks,) = relay.pushes
+    header, data = chunks[0], chunks[1:]
+    assert header.WhichOneof("kind") == "header" and header.header.shape[0] == 2
+    assert data and all(c.WhichOneof("kind") == "data" and len(c.data) <= tensors.CHUNK_BYTES for c in data)
+    assert sum(len(c.data) for c in data) == header.header.num_bytes
+
+
 def test_decode_skips_the_blocks_it_already_holds(trio):
     prompt = list(range(50, 90))
     first_tokens = handed_off(trio, prompt)[1]
@@ -231,7 +272,8 @@ def test_pushes_that_are_not_wanted_are_refused(trio):
     ]
     for chunks, code in cases:
         assert code_of(lambda chunks=chunks: trio.decode.PushKV(chunks(), timeout=30)) == code
-    trio.decode.PushKV(kv_push(request_id, grant.reservation_id, n, block), timeout=30)  # still wanted
+    landed = trio.decode.PushKV(kv_push(request_id, grant.reservation_id, n, block), timeout=30)  # still wanted
+    assert landed.num_bytes == tensors.expected_num_bytes(torch.float32, [2, *block[:2], n, *block[2:]])
     again = code_of(lambda: trio.decode.PushKV(kv_push(request_id, grant.reservation_id, n, block), timeout=30))
     assert again == grpc.StatusCode.FAILED_PRECONDITION
     trio.decode.Abort(epd_pb2.AbortRequest(request_id=request_id))

@@ -1,4 +1,4 @@
-"""push_wire: the copy-saving PushEmbedding encoding is byte-for-byte the protobuf one, both ways."""
+"""push_wire: the copy-saving PushEmbedding / PushKV encoding is byte-for-byte the protobuf one, both ways."""
 
 from __future__ import annotations
 
@@ -36,6 +36,33 @@ def test_anything_but_a_lone_data_field_is_parsed_as_a_message():
     assert push_wire.deserialize_chunk(trailing).data == b"xy"
 
 
+@pytest.mark.parametrize("size", [0, 1, 300, 1 << 20])
+def test_a_kv_data_chunk_encodes_and_decodes_as_protobuf_does(size):
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    encoded = push_wire.encode_data_chunk(memoryview(payload))
+    assert encoded == epd_pb2.PushKVChunk(data=payload).SerializeToString()
+    decoded = push_wire.deserialize_kv_chunk(encoded)
+    assert isinstance(decoded, memoryview) and decoded.tobytes() == payload
+    assert push_wire.data_of(decoded) is decoded
+
+
+def test_a_kv_header_is_parsed_as_a_push_kv_chunk():
+    header = epd_pb2.PushKVChunk(header=epd_pb2.KVHeader(request_id="r", shape=[2, 1, 1, 1, 4, 8], num_bytes=256))
+    decoded = push_wire.deserialize_kv_chunk(header.SerializeToString())
+    assert isinstance(decoded, epd_pb2.PushKVChunk)
+    assert decoded.header.shape == [2, 1, 1, 1, 4, 8] and push_wire.data_of(decoded) is None
+    assert push_wire.data_of(epd_pb2.PushKVChunk()) is None  # an empty message is no data chunk
+    assert push_wire.data_of(epd_pb2.PushKVChunk(data=b"ab")) == b"ab"
+
+
+def test_iter_data_chunks_splits_and_encodes_the_payload():
+    payload = memoryview(bytes(range(256)) * 10)
+    chunks = list(push_wire.iter_data_chunks(payload, 1000))
+    assert [len(push_wire.deserialize_kv_chunk(c)) for c in chunks] == [1000, 1000, 560]
+    assert b"".join(epd_pb2.PushKVChunk.FromString(c).data for c in chunks) == payload.tobytes()
+    assert list(push_wire.iter_data_chunks(memoryview(b""))) == []
+
+
 def test_a_truncated_chunk_is_a_decode_error():
     encoded = push_wire.encode_data_chunk(b"x" * 300)
     with pytest.raises(Exception):  # noqa: B017 - protobuf's DecodeError; gRPC turns it into INTERNAL
@@ -68,5 +95,21 @@ def test_every_prefill_decode_method_is_registered():
     push = server.handlers["PushEmbedding"]
     assert push.request_streaming and not push.response_streaming
     assert push.request_deserializer is push_wire.deserialize_chunk
+    kv = server.handlers["PushKV"]
+    assert kv.request_streaming and not kv.response_streaming
+    assert kv.request_deserializer is push_wire.deserialize_kv_chunk
     generate = server.handlers["Generate"]
     assert not generate.request_streaming and generate.response_streaming
+
+
+def test_push_call_takes_the_push_methods_only():
+    class ChannelDouble:
+        def stream_unary(self, method, request_serializer, response_deserializer):
+            return method, request_serializer, response_deserializer
+
+    method, serializer, deserializer = push_wire.push_call(ChannelDouble(), "PushKV")
+    assert method == "/epd.v1.PrefillDecode/PushKV" and serializer is push_wire.serialize_chunk
+    assert deserializer == epd_pb2.PushKVResponse.FromString
+    assert push_wire.push_call(ChannelDouble())[0] == push_wire.PUSH_METHOD
+    with pytest.raises(ValueError):
+        push_wire.push_call(ChannelDouble(), "Generate")

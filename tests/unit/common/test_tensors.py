@@ -58,3 +58,34 @@ def test_bfloat16_bytes_without_numpy_support():
     raw = bytes(tensors.tensor_bytes(original))
     assert len(raw) == 4
     assert torch.equal(tensors.tensor_from_bytes(raw, torch.bfloat16, [2]), original)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_finds_any_non_finite_value_as_isfinite_does(dtype, bad):
+    small = torch.randn(67).to(dtype)
+    assert tensors.all_finite(small) and tensors.all_finite(small.reshape(67, 1)[::2])
+    for position in range(small.numel()):  # every lane and tail position of the vectorized reduction
+        spoiled = small.clone()
+        spoiled[position] = bad
+        assert not tensors.all_finite(spoiled) and not bool(torch.isfinite(spoiled).all())
+    large = torch.randn(2, 3, 4, 257, 4, 16).to(dtype)
+    assert tensors.all_finite(large)
+    for position in (0, 1, 4095, large.numel() // 2 + 3, large.numel() - 1):
+        spoiled = large.clone()
+        spoiled.view(-1)[position] = bad
+        assert not tensors.all_finite(spoiled)
+    assert not tensors.all_finite(torch.full((5,), bad, dtype=dtype))
+
+
+def test_all_finite_finds_nans_of_any_bit_pattern():
+    values = torch.zeros(40, dtype=torch.float32)
+    for bits in (0x7FC00000, 0xFFC00001, 0x7F800001, 0xFFFFFFFF):  # quiet, negative, signalling, all ones
+        spoiled = values.clone()
+        spoiled.view(torch.int32)[17] = torch.tensor(bits, dtype=torch.int64).to(torch.int32)
+        assert torch.isnan(spoiled[17]) and not tensors.all_finite(spoiled)
+
+
+def test_all_finite_passes_empty_and_integer_tensors():
+    assert tensors.all_finite(torch.empty(0, 4)) and tensors.all_finite(torch.arange(5, dtype=torch.uint8))
+    assert tensors.all_finite(torch.tensor([torch.finfo(torch.float16).max, -65504.0], dtype=torch.float16))

@@ -244,3 +244,19 @@ def test_ragged_decode_reads_consecutive_blocks_in_place_and_gathers_the_rest():
     group = ragged_decode_group([0, 1, 2], [9, 4, 5], [[6, 7, 8], [3], [2, 9]], 4, "cpu")
     assert group.spans == ((True, 24, 9), (True, 12, 4), (False, 0, 5))
     assert group.block_ids.tolist() == [2, 9]  # only the scattered table
+
+
+def test_kv_blocks_are_read_as_a_copy_in_push_order_and_written_back(runner):
+    generator = torch.Generator().manual_seed(3)
+    runner.key_cache.copy_(torch.randn(runner.key_cache.shape, generator=generator))
+    runner.value_cache.copy_(torch.randn(runner.value_cache.shape, generator=generator))
+    blocks = [7, 2, 3, 40]
+    kv = runner.read_kv_blocks(blocks)
+    index = torch.tensor(blocks)
+    expected = torch.stack((runner.key_cache.index_select(2, index), runner.value_cache.index_select(2, index)))
+    assert kv.device.type == "cpu" and kv.is_contiguous() and kv.shape == runner.kv_push_shape(len(blocks))
+    assert torch.equal(kv, expected)
+    runner.key_cache.zero_()  # the blocks may be reused once read: the copy keeps what was read
+    assert torch.equal(kv, expected)
+    runner.write_kv_blocks([10, 11, 12, 13], kv)
+    assert torch.equal(runner.read_kv_blocks([10, 11, 12, 13]), expected)
