@@ -41,6 +41,14 @@ waiting prompts override it, by three rules:
   for few prompts, so each waiting prompt gets the ITL share one prompt
   alone would get (``W`` times it in all): one prompt behind a busy batch,
   such as a long image prompt, advances at the ITL pace.
+- **A burst is finished as a burst.** A burst larger than the cap takes
+  several steps, and after the first its own prompts are decoding streams:
+  its last few prompts are then few beside many and would get one ITL share
+  each, their deadlines lost by then, so the tail of the burst trickled in
+  over many steps while the rest of it decoded (a burst of 32: a tenth of
+  its throughput). The prefill a burst had queued is therefore owed until it
+  is computed (``StepBudget`` keeps the count), and each step takes what is
+  still owed, up to the cap.
 
 The step takes the largest of the ITL, deadline and queue shares, never more
 than ``--max-num-batched-tokens`` (the hard cap) and never less than the
@@ -148,12 +156,17 @@ def deadline_share(
     return min(cap, need)
 
 
+def is_burst(num_waiting: int, num_decoding: int) -> bool:
+    """Whether this many waiting prompts beside this many decoding streams are prefilled as one batch."""
+    return num_waiting >= 2 and num_waiting >= QUEUE_BATCH_RATIO * num_decoding
+
+
 def queue_share(queue: Sequence[PendingPrompt], itl_share: int, cap: int, num_decoding: int) -> int:
     """The prefill the waiting prompts claim together (module docstring: "Queues are batched")."""
     num_waiting = len(queue)
     if num_waiting < 2:
         return 0
     needed = sum(prompt.num_tokens for prompt in queue)
-    if num_waiting >= QUEUE_BATCH_RATIO * num_decoding:
+    if is_burst(num_waiting, num_decoding):
         return min(cap, needed)
     return min(cap, itl_share * num_waiting, needed)

@@ -18,8 +18,9 @@ step it ran (which the ``StepTimeModel`` learns from). The rule:
   least chunk per step that lets every prompt still able to meet its TTFT
   deadline meet it (an approaching deadline wins over the ITL target; a lost
   one does not), and the **queue share** (a burst, many prompts waiting
-  beside few streams, is prefilled in one step; a few waiting prompts get
-  one ITL share each). The step takes the largest of the three;
+  beside few streams, is prefilled in one step, or in whole-cap steps until
+  what it had queued is computed; a few waiting prompts get one ITL share
+  each). The step takes the largest of the three;
 - the ITL target is ``--slo-itl-ms``, or with ``auto`` ``AUTO_TARGET_MULTIPLE``
   times the predicted decode-only step of the current batch; the TTFT target
   is ``--slo-ttft-ms``, or with ``auto`` ``AUTO_TTFT_MULTIPLE`` times the
@@ -129,6 +130,8 @@ class StepBudget:
         # walks the whole queue by deadline, and the prediction behind a target costs two model calls.
         self._ttft_targets: dict[int, float] = {}
         self._ttft_targets_fit = -1  # the model's num_updates they were computed for
+        # Prefill tokens a burst queued that are not computed yet (slo.py: "A burst is finished as a burst").
+        self._burst_owed = 0
 
     @classmethod
     def off(cls, max_num_batched_tokens: int) -> StepBudget:
@@ -170,6 +173,7 @@ class StepBudget:
             self._num_limited_steps += 1
         self.observe(shape, ended - started)
         self._last_step_end = ended
+        self._burst_owed = max(0, self._burst_owed - shape.num_prefill_tokens)
 
     # ------------------------------------------------------------------ the rule
     def prefill_budget(
@@ -193,9 +197,18 @@ class StepBudget:
                 itl_share,
                 slo.queue_share(queue, itl_share, cap, decoding.num_decode_rows),
                 slo.deadline_share(queue, base_s, per_token_s, cap, since_last_step_s),
+                min(cap, self._owed_to_burst(queue, decoding.num_decode_rows)),
             )
         self._last_budget = budget
         return budget
+
+    def _owed_to_burst(self, queue: Sequence[slo.PendingPrompt], num_decoding: int) -> int:
+        """What is still owed to the last burst (a new burst owes its whole queue), never more than the queue holds."""
+        queued = sum(prompt.num_tokens for prompt in queue)
+        if slo.is_burst(len(queue), num_decoding):
+            self._burst_owed = queued
+        self._burst_owed = min(self._burst_owed, queued)
+        return self._burst_owed
 
     def target_s(self, decode_step_s: float) -> float:
         """The latency target for a batch whose decode-only step takes ``decode_step_s``."""

@@ -9,6 +9,7 @@ import pytest
 from test_pd_step_budget import law, trained
 
 from services.pd.engine import slo
+from services.pd.engine.outputs import ScheduledChunk, SchedulerOutput
 from services.pd.engine.request import Request, RequestStatus, SamplingParams
 from services.pd.engine.slo import PendingPrompt, deadline_share, pending_prompts, queue_share
 from services.pd.engine.step_budget import (
@@ -40,6 +41,41 @@ def test_a_burst_is_prefilled_in_one_step_not_one_itl_share_at_a_time():
     assert alone < 30 and b.prefill_budget(DECODING, queue=burst) == 600  # all of them, in one step
     big = [PendingPrompt(300, -1.0) for _ in range(24)]
     assert b.prefill_budget(DECODING, queue=big) == CAP  # never more than the cap
+
+
+def test_a_burst_larger_than_the_cap_is_finished_in_whole_cap_steps():
+    """Its tail is few prompts beside the many streams it started, yet is still owed what it queued."""
+    b = budget()
+    burst = [PendingPrompt(150, -1.0)] * 32  # 4800 tokens beside 2 streams: a burst over two caps
+    assert b.prefill_budget(StepShape(2, 0, 200), queue=burst) == CAP
+    b.after_step(_prefill_step(CAP), started=1.0, ended=1.5)
+    # 18 prompts left beside the 16 that started: still a burst by the count.
+    left = [PendingPrompt(150, -1.0)] * 18
+    assert b.prefill_budget(StepShape(16, 0, 2000), queue=left) == CAP
+    b.after_step(_prefill_step(CAP), started=1.5, ended=2.0)
+    # 2700 - 2048 = 652 tokens in 5 prompts beside 29 streams: not a burst by the count, owed by the first one.
+    tail = [PendingPrompt(130, -1.0)] * 4 + [PendingPrompt(132, -1.0)]
+    busy = StepShape(29, 0, 5000)
+    assert b.prefill_budget(busy, queue=tail) == 652
+    b.after_step(_prefill_step(652), started=2.0, ended=2.3)
+    # Paid off: the next prompts behind the busy batch get one ITL share each again.
+    later = [PendingPrompt(500, 1e6)] * 3
+    assert b.prefill_budget(busy, queue=later) == 3 * b.prefill_budget(busy)
+
+
+def test_what_a_burst_is_owed_never_exceeds_what_is_queued():
+    b, busy = budget(), StepShape(29, 0, 5000)
+    alone = budget().prefill_budget(busy)
+    assert b.prefill_budget(StepShape(2, 0, 200), queue=[PendingPrompt(1500, -1.0)] * 4) == CAP
+    # Its prompts were aborted: one short prompt is left, and it gets only what it needs (not the cap).
+    assert alone < 100 and b.prefill_budget(busy, queue=[PendingPrompt(100, 1e6)]) == 100
+    b.after_step(_prefill_step(100), started=1.0, ended=1.2)
+    # A prompt arriving later is not owed the rest of the old burst.
+    assert b.prefill_budget(busy, queue=[PendingPrompt(800, 1e6)]) == b.prefill_budget(busy) < 100
+
+
+def _prefill_step(num_tokens: int) -> SchedulerOutput:
+    return SchedulerOutput(chunks=[ScheduledChunk("p", [1] * num_tokens, 0, [0])])
 
 
 def test_a_few_prompts_behind_many_streams_get_one_itl_share_each():
