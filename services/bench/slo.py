@@ -118,9 +118,9 @@ def _mixed(args: argparse.Namespace, model_dir: str, image_size: int) -> dict[st
 
 
 def _words() -> tuple[str, ...]:
-    from services.bench.serve.workload import _WORDS
+    from services.bench.serve.words import PROMPT_WORDS
 
-    return tuple(_WORDS)
+    return PROMPT_WORDS
 
 
 # ------------------------------------------------------------------ one epd up

@@ -18,6 +18,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from services.bench.serve.words import PROMPT_WORDS
+
 WARMUP_RUN = 1_000_000
 CALIBRATION_RUN = 2_000_000
 """Run indexes of warm-up and calibration requests: never equal to a measured run's."""
@@ -68,74 +70,6 @@ WORKLOADS = {
 }
 
 VIDEO_FPS = 4  # frame rate of the bench's clips; the sampling rate (1 or 2 fps) is drawn per clip
-
-_WORDS = [
-    "the",
-    "a",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "lazy",
-    "dog",
-    "river",
-    "mountain",
-    "city",
-    "light",
-    "shadow",
-    "window",
-    "garden",
-    "morning",
-    "evening",
-    "market",
-    "story",
-    "picture",
-    "color",
-    "blue",
-    "green",
-    "red",
-    "yellow",
-    "small",
-    "large",
-    "old",
-    "new",
-    "bright",
-    "dark",
-    "quiet",
-    "loud",
-    "people",
-    "street",
-    "house",
-    "tree",
-    "bird",
-    "cloud",
-    "rain",
-    "sun",
-    "moon",
-    "star",
-    "road",
-    "bridge",
-    "boat",
-    "train",
-    "station",
-    "table",
-    "chair",
-    "book",
-    "paper",
-    "music",
-    "voice",
-    "water",
-    "stone",
-    "field",
-    "forest",
-    "ocean",
-    "island",
-    "winter",
-    "summer",
-    "spring",
-    "autumn",
-]
 
 
 @dataclass(frozen=True)
@@ -191,7 +125,7 @@ def make_requests(
     sent: list[ImageRef] = []
     requests = []
     for index in range(num_requests):
-        prompt = " ".join(rng.choice(_WORDS) for _ in range(prompt_words))
+        prompt = " ".join(rng.choice(PROMPT_WORDS) for _ in range(prompt_words))
         earlier = len(sent)  # images of earlier requests: sent[:earlier]
         images: list[ImageRef] = []
         num_repeated = 0
@@ -223,7 +157,7 @@ def _with_long_words(shape: WorkloadShape, long_words: tuple[int, int] | None) -
 
 
 def _long_prompt(rng: random.Random, shape: WorkloadShape) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(*shape.long_words)))
+    return " ".join(rng.choice(PROMPT_WORDS) for _ in range(rng.randint(*shape.long_words)))
 
 
 def _image_class(num_images: int, num_repeated: int) -> str | None:
@@ -259,7 +193,7 @@ def lone_requests(
     shape = _with_long_words(WORKLOADS[workload], long_words)
     if shape.long_fraction:
         rng = random.Random(f"epd-bench-serve:long:{seed}:{run}")
-        longest = [" ".join(rng.choice(_WORDS) for _ in range(shape.long_words[1])) for _ in texts]
+        longest = [" ".join(rng.choice(PROMPT_WORDS) for _ in range(shape.long_words[1])) for _ in texts]
         return texts, [RequestSpec(i, p, (), None, max_tokens, long_prompt=True) for i, p in enumerate(longest)]
     return texts, _heaviest_image_requests(workload, texts, seed=seed, run=run, image_size=image_size)
 
