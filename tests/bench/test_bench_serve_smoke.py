@@ -21,18 +21,18 @@ from services.bench.serve.workload import make_requests
 pytestmark = pytest.mark.e2e
 
 
-def seed_with_text_and_images(count: int) -> int:
-    """The first seed whose ``mixed`` run has both kinds of request (so both groups are reported)."""
+def seed_with_kinds(workload: str, count: int, kinds: set[str]) -> int:
+    """The first seed whose ``workload`` run of ``count`` requests has every one of ``kinds`` (so each is reported)."""
     for seed in range(1000):
-        kinds = {s.kind for s in make_requests("mixed", count, seed=seed, run=0, image_size=32, prompt_words=8)}
-        if kinds == {"text", "image"}:
+        specs = make_requests(workload, count, seed=seed, run=0, image_size=32, prompt_words=8)
+        if {s.kind for s in specs} == kinds:
             return seed
     raise AssertionError("no such seed")
 
 
 def test_bench_serve_writes_json_markdown_and_plots(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    seed = seed_with_text_and_images(6)
+    seed = seed_with_kinds("mixed", 6, {"text", "image"})
     # Two cores and 1 encoder + 1 PD whatever the machine has (its default layout scales with the cores).
     cores = sorted(os.sched_getaffinity(0))[:2]
     if len(cores) < 2:
@@ -117,19 +117,10 @@ def test_bench_serve_writes_json_markdown_and_plots(tiny_model_dir, tmp_path):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def seed_with_every_long_mixed_kind(count: int) -> int:
-    """The first seed whose ``long-mixed`` run has short text, long-prompt and image requests."""
-    for seed in range(1000):
-        specs = make_requests("long-mixed", count, seed=seed, run=0, image_size=32, prompt_words=8)
-        if {s.kind for s in specs} == {"text", "long", "image"}:
-            return seed
-    raise AssertionError("no such seed")
-
-
 def test_bench_serve_runs_epd_beside_disagg_on_the_long_mixed_workload(tiny_model_dir, tmp_path):
     """(d) E+P+D end to end on two cores: prefill PD + encoder on one, decode PD on the other, compared with (c)."""
     out = tmp_path / "out"
-    seed = seed_with_every_long_mixed_kind(8)
+    seed = seed_with_kinds("long-mixed", 8, {"text", "long", "image"})
     cores = sorted(os.sched_getaffinity(0))[:2]
     if len(cores) < 2:
         pytest.skip("the E+P+D layout needs two cores")
