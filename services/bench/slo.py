@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from services.bench.serve.words import PROMPT_WORDS
 from services.common import cli_args
 
 BURST_WORDS = (8, 120)
@@ -73,9 +74,10 @@ def _burst(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     from services.bench.serve.workload import RequestSpec, encode_bodies
 
     rng = random.Random(f"epd-bench-slo:burst:{args.seed}")
-    words = _words()
     specs = [
-        RequestSpec(i, " ".join(rng.choice(words) for _ in range(rng.randint(*BURST_WORDS))), (), None, args.max_tokens)
+        RequestSpec(
+            i, " ".join(rng.choice(PROMPT_WORDS) for _ in range(rng.randint(*BURST_WORDS))), (), None, args.max_tokens
+        )
         for i in range(args.num_requests)
     ]
     bodies = encode_bodies(specs)
@@ -92,7 +94,6 @@ def _mixed(args: argparse.Namespace, model_dir: str, image_size: int) -> dict[st
     from services.bench.serve.workload import ImageRef, RequestSpec, encode_bodies
 
     rng = random.Random(f"epd-bench-slo:mixed:{args.seed}")
-    words = _words()
     arrivals: list[tuple[float, int]] = []  # (time, number of images)
     for rate, num_images in ((args.text_rate, 0), (args.image_rate, 4)):
         t = rng.expovariate(rate) if rate > 0 else args.seconds
@@ -106,7 +107,7 @@ def _mixed(args: argparse.Namespace, model_dir: str, image_size: int) -> dict[st
             ImageRef((args.seed, index, k), *(round(image_size * rng.uniform(0.75, 1.25)) for _ in range(2)))
             for k in range(num_images)
         )
-        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(*BURST_WORDS)))
+        prompt = " ".join(rng.choice(PROMPT_WORDS) for _ in range(rng.randint(*BURST_WORDS)))
         specs.append(RequestSpec(index, prompt, images, "first_seen" if images else None, args.max_tokens))
     bodies = encode_bodies(specs)
     times = [t for t, _ in arrivals]
@@ -115,12 +116,6 @@ def _mixed(args: argparse.Namespace, model_dir: str, image_size: int) -> dict[st
         "colocated": _serve(model_dir, ["--colocated"], {}, specs, bodies, times),
     }
     return {"workload": "mixed", "model": model_dir, "configs": configs}
-
-
-def _words() -> tuple[str, ...]:
-    from services.bench.serve.words import PROMPT_WORDS
-
-    return PROMPT_WORDS
 
 
 # ------------------------------------------------------------------ one epd up
