@@ -69,6 +69,7 @@ async def _measure(args: argparse.Namespace, lengths: list[int]) -> list[dict[st
     try:
         async with grpc.aio.insecure_channel(prefill.address) as p, grpc.aio.insecure_channel(decode.address) as d:
             stubs = (epd_pb2_grpc.PrefillDecodeStub(p), epd_pb2_grpc.PrefillDecodeStub(d))
+            assert prefill.servicer is not None  # start_pd always attaches one
             vocab = prefill.servicer.vocab_size
             runner = prefill.engine.core.runner
             await _one(prefill, decode, stubs, min(lengths), vocab)  # warm-up

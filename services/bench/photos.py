@@ -136,8 +136,11 @@ def _ask(base_url: str, model: str, width: int, height: int, seed: int) -> dict[
 
 def _in_flight(base_url: str, model: str, size: tuple[int, ...], count: int, window_s: float) -> dict[str, Any]:
     outcomes: list[dict[str, Any]] = []
+    width, height = size
     threads = [
-        threading.Thread(target=lambda k=k: outcomes.append(_ask(base_url, model, *size, seed=100 + k)), daemon=True)
+        threading.Thread(
+            target=lambda k=k: outcomes.append(_ask(base_url, model, width, height, seed=100 + k)), daemon=True
+        )
         for k in range(count)
     ]
     for thread in threads:

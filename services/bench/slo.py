@@ -29,10 +29,13 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from services.bench.serve.words import PROMPT_WORDS
 from services.common import cli_args
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
 BURST_WORDS = (8, 120)
 """Prompt words of a burst request, drawn uniformly (the range a chat turn spans)."""
@@ -90,6 +93,11 @@ def _burst(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     return {"workload": "burst", "model": model_dir, "configs": configs, "hf_generate": hf}
 
 
+def _jittered_size(rng: random.Random, size: int) -> tuple[int, int]:
+    """A width and a height, each within 25% of ``size`` (drawn in that order)."""
+    return round(size * rng.uniform(0.75, 1.25)), round(size * rng.uniform(0.75, 1.25))
+
+
 def _mixed(args: argparse.Namespace, model_dir: str, image_size: int) -> dict[str, Any]:
     from services.bench.serve.workload import ImageRef, RequestSpec, encode_bodies
 
@@ -103,10 +111,7 @@ def _mixed(args: argparse.Namespace, model_dir: str, image_size: int) -> dict[st
     arrivals.sort()
     specs = []
     for index, (_, num_images) in enumerate(arrivals):
-        images = tuple(
-            ImageRef((args.seed, index, k), *(round(image_size * rng.uniform(0.75, 1.25)) for _ in range(2)))
-            for k in range(num_images)
-        )
+        images = tuple(ImageRef((args.seed, index, k), *_jittered_size(rng, image_size)) for k in range(num_images))
         prompt = " ".join(rng.choice(PROMPT_WORDS) for _ in range(rng.randint(*BURST_WORDS)))
         specs.append(RequestSpec(index, prompt, images, "first_seen" if images else None, args.max_tokens))
     bodies = encode_bodies(specs)
@@ -177,7 +182,8 @@ def _hf_sequential(model_dir: str, prompts: list[str], max_tokens: int) -> dict[
     from services.common.models import load_adapter
 
     adapter = load_adapter(model_dir)
-    model = adapter.load_full_model(torch.device("cpu"), torch.float32)
+    # The families' full models are *ForConditionalGeneration: a PreTrainedModel that is also a GenerationMixin.
+    model = cast("GenerationMixin", adapter.load_full_model(torch.device("cpu"), torch.float32))
     tokenizer = adapter.load_tokenizer()
     print(f"[slo] transformers generate(): {len(prompts)} requests, one at a time", file=sys.stderr)
     total_tokens, total_s = 0, 0.0

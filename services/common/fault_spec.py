@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 
 def parse_fault_spec(
     spec: str, *, switches: Mapping[str, str] = {}, integers: Mapping[str, str] = {}
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """``"name,other=3"`` -> dataclass fields: a switch sets its field True, ``name=N`` sets it to N.
+
+    The values are ``bool`` or ``int`` by field, so the dict is typed as the keyword arguments of
+    the faults dataclass it is spread into.
 
     ``switches`` and ``integers`` map spec names to field names. ValueError
     names the part that is neither.
     """
-    fields: dict[str, object] = {}
+    fields: dict[str, Any] = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue

@@ -49,7 +49,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 LAUNCH_KEY_ENV = "EPD_LAUNCH_KEY"
 """Environment variable carrying a child's own launch key (hex)."""
@@ -95,7 +95,7 @@ def proof(launch_key: str, challenge: str) -> str:
     return hmac.new(launch_key.encode(), _DOMAIN + challenge.encode(), hashlib.sha256).hexdigest()
 
 
-def _value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+def _value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
     """The value under ``key``: gRPC metadata, or HTTP headers (whose names are case-insensitive)."""
     for name, value in metadata or ():
         if name.lower() == key:
@@ -103,7 +103,7 @@ def _value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str 
     return None
 
 
-def answer(launch_key: str, invocation_metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+def answer(launch_key: str, invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The child's side: the proof for the call's challenge, or None when it carries none (or a bad one)."""
     challenge = _value(invocation_metadata, CHALLENGE_METADATA_KEY)
     if challenge is None or not 0 < len(challenge) <= MAX_CHALLENGE_CHARS or not challenge.isascii():
@@ -111,7 +111,7 @@ def answer(launch_key: str, invocation_metadata: Sequence[tuple[str, str | bytes
     return proof(launch_key, challenge)
 
 
-def verify(launch_key: str, challenge: str, trailing_metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+def verify(launch_key: str, challenge: str, trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
     """The launcher's side: whether the reply's trailers carry the right proof (constant time)."""
     given = _value(trailing_metadata, PROOF_METADATA_KEY)
     return given is not None and hmac.compare_digest(given.encode(), proof(launch_key, challenge).encode())

@@ -155,7 +155,7 @@ class InternalSecurity:
     # -- server side ----------------------------------------------------------
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials for ``add_secure_port``; None = serve plaintext."""
-        if not self.tls:
+        if self.tls_key is None or self.tls_cert is None:  # not self.tls: __post_init__ wants both or neither
             return None
         return grpc.ssl_server_credentials(
             [(self.tls_key, self.tls_cert)],
@@ -257,7 +257,10 @@ class _AttachToken:
             return details
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(*self._entry)
-        return details._replace(metadata=metadata)
+        # The same five fields as the namedtuple's _replace (which grpc's stubs do not declare).
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
 class _UnaryUnaryToken(_AttachToken, grpc.aio.UnaryUnaryClientInterceptor):

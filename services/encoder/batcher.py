@@ -322,7 +322,7 @@ class Batcher:
             for job in group:
                 self._retire(job)
         for job, row in zip(group, rows):
-            self._resolve(job, EncodeResult(row, elapsed, False), None)
+            self._resolve(job, EncodeResult(row, elapsed, False))
         self._report(self._metrics.on_batch, len(group), elapsed, True)
 
     # ---------------------------------------------------------------- helpers
@@ -354,17 +354,17 @@ class Batcher:
         # One exception object per future: a shared one would collect every
         # waiter's traceback.
         for job in jobs:
-            self._resolve(job, None, make_error())
+            self._resolve(job, make_error())
 
     @staticmethod
-    def _resolve(job: _Job, result: EncodeResult | None, error: EncoderError | None) -> None:
+    def _resolve(job: _Job, outcome: EncodeResult | EncoderError) -> None:
         def settle() -> None:
             if job.future.done():
                 return
-            if error is not None:
-                job.future.set_exception(error)
+            if isinstance(outcome, EncoderError):
+                job.future.set_exception(outcome)
             else:
-                job.future.set_result(result)
+                job.future.set_result(outcome)
 
         try:
             job.future.get_loop().call_soon_threadsafe(settle)

@@ -29,7 +29,7 @@ def cache_key(mm_hash: str, pixel_values: torch.Tensor, grid: Sequence[int] | No
     grid_text = "" if grid is None else str(tuple(grid))
     digest.update(f"{pixel_values.dtype}:{tuple(pixel_values.shape)}:{grid_text}\0".encode())
     flat = pixel_values.detach().contiguous().reshape(-1).view(torch.uint8)
-    digest.update(memoryview(flat.numpy()))
+    digest.update(flat.numpy().data)  # the array's buffer as a memoryview
     return f"{mm_hash}/{digest.hexdigest()}"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import grpc
 
@@ -123,9 +124,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if (
             handler is None
@@ -134,7 +135,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         ):
             return handler
         return grpc.unary_unary_rpc_method_handler(
-            _map_errors(handler.unary_unary),
+            # grpc's stubs type a handler's behaviour as synchronous; on this asyncio server it is
+            # a coroutine function taking the asyncio context.
+            _map_errors(cast(Handler, handler.unary_unary)),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )

@@ -42,7 +42,7 @@ STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
-FINISH_REASONS: dict[RequestStatus, int] = {
+FINISH_REASONS: dict[RequestStatus, epd_pb2.FinishReason] = {
     RequestStatus.FINISHED_STOPPED: epd_pb2.FINISH_REASON_STOP,
     RequestStatus.FINISHED_LENGTH: epd_pb2.FINISH_REASON_LENGTH,
 }

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -177,7 +177,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self._live_per_peer[peer] += 1
         return peer
 
-    async def _generate(self, request, context, line: AccessLine) -> AsyncIterator[epd_pb2.GenerateResponse]:
+    async def _generate(self, request, context, line: AccessLine) -> AsyncGenerator[epd_pb2.GenerateResponse, None]:
         """One admitted Generate, from the request to its last message."""
         try:
             engine_request = convert.request_from_pb(

@@ -45,7 +45,9 @@ def metric(summary: dict[str, Any], name: str) -> float | None:
     """One of ``RATIO_METRICS`` out of a run summary."""
     for key, group, what, statistic in RATIO_METRICS:
         if key == name:
-            return summary.get(key) if group is None else stat(summary, group, what, statistic)
+            if group is None or what is None or statistic is None:  # all three or none (a summary field)
+                return summary.get(key)
+            return stat(summary, group, what, statistic)
     raise KeyError(name)
 
 
@@ -76,7 +78,9 @@ def target_rate(by_rate: dict[str, dict[float, dict[str, Any]]]) -> tuple[float 
     """The rate targets are checked at, and why."""
     for baseline in ("colocated", "replicas", "disagg", "epd"):
         runs = by_rate.get(baseline)
-        saturation = saturation_rate(runs) if runs else None
+        if not runs:
+            continue
+        saturation = saturation_rate(runs)
         if saturation:
             rate = nearest_rate(sorted(runs), saturation)
             return rate, (

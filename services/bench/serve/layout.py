@@ -168,7 +168,7 @@ def _replicas(config: LayoutConfig, cores: tuple[int, ...], proxy_core: int) -> 
         # over them (least outstanding requests), as a data-parallel front end would.
         proxies = [_proxy(f"proxy-{i}", pd.cores[0], config.proxy_threads, [pd], [pd]) for i, pd in enumerate(pds)]
     label = f"(b) replicas: {count} colocated PDs x {len(groups[0])}-{len(groups[-1])} cores, data-parallel"
-    extra = ()
+    extra: tuple[str, ...] = ()
     if config.replica_proxy == "per-replica":
         extra = (
             (

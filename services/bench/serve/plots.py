@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ def _pyplot():
     return plt
 
 
-def plot_cdfs(path: Path, records: dict[str, Sequence[RequestRecord]], rate: float, workload: str) -> Path:
+def plot_cdfs(path: Path, records: Mapping[str, Sequence[RequestRecord]], rate: float, workload: str) -> Path:
     """Latency CDFs (TTFT, TPOT, ITL, E2E) of each configuration at one rate."""
     plt = _pyplot()
     # With other kinds beside short text (images, long prompts), the ITL panel shows the short text

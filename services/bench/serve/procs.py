@@ -93,6 +93,11 @@ class Child:
     process: subprocess.Popen | None = None
     measured_cores: tuple[int, ...] = ()
 
+    @property
+    def pid(self) -> int | None:
+        """The process id; None before it is started."""
+        return None if self.process is None else self.process.pid
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.spec.name,
@@ -236,17 +241,17 @@ class Cluster:
         usual order (proxy first, so that no new work arrives) buys nothing
         here, while stopping one by one would add up every shutdown's time.
         """
-        running = [c for c in self.children if c.process is not None]
-        for child in running:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+        running = [c.process for c in self.children if c.process is not None]
+        for process in running:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for child in running:
+        for process in running:
             try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+                process.kill()
+                process.wait()
         return {c.spec.name: (c.process.returncode if c.process else None) for c in self.children}
 
     def describe(self) -> list[dict[str, Any]]:

@@ -199,9 +199,14 @@ class Runner:
         )
         lone_text, lone_heavy = lone[: len(texts)], lone[len(texts) :]
         if not all(r.ok for r in lone):
-            raise RuntimeError(f"calibration requests failed: {sorted({r.error for r in lone if not r.ok})}")
+            # A request that is not ok without an error streamed no token (see RequestRecord.ok).
+            raise RuntimeError(
+                f"calibration requests failed: {sorted({r.error or 'no tokens' for r in lone if not r.ok})}"
+            )
         step_ms = _median_ms([r.tpot for r in lone_text])
         ttft_ms = _median_ms([r.ttft for r in (lone_heavy or lone_text)])
+        if step_ms is None or ttft_ms is None:
+            raise RuntimeError("calibration measured no TPOT or TTFT: no lone text request streamed two tokens")
         heavy_what = _describe_heavy(heavy)
         self.calibration = {
             "config": name,

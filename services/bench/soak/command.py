@@ -161,7 +161,7 @@ def _phase(
         f"{', with process faults' if with_faults else ''}",
         file=sys.stderr,
     )
-    pids = {c.spec.name: c.process.pid for c in cluster.children}
+    pids = {c.spec.name: c.pid for c in cluster.children}
     locust = _locust(base_url, seconds, args, out / name)
     faults: list[dict[str, Any]] = []
     if with_faults:
@@ -170,7 +170,7 @@ def _phase(
         time.sleep(min(args.rss_warmup_s, seconds / 2))
     rss_start = {n: rss_bytes(pid) for n, pid in pids.items()}
     locust.wait(timeout=seconds + 120)
-    pids_end = {c.spec.name: c.process.pid for c in cluster.children}
+    pids_end = {c.spec.name: c.pid for c in cluster.children}
     rss_end = {n: rss_bytes(pid) for n, pid in pids_end.items()}
     restarted = sorted(n for n in pids if pids[n] != pids_end[n])
     return {

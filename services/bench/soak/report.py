@@ -25,8 +25,10 @@ def locust_outcomes(stats_csv: Path) -> dict[str, int]:
     return counts
 
 
-def rss_bytes(pid: int) -> int | None:
-    """Resident set size of ``pid`` from /proc (None when it is gone)."""
+def rss_bytes(pid: int | None) -> int | None:
+    """Resident set size of ``pid`` from /proc (None when it is gone, or was never started: None)."""
+    if pid is None:
+        return None
     try:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
@@ -44,16 +46,16 @@ async def _load_of(child: Any) -> dict[str, int]:
     channel = grpc_utils.aio_channel(child.address)
     try:
         if child.spec.role == "pd":
-            load = await epd_pb2_grpc.PrefillDecodeStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
+            pd_load = await epd_pb2_grpc.PrefillDecodeStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
             return {
-                "running": load.num_running,
-                "waiting": load.num_waiting,
-                "kv_blocks_used": load.num_kv_blocks_used,
-                "reserved_tokens": load.embedding_tokens_reserved,
-                "reservations": load.num_reservations,
+                "running": pd_load.num_running,
+                "waiting": pd_load.num_waiting,
+                "kv_blocks_used": pd_load.num_kv_blocks_used,
+                "reserved_tokens": pd_load.embedding_tokens_reserved,
+                "reservations": pd_load.num_reservations,
             }
-        load = await epd_pb2_grpc.EncoderStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
-        return {"pending": load.num_pending, "outbound_bytes": load.outbound_bytes}
+        encoder_load = await epd_pb2_grpc.EncoderStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
+        return {"pending": encoder_load.num_pending, "outbound_bytes": encoder_load.outbound_bytes}
     finally:
         await channel.close()
 

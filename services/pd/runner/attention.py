@@ -38,11 +38,13 @@ copy of K/V per query head).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from services.pd.runner.attention_metadata import PagedAttentionMetadata, PrefillSeq, RaggedDecodeGroup
+from services.pd.runner.attention_metadata import DecodeGroup, PagedAttentionMetadata, PrefillSeq, RaggedDecodeGroup
 from services.pd.runner.flex_decode import FlexDecodeGroup, flex_decode_attention
 
 ATTN_IMPLEMENTATION = "epd_paged"
@@ -75,19 +77,21 @@ def paged_attention_forward(
     if meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {METADATA_KWARG} forward kwarg")
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
-    key_cache = meta.key_cache[module.layer_idx]  # [KVH, blocks, block_size, D]
-    value_cache = meta.value_cache[module.layer_idx]
+    layer_idx = cast(int, module.layer_idx)  # HF's attention modules carry their layer's index
+    key_cache = meta.key_cache[layer_idx]  # [KVH, blocks, block_size, D]
+    value_cache = meta.value_cache[layer_idx]
     # index_copy_ on a [KVH, slots, D] view writes all new tokens of all requests in one op.
     key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key[0])
     value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, value[0])
 
     out = query.new_empty(query.shape[2], query.shape[1], head_dim)  # [T, H, D]
-    if isinstance(meta.decode, FlexDecodeGroup):
-        out[: meta.decode.num_rows] = flex_decode_attention(query[0], key_cache, value_cache, meta.decode, scaling)
-    elif isinstance(meta.decode, RaggedDecodeGroup):
-        out[meta.decode.rows] = _ragged_decode_attention(query[0], key_cache, value_cache, meta, scaling)
-    elif meta.decode is not None:
-        out[meta.decode.rows] = _decode_attention(query[0], key_cache, value_cache, meta, scaling)
+    decode = meta.decode
+    if isinstance(decode, FlexDecodeGroup):
+        out[: decode.num_rows] = flex_decode_attention(query[0], key_cache, value_cache, decode, scaling)
+    elif isinstance(decode, RaggedDecodeGroup):
+        out[decode.rows] = _ragged_decode_attention(query[0], key_cache, value_cache, meta, decode, scaling)
+    elif decode is not None:
+        out[decode.rows] = _decode_attention(query[0], key_cache, value_cache, meta, decode, scaling)
     for seq in meta.prefills:
         out[seq.query_start : seq.query_end] = _prefill_attention(
             query[0], key[0], value[0], key_cache, value_cache, meta, seq, scaling
@@ -95,9 +99,10 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def _decode_attention(query, key_cache, value_cache, meta: PagedAttentionMetadata, scaling) -> torch.Tensor:
-    """One query per request over its padded context: ``[D, H, head_dim]``."""
-    group = meta.decode
+def _decode_attention(
+    query, key_cache, value_cache, meta: PagedAttentionMetadata, group: DecodeGroup, scaling
+) -> torch.Tensor:
+    """One query per request over its padded context (``group``, the step's decodes): ``[D, H, head_dim]``."""
     num_heads, head_dim = query.shape[0], query.shape[2]
     num_reqs, max_blocks = group.block_tables.shape
     num_kv_heads, block_size = key_cache.shape[0], key_cache.shape[2]
@@ -111,9 +116,10 @@ def _decode_attention(query, key_cache, value_cache, meta: PagedAttentionMetadat
     return out.reshape(num_reqs, num_heads, head_dim)
 
 
-def _ragged_decode_attention(query, key_cache, value_cache, meta: PagedAttentionMetadata, scaling) -> torch.Tensor:
-    """One query per request over its own gathered context: ``[D, H, head_dim]``."""
-    group = meta.decode
+def _ragged_decode_attention(
+    query, key_cache, value_cache, meta: PagedAttentionMetadata, group: RaggedDecodeGroup, scaling
+) -> torch.Tensor:
+    """One query per request over its own gathered context (``group``, the step's decodes): ``[D, H, head_dim]``."""
     num_heads, head_dim = query.shape[0], query.shape[2]
     num_kv_heads = key_cache.shape[0]
     scale = head_dim**-0.5 if scaling is None else scaling

@@ -173,6 +173,11 @@ class DecodeBuffers:
     """
 
     _LONG_FIELDS = ("token_ids", "slot_mapping", "last_block", "last_fill")  # then one positions row per axis
+    # Rows of ``_long``, bound by name from ``_LONG_FIELDS`` in ``__init__``.
+    token_ids: torch.Tensor
+    slot_mapping: torch.Tensor
+    last_block: torch.Tensor
+    last_fill: torch.Tensor
 
     def __init__(
         self,

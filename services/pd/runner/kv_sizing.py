@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ def size_from_budget(
 
 
 @torch.inference_mode()
-def profile_step(model: torch.nn.Module, num_tokens: int, device: torch.device) -> None:
+def profile_step(model: PreTrainedModel, num_tokens: int, device: torch.device) -> None:
     """One forward of ``num_tokens`` tokens through the LM as loaded (its own attention), and one logits row.
 
     Its activation peak stands for the engine's largest step: a packed prefill
@@ -163,7 +166,7 @@ def profile_step(model: torch.nn.Module, num_tokens: int, device: torch.device) 
 
 def size_kv_cache(
     config,
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,

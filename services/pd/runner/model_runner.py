@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from services.pd.runner.decode_graphs import (
 from services.pd.runner.flex_decode import flex_available
 from services.pd.runner.grammar import BitmaskFiller
 from services.pd.runner.sampler import Sampler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +109,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         num_blocks: int,
         block_size: int,
@@ -326,7 +330,7 @@ class ModelRunner:
             inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, **{METADATA_KWARG: meta}
         ).last_hidden_state[0]
 
-    def _index(self, values: list[int]) -> torch.Tensor:
+    def _index(self, values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.long), self.device)
 
     def _metadata(self, chunks: list[ScheduledChunk]) -> PagedAttentionMetadata:
