@@ -9,8 +9,10 @@ from services.common import protogen
 
 def test_generated_stubs_match_proto_files(tmp_path: Path):
     pytest.importorskip("grpc_tools")
+    pytest.importorskip("mypy_protobuf")
     written = protogen.generate(tmp_path)
-    assert written, "protoc produced nothing"
+    # Messages and their types (protoc), stubs and servicers (grpc) and their types (mypy-protobuf).
+    assert sorted(p.name for p in written) == ["epd_pb2.py", "epd_pb2.pyi", "epd_pb2_grpc.py", "epd_pb2_grpc.pyi"]
     for fresh in written:
         committed = protogen.PB_DIR / fresh.name
         assert committed.exists(), f"{fresh.name} is not committed; run python -m services.common.protogen"
