@@ -236,7 +236,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
 def _grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarCompiler | None:
     """The structured-output compiler, or None (logged once) where the ``structured`` extra is not installed."""
     if not structured_outputs_installed():
-        log.warning("structured outputs are off: %s", MISSING_EXTRA_MESSAGE)
+        log.warning("structured outputs are off: xgrammar is not installed (%s)", MISSING_EXTRA_MESSAGE)
         return None
     return GrammarCompiler(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
 
