@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The compose stack in a real container engine, Docker or Podman:
-#   build the image -> compose up -> the README's requests -> SIGKILL the
+#   build the image -> compose up -> the quick start's requests -> SIGKILL the
 #   encoder, then PD: each must be back and healthy within RECOVER_S with
 #   >= 95% of the requests sent around the kill answered 200 -> compose stop
 #   (every server drains and exits 0) -> compose down, no volume left behind.
@@ -116,7 +116,7 @@ until [ "$(curl -s -o /dev/null -w '%{http_code}' "$BASE/health")" = 200 ]; do
 done
 record ready_s "$(since "$t0")"
 
-# --- the README's requests ---------------------------------------------------
+# --- the quick start's requests ---------------------------------------------------
 RED=iVBORw0KGgoAAAANSUhEUgAAAEAAAABACAIAAAAlC+aJAAAAX0lEQVR4nO3PQQ0AIBDAMMC/50MEj4ZkVbDtWX87OuBVA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA9oFUoUBf3Xr7AgAAAAASUVORK5CYII=
 BLUE=iVBORw0KGgoAAAANSUhEUgAAAEAAAABACAIAAAAlC+aJAAAAYElEQVR4nO3PQQ0AIBDAsAP/nkEEj4ZkVbCtmTM/2zrgVQNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgPaBVCHAX/y3CvgAAAAAElFTkSuQmCC
 MODEL=$(curl -sf "$BASE/v1/models" | sed -n 's/.*"id" *: *"\([^"]*\)".*/\1/p' | head -n 1)
@@ -140,7 +140,7 @@ chat() {  # POSTs $1 once; prints the HTTP status
 grep -q '"finish_reason"' "$WORK/reply" || fail "no finish_reason: $(cat "$WORK/reply")"
 [ "$(chat "$WORK/stream.json")" = 200 ] || fail "streamed chat with two images: $(cat "$WORK/reply")"
 grep -q '^data: \[DONE\]' "$WORK/reply" || fail "the stream did not end with [DONE]"
-log "the README's requests answered 200"
+log "the quick start's requests answered 200"
 
 # --- SIGKILL a service's process; it must come back by itself ----------------
 # 40 requests, one every 0.5 s, the kill after the 10th. Each request is what

@@ -39,6 +39,10 @@ PUSH_HOP = "pd-push"
 KV_PUSH_HOP = "kv-push"
 """``FAILED_HOP_KEY`` value: a prefill instance's KV push to a decode instance failed (the decode side's fault)."""
 
+MISSING_EXTRA_KEY = "epd-missing-extra"
+"""Trailing metadata key of a FAILED_PRECONDITION answer refused for want of an optional install: the
+name of the pip extra that adds the feature (``structured``: structured outputs on PD)."""
+
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -97,6 +101,14 @@ def failed_hop(error: grpc.aio.AioRpcError) -> str | None:
     """The ``epd-failed-hop`` trailer of an error (e.g. ``PUSH_HOP``), or None when the server itself failed."""
     for key, value in error.trailing_metadata() or ():
         if key == FAILED_HOP_KEY:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return None
+
+
+def missing_extra(error: grpc.aio.AioRpcError) -> str | None:
+    """The ``epd-missing-extra`` trailer of an error (a pip extra's name), or None."""
+    for key, value in error.trailing_metadata() or ():
+        if key == MISSING_EXTRA_KEY:
             return value if isinstance(value, str) else value.decode("ascii", "replace")
     return None
 

@@ -33,7 +33,7 @@ from services.pd.engine.scheduler import Scheduler, SchedulerConfig
 from services.pd.engine.step_budget import BudgetConfig, StepBudget
 from services.pd.metrics import PdMetrics
 from services.pd.runner.decode_graphs import StaticDecodeConfig
-from services.pd.runner.grammar import GrammarCompiler
+from services.pd.runner.grammar import MISSING_EXTRA_MESSAGE, GrammarCompiler, structured_outputs_installed
 from services.pd.runner.kv_sizing import CudaMemoryReader, size_kv_cache
 from services.pd.runner.model_runner import ModelRunner
 from services.pd.servicer import PrefillDecodeServicer
@@ -226,12 +226,19 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         "linear_backend": runner.linear_backend,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
-        # Structured outputs: constraints compiled for this tokenizer and LM head (runner/grammar.py).
-        "grammars": GrammarCompiler(
-            tokenizer, vocab_size=int(model.config.vocab_size), stop_token_ids=adapter.eos_token_ids
-        ),
+        # Structured outputs: constraints compiled for this tokenizer and LM head (runner/grammar.py);
+        # None without the optional xgrammar, whose absence refuses only constrained requests.
+        "grammars": _grammar_compiler(tokenizer, int(model.config.vocab_size), adapter.eos_token_ids),
     }
     return engine, facts
+
+
+def _grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarCompiler | None:
+    """The structured-output compiler, or None (logged once) where the ``structured`` extra is not installed."""
+    if not structured_outputs_installed():
+        log.warning("structured outputs are off: xgrammar is not installed (%s)", MISSING_EXTRA_MESSAGE)
+        return None
+    return GrammarCompiler(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
 
 
 # Two full 16-token KV blocks and a tail: its repeat is served from the prefix cache.

@@ -10,7 +10,14 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
-from services.common.grpc_utils import FAILED_HOP_KEY, KV_PUSH_HOP, peer_address, request_id_of, set_retry_after
+from services.common.grpc_utils import (
+    FAILED_HOP_KEY,
+    KV_PUSH_HOP,
+    MISSING_EXTRA_KEY,
+    peer_address,
+    request_id_of,
+    set_retry_after,
+)
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
@@ -22,9 +29,28 @@ from services.pd.engine.outputs import Failed, Finished, SampledToken, TokenDelt
 from services.pd.engine.request import Request, RequestStatus
 from services.pd.kv_transfer import KVTransfer
 from services.pd.push_intake import PushIntake
-from services.pd.runner.grammar import GrammarCompiler, GrammarError
+from services.pd.runner.grammar import (
+    MISSING_EXTRA_MESSAGE,
+    STRUCTURED_EXTRA,
+    GrammarCompiler,
+    GrammarError,
+    structured_outputs_installed,
+)
 
 log = logging.getLogger(__name__)
+
+
+class MissingExtraError(EngineError):
+    """A request for a feature whose optional dependencies this install lacks.
+
+    FAILED_PRECONDITION (the instance is healthy: no breaker counts it) with
+    the ``epd-missing-extra`` trailer naming the pip extra that adds the
+    feature, which the proxy turns into a 400 that says so.
+    """
+
+    def __init__(self, extra: str, message: str) -> None:
+        super().__init__(ErrorKind.FAILED_PRECONDITION, message)
+        self.extra = extra
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: EngineError, line: AccessLine | None = None) -> None:
@@ -37,6 +63,8 @@ async def abort_with(context: grpc.aio.ServicerContext, error: EngineError, line
         line.update(status=code.name)
     if error.retry_after_s is not None:
         set_retry_after(context, int(error.retry_after_s * 1000))
+    if isinstance(error, MissingExtraError):
+        context.set_trailing_metadata(((MISSING_EXTRA_KEY, error.extra),))
     await context.abort(code, error.message)
 
 
@@ -73,7 +101,8 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     ):
         """``uses_grids``: the model's multimodal RoPE needs every image item's grid (True), takes
         none (False); None accepts either (servers without a model, such as the transfer bench).
-        ``grammars`` compiles structured-output constraints; None refuses them (FAILED_PRECONDITION).
+        ``grammars`` compiles structured-output constraints; None refuses them (FAILED_PRECONDITION;
+        with the ``epd-missing-extra`` trailer where xgrammar is not installed).
         ``tokens_per_second``: the model's temporal rate for video positions (Qwen2.5-VL); None = 1 a patch."""
         self.engine = engine
         self.grammars = grammars
@@ -238,11 +267,16 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
 
     async def _attach_grammar(self, request: Request) -> None:
         """Gives a constrained request its matcher, compiled on the compile thread (the engine thread
-        never waits for a schema); INVALID_ARGUMENT for a constraint that does not compile."""
+        never waits for a schema); INVALID_ARGUMENT for a constraint that does not compile.
+
+        Without a compiler: ``MissingExtraError`` where xgrammar is not installed, else
+        FAILED_PRECONDITION (a server without a model, such as the transfer bench's)."""
         spec = request.sampling.structured_output
         if spec is None:
             return
         if self.grammars is None:
+            if not structured_outputs_installed():
+                raise MissingExtraError(STRUCTURED_EXTRA, MISSING_EXTRA_MESSAGE)
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "this server does not serve structured outputs")
         try:
             request.grammar = await asyncio.wrap_future(self.grammars.submit(spec))

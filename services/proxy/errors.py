@@ -340,5 +340,25 @@ def from_grpc(code: grpc.StatusCode, retry_after_ms: int | None = None) -> ApiEr
     return ApiError(status, message, error_type, error_code, retry_after_s=retry_after_s)
 
 
+# Features a model server may lack for want of an optional install: the pip extra's name (the
+# ``epd-missing-extra`` trailer of its FAILED_PRECONDITION) -> (error code, message).
+_MISSING_EXTRAS: dict[str, tuple[str, str]] = {
+    "structured": (
+        "structured_outputs_unavailable",
+        "Structured outputs are not available: the model server needs the 'structured' extra "
+        "(pip install 'epd-cluster[structured]').",
+    ),
+}
+
+
+def missing_extra(extra: str) -> ApiError | None:
+    """The 400 for a request the model server refused for want of the pip extra ``extra``; None for an unknown name."""
+    known = _MISSING_EXTRAS.get(extra)
+    if known is None:
+        return None
+    code, message = known
+    return ApiError(400, message, "invalid_request_error", code)
+
+
 def internal_error(message: str = "Internal server error.") -> ApiError:
     return ApiError(500, message, "server_error", "internal_error")

@@ -50,7 +50,7 @@ from services.common import grpc_utils
 from services.common.pb import epd_pb2
 from services.proxy.attempt import Attempt
 from services.proxy.backends import Backends
-from services.proxy.errors import ApiError, from_grpc, internal_error, no_backend, stalled
+from services.proxy.errors import ApiError, from_grpc, internal_error, missing_extra, no_backend, stalled
 from services.proxy.instances import Instance, Outcome, PdClient, outcome_of
 from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
@@ -316,6 +316,10 @@ class Pipeline:
         # routine (one line per refusal at WARNING would flood the log under overload).
         level = logging.INFO if code == S.RESOURCE_EXHAUSTED else logging.WARNING
         log.log(level, "request %s: %s failed with %s: %.200s", request_id, what, code.name, error.details() or "")
+        extra = grpc_utils.missing_extra(error) if code == S.FAILED_PRECONDITION else None
+        refusal = missing_extra(extra) if extra is not None else None
+        if refusal is not None:  # a feature the model server's install lacks: the client's 400, said plainly
+            return refusal
         return from_grpc(code, grpc_utils.retry_after_ms(error) if code == S.RESOURCE_EXHAUSTED else None)
 
     async def _finish(self, attempt: Attempt) -> None:

@@ -135,9 +135,16 @@ def test_a_local_wheel_directory_and_a_mirror(build_step):
 def test_the_ca_secret_is_trusted_beside_pips_roots_and_removed(build_step):
     _, project_step = _pip_runs()
     seen = build_step(project_step, ca="CORPORATE ROOT\n")
-    assert seen["args"].split() == ["-m", "pip", "install", "."]
+    assert seen["args"].split() == ["-m", "pip", "install", ".[structured]"]
     assert seen["cert"] == "PIP'S OWN ROOTS\nCORPORATE ROOT\n"
     assert not Path(seen["cert_path"].strip()).exists(), "the combined bundle outlived the step"
+
+
+def test_the_image_installs_the_structured_extra_unless_told_otherwise(build_step):
+    _, project_step = _pip_runs()
+    assert _args()["EPD_EXTRAS"] == "structured"  # PD serves structured outputs from the default image
+    assert build_step(project_step)["args"].split()[3:] == [".[structured]"]
+    assert build_step(project_step, EPD_EXTRAS="")["args"].split()[3:] == ["."]  # a proxy- or encoder-only image
 
 
 def test_an_empty_secret_changes_nothing(build_step):

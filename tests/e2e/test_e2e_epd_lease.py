@@ -1,7 +1,7 @@
 """E+P+D through the proxy: the decode reservation's lease runs out before the prefill's push lands.
 
 Real configuration, no test double: the proxy's ``--lease-ms`` is the lease it
-asks ReserveKV for (README, "One deadline per request"), and the prefill PD
+asks ReserveKV for (docs, Routing and failure handling: "One deadline per request"), and the prefill PD
 runs with ``--fault freeze-step-ms`` (its first client step stalls longer than
 that lease). D's sweep frees the reservation and counts it
 (``epd_pd_kv_reservations_expired_total{role="decode"}``); P's late push hears

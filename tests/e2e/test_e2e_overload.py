@@ -13,7 +13,7 @@ status line, after a few events, mid-stream) must leave nothing reserved,
 pending or referenced anywhere.
 
 The numbers (sent, succeeded, rejected, failed, recovery seconds, latency
-of the refusals) are printed for the README; no assert is on a duration.
+of the refusals) are printed for the docs; no assert is on a duration.
 """
 
 from __future__ import annotations

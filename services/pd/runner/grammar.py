@@ -1,6 +1,6 @@
 """Structured outputs on PD: grammars compiled with xgrammar, one matcher per request, token masks per step.
 
-Why xgrammar (``epd bench grammar``, README "Structured outputs"): its
+Why xgrammar (``epd bench grammar``, docs: API, "Structured outputs"): its
 per-token mask, the cost every constrained row pays every step, measured
 2-17 us on the bench tokenizer against llguidance's 8-119 us, and it compiles
 a schema in milliseconds (outlines-core needed seconds for any-JSON). It
@@ -18,6 +18,12 @@ proxy.
 - ``BitmaskFiller`` fills the bitmask of a step's constrained rows on a worker
   thread while the forward runs (``ModelRunner.execute``): the matchers only
   change after the step, so their masks are known before the logits are.
+
+xgrammar is the optional ``structured`` extra (``pip install
+'epd-cluster[structured]'``): its wheel pulls triton, which an install that
+only runs the proxy or encoders never needs. It is imported when first used
+(``xgrammar()``); without it PD serves everything else and refuses a
+constrained request (``structured_outputs_installed``, the servicer).
 """
 
 from __future__ import annotations
@@ -27,14 +33,40 @@ import json
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 from services.pd.engine.request import StructuredOutputSpec
 
 CACHE_ENTRIES = 256  # compiled grammars kept (most recently used); a JSON schema's is kilobytes
+
+STRUCTURED_EXTRA = "structured"
+"""The pip extra that installs xgrammar."""
+
+MISSING_EXTRA_MESSAGE = "structured outputs need the 'structured' extra: pip install 'epd-cluster[structured]'"
+"""Why a constrained request is refused where xgrammar is not installed (no input in it)."""
+
+
+def xgrammar() -> ModuleType:
+    """The xgrammar module; ImportError where the ``structured`` extra is not installed.
+
+    Imported on use rather than with this module, so that PD, which imports
+    this module for every request path, starts without it.
+    """
+    import xgrammar
+
+    return xgrammar
+
+
+def structured_outputs_installed() -> bool:
+    """Whether xgrammar can be imported here (the ``structured`` extra is installed)."""
+    try:
+        xgrammar()
+    except ImportError:
+        return False
+    return True
 
 
 class GrammarError(ValueError):
@@ -52,7 +84,7 @@ class GrammarMatcher:
     """
 
     def __init__(self, compiled: Any) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+        self._matcher = xgrammar().GrammarMatcher(compiled)
         self.num_accepted_tokens = 0
 
     def accept(self, token_id: int) -> bool:
@@ -85,6 +117,7 @@ class GrammarCompiler:
     def __init__(
         self, tokenizer: Any, *, vocab_size: int, stop_token_ids: Sequence[int] = (), max_threads: int = 1
     ) -> None:
+        xgr = xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
@@ -195,7 +228,7 @@ class BitmaskFiller:
 
     def fill(self, grammars: Sequence[Any]) -> torch.Tensor:
         """The bitmask of ``grammars``, in this thread."""
-        bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)  # all ones
+        bitmask = xgrammar().allocate_token_bitmask(len(grammars), self.vocab_size)  # all ones
         for row, grammar in enumerate(grammars):
             if grammar is not None:
                 grammar.fill(bitmask, row)
@@ -210,7 +243,7 @@ def apply_bitmask(scores: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     ``scores`` may be the logits the logprobs come from.
     """
     masked = scores.clone()
-    xgr.apply_token_bitmask_inplace(
+    xgrammar().apply_token_bitmask_inplace(
         masked, bitmask.to(scores.device, non_blocking=True), vocab_size=scores.shape[1], indices=list(rows)
     )
     return masked

@@ -1,4 +1,5 @@
-"""The README's metric table documents exactly what each service's ``METRICS`` declares (name, type, labels)."""
+"""The docs' metric table (docs/operations/metrics.md) documents exactly what each service's ``METRICS`` declares
+(name, type, labels)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from services.launcher_metrics import METRICS as LAUNCHER_METRICS
 from services.pd.metrics import METRICS as PD_METRICS
 from services.proxy.metrics import METRICS as PROXY_METRICS
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+METRICS_PAGE = Path(__file__).resolve().parents[3] / "docs" / "operations" / "metrics.md"
 ROW = re.compile(r"^\| (proxy|encoder|pd|launcher) \| (`[^|]+?) \| (counter|gauge|histogram) \|([^|]*)\|")
 
 
@@ -25,9 +26,9 @@ def _names(cell: str) -> list[str]:
     return names
 
 
-def _readme_rows() -> set[tuple[str, str, str, tuple[str, ...]]]:
+def _documented_rows() -> set[tuple[str, str, str, tuple[str, ...]]]:
     rows = set()
-    for line in README.read_text().splitlines():
+    for line in METRICS_PAGE.read_text().splitlines():
         match = ROW.match(line)
         if match:
             service, cell, kind, labels = match.groups()
@@ -36,7 +37,7 @@ def _readme_rows() -> set[tuple[str, str, str, tuple[str, ...]]]:
     return rows
 
 
-def test_the_readme_metric_table_matches_every_services_metric_docs():
+def test_the_docs_metric_table_matches_every_services_metric_docs():
     declared = {
         (service, doc.name, doc.type, tuple(doc.labels))
         for service, docs in (
@@ -47,6 +48,6 @@ def test_the_readme_metric_table_matches_every_services_metric_docs():
         )
         for doc in docs
     }
-    documented = _readme_rows()
-    assert declared - documented == set(), "declared in METRICS but missing from the README table"
-    assert documented - declared == set(), "in the README table but not declared in METRICS"
+    documented = _documented_rows()
+    assert declared - documented == set(), "declared in METRICS but missing from the docs' table"
+    assert documented - declared == set(), "in the docs' table but not declared in METRICS"

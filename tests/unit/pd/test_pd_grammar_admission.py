@@ -1,8 +1,10 @@
 """Generate's grammar step on PD: a constrained request gets its matcher before admission; a server without
-a compiler refuses it (FAILED_PRECONDITION); a constraint that does not compile is INVALID_ARGUMENT."""
+a compiler refuses it (FAILED_PRECONDITION, naming the ``structured`` extra where xgrammar is missing); a
+constraint that does not compile is INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -10,8 +12,8 @@ import pytest
 
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.request import Request, SamplingParams, StructuredOutputSpec
-from services.pd.runner.grammar import GrammarError
-from services.pd.servicer import PrefillDecodeServicer
+from services.pd.runner.grammar import GrammarError, structured_outputs_installed
+from services.pd.servicer import MissingExtraError, PrefillDecodeServicer
 
 SPEC = StructuredOutputSpec("regex", "a+")
 
@@ -60,6 +62,26 @@ async def test_a_server_without_a_compiler_refuses_constraints():
     with pytest.raises(EngineError) as refused:
         await _attach(None, _request())
     assert refused.value.kind is ErrorKind.FAILED_PRECONDITION
+
+
+@pytest.fixture
+def xgrammar_missing(monkeypatch):
+    """Test double: ``import xgrammar`` fails, as where the ``structured`` extra is not installed."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    assert not structured_outputs_installed()
+
+
+async def test_without_xgrammar_a_constraint_is_refused_naming_the_extra(xgrammar_missing):
+    with pytest.raises(MissingExtraError) as refused:
+        await _attach(None, _request())
+    assert refused.value.kind is ErrorKind.FAILED_PRECONDITION and refused.value.extra == "structured"
+    assert "pip install 'epd-cluster[structured]'" in refused.value.message
+
+
+async def test_without_xgrammar_a_free_request_is_unaffected(xgrammar_missing):
+    request = _request(spec=None)
+    await _attach(None, request)
+    assert request.grammar is None
 
 
 async def test_a_constraint_that_does_not_compile_is_invalid_argument():

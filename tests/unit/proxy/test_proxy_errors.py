@@ -12,6 +12,7 @@ from services.proxy.errors import (
     UnsupportedFeatureError,
     body_too_large,
     from_grpc,
+    missing_extra,
     model_not_found,
 )
 from services.proxy.sampling import check_supported, choice_sampling, resolve_max_tokens, sampling_params, stop_strings
@@ -41,6 +42,15 @@ def test_grpc_status_table(code, status, retry_after):
     body = error.body()["error"]
     assert set(body) == {"message", "type", "param", "code"}
     assert body["type"] == ("invalid_request_error" if status == 400 else "server_error")
+
+
+def test_a_missing_extra_is_the_clients_400_naming_it():
+    error = missing_extra("structured")
+    assert error is not None and error.status_code == 400
+    assert error.body()["error"]["code"] == "structured_outputs_unavailable"
+    assert error.body()["error"]["type"] == "invalid_request_error"
+    assert "pip install 'epd-cluster[structured]'" in error.message
+    assert missing_extra("anything else") is None  # an unknown name keeps the status table's answer
 
 
 @pytest.mark.parametrize(("hint_ms", "seconds"), [(0, 1), (1, 1), (1000, 1), (1001, 2), (7500, 8)])
