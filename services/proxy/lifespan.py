@@ -15,17 +15,17 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.proxy.backends import Backends
+from services.proxy.backends.pools import Backends
 from services.proxy.config import ProxyConfig
-from services.proxy.fairness import REFUSAL_REASONS, ClientLimiter, FairnessLimits
-from services.proxy.handoff import HandoffPipeline
-from services.proxy.media import MediaFetcher, MediaPolicy
+from services.proxy.dispatch.handoff import HandoffPipeline
+from services.proxy.dispatch.pipeline import Pipeline, StallLimits
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.middleware import InternalsGuard
-from services.proxy.pipeline import Pipeline, StallLimits
-from services.proxy.preprocess import Preprocessor
+from services.proxy.prompt.media import MediaFetcher, MediaPolicy
+from services.proxy.prompt.preprocess import Preprocessor
+from services.proxy.prompt.workers import WorkPool
 from services.proxy.state import ProxyState
-from services.proxy.workers import WorkPool
+from services.proxy.web.fairness import REFUSAL_REASONS, ClientLimiter, FairnessLimits
+from services.proxy.web.middleware import InternalsGuard
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from proxy_doubles import (
 from services.common.pb import epd_pb2
 from services.common.security import InternalSecurity
 from services.proxy.app import create_app
-from services.proxy.backends import Backends
+from services.proxy.backends.instances import BreakerState, Readiness
+from services.proxy.backends.pools import Backends
+from services.proxy.backends.routing import rendezvous_weight
 from services.proxy.config import ProxyConfig
-from services.proxy.instances import BreakerState, Readiness
-from services.proxy.routing import rendezvous_weight
 
 S = grpc.StatusCode
 TEXT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}

@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.pb import epd_pb2
-from services.proxy.backends import Backends
-from services.proxy.errors import ApiError, PlaceholderMismatchError
-from services.proxy.instances import (
+from services.proxy.backends.instances import (
     BreakerState,
     CircuitBreaker,
     EncoderClient,
@@ -16,10 +14,8 @@ from services.proxy.instances import (
     Readiness,
     outcome_of,
 )
-from services.proxy.jobs import Job, new_request_id
-from services.proxy.pipeline import Pipeline
-from services.proxy.preprocess import Prompt, expand_placeholders
-from services.proxy.routing import (
+from services.proxy.backends.pools import Backends
+from services.proxy.backends.routing import (
     LeastLoadedEncoderPolicy,
     LeastLoadedPdPolicy,
     RendezvousPolicy,
@@ -28,6 +24,10 @@ from services.proxy.routing import (
     make_encoder_policy,
     make_pd_policy,
 )
+from services.proxy.dispatch.jobs import Job, new_request_id
+from services.proxy.dispatch.pipeline import Pipeline
+from services.proxy.errors import ApiError, PlaceholderMismatchError
+from services.proxy.prompt.preprocess import Prompt, expand_placeholders
 
 
 class FakeClock:

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from services.common.pb import epd_pb2
+from services.proxy.dispatch.jobs import Trace
 from services.proxy.errors import ApiError, from_grpc
-from services.proxy.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
-from services.proxy.jobs import Trace
-from services.proxy.responses import (
+from services.proxy.openai.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
+from services.proxy.openai.responses import (
     SSE_DONE,
     Choice,
     collect,

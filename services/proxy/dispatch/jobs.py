@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.common.pb import epd_pb2
-from services.proxy.preprocess import Prompt
+from services.proxy.prompt.preprocess import Prompt
 
 
 def new_request_id(prefix: str = "chatcmpl") -> str:

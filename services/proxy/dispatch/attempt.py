@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.common.pb import epd_pb2
+from services.proxy.backends.instances import Outcome, PdClient, outcome_of
+from services.proxy.dispatch.jobs import Job
 from services.proxy.errors import internal_error
-from services.proxy.instances import Outcome, PdClient, outcome_of
-from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.preprocess import ImageItem
+from services.proxy.prompt.preprocess import ImageItem
 
 if TYPE_CHECKING:
-    from services.proxy.pipeline import Pipeline
+    from services.proxy.dispatch.pipeline import Pipeline
 
 
 class Attempt:

@@ -48,13 +48,13 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.pb import epd_pb2
-from services.proxy.attempt import Attempt
-from services.proxy.backends import Backends
+from services.proxy.backends.instances import Instance, Outcome, PdClient, outcome_of
+from services.proxy.backends.pools import Backends
+from services.proxy.dispatch.attempt import Attempt
+from services.proxy.dispatch.jobs import Job
 from services.proxy.errors import ApiError, from_grpc, internal_error, no_backend, stalled
-from services.proxy.instances import Instance, Outcome, PdClient, outcome_of
-from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.preprocess import ImageItem
+from services.proxy.prompt.preprocess import ImageItem
 
 log = logging.getLogger(__name__)
 

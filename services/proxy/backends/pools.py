@@ -15,10 +15,10 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from services.common import grpc_utils
-from services.proxy.discovery import Pool, Resolver, system_resolver
-from services.proxy.instances import CircuitBreaker, EncoderClient, Instance, PdClient
-from services.proxy.monitor import Monitor, wait_known
-from services.proxy.routing import EncoderPolicy, PdPolicy, make_encoder_policy, make_pd_policy
+from services.proxy.backends.discovery import Pool, Resolver, system_resolver
+from services.proxy.backends.instances import CircuitBreaker, EncoderClient, Instance, PdClient
+from services.proxy.backends.monitor import Monitor, wait_known
+from services.proxy.backends.routing import EncoderPolicy, PdPolicy, make_encoder_policy, make_pd_policy
 
 if TYPE_CHECKING:
     from services.proxy.config import ProxyConfig

@@ -17,12 +17,12 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.pb import epd_pb2
-from services.proxy.attempt import Attempt
+from services.proxy.backends.instances import Outcome, PdClient, outcome_of
+from services.proxy.dispatch.attempt import Attempt
+from services.proxy.dispatch.jobs import Job
+from services.proxy.dispatch.pipeline import Pipeline
 from services.proxy.errors import internal_error, no_backend
-from services.proxy.instances import Outcome, PdClient, outcome_of
-from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.pipeline import Pipeline
 
 _DECODE_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 

@@ -17,9 +17,9 @@ from pydantic import BaseModel
 
 from services.proxy.config import ProxyConfig
 from services.proxy.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS
-from services.proxy.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS
-from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
-from services.proxy.structured import MAX_CHOICES
+from services.proxy.openai.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest
+from services.proxy.openai.structured import MAX_CHOICES
 
 _REF = "#/components/schemas/{model}"
 
