@@ -3,7 +3,7 @@
 Handlers convert and delegate: body -> validated request -> image sources
 (remote ones fetched) -> ``Prompt`` -> one ``Job`` per choice ->
 ``Pipeline.generate`` -> OpenAI objects. The prompt is built on two bounded
-pools (``workers``): the text stage on the text pool, the image stage on
+pools (``prompt.workers``): the text stage on the text pool, the image stage on
 the image pool, so image work never delays a text-only request and a full
 queue is a 503, not an unbounded backlog. All state lives on
 ``app.state.proxy`` (``services.proxy.state``) and is built by the lifespan
@@ -29,7 +29,7 @@ from services.common.pb import epd_pb2
 from services.proxy import intake
 from services.proxy.backends.pools import Backends
 from services.proxy.config import ProxyConfig
-from services.proxy.dispatch.jobs import Job, Trace, new_request_id
+from services.proxy.dispatch.jobs import Job
 from services.proxy.errors import ApiError, RequestError
 from services.proxy.info_endpoints import health, list_models, live, metrics, retrieve_model
 from services.proxy.lifespan import proxy_lifespan
@@ -50,6 +50,7 @@ from services.proxy.prompt.media import MediaFetcher, image_sources
 from services.proxy.prompt.preprocess import Prompt
 from services.proxy.prompt.videos import video_refs
 from services.proxy.state import ProxyState, proxy_state
+from services.proxy.trace import Trace, new_request_id
 from services.proxy.web.bounded_responses import BoundedJSONResponse, EventStreamResponse, WriteBound
 from services.proxy.web.fairness import Admission
 from services.proxy.web.http_util import (
@@ -341,7 +342,7 @@ def create_app(
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/health/live", live, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.openapi = functools.partial(openapi_document, app, config)
+    app.openapi = functools.partial(openapi_document, app, max_tokens_limit=config.max_tokens_limit, max_n=config.max_n)
     install_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

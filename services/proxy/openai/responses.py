@@ -18,9 +18,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 from services.common.pb import epd_pb2
-from services.proxy.dispatch.jobs import Trace
 from services.proxy.errors import ApiError, internal_error
 from services.proxy.openai.formatters import ChatFormatter, ResponseMeta
+from services.proxy.trace import Trace
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from services.common.pb import epd_pb2
-from services.proxy.dispatch.jobs import Trace
 from services.proxy.errors import ApiError, from_grpc
 from services.proxy.openai.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
 from services.proxy.openai.responses import (
@@ -19,6 +18,7 @@ from services.proxy.openai.responses import (
     sse_event,
     stream_events,
 )
+from services.proxy.trace import Trace
 
 
 def meta() -> ResponseMeta:
