@@ -3,7 +3,7 @@
 Handlers convert and delegate: body -> validated request -> image sources
 (remote ones fetched) -> ``Prompt`` -> one ``Job`` per choice ->
 ``Pipeline.generate`` -> OpenAI objects. The prompt is built on two bounded
-pools (``workers``): the text stage on the text pool, the image stage on
+pools (``prompt.workers``): the text stage on the text pool, the image stage on
 the image pool, so image work never delays a text-only request and a full
 queue is a 503, not an unbounded backlog. All state lives on
 ``app.state.proxy`` (``services.proxy.state``) and is built by the lifespan
@@ -27,44 +27,45 @@ from starlette.responses import Response
 from services.common.logs import AccessLine
 from services.common.pb import epd_pb2
 from services.proxy import intake
-from services.proxy.backends import Backends
-from services.proxy.bounded_responses import BoundedJSONResponse, EventStreamResponse, WriteBound
+from services.proxy.backends.pools import Backends
 from services.proxy.config import ProxyConfig
+from services.proxy.dispatch.jobs import Job
 from services.proxy.errors import ApiError, RequestError
-from services.proxy.fairness import Admission
-from services.proxy.fields import ignored_fields_header
-from services.proxy.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
-from services.proxy.http_util import (
-    ClientDisconnected,
-    check_json_content_type,
-    request_timeout,
-    unless_disconnected,
-)
 from services.proxy.info_endpoints import health, list_models, live, metrics, retrieve_model
-from services.proxy.jobs import Job, Trace, new_request_id
 from services.proxy.lifespan import proxy_lifespan
-from services.proxy.media import MediaFetcher, image_sources
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.middleware import (
-    AccessLogMiddleware,
-    ApiKeyMiddleware,
-    MetricsMiddleware,
-    access_line,
-    install_error_handlers,
-)
-from services.proxy.openapi import openapi_document
-from services.proxy.preprocess import Prompt
-from services.proxy.responses import Choice, collect, stream_events
-from services.proxy.sampling import (
+from services.proxy.openai.fields import ignored_fields_header
+from services.proxy.openai.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
+from services.proxy.openai.openapi import openapi_document
+from services.proxy.openai.responses import Choice, collect, stream_events
+from services.proxy.openai.sampling import (
     choice_sampling,
     requested_logprobs,
     requested_max_tokens,
     resolve_max_tokens,
     sampling_params,
 )
-from services.proxy.schemas import _SamplingFields
+from services.proxy.openai.schemas import _SamplingFields
+from services.proxy.prompt.media import MediaFetcher, image_sources
+from services.proxy.prompt.preprocess import Prompt
+from services.proxy.prompt.videos import video_refs
 from services.proxy.state import ProxyState, proxy_state
-from services.proxy.videos import video_refs
+from services.proxy.trace import Trace, new_request_id
+from services.proxy.web.bounded_responses import BoundedJSONResponse, EventStreamResponse, WriteBound
+from services.proxy.web.fairness import Admission
+from services.proxy.web.http_util import (
+    ClientDisconnected,
+    check_json_content_type,
+    request_timeout,
+    unless_disconnected,
+)
+from services.proxy.web.middleware import (
+    AccessLogMiddleware,
+    ApiKeyMiddleware,
+    MetricsMiddleware,
+    access_line,
+    install_error_handlers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +325,7 @@ def create_app(
     by default one is built when ``config.allowed_media_domains`` is set.
     """
     metrics_ = ProxyMetrics()
-    # /openapi.json describes the API (services/proxy/openapi.py); no HTML docs pages.
+    # /openapi.json describes the API (services/proxy/openai/openapi.py); no HTML docs pages.
     app = FastAPI(
         title="EPD proxy",
         version="1",
@@ -341,7 +342,7 @@ def create_app(
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/health/live", live, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.openapi = functools.partial(openapi_document, app, config)
+    app.openapi = functools.partial(openapi_document, app, max_tokens_limit=config.max_tokens_limit, max_n=config.max_n)
     install_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.common.video_files import VideoLimits
+from services.proxy.backends.discovery import parse_target
+from services.proxy.backends.routing import ENCODER_POLICIES, PD_POLICIES
 from services.proxy.cache_isolation import CacheIsolation
-from services.proxy.discovery import parse_target
 from services.proxy.faults import NO_FAULTS, ProxyFaults
-from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
 
 MIB = 1024 * 1024
 
@@ -32,7 +32,7 @@ class ProxyConfig:
     pd_addresses: tuple[str, ...] = (f"127.0.0.1:{DEFAULT_PD_PORT}",)
     encoder_addresses: tuple[str, ...] = (f"127.0.0.1:{DEFAULT_ENCODER_PORT}",)
     # E+P+D: decode instances (``epd pd --role decode``); pd_addresses are then prefill instances
-    # (``--role prefill``), and each request goes to one of each (services/proxy/handoff.py). () = E+PD.
+    # (``--role prefill``), and each request goes to one of each (services/proxy/dispatch/handoff.py). () = E+PD.
     decode_addresses: tuple[str, ...] = ()
     served_model_name: str | None = None  # name in /v1/models and requests; None = adapter.model_id
     request_timeout_s: float = 300.0  # end-to-end deadline of one request, propagated to every RPC;
@@ -64,7 +64,7 @@ class ProxyConfig:
     image_threads: int = 2  # image work (decode, hash, image processor), its own pool
     image_queue: int = 64  # requests' image jobs waiting beyond which requests get 503
     max_n: int = 8  # most choices (n) in one request
-    # per-client fairness (services/proxy/fairness.py); a client is the API key, else the peer address; 0 = off
+    # per-client fairness (services/proxy/web/fairness.py); a client is the API key, else the peer address; 0 = off
     max_requests_per_client: int = 0  # requests in flight per client (n choices count as n); beyond it 429
     max_tokens_per_client_per_minute: int = 0  # token bucket over prompt + max_tokens × n; beyond it 429
     # Unknown body fields: False = refused with a 400 naming them; True = ignored, named in the

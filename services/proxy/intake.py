@@ -2,7 +2,7 @@
 
 The body is read within its time limits; its messages are counted in the raw
 bytes (``check_message_count``); it is parsed, its fields checked (each one
-honoured or refused, ``fields.py``) and its sampling checked against the
+honoured or refused, ``openai/fields.py``) and its sampling checked against the
 model. A body over ``PARSE_INLINE_BYTES`` goes through all of that on the
 text pool, so that the Python work of one large legal body does not hold up
 every stream's next token on the event loop.
@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 
 from services.proxy.errors import ApiError, InvalidVideoUrlError, deadline_during_body
-from services.proxy.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
-from services.proxy.http_util import check_message_count, parse_body, read_body
-from services.proxy.media import image_sources
-from services.proxy.preprocess import image_urls
-from services.proxy.sampling import check_logit_bias, check_stop_token_ids, check_supported
-from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from services.proxy.videos import ProcessedVideo, VideoRef, check_videos, sampling_options, video_refs
+from services.proxy.openai.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
+from services.proxy.openai.sampling import check_logit_bias, check_stop_token_ids, check_supported
+from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.proxy.prompt.media import image_sources
+from services.proxy.prompt.preprocess import image_urls
+from services.proxy.prompt.videos import ProcessedVideo, VideoRef, check_videos, sampling_options, video_refs
+from services.proxy.web.http_util import check_message_count, parse_body, read_body
 
 if TYPE_CHECKING:
     from services.proxy.state import ProxyState
@@ -109,7 +109,7 @@ def _check_sampling(state: ProxyState, body: _SamplingFields) -> None:
 
 
 def _check_fields(state: ProxyState, body: _SamplingFields, path: str) -> list[str]:
-    """Refuses undeclared fields (``fields.py``); under ``--ignore-unknown-fields`` logs the ignored names once."""
+    """Refuses undeclared fields (``openai/fields.py``); under ``--ignore-unknown-fields`` logs the ignored names once."""
     ignored = check_fields(body, ignore_unknown=state.config.ignore_unknown_fields)
     if ignored:
         log.warning("%s: ignored unknown fields %s", path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER])

@@ -15,17 +15,22 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.proxy.backends import Backends
+from services.common import grpc_utils
+from services.proxy.backends.discovery import Pool, Resolver, system_resolver
+from services.proxy.backends.instances import CircuitBreaker, EncoderClient, Instance, PdClient
+from services.proxy.backends.monitor import Monitor
+from services.proxy.backends.pools import Backends
+from services.proxy.backends.routing import make_encoder_policy, make_pd_policy
 from services.proxy.config import ProxyConfig
-from services.proxy.fairness import REFUSAL_REASONS, ClientLimiter, FairnessLimits
-from services.proxy.handoff import HandoffPipeline
-from services.proxy.media import MediaFetcher, MediaPolicy
+from services.proxy.dispatch.handoff import HandoffPipeline
+from services.proxy.dispatch.pipeline import Pipeline, StallLimits
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.middleware import InternalsGuard
-from services.proxy.pipeline import Pipeline, StallLimits
-from services.proxy.preprocess import Preprocessor
+from services.proxy.prompt.media import MediaFetcher, MediaPolicy
+from services.proxy.prompt.preprocess import Preprocessor
+from services.proxy.prompt.workers import WorkPool
 from services.proxy.state import ProxyState
-from services.proxy.workers import WorkPool
+from services.proxy.web.fairness import REFUSAL_REASONS, ClientLimiter, FairnessLimits
+from services.proxy.web.middleware import InternalsGuard
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,43 @@ async def _load_preprocessor(config: ProxyConfig) -> tuple[Any, Preprocessor, in
         video_limits=config.video_limits(),
     )
     return adapter, preprocessor, max_model_len
+
+
+def connect_backends(config: ProxyConfig, *, resolver: Resolver = system_resolver) -> Backends:
+    """Pools for ``config``'s targets with health watching and load polling (nothing connects yet)."""
+    monitor = Monitor(load_interval_s=config.load_poll_s)
+
+    def breaker() -> CircuitBreaker:
+        return CircuitBreaker(config.breaker_failures, config.breaker_open_s, max(config.breaker_open_s, 30.0))
+
+    async def removed(instance: Instance) -> None:
+        await monitor.unwatch(instance)
+        await instance.channel.close()
+
+    def pool(kind: str, targets, client_cls) -> Pool:
+        return Pool(
+            kind,
+            targets,
+            lambda address: client_cls(
+                address,
+                grpc_utils.aio_channel(address, config.security),
+                breaker=breaker(),
+                launch_key=config.security.peer_launch_key(address),
+            ),
+            resolver=resolver,
+            on_added=monitor.watch,
+            on_removed=removed,
+        )
+
+    return Backends(
+        pool("pd", config.pd_addresses, PdClient),
+        pool("encoder", config.encoder_addresses, EncoderClient),
+        pd_policy=make_pd_policy(config.pd_policy),
+        encoder_policy=make_encoder_policy(config.encoder_policy, saturation=config.encoder_saturation),
+        monitor=monitor,
+        dns_refresh_s=config.dns_refresh_s,
+        decode_pool=pool("decode", config.decode_addresses, PdClient) if config.decode_addresses else None,
+    )
 
 
 def _new_pipeline(config: ProxyConfig, pool: Backends, metrics: ProxyMetrics) -> Pipeline:
@@ -99,7 +141,7 @@ def proxy_lifespan(config: ProxyConfig, backends: Backends | None, fetcher: Medi
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
         owned = backends is None
-        pool = backends or Backends.connect(config)
+        pool = backends or connect_backends(config)
         await pool.start()
         metrics.watch_instances(lambda: [*pool.pds, *pool.encoders, *pool.decodes])
         pipeline = _new_pipeline(config, pool, metrics)

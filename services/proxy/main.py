@@ -8,10 +8,10 @@ import signal
 from services.common import cli_args, security
 from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
+from services.proxy.backends.routing import ENCODER_POLICIES, PD_POLICIES
 from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.config import MIB, ProxyConfig
 from services.proxy.faults import ProxyFaults
-from services.proxy.routing import ENCODER_POLICIES, PD_POLICIES
 
 
 def _addresses(text: str) -> tuple[str, ...]:

@@ -7,18 +7,18 @@ from typing import Any
 
 from starlette.requests import Request
 
-from services.proxy.backends import Backends
+from services.proxy.backends.pools import Backends
 from services.proxy.cache_isolation import tenant_salt
 from services.proxy.config import ProxyConfig
+from services.proxy.dispatch.pipeline import Pipeline
 from services.proxy.errors import model_not_found
-from services.proxy.fairness import ClientLimiter, address_identity, key_identity
-from services.proxy.media import MediaFetcher
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.middleware import InternalsGuard
-from services.proxy.pipeline import Pipeline
-from services.proxy.preprocess import Preprocessor
-from services.proxy.schemas import _SamplingFields
-from services.proxy.workers import WorkPool
+from services.proxy.openai.schemas import _SamplingFields
+from services.proxy.prompt.media import MediaFetcher
+from services.proxy.prompt.preprocess import Preprocessor
+from services.proxy.prompt.workers import WorkPool
+from services.proxy.web.fairness import ClientLimiter, address_identity, key_identity
+from services.proxy.web.middleware import InternalsGuard
 
 
 @dataclass

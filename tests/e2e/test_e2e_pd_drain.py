@@ -147,7 +147,7 @@ def sigterm_when_a_push_is_pending(victim: VictimPd, num_completed, killed: dict
 
 
 def test_sigterm_to_a_pd_under_load_drains_it(tiny_model_dir, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="services.proxy.middleware")
+    caplog.set_level(logging.INFO, logger="services.proxy.web.middleware")
     model_dir = str(tiny_model_dir)
     victim = VictimPd(model_dir, free_ports(1)[0], tmp_path)
     survivors = proxy = None

@@ -20,10 +20,11 @@ from proxy_doubles import (
 from services.common.pb import epd_pb2
 from services.common.security import InternalSecurity
 from services.proxy.app import create_app
-from services.proxy.backends import Backends
+from services.proxy.backends.instances import BreakerState, Readiness
+from services.proxy.backends.pools import Backends
+from services.proxy.backends.routing import rendezvous_weight
 from services.proxy.config import ProxyConfig
-from services.proxy.instances import BreakerState, Readiness
-from services.proxy.routing import rendezvous_weight
+from services.proxy.lifespan import connect_backends
 
 S = grpc.StatusCode
 TEXT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
@@ -365,7 +366,7 @@ async def test_a_dns_name_with_two_addresses_is_two_instances_that_follow_dns(ti
         encoder_addresses=(),
         request_timeout_s=10.0,
     )
-    pool = Backends.connect(config, resolver=resolver)
+    pool = connect_backends(config, resolver=resolver)
     app = create_app(config, backends=pool)
     lifespan = app.router.lifespan_context(app)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=10)

@@ -9,7 +9,7 @@ import grpc
 from proxy_doubles import Failure, image_message, png_data_url, wait_until
 
 from services.common.pb import epd_pb2
-from services.proxy.routing import rendezvous_weight
+from services.proxy.backends.routing import rendezvous_weight
 
 TEXT = {"model": "tiny-llava", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 

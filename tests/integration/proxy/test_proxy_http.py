@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from proxy_doubles import Failure, image_message, openai_client, png_data_url, wait_until
 
-from services.proxy.media import MediaFetcher, MediaPolicy
+from services.proxy.prompt.media import MediaFetcher, MediaPolicy
 
 SECRET = "zebra-secret-42"
 TEXT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}

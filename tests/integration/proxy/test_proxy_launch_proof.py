@@ -14,8 +14,8 @@ import grpc
 from services import launcher
 from services.common import grpc_utils, launch_proof, security
 from services.common.security import InternalSecurity
-from services.proxy.instances import PdClient, Readiness
-from services.proxy.monitor import Monitor
+from services.proxy.backends.instances import PdClient, Readiness
+from services.proxy.backends.monitor import Monitor
 
 TOKEN = "t" * 32
 PD_SERVICE = "epd.v1.PrefillDecode"

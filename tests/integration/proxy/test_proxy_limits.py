@@ -119,7 +119,7 @@ async def test_work_before_limits_a_large_body_is_parsed_off_the_event_loop_and_
     """Second review, 4: two legal 28.6 MiB bodies stretched another stream's largest token gap to 6.5 s
     (parsed on the event loop; every message rendered before the length check)."""
     import services.proxy.intake as intake
-    from services.proxy.http_util import parse_body
+    from services.proxy.web.http_util import parse_body
 
     cluster = await cluster_factory(http=True)
     parsed_on: list[str] = []

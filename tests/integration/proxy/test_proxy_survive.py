@@ -14,7 +14,7 @@ import grpc
 from proxy_doubles import Failure, image_message, png_data_url, wait_until
 
 from services.common import grpc_utils
-from services.proxy.instances import BreakerState
+from services.proxy.backends.instances import BreakerState
 
 S = grpc.StatusCode
 TEXT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}

@@ -7,7 +7,7 @@ from proxy_doubles import proxy_config, start_doubles
 from video_support import make_video
 
 from services.proxy.app import create_app
-from services.proxy.media import MediaFetcher, MediaPolicy
+from services.proxy.prompt.media import MediaFetcher, MediaPolicy
 
 SECRET = "zq-remote-video-5521"
 

@@ -6,7 +6,7 @@ import pytest
 
 from services.common.hashing import check_cache_salt
 from services.proxy.cache_isolation import CacheIsolation, tenant_salt
-from services.proxy.fairness import address_identity, key_identity
+from services.proxy.web.fairness import address_identity, key_identity
 
 SHARED, PER_CLIENT = CacheIsolation.SHARED, CacheIsolation.PER_CLIENT
 ALICE, BOB = address_identity("10.0.0.1"), address_identity("10.0.0.2")

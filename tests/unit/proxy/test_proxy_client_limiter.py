@@ -1,11 +1,11 @@
-"""The per-client limiter's policy, on a fake clock (services/proxy/fairness.py)."""
+"""The per-client limiter's policy, on a fake clock (services/proxy/web/fairness.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.proxy.errors import ApiError
-from services.proxy.fairness import (
+from services.proxy.web.fairness import (
     ClientLimiter,
     FairnessLimits,
     address_identity,

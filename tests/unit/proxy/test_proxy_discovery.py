@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from services.proxy.discovery import Pool, parse_target, prefer_one_family, system_resolver
-from services.proxy.instances import PdClient
+from services.proxy.backends.discovery import Pool, parse_target, prefer_one_family, system_resolver
+from services.proxy.backends.instances import PdClient
 
 
 class FakeChannel:

@@ -15,8 +15,14 @@ from services.proxy.errors import (
     missing_extra,
     model_not_found,
 )
-from services.proxy.sampling import check_supported, choice_sampling, resolve_max_tokens, sampling_params, stop_strings
-from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
+from services.proxy.openai.sampling import (
+    check_supported,
+    choice_sampling,
+    resolve_max_tokens,
+    sampling_params,
+    stop_strings,
+)
+from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 S = grpc.StatusCode
 

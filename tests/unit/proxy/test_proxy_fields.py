@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.proxy.errors import UnknownFieldError, UnsupportedFeatureError
-from services.proxy.fields import (
+from services.proxy.openai.fields import (
     EXTENSIONS,
     IGNORED_FIELDS_HEADER,
     MAX_HEADER_CHARS,
@@ -16,7 +16,7 @@ from services.proxy.fields import (
     check_fields,
     ignored_fields_header,
 )
-from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
+from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 REQUEST_FIELDS_PAGE = Path(__file__).resolve().parents[3] / "docs" / "api" / "request-fields.md"
 

@@ -16,7 +16,7 @@ from services.proxy.errors import (
     TruncatedImageError,
     UnsupportedImageFormatError,
 )
-from services.proxy.images import decode_data_url
+from services.proxy.prompt.images import decode_data_url
 
 MAX_PIXELS = 64 * 64
 

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from services.proxy.errors import ImageFetchError, ImageUrlNotAllowedError, InvalidImageUrlError
-from services.proxy.media import MediaFetcher, MediaPolicy, image_sources, is_public_address
+from services.proxy.prompt.media import MediaFetcher, MediaPolicy, image_sources, is_public_address
 
 PUBLIC_IP = "93.184.215.14"
 

@@ -16,7 +16,7 @@ from services.proxy.errors import (
     RequestError,
     TooManyImagesError,
 )
-from services.proxy.preprocess import Preprocessor
+from services.proxy.prompt.preprocess import Preprocessor
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def _decode_spy(monkeypatch):
     import threading
     import weakref
 
-    from services.proxy import images, preprocess
+    from services.proxy.prompt import images, preprocess
 
     decoded: list[weakref.ref] = []
     alive_at_call: list[int] = []

@@ -9,7 +9,7 @@ from oracle_support import data_url, make_image, user_message
 from services.common.encode_items import file_processor, item_pixels
 from services.common.pb import epd_pb2
 from services.proxy.errors import ImageError, ImageTooLargeError, PlaceholderMismatchError
-from services.proxy.preprocess import Preprocessor
+from services.proxy.prompt.preprocess import Preprocessor
 
 PRESET = "qwen2.5-vl-tiny"
 

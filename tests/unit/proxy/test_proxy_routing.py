@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.pb import epd_pb2
-from services.proxy.backends import Backends
-from services.proxy.errors import ApiError, PlaceholderMismatchError
-from services.proxy.instances import (
+from services.proxy.backends.instances import (
     BreakerState,
     CircuitBreaker,
     EncoderClient,
@@ -16,10 +14,8 @@ from services.proxy.instances import (
     Readiness,
     outcome_of,
 )
-from services.proxy.jobs import Job, new_request_id
-from services.proxy.pipeline import Pipeline
-from services.proxy.preprocess import Prompt, expand_placeholders
-from services.proxy.routing import (
+from services.proxy.backends.pools import Backends
+from services.proxy.backends.routing import (
     LeastLoadedEncoderPolicy,
     LeastLoadedPdPolicy,
     RendezvousPolicy,
@@ -28,6 +24,11 @@ from services.proxy.routing import (
     make_encoder_policy,
     make_pd_policy,
 )
+from services.proxy.dispatch.jobs import Job
+from services.proxy.dispatch.pipeline import Pipeline
+from services.proxy.errors import ApiError, PlaceholderMismatchError
+from services.proxy.prompt.preprocess import Prompt, expand_placeholders
+from services.proxy.trace import new_request_id
 
 
 class FakeClock:
@@ -261,12 +262,12 @@ async def test_lease_is_capped_by_the_deadline_and_a_spent_deadline_is_504():
     clock = FakeClock()
     backends = await static_backends(pds(1, clock), encoders(1, clock))
     job = Job(new_request_id(), Prompt([1, 2]), epd_pb2.SamplingParams(), deadline=clock.now + 3.0)
-    assert Pipeline(backends, lease_ms=0, clock=clock).lease_ms(job) == 3000  # none set: the deadline (defect 12)
-    assert Pipeline(backends, lease_ms=1000, clock=clock).lease_ms(job) == 1000
-    assert Pipeline(backends, lease_ms=9000, clock=clock).lease_ms(job) == 3000
+    assert Pipeline(backends, lease_ms=0, clock=clock).calls.lease_ms(job) == 3000  # none set: the deadline (defect 12)
+    assert Pipeline(backends, lease_ms=1000, clock=clock).calls.lease_ms(job) == 1000
+    assert Pipeline(backends, lease_ms=9000, clock=clock).calls.lease_ms(job) == 3000
     clock.now += 3.5
     with pytest.raises(ApiError) as caught:
-        Pipeline(backends, lease_ms=9000, clock=clock).remaining(job)
+        Pipeline(backends, lease_ms=9000, clock=clock).calls.remaining(job)
     assert caught.value.status_code == 504
 
 

@@ -10,15 +10,15 @@ import pytest
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import ApiError, from_grpc
-from services.proxy.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
-from services.proxy.jobs import Trace
-from services.proxy.responses import (
+from services.proxy.openai.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
+from services.proxy.openai.responses import (
     SSE_DONE,
     Choice,
     collect,
     sse_event,
     stream_events,
 )
+from services.proxy.trace import Trace
 
 
 def meta() -> ResponseMeta:

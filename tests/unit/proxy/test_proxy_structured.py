@@ -9,10 +9,10 @@ import pytest
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import RequestError, UnknownFieldError
-from services.proxy.fields import check_fields
-from services.proxy.sampling import check_supported, sampling_params
-from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
-from services.proxy.structured import MAX_CHOICES, MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH, structured_output
+from services.proxy.openai.fields import check_fields
+from services.proxy.openai.sampling import check_supported, sampling_params
+from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest
+from services.proxy.openai.structured import MAX_CHOICES, MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH, structured_output
 
 SECRET = "zebra-secret-42"
 SCHEMA = {"type": "object", "properties": {SECRET: {"enum": [1, 2]}}, "required": [SECRET]}

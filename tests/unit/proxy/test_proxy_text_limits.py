@@ -14,7 +14,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 from transformers import PreTrainedTokenizerFast
 
 from services.proxy.errors import PromptTooLongError
-from services.proxy.text_limits import COMPOSITION_SHRINK, TextLimit, chars_per_token_bound
+from services.proxy.prompt.text_limits import COMPOSITION_SHRINK, TextLimit, chars_per_token_bound
 
 
 @pytest.fixture(scope="module")

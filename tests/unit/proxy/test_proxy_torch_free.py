@@ -16,7 +16,7 @@ _CHILD = textwrap.dedent(
 
     import services.proxy.app, services.proxy.main
     from services.common.models.supported import load_processing
-    from services.proxy.preprocess import Preprocessor
+    from services.proxy.prompt.preprocess import Preprocessor
 
     adapter = load_processing(sys.argv[1])
     preprocessor = Preprocessor(adapter, adapter.load_processor(), max_images=2, max_image_pixels=512 * 512)

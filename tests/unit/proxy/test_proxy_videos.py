@@ -21,8 +21,8 @@ from services.proxy.errors import (
     VideoNotSupportedError,
     VideoTooLargeError,
 )
-from services.proxy.preprocess import Preprocessor
-from services.proxy.videos import check_videos, sampling_options, video_payload, video_refs
+from services.proxy.prompt.preprocess import Preprocessor
+from services.proxy.prompt.videos import check_videos, sampling_options, video_payload, video_refs
 
 CLIP = make_video(3, num_frames=8, size=(48, 32), fps=4)
 

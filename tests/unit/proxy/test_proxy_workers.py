@@ -9,7 +9,7 @@ import time
 import pytest
 
 from services.proxy.errors import ApiError
-from services.proxy.workers import WorkPool
+from services.proxy.prompt.workers import WorkPool
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.proxy.bounded_responses import WRITE_GRACE_S, WriteBound, WriteStalled
+from services.proxy.web.bounded_responses import WRITE_GRACE_S, WriteBound, WriteStalled
 
 
 def test_a_write_gets_until_the_deadline_or_the_grace_and_never_more_than_the_stall_bound():

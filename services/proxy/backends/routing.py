@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
-from services.proxy.instances import EncoderClient, PdClient
+from services.proxy.backends.instances import EncoderClient, PdClient
 
 
 class PdPolicy(Protocol):

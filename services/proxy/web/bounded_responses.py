@@ -29,7 +29,7 @@ import anyio
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
-from services.proxy.http_util import as_api_error, error_response, wait_disconnect
+from services.proxy.web.http_util import as_api_error, error_response, wait_disconnect
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.logs import AccessLine, safe_request_id
 from services.proxy.errors import ApiError, RequestError, error_body, invalid_api_key
-from services.proxy.http_util import as_api_error, describe_validation_error, error_response
-from services.proxy.jobs import new_request_id
 from services.proxy.metrics import ProxyMetrics
+from services.proxy.trace import new_request_id
+from services.proxy.web.http_util import as_api_error, describe_validation_error, error_response
 
 log = logging.getLogger(__name__)
 

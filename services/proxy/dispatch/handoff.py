@@ -17,12 +17,13 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.pb import epd_pb2
-from services.proxy.attempt import Attempt
+from services.proxy.backends.instances import Outcome, PdClient, outcome_of
+from services.proxy.dispatch.attempt import Attempt
+from services.proxy.dispatch.calls import Calls, note_retry
+from services.proxy.dispatch.jobs import Job
+from services.proxy.dispatch.pipeline import Pipeline
 from services.proxy.errors import internal_error, no_backend
-from services.proxy.instances import Outcome, PdClient, outcome_of
-from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.pipeline import Pipeline
 
 _DECODE_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
@@ -30,8 +31,8 @@ _DECODE_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RE
 class HandoffAttempt(Attempt):
     """One try of a job on a prefill instance (``pd``) and a decode instance (``decode``)."""
 
-    def __init__(self, pipeline: HandoffPipeline, job: Job, pd: PdClient, request_id: str, decode: PdClient) -> None:
-        super().__init__(pipeline, job, pd, request_id)
+    def __init__(self, calls: Calls, job: Job, pd: PdClient, request_id: str, decode: PdClient) -> None:
+        super().__init__(calls, job, pd, request_id)
         self.decode = decode
         self.decode_probe = decode.begin()
         self.decode_outcome = Outcome.NEUTRAL
@@ -39,7 +40,7 @@ class HandoffAttempt(Attempt):
         self.prefill_status: str | None = None  # P's final status once its part is done (``status``: D's then)
 
     async def start(self) -> epd_pb2.GenerateResponse:
-        job, pipeline = self.job, self.pipeline
+        job, calls = self.job, self.calls
         # From the call on, the decode instance may hold a reservation, even when this task is
         # cancelled while the call is in flight: any exit but a clean finish aborts it there.
         self.started_rpc = True
@@ -49,10 +50,10 @@ class HandoffAttempt(Attempt):
                     request_id=self.request_id,
                     prompt_token_ids=job.prompt.token_ids,
                     items=job.prompt.mm_items_pb(),
-                    lease_ms=pipeline.lease_ms(job),
+                    lease_ms=calls.lease_ms(job),
                     cache_salt=job.prompt.cache_salt,
                 ),
-                timeout=pipeline.remaining(job),
+                timeout=calls.remaining(job),
             )
         except grpc.aio.AioRpcError as error:
             self._blame_decode(error)
@@ -78,7 +79,7 @@ class HandoffAttempt(Attempt):
         job = self.job
         self.call = self.decode.generate(
             job.generate_request(self.request_id, kv_reservation_id=reservation_id),
-            timeout=self.pipeline.remaining(job),
+            timeout=self.calls.remaining(job),
         )
         try:
             first = await self.next()
@@ -96,8 +97,10 @@ class HandoffAttempt(Attempt):
         self.pd_is_innocent = True
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.decode.mark_busy(1.0)
-        assert isinstance(self.pipeline, HandoffPipeline)
-        self.pipeline.note_decode_failure(self.job, self.decode, error.code())
+        # The decode instance failed the job before its first token: the job's next try avoids it.
+        self.job.decodes_tried.add(self.decode.address)
+        if error.code() in _DECODE_RETRY_CODES:
+            note_retry(self.calls.metrics, self.decode, error.code(), self.job.request_id)
 
     def count(self, metrics: ProxyMetrics) -> None:
         if self.prefill_status is None:  # it ended in P's part (or in the reservation): D never streamed
@@ -127,10 +130,4 @@ class HandoffPipeline(Pipeline):
             candidates = self.backends.decode_candidates()
         if not candidates:
             raise no_backend("decode")
-        return HandoffAttempt(self, job, pd, request_id, candidates[0])
-
-    def note_decode_failure(self, job: Job, decode: PdClient, code: grpc.StatusCode) -> None:
-        """A decode instance failed a job before its first token: the job's next try avoids it."""
-        job.decodes_tried.add(decode.address)
-        if code in _DECODE_RETRY_CODES:
-            self._note_retry(decode, code, job.request_id)
+        return HandoffAttempt(self.calls, job, pd, request_id, candidates[0])

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from services.proxy.instances import Instance
+from services.proxy.backends.instances import Instance
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from services.proxy.errors import UnknownFieldError, UnsupportedFeatureError
-from services.proxy.schemas import ChatCompletionRequest, ChatMessage, StreamOptions
+from services.proxy.openai.schemas import ChatCompletionRequest, ChatMessage, StreamOptions
 
 EXTENSIONS = (
     "top_k",

@@ -17,7 +17,7 @@ from typing import Any
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import RequestError
-from services.proxy.schemas import ChatCompletionRequest, StructuredOutputs, _SamplingFields
+from services.proxy.openai.schemas import ChatCompletionRequest, StructuredOutputs, _SamplingFields
 
 MAX_CONSTRAINT_BYTES = 64 * 1024  # PD's bound too (convert.MAX_CONSTRAINT_BYTES)
 MAX_CHOICES = 256

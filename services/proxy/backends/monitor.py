@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils
-from services.proxy.instances import Instance, Readiness, serving
+from services.proxy.backends.instances import Instance, Readiness, serving
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from services.proxy.config import ProxyConfig
 from services.proxy.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS
-from services.proxy.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS
-from services.proxy.schemas import ChatCompletionRequest, CompletionRequest
-from services.proxy.structured import MAX_CHOICES
+from services.proxy.openai.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest
+from services.proxy.openai.structured import MAX_CHOICES
 
 _REF = "#/components/schemas/{model}"
 
@@ -132,17 +131,17 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-def _limits(config: ProxyConfig) -> dict[str, dict[str, Any]]:
+def _limits(max_tokens_limit: int, max_n: int) -> dict[str, dict[str, Any]]:
     """Field schemas narrowed to what this server accepts: its configured limits, and the
     one value each unsupported OpenAI parameter may take (others are refused with a 400)."""
-    tokens = _nullable({"type": "integer", "minimum": 1, "maximum": config.max_tokens_limit})
+    tokens = _nullable({"type": "integer", "minimum": 1, "maximum": max_tokens_limit})
     stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
     token_id = {"type": "integer", "minimum": 0}
     return {
         "max_tokens": tokens,
         "max_completion_tokens": tokens,
-        "min_tokens": {"type": "integer", "minimum": 0, "maximum": config.max_tokens_limit},
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": config.max_n}),
+        "min_tokens": {"type": "integer", "minimum": 0, "maximum": max_tokens_limit},
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": max_n}),
         "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]},
         "stop_token_ids": _nullable(
             {
@@ -217,13 +216,13 @@ def _generation(model: type[BaseModel], response: str) -> dict[str, Any]:
     }
 
 
-def openapi_document(app: FastAPI, config: ProxyConfig) -> dict[str, Any]:
-    """The document served at ``/openapi.json`` (built once per app)."""
+def openapi_document(app: FastAPI, *, max_tokens_limit: int, max_n: int) -> dict[str, Any]:
+    """The document served at ``/openapi.json`` (built once per app; the limits: ``--max-tokens-limit``, ``--max-n``)."""
     if app.openapi_schema:
         return app.openapi_schema
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas: dict[str, Any] = document.setdefault("components", {}).setdefault("schemas", {})
-    limits = _limits(config)
+    limits = _limits(max_tokens_limit, max_n)
     for model in (ChatCompletionRequest, CompletionRequest):
         body = model.model_json_schema(ref_template=_REF)
         schemas.update(body.pop("$defs", {}))

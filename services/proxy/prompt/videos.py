@@ -35,7 +35,7 @@ from services.proxy.errors import (
     VideoNotSupportedError,
     VideoTooLargeError,
 )
-from services.proxy.images import data_url_payload
+from services.proxy.prompt.images import data_url_payload
 
 VIDEO_MEDIA_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska")
 SAMPLING_KEYS = ("fps", "num_frames", "max_frames")

@@ -1,34 +1,33 @@
 """One try of a job on one PD (``Attempt``): its Preallocate, Generate stream and Encode tasks.
 
 The job loop that starts attempts, fails them over and cleans them up is
-``Pipeline`` (``pipeline.py``); E+P+D's attempt, which adds a decode
-instance, is ``handoff.HandoffAttempt``.
+``Pipeline`` (``pipeline.py``); it hands each attempt the ``Calls``
+(``calls.py``: the Encodes, the deadline, the lease), so an attempt never
+calls back into it. E+P+D's attempt, which adds a decode instance, is
+``handoff.HandoffAttempt``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
 from services.common.pb import epd_pb2
+from services.proxy.backends.instances import Outcome, PdClient, outcome_of
+from services.proxy.dispatch.calls import Calls
+from services.proxy.dispatch.jobs import Job
 from services.proxy.errors import internal_error
-from services.proxy.instances import Outcome, PdClient, outcome_of
-from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.preprocess import ImageItem
-
-if TYPE_CHECKING:
-    from services.proxy.pipeline import Pipeline
+from services.proxy.prompt.preprocess import ImageItem
 
 
 class Attempt:
     """One try of a job on one PD: its Preallocate, Generate stream and Encode tasks."""
 
-    def __init__(self, pipeline: Pipeline, job: Job, pd: PdClient, request_id: str) -> None:
-        self.pipeline = pipeline
+    def __init__(self, calls: Calls, job: Job, pd: PdClient, request_id: str) -> None:
+        self.calls = calls
         self.job = job
         self.pd = pd
         self.request_id = request_id
@@ -58,18 +57,18 @@ class Attempt:
                     request_id=self.request_id,
                     prompt_token_ids=job.prompt.token_ids,
                     items=job.prompt.mm_items_pb(),
-                    lease_ms=self.pipeline.lease_ms(job),
+                    lease_ms=self.calls.lease_ms(job),
                     cache_salt=job.prompt.cache_salt,
                 ),
-                timeout=self.pipeline.remaining(job),
+                timeout=self.calls.remaining(job),
             )
             job.trace.preallocate_ms = (time.monotonic() - begin) * 1000
             reserved = self._reserved(reply)
         self.call = pd.generate(
-            job.generate_request(self.request_id, kv_handoff=handoff), timeout=self.pipeline.remaining(job)
+            job.generate_request(self.request_id, kv_handoff=handoff), timeout=self.calls.remaining(job)
         )
         self.encode_tasks = [
-            asyncio.create_task(self.pipeline.encode_image(self, image, reservation_id))
+            asyncio.create_task(self.calls.encode_image(job, self.request_id, pd.address, image, reservation_id))
             for image, reservation_id in reserved
         ]
         self._pending_encodes = set(self.encode_tasks)

@@ -26,9 +26,9 @@ from services.proxy.errors import (
     TooManyPixelsError,
 )
 from services.proxy.faults import NO_FAULTS, ProxyFaults
-from services.proxy.images import data_url_payload, decode_image_bytes, image_size
-from services.proxy.text_limits import TextLimit
-from services.proxy.videos import ProcessedVideo, VideoStage
+from services.proxy.prompt.images import data_url_payload, decode_image_bytes, image_size
+from services.proxy.prompt.text_limits import TextLimit
+from services.proxy.prompt.videos import ProcessedVideo, VideoStage
 
 
 class Adapter(Protocol):

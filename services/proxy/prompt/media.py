@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from services.proxy.discovery import Resolver, is_ip, system_resolver
+from services.proxy.backends.discovery import Resolver, is_ip, system_resolver
 from services.proxy.errors import ImageFetchError, ImageUrlNotAllowedError, InvalidImageUrlError
 
 MAX_REDIRECTS = 3

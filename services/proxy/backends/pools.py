@@ -12,16 +12,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
-from services.common import grpc_utils
-from services.proxy.discovery import Pool, Resolver, system_resolver
-from services.proxy.instances import CircuitBreaker, EncoderClient, Instance, PdClient
-from services.proxy.monitor import Monitor, wait_known
-from services.proxy.routing import EncoderPolicy, PdPolicy, make_encoder_policy, make_pd_policy
-
-if TYPE_CHECKING:
-    from services.proxy.config import ProxyConfig
+from services.proxy.backends.discovery import Pool
+from services.proxy.backends.instances import EncoderClient, PdClient
+from services.proxy.backends.monitor import Monitor, wait_known
+from services.proxy.backends.routing import EncoderPolicy, PdPolicy
 
 log = logging.getLogger(__name__)
 
@@ -53,43 +48,6 @@ class Backends:
         self.dns_refresh_s = dns_refresh_s
         self._refresher: asyncio.Task | None = None
         self._started = False
-
-    @classmethod
-    def connect(cls, config: ProxyConfig, *, resolver: Resolver = system_resolver) -> Backends:
-        """Pools for ``config``'s targets with health watching and load polling (nothing connects yet)."""
-        monitor = Monitor(load_interval_s=config.load_poll_s)
-
-        def breaker() -> CircuitBreaker:
-            return CircuitBreaker(config.breaker_failures, config.breaker_open_s, max(config.breaker_open_s, 30.0))
-
-        async def removed(instance: Instance) -> None:
-            await monitor.unwatch(instance)
-            await instance.channel.close()
-
-        def pool(kind: str, targets, client_cls) -> Pool:
-            return Pool(
-                kind,
-                targets,
-                lambda address: client_cls(
-                    address,
-                    grpc_utils.aio_channel(address, config.security),
-                    breaker=breaker(),
-                    launch_key=config.security.peer_launch_key(address),
-                ),
-                resolver=resolver,
-                on_added=monitor.watch,
-                on_removed=removed,
-            )
-
-        return cls(
-            pool("pd", config.pd_addresses, PdClient),
-            pool("encoder", config.encoder_addresses, EncoderClient),
-            pd_policy=make_pd_policy(config.pd_policy),
-            encoder_policy=make_encoder_policy(config.encoder_policy, saturation=config.encoder_saturation),
-            monitor=monitor,
-            dns_refresh_s=config.dns_refresh_s,
-            decode_pool=pool("decode", config.decode_addresses, PdClient) if config.decode_addresses else None,
-        )
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self, initial_wait_s: float = INITIAL_HEALTH_WAIT_S) -> None:

@@ -33,6 +33,10 @@ generation whose PD stops producing: no first message within
 ``first_token_s`` of the request's arrival, or a gap longer than
 ``inter_token_s`` between messages. Either is a 504 (``stalled``), and the
 generation is aborted on PD like any other failure.
+
+One try of a job on one PD is an ``Attempt`` (``attempt.py``); the Encode
+calls, the deadline and the lease it uses are the pipeline's ``Calls``
+(``calls.py``), handed to every attempt.
 """
 
 from __future__ import annotations
@@ -48,22 +52,18 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.pb import epd_pb2
-from services.proxy.attempt import Attempt
-from services.proxy.backends import Backends
+from services.proxy.backends.instances import PdClient, outcome_of
+from services.proxy.backends.pools import Backends
+from services.proxy.dispatch.attempt import Attempt
+from services.proxy.dispatch.calls import BackendError, Calls, note_retry, retry_after_s
+from services.proxy.dispatch.jobs import Job
 from services.proxy.errors import ApiError, from_grpc, internal_error, missing_extra, no_backend, stalled
-from services.proxy.instances import Instance, Outcome, PdClient, outcome_of
-from services.proxy.jobs import Job
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.preprocess import ImageItem
 
 log = logging.getLogger(__name__)
 
 S = grpc.StatusCode
 _PD_RETRY_CODES = frozenset({S.RESOURCE_EXHAUSTED, S.UNAVAILABLE})
-_ENCODER_RETRY_CODES = frozenset({S.UNAVAILABLE, S.RESOURCE_EXHAUSTED, S.INTERNAL, S.UNKNOWN, S.ABORTED})
-"""Not retried: bad input (same everywhere), deadline (spent), PD-side reservation errors."""
-DEFAULT_BUSY_S = 1.0
-"""How long an instance that said RESOURCE_EXHAUSTED without a hint counts as busy."""
 CLEANUP_WAIT_S = 1.0
 """Longest a failed or cancelled attempt waits for its cleanup (Abort) before its caller moves on;
 never past the job's deadline. The cleanup itself goes on in the background (Abort has its own timeout)."""
@@ -85,20 +85,6 @@ class StallLimits:
     encode_s: float = 0.0
 
 
-class BackendError(Exception):
-    """A backend call failed; keeps the gRPC error and which instance gave it.
-
-    ``pd_push``: the encoder reported that its push to PD failed (PD's hop, not the encoder's).
-    """
-
-    def __init__(self, error: grpc.aio.AioRpcError, instance: Instance, *, pd_push: bool = False) -> None:
-        super().__init__(error.code().name)
-        self.error = error
-        self.code = error.code()
-        self.instance = instance
-        self.pd_push = pd_push
-
-
 class Pipeline:
     """Runs jobs against the backends; one instance per app."""
 
@@ -115,28 +101,19 @@ class Pipeline:
     ) -> None:
         self.backends = backends
         self.stall_limits = stall_limits
-        self._lease_ms = lease_ms
         self.pd_attempts = pd_attempts
-        self.encoder_attempts = encoder_attempts
         self.metrics = metrics or ProxyMetrics()
         self._clock = clock
         self._cleanups: set[asyncio.Task] = set()  # strong refs: cleanup outlives a cancelled caller
-
-    def remaining(self, job: Job) -> float:
-        """Seconds left before the job's deadline; a spent deadline ends the request (504)."""
-        left = job.deadline - self._clock()
-        if left <= 0:
-            raise from_grpc(grpc.StatusCode.DEADLINE_EXCEEDED)
-        return left
-
-    def lease_ms(self, job: Job) -> int:
-        """The configured lease, never past the deadline; with none configured, the deadline itself.
-
-        (0 would mean PD's default lease, which knows nothing of this request's
-        deadline: a request with a longer deadline would lose its reservation early.)
-        """
-        left_ms = int(self.remaining(job) * 1000)
-        return max(1, min(self._lease_ms or left_ms, left_ms))
+        # What attempts call besides their PD (the Encodes, the deadline, the lease): never this loop.
+        self.calls = Calls(
+            backends,
+            metrics=self.metrics,
+            lease_ms=lease_ms,
+            encoder_attempts=encoder_attempts,
+            encode_s=stall_limits.encode_s,
+            clock=clock,
+        )
 
     @contextlib.asynccontextmanager
     async def _stall_bound(
@@ -190,7 +167,7 @@ class Pipeline:
             except grpc.aio.AioRpcError as error:
                 attempt.fail(error)
                 if buffered and error.code() == S.UNAVAILABLE and job.trace.num_pd_attempts < self.pd_attempts:
-                    self._note_retry(attempt.pd, error.code(), attempt.request_id)
+                    note_retry(self.metrics, attempt.pd, error.code(), attempt.request_id)
                     continue  # (the finally below releases this attempt first)
                 raise self._to_api_error(error, attempt.request_id) from None
             except BackendError as failure:
@@ -224,10 +201,10 @@ class Pipeline:
                 if attempt.pd_is_innocent:  # another hop failed (E+P+D: the decode instance): PD may serve again
                     tried.discard(pd.address)
                 if error.code() == S.RESOURCE_EXHAUSTED and not attempt.pd_is_innocent:
-                    pd.mark_busy(_retry_after_s(error))
+                    pd.mark_busy(retry_after_s(error))
                 if error.code() not in _PD_RETRY_CODES:
                     raise self._to_api_error(error, attempt.request_id) from None
-                self._note_retry(pd, error.code(), attempt.request_id)
+                note_retry(self.metrics, pd, error.code(), attempt.request_id)
                 last = BackendError(error, pd)
             except BackendError as failure:
                 if failure.pd_push:  # PD's hop failed: PD answers for it
@@ -238,7 +215,7 @@ class Pipeline:
                 pd_is_the_cause = failure.pd_push or not pd.routable()
                 if failure.code != S.UNAVAILABLE or not pd_is_the_cause:
                     raise self._to_api_error(failure.error, attempt.request_id, what=failure.instance.kind) from None
-                self._note_retry(pd, failure.code, attempt.request_id)
+                note_retry(self.metrics, pd, failure.code, attempt.request_id)
                 last = failure
             except BaseException:
                 await self._finish(attempt)
@@ -249,65 +226,7 @@ class Pipeline:
 
     def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> Attempt:
         """One try of ``job`` on ``pd`` (E+P+D's pipeline tries a prefill and a decode instance)."""
-        return Attempt(self, job, pd, request_id)
-
-    async def encode_image(self, attempt: Attempt, image: ImageItem, reservation_id: str) -> None:
-        """Encodes one image for ``attempt.pd``, moving to the next encoder when one fails."""
-        job = attempt.job
-        request = epd_pb2.EncodeRequest(
-            request_id=attempt.request_id,
-            pd_address=attempt.pd.address,
-            items=[image.encode_item_pb(reservation_id)],
-            cache_salt=job.prompt.cache_salt,
-        )
-        tried: list[str] = []
-        last: BackendError | None = None
-        begin = time.monotonic()
-        for _ in range(self.encoder_attempts):
-            candidates = self.backends.encoder_candidates(image.mm_hash, exclude=tried, pd_address=attempt.pd.address)
-            if not candidates:
-                break
-            encoder = candidates[0]
-            tried.append(encoder.address)
-            outcome, status = Outcome.NEUTRAL, "CANCELLED"
-            probe = encoder.begin()
-            remaining = self.remaining(job)
-            bounded = 0 < self.stall_limits.encode_s < remaining  # the encoder's bound ends the call, not the deadline
-            try:
-                reply = await encoder.encode(request, timeout=self.stall_limits.encode_s if bounded else remaining)
-                outcome, status = Outcome.SUCCESS, "OK"
-            except grpc.aio.AioRpcError as error:
-                pd_push = grpc_utils.failed_hop(error) == grpc_utils.PUSH_HOP
-                stalled = bounded and error.code() == S.DEADLINE_EXCEEDED
-                outcome, status = (Outcome.NEUTRAL if pd_push else outcome_of(error.code())), error.code().name
-                if stalled:
-                    outcome = Outcome.FAILURE
-                    self.metrics.stalls.labels("encode").inc()
-                if error.code() == S.RESOURCE_EXHAUSTED:
-                    encoder.mark_busy(_retry_after_s(error))
-                if pd_push or (error.code() not in _ENCODER_RETRY_CODES and not stalled):
-                    raise BackendError(error, encoder, pd_push=pd_push) from None
-                job.trace.num_encoder_retries += 1
-                self._note_retry(encoder, error.code(), attempt.request_id)
-                last = BackendError(error, encoder)
-                continue
-            finally:
-                encoder.end(outcome, probe=probe)
-                self.metrics.backend_requests.labels("encoder", encoder.address, status).inc()
-            job.trace.encode_ms = max(job.trace.encode_ms or 0.0, (time.monotonic() - begin) * 1000)
-            hits = sum(1 for item in reply.items if item.cache_hit)
-            job.trace.num_encoder_cache_hits += hits
-            self.metrics.image_sources.labels("encoder_cache" if hits else "encoded").inc()
-            return
-        if last is None:
-            raise no_backend("encoder")
-        raise last
-
-    def _note_retry(self, instance: Instance, code: grpc.StatusCode, request_id: str) -> None:
-        log.info(
-            "request %s: %s %s answered %s; trying another", request_id, instance.kind, instance.address, code.name
-        )
-        self.metrics.retries.labels(instance.kind, code.name).inc()
+        return Attempt(self.calls, job, pd, request_id)
 
     def _to_api_error(self, error: grpc.aio.AioRpcError, request_id: str, what: str = "pd") -> ApiError:
         code = error.code()
@@ -353,8 +272,3 @@ class Pipeline:
         """Waits for outstanding cleanups (Aborts) at shutdown."""
         if self._cleanups:
             await asyncio.gather(*list(self._cleanups), return_exceptions=True)
-
-
-def _retry_after_s(error: grpc.aio.AioRpcError) -> float:
-    hint = grpc_utils.retry_after_ms(error)
-    return DEFAULT_BUSY_S if hint is None else hint / 1000

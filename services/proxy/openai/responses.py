@@ -1,6 +1,6 @@
 """PD messages -> OpenAI responses: the SSE stream and the whole (collected) response.
 
-The two formatters (chat and text completions, ``services.proxy.formatters``)
+The two formatters (chat and text completions, ``services.proxy.openai.formatters``)
 share the one streaming and the one collecting routine here. A request with
 ``n`` choices has one PD stream per choice, merged as messages arrive. A stream that fails after its first
 event ends with an OpenAI error event and ``[DONE]``, never with a normal
@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import ApiError, internal_error
-from services.proxy.formatters import ChatFormatter, ResponseMeta
-from services.proxy.jobs import Trace
+from services.proxy.openai.formatters import ChatFormatter, ResponseMeta
+from services.proxy.trace import Trace
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Slow clients are bounded: the body must arrive within its time limit
 (408). Bounded response writes and the SSE response live in
-``services.proxy.bounded_responses``.
+``services.proxy.web.bounded_responses``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from services.proxy.errors import (
     internal_error,
     unsupported_media_type,
 )
-from services.proxy.schemas import FIELD_NAMES
+from services.proxy.openai.schemas import FIELD_NAMES
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from services.common.pb import epd_pb2
 from services.proxy.errors import PromptTooLongError, RequestError, UnsupportedFeatureError
-from services.proxy.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from services.proxy.structured import structured_output
+from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.proxy.openai.structured import structured_output
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
