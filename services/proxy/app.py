@@ -342,7 +342,9 @@ def create_app(
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/health/live", live, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.openapi = functools.partial(openapi_document, app, max_tokens_limit=config.max_tokens_limit, max_n=config.max_n)
+    app.openapi = functools.partial(  # type: ignore[method-assign]  # FastAPI documents replacing it
+        openapi_document, app, max_tokens_limit=config.max_tokens_limit, max_n=config.max_n
+    )
     install_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

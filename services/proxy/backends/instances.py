@@ -256,6 +256,8 @@ def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
 class PdClient(Instance):
     """Client of one PD (``epd.v1.PrefillDecode``)."""
 
+    load: epd_pb2.PdLoad | None
+
     kind = "pd"
     service_name = PD_SERVICE
 
@@ -284,7 +286,9 @@ class PdClient(Instance):
         """A decode instance's KV reservation for a prompt (E+P+D)."""
         return await self.stub.ReserveKV(request, timeout=timeout, metadata=_metadata(request.request_id))
 
-    def generate(self, request: epd_pb2.GenerateRequest, *, timeout: float) -> grpc.aio.UnaryStreamCall:
+    def generate(
+        self, request: epd_pb2.GenerateRequest, *, timeout: float
+    ) -> grpc.aio.UnaryStreamCall[epd_pb2.GenerateRequest, epd_pb2.GenerateResponse]:
         """Starts the Generate stream; read it with ``call.read()``, stop it with ``call.cancel()``."""
         return self.stub.Generate(request, timeout=timeout, metadata=_metadata(request.request_id))
 
@@ -300,6 +304,8 @@ class PdClient(Instance):
 
 class EncoderClient(Instance):
     """Client of one encoder (``epd.v1.Encoder``); ``num_outstanding`` counts images."""
+
+    load: epd_pb2.EncoderLoad | None
 
     kind = "encoder"
     service_name = ENCODER_SERVICE

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from services.proxy.backends.instances import EncoderClient, PdClient
@@ -127,7 +127,10 @@ class RoundRobinEncoderPolicy:
         return [instances[i] for i in order]
 
 
-PD_POLICIES = {"least-loaded": LeastLoadedPdPolicy, "round-robin": RoundRobinPdPolicy}
+PD_POLICIES: dict[str, Callable[[], PdPolicy]] = {
+    "least-loaded": LeastLoadedPdPolicy,
+    "round-robin": RoundRobinPdPolicy,
+}
 ENCODER_POLICIES = {
     "rendezvous": RendezvousPolicy,
     "least-loaded": LeastLoadedEncoderPolicy,

@@ -31,7 +31,7 @@ class Attempt:
         self.job = job
         self.pd = pd
         self.request_id = request_id
-        self.call: grpc.aio.UnaryStreamCall | None = None
+        self.call: grpc.aio.UnaryStreamCall[epd_pb2.GenerateRequest, epd_pb2.GenerateResponse] | None = None
         self.encode_tasks: list[asyncio.Task] = []
         self._pending_encodes: set[asyncio.Task] = set()
         self.first: epd_pb2.GenerateResponse | None = None  # set by start()
@@ -118,7 +118,7 @@ class Attempt:
             # early exit from here wants.
             if not read.done():
                 read.cancel()
-        if message is grpc.aio.EOF:
+        if not isinstance(message, epd_pb2.GenerateResponse):  # grpc.aio.EOF (read() is typed object | T)
             return None
         if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished = True

@@ -39,7 +39,7 @@ class HandoffAttempt(Attempt):
         self.prefill_call: grpc.aio.UnaryStreamCall | None = None
         self.prefill_status: str | None = None  # P's final status once its part is done (``status``: D's then)
 
-    async def start(self) -> epd_pb2.GenerateResponse:
+    async def start(self, handoff: epd_pb2.KVHandoff | None = None) -> epd_pb2.GenerateResponse:
         job, calls = self.job, self.calls
         # From the call on, the decode instance may hold a reservation, even when this task is
         # cancelled while the call is in flight: any exit but a clean finish aborts it there.

@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -137,7 +137,7 @@ class Pipeline:
             log.warning("request %s: no %s from PD within %.1f s", job.request_id, kind.replace("_", "-"), limit_s)
             raise stalled(kind, limit_s) from None
 
-    async def generate(self, job: Job, *, buffered: bool = False) -> AsyncIterator[epd_pb2.GenerateResponse]:
+    async def generate(self, job: Job, *, buffered: bool = False) -> AsyncGenerator[epd_pb2.GenerateResponse, None]:
         """Yields PD messages up to and including the one with ``finish_reason``.
 
         ``buffered``: collect the whole result before yielding anything, which

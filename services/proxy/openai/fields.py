@@ -48,7 +48,7 @@ EXTENSIONS = (
 """vLLM-compatible request fields beyond OpenAI's, all honoured (README: "Request fields")."""
 
 _DISABLED = (None, False)
-_EMPTY = (None, [], {})
+_EMPTY: tuple[object, ...] = (None, [], {})
 
 # OpenAI fields this server does not implement -> the values that ask for nothing (accepted).
 NOT_IMPLEMENTED: dict[type[BaseModel], dict[str, tuple[Any, ...]]] = {

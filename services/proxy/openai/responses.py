@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, NamedTuple
 
 from services.common.pb import epd_pb2
@@ -153,7 +153,7 @@ async def merge(choices: Sequence[Choice]) -> AsyncGenerator[tuple[int, epd_pb2.
 
 async def _events(
     choices: Sequence[Choice], formatter: ChatFormatter, include_usage: bool, want_logprobs: bool
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     started = [False] * len(choices)
     finals: list[epd_pb2.GenerateResponse | None] = [None] * len(choices)
     async with contextlib.aclosing(merge(choices)) as messages:
@@ -172,11 +172,12 @@ async def _events(
             if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
                 yield sse_event(formatter.finish_chunk(index, _finish_reason(message), include_usage))
                 finals[index] = message
-    if any(final is None for final in finals):
+    done = [final for final in finals if final is not None]
+    if len(done) < len(finals):
         raise internal_error("The model server ended the stream without a result.")
     if include_usage:
         traces = [c.trace for c in choices]
-        yield sse_event(formatter.usage_chunk(combined_usage(finals, traces, formatter.meta)))
+        yield sse_event(formatter.usage_chunk(combined_usage(done, traces, formatter.meta)))
     yield SSE_DONE
 
 
@@ -222,12 +223,13 @@ async def collect(choices: Sequence[Choice], formatter: ChatFormatter, *, want_l
             logprobs[index].extend(message.logprobs)
             if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
                 finals[index] = message
-    if any(final is None for final in finals):
+    done = [final for final in finals if final is not None]
+    if len(done) < n:
         raise internal_error("The model server ended the stream without a result.")
     entries = [
         formatter.choice(
-            i, "".join(texts[i]), logprobs[i] if want_logprobs else None, _finish_reason(finals[i]), token_ids[i]
+            i, "".join(texts[i]), logprobs[i] if want_logprobs else None, _finish_reason(done[i]), token_ids[i]
         )
         for i in range(n)
     ]
-    return formatter.full(entries, combined_usage(finals, [c.trace for c in choices], formatter.meta))
+    return formatter.full(entries, combined_usage(done, [c.trace for c in choices], formatter.meta))

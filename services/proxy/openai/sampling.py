@@ -169,6 +169,7 @@ def requested_logprobs(body: _SamplingFields) -> int | None:
                 raise RequestError("top_logprobs requires logprobs=true.", "top_logprobs")
             return None
         return body.top_logprobs or 0
+    assert isinstance(body, CompletionRequest)
     return body.logprobs
 
 

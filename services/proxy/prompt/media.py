@@ -219,8 +219,9 @@ async def image_sources(urls: Sequence[str], fetcher: MediaFetcher | None, timeo
         # The first failure ends the request: the other fetches are cancelled, not awaited.
         done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
-            if task.exception() is not None:
-                raise task.exception()
+            error = task.exception()
+            if error is not None:
+                raise error
         for i, task in tasks.items():  # no failure: all are done
             sources[i] = task.result()
     finally:

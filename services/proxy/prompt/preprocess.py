@@ -155,7 +155,7 @@ def expand_media(
 
 def image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """The image URLs of chat messages, in prompt order."""
-    urls = []
+    urls: list[str] = []
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
