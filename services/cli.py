@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "up": ("services.launcher", "start proxy + encoders + PDs as local processes (the whole cluster)"),
+    "up": ("services.launcher.command", "start proxy + encoders + PDs as local processes (the whole cluster)"),
     "encoder": ("services.encoder.main", "run one encoder (vision tower) service"),
     "pd": ("services.pd.main", "run one PD (language model) service"),
     "proxy": ("services.proxy.main", "run the OpenAI-compatible HTTP proxy"),

@@ -21,20 +21,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import launcher
-from services.child_output import OutputForwarder, OutputTail
 from services.common import grpc_utils, launch_proof, security
 from services.common.security import InternalSecurity
-from services.spawner import ProcessSpawner
-from services.supervisor import (
-    CrashHistory,
-    HealthPolicy,
-    RestartPolicy,
-    ServiceSpec,
-    StartupFailed,
-    Supervisor,
-    describe_exit,
-)
+from services.launcher import command as up
+from services.launcher.child_output import OutputForwarder, OutputTail
+from services.launcher.policy import CrashHistory, HealthPolicy, RestartPolicy, describe_exit
+from services.launcher.spawner import ProcessSpawner
+from services.launcher.specs import ServiceSpec
+from services.launcher.supervisor import StartupFailed, Supervisor
 
 RUN_FOREVER = "import time\nprint('up', flush=True)\nwhile True: time.sleep(1)"
 CRASH = "import sys\nprint('loading ...', flush=True)\nprint('boom: port in use', flush=True)\nsys.exit(3)"
@@ -341,7 +335,7 @@ async def test_a_hung_child_is_detected_by_rpc_and_restarted():
         return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
 
     async def answers(spec: ServiceSpec, launch_key: str) -> bool:  # the launcher's liveness RPC for the proxy
-        return await asyncio.to_thread(launcher._http_answers, spec.address, launch_key, 0.3)
+        return await asyncio.to_thread(up._http_answers, spec.address, launch_key, 0.3)
 
     said: list[str] = []
     supervisor = Supervisor(
@@ -420,7 +414,7 @@ async def test_a_listener_on_a_restarting_childs_port_never_receives_the_token()
     genuine_key = launch_proof.new_launch_key()
     genuine = await _serving(launch_key=genuine_key)
     try:
-        is_ready, is_alive = launcher._ready_check(transport), launcher._alive_check(transport, 1.0)
+        is_ready, is_alive = up._ready_check(transport), up._alive_check(transport, 1.0)
         impostor_spec = ServiceSpec("pd-0", (), f"127.0.0.1:{impostor.port}", "epd.v1.PrefillDecode")
         for _ in range(5):
             assert not await is_ready(impostor_spec, launch_proof.new_launch_key())

@@ -8,9 +8,25 @@ the cluster would bind, so that a clash is refused before anything starts.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.common import security
-from services.supervisor import ServiceSpec
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How to start one service: ``python -m services.cli <argv>`` with extra environment."""
+
+    name: str  # encoder-0, pd-1, proxy
+    argv: tuple[str, ...]
+    address: str  # host:port it serves on
+    health_service: str | None  # gRPC health service meaning "ready"; None = HTTP /health
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the launcher's own (secrets)
+
+    @property
+    def kind(self) -> str:
+        return self.name.split("-")[0]
 
 
 def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -> list[ServiceSpec]:

@@ -15,13 +15,13 @@ line names it with how it exited and its last output lines, and the others
 keep serving. Supervision ends, and the caller stops the cluster, only when
 the proxy or every PD is crash-looping.
 
-Policy (``CrashHistory``, in ``services/supervision_policy.py``) is pure
+Policy (``CrashHistory``, in ``policy.py``) is pure
 and clock-driven; processes, readiness checks and output forwarding are
 injected so the loop is testable with tiny processes. Every child's output is drained continuously by the
-launcher (``services/child_output.py``): forwarded line by line, unchanged,
+launcher (``child_output.py``): forwarded line by line, unchanged,
 so JSON log lines stay JSON, dropped rather than waited for when nobody
 reads ``epd up``'s own output, and its last lines kept for the crash report.
-``epd up``'s own metrics are in ``services/launcher_metrics.py``.
+``epd up``'s own metrics are in ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -33,32 +33,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from services.child_output import OutputForwarder, OutputTail
 from services.common import launch_proof
-from services.launcher_metrics import LauncherMetrics
-from services.spawner import ProcessSpawner
-from services.supervision_policy import CrashHistory, CrashLoop, HealthPolicy, RestartPolicy, describe_exit
+from services.launcher.child_output import OutputForwarder, OutputTail
+from services.launcher.metrics import LauncherMetrics
+from services.launcher.policy import CrashHistory, CrashLoop, HealthPolicy, RestartPolicy, describe_exit
+from services.launcher.spawner import ProcessSpawner
+from services.launcher.specs import ServiceSpec
 
 POLL_S = 0.2
 """How often exits are noticed and restarts are due-checked."""
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """How to start one service: ``python -m services.cli <argv>`` with extra environment."""
-
-    name: str  # encoder-0, pd-1, proxy
-    argv: tuple[str, ...]
-    address: str  # host:port it serves on
-    health_service: str | None  # gRPC health service meaning "ready"; None = HTTP /health
-    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the launcher's own (secrets)
-
-    @property
-    def kind(self) -> str:
-        return self.name.split("-")[0]
 
 
 class ChildState(enum.IntEnum):

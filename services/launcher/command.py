@@ -3,7 +3,7 @@
 Starts N encoders and M PDs, then the proxy in front of them, waits until
 every one reports ready and prints the URL. From then on a child that exits
 is restarted on its port with backoff while the others keep serving, and
-so is one that stops answering its health RPCs (``services/supervisor.py``);
+so is one that stops answering its health RPCs (``supervisor.py``);
 a service that crash-loops is left down, named in one log line, while the
 others serve. ``epd up`` itself stops on Ctrl-C / SIGTERM, or when the
 proxy or every PD crash-loops (nothing could serve), saying which and why.
@@ -18,8 +18,8 @@ where ``ps`` would show it, nor in its environment, which it would keep for
 life and pass on to whatever it starts: ``services/common/secret_pipe.py``). Every ``/metrics`` endpoint listens on
 ``--metrics-host`` (loopback by default), whatever ``--host`` is.
 
-The flags are defined in ``services/up_flags.py`` and the children they
-make in ``services/cluster_specs.py``; this module checks the flags, probes
+The flags are defined in ``flags.py`` and the children they
+make in ``specs.py``; this module checks the flags, probes
 the children (readiness, liveness, launch proof) and runs the loop.
 """
 
@@ -35,12 +35,12 @@ import sys
 import urllib.error
 import urllib.request
 
-from services.cluster_specs import listening_ports, pd_roles, service_specs
 from services.common import cli_args, grpc_utils, launch_proof, security
 from services.common.metrics_http import MetricsHttpServer
-from services.launcher_metrics import LauncherMetrics
-from services.supervisor import ServiceSpec, StartupFailed, Supervisor
-from services.up_flags import add_arguments, health_policy, restart_policy
+from services.launcher.flags import add_arguments, health_policy, restart_policy
+from services.launcher.metrics import LauncherMetrics
+from services.launcher.specs import ServiceSpec, listening_ports, pd_roles, service_specs
+from services.launcher.supervisor import StartupFailed, Supervisor
 
 
 def launcher_security(

@@ -1,8 +1,8 @@
 """The ``epd up`` flags, and the restart and liveness policies they make.
 
 Every flag of ``epd up`` is defined here (topology, ports, models and devices,
-supervision, security); ``services/cluster_specs.py`` turns the parsed flags
-into the children to start and ``services/launcher.py`` runs them.
+supervision, security); ``specs.py`` turns the parsed flags
+into the children to start and ``command.py`` runs them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 
 from services.common import cli_args, security
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
-from services.supervision_policy import HealthPolicy, RestartPolicy
+from services.launcher.policy import HealthPolicy, RestartPolicy
 
 DEFAULT_LAUNCHER_METRICS_PORT = 9300
 """``epd up``'s own ``/metrics`` (restarts per service); encoders use 91xx and PDs 92xx."""
