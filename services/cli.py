@@ -3,12 +3,18 @@
 Every flag also reads an ``EPD_<FLAG>`` environment variable; ``epd <command>
 --help`` shows defaults. Service modules are imported only for the command
 that runs, so ``epd --help`` stays fast.
+
+``python -m services.cli``, how ``epd up`` starts its children, ends the
+process without the interpreter's teardown once the command has returned
+(``_run_as_process``).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -45,5 +51,40 @@ def main(argv: list[str] | None = None) -> int:
     return int(importlib.import_module(args.module).run(args) or 0)
 
 
+def _run_as_process() -> None:
+    """``main()`` as the whole process, which ends without the interpreter's teardown once it returned.
+
+    A service that has drained and stopped has nothing left to clean up, but tearing down an
+    interpreter that imported torch and transformers takes seconds (collecting the module graph,
+    then libtorch's static destructors deregistering its kernels): under ``epd up`` that was most
+    of the time Ctrl-C took. Threads are still joined and ``atexit`` handlers still run (the exit
+    below is registered first, so it runs last); only the teardown after them is skipped. An
+    exception leaves the process the ordinary way.
+    """
+    status = {"code": 1}
+
+    def end() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status["code"])
+
+    atexit.register(end)
+    try:
+        status["code"] = main()
+    except SystemExit as stop:  # --help, a usage error: exit codes as usual
+        if stop.code is None or isinstance(stop.code, int):
+            status["code"] = stop.code or 0
+        else:
+            atexit.unregister(end)
+        raise
+    except BaseException:
+        atexit.unregister(end)
+        raise
+    sys.exit(status["code"])
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _run_as_process()

@@ -1,8 +1,9 @@
 """The ``epd up`` flags, and the restart and liveness policies they make.
 
 Every flag of ``epd up`` is defined here (topology, ports, models and devices,
-supervision, security); ``specs.py`` turns the parsed flags
-into the children to start and ``command.py`` runs them.
+supervision, security); ``specs.py`` turns the parsed flags into the
+children to start, ``ports.py`` checks the ports they will bind and
+``command.py`` runs them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ DEFAULT_LAUNCHER_METRICS_PORT = 9300
 
 DEFAULT_PROXY_METRICS_PORT = 9099
 """The proxy's scrape port under ``epd up`` (its ``--metrics-port``): its public port serves no ``/metrics``."""
+
+PORT_FLAGS = (
+    "--port",
+    "--encoder-base-port",
+    "--pd-base-port",
+    "--encoder-metrics-base-port",
+    "--pd-metrics-base-port",
+    "--proxy-metrics-port",
+    "--launcher-metrics-port",
+)
+"""Every flag that gives a port; ``--port-offset`` moves them all."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +89,14 @@ def _add_port_flags(parser: argparse.ArgumentParser) -> None:
     add = cli_args.add_flag
     add(parser, "--host", default="127.0.0.1", help="address every service listens on")
     add(parser, "--port", type=int, default=8000, help="proxy HTTP port")
+    add(
+        parser,
+        "--port-offset",
+        type=int,
+        default=0,
+        help="added to every port of the cluster (--port, each --*-base-port, each metrics port that is on), "
+        "so that a second cluster runs beside the first: --port-offset 1 puts the proxy on 8001",
+    )
     add(
         parser, "--encoder-base-port", type=int, default=DEFAULT_ENCODER_PORT, help="encoder i listens on this port + i"
     )
@@ -200,6 +220,24 @@ def _add_health_flags(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log level of every service",
     )
+
+
+def with_port_offset(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``--port-offset`` added to every port flag that is set (-1 = off and 0 stay as they are).
+
+    The result keeps ``port_offset`` (for messages) and is marked shifted, so that shifting it again
+    changes nothing.
+    """
+    offset = getattr(args, "port_offset", 0)
+    if not offset or getattr(args, "ports_shifted", False):
+        return args
+    shifted = argparse.Namespace(**vars(args))
+    for flag in PORT_FLAGS:
+        name = flag.lstrip("-").replace("-", "_")
+        if getattr(args, name) > 0:
+            setattr(shifted, name, getattr(args, name) + offset)
+    shifted.ports_shifted = True
+    return shifted
 
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:

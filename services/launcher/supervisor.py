@@ -173,7 +173,10 @@ class Supervisor:
                 child.state, child.next_check_at = ChildState.RUNNING, self._clock() + self.health.interval_s
                 self.metrics.up.labels(child.spec.name).set(1)
                 again = " again" if child.num_restarts else ""
-                self._say(f"  {child.spec.name:<10} ready{again} on {child.spec.address} (pid {child.pid})")
+                took = self._clock() - child.started_at
+                self._say(
+                    f"epd: {child.spec.name} ready{again} on {child.spec.address} ({took:.1f} s, pid {child.pid})"
+                )
         return all(c.state is ChildState.RUNNING for c in self.children)
 
     async def supervise(self, stop: asyncio.Event) -> CrashLoop | None:
@@ -282,21 +285,40 @@ class Supervisor:
         return None
 
     def stop_all(self, grace_s: float = 30.0) -> None:
-        """SIGTERM in order (proxy, encoders, PDs), each waited for; SIGKILL whatever outlives ``grace_s``."""
-        order = sorted(self.children, key=lambda c: {"proxy": 0, "encoder": 1}.get(c.spec.kind, 2))
-        for child in order:
-            process = child.process
-            if process is None or process.poll() is not None:
-                continue
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """Stops every child, tier by tier: the proxy, then the encoders, then the PDs (``STOP_ORDER``).
+
+        The children of one tier are SIGTERMed together and waited for together, so that stopping
+        takes as long as the slowest of each tier: an idle server exits at once, one with requests in
+        flight drains them first (its own ``--grace``). Whatever outlives ``grace_s`` in its tier is
+        SIGKILLed.
+        """
+        for tier in STOP_ORDER:
+            running = [
+                c.process
+                for c in self.children
+                if _tier(c.spec.kind) == tier and c.process is not None and c.process.poll() is None
+            ]
+            for process in running:
+                process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for process in running:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         for child in self.children:
             if child.output is not None:
                 child.output.lines(wait_s=2.0)  # let the last lines reach the terminal
+
+
+STOP_ORDER = ("proxy", "encoder", "pd")
+"""Tiers in the order they stop: no new work arrives once the proxy is gone, and encoders finish
+their pushes to PDs that are still up."""
+
+
+def _tier(kind: str) -> str:
+    return kind if kind in STOP_ORDER else STOP_ORDER[-1]
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:

@@ -22,7 +22,7 @@ from services.encoder import main as encoder_main
 from services.encoder.config import EncoderConfig
 from services.encoder.metrics import PrometheusEncoderMetrics
 from services.launcher import command as up
-from services.launcher import specs
+from services.launcher import ports as up_ports
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
 from services.pd.engine.outputs import ModelRunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
@@ -331,5 +331,5 @@ def test_up_ports_do_not_collide_when_metrics_are_off():
             "-1",
         ],
     )
-    ports = specs.listening_ports(args)
+    ports = up_ports.listening_ports(args)
     assert len(ports) == len(set(ports)) == 1 + 150 + 1 + 1  # proxy, encoders, PD, PD metrics

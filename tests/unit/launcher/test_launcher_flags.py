@@ -10,7 +10,7 @@ from services.common import ports, security
 from services.encoder import main as encoder_main
 from services.encoder.config import EncoderConfig
 from services.launcher import command as up
-from services.launcher import specs
+from services.launcher import ports as up_ports
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
 from services.proxy import main as proxy_main
@@ -115,7 +115,7 @@ def test_default_grpc_ports_are_outside_the_ephemeral_range(monkeypatch):
     assert defaults == [ports.DEFAULT_ENCODER_PORT, ports.DEFAULT_PD_PORT] * 2
     assert EncoderConfig().port == ports.DEFAULT_ENCODER_PORT and PdConfig(model="m").port == ports.DEFAULT_PD_PORT
     # Every port a large default `epd up` binds: 10 encoders (the most before PD's port) and 16 PDs.
-    cluster = specs.listening_ports(_args(["--encoders", "10", "--pds", "16"]))
+    cluster = up_ports.listening_ports(_args(["--encoders", "10", "--pds", "16"]))
     for port in [*defaults, *cluster]:
         assert port not in ports.LINUX_EPHEMERAL_PORTS and port not in _host_ephemeral_ports(), port
         assert port not in range(30000, 32768), port  # Kubernetes NodePorts
