@@ -1,4 +1,8 @@
-"""``epd pd``: run one PD (language model) instance."""
+"""``epd pd``: run one PD (language model) instance.
+
+The flags import nothing heavy (``--help`` stays fast); ``run`` imports the
+server, torch and transformers.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ from services.common import cli_args, grpc_utils, security
 from services.common.dial_allow import PdAllowSpec
 from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_PD_PORT
-from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
+from services.pd.config import (
+    DEFAULT_MAX_BUFFER_BYTES,
+    DEFAULT_MAX_PUSHES_PER_PEER,
+    DEFAULT_METRICS_PORT,
+    PdConfig,
+)
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import (
     AUTO_TARGET_MULTIPLE,
@@ -20,10 +29,6 @@ from services.pd.engine.step_budget import (
     TYPICAL_PROMPT_TOKENS,
 )
 from services.pd.faults import PdFaults
-from services.pd.push_intake import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_MAX_PUSHES_PER_PEER
-from services.pd.runner.decode_graphs import DecodePathRefused
-from services.pd.runner.kv_sizing import KvCacheTooSmall
-from services.pd.server import start_pd
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +348,11 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not for --help: the server imports torch and transformers.
     from services.common.models.startup import refuse_unservable_model
+    from services.pd.runner.decode_graphs import DecodePathRefused
+    from services.pd.runner.kv_sizing import KvCacheTooSmall
+    from services.pd.server import start_pd
 
     if (code := refuse_unservable_model(args.model, "epd pd")) is not None:
         return code
