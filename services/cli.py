@@ -2,7 +2,8 @@
 
 Every flag also reads an ``EPD_<FLAG>`` environment variable; ``epd <command>
 --help`` shows defaults. Service modules are imported only for the command
-that runs, so ``epd --help`` stays fast.
+that runs, and a command's flags import nothing heavy (torch, transformers),
+so ``--help`` of every command stays fast.
 
 ``python -m services.cli``, how ``epd up`` starts its children, ends the
 process without the interpreter's teardown once the command has returned
@@ -17,13 +18,18 @@ import importlib
 import os
 import sys
 
+from services.common import cli_args
+
 COMMANDS = {
     "up": ("services.launcher.command", "start proxy + encoders + PDs as local processes (the whole cluster)"),
     "encoder": ("services.encoder.main", "run one encoder (vision tower) service"),
     "pd": ("services.pd.main", "run one PD (language model) service"),
     "proxy": ("services.proxy.main", "run the OpenAI-compatible HTTP proxy"),
     "make-model": ("services.common.models.cli", "build a random-weight checkpoint (LLaVA or Qwen-VL) offline"),
-    "bench": ("services.bench.main", "side-by-side benchmarks (engine, transfer, serve)"),
+    "bench": (
+        "services.bench.main",
+        "side-by-side benchmarks: engine, grammar, linear, photos, serve, slo, soak, transfer",
+    ),
     "health": ("services.common.healthcheck", "check a service's readiness (gRPC health or HTTP); exit 0 when ready"),
 }
 
@@ -32,12 +38,20 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epd",
         description="EPD cluster: encode-prefill-decode disaggregated serving for vision-language models.",
+        formatter_class=cli_args.HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=cli_args.HelpFormatter,
+            # The flags are listed below it, in groups: a usage line of all of them reads as noise.
+            usage=None if name == "bench" else "%(prog)s [options]",
+        )
         # Only the chosen command's module is imported (and reads its env defaults).
         if name == wanted:
             importlib.import_module(module).add_arguments(command)

@@ -11,8 +11,8 @@ What lives here:
   already in use are refused before anything starts;
 - ``specs.py``: ``ServiceSpec`` (how to start one child) and the children the
   flags make;
-- ``flags.py``: every ``epd up`` flag, ``--port-offset``, and the restart and
-  liveness policies the flags make;
+- ``flags.py``: every ``epd up`` flag, its ``--help`` groups, ``--port-offset``,
+  and the restart and liveness policies the flags make;
 - ``child_output.py``: each child's output, drained and forwarded, its last
   lines kept;
 - ``metrics.py``: ``epd up``'s own ``/metrics``;

@@ -1,9 +1,9 @@
 """The ``epd up`` flags, and the restart and liveness policies they make.
 
 Every flag of ``epd up`` is defined here (topology, ports, models and devices,
-supervision, security); ``specs.py`` turns the parsed flags into the
-children to start, ``ports.py`` checks the ports they will bind and
-``command.py`` runs them.
+supervision, security) and grouped for ``--help`` (``HELP_GROUPS``);
+``specs.py`` turns the parsed flags into the children to start, ``ports.py``
+checks the ports they will bind and ``command.py`` runs them.
 """
 
 from __future__ import annotations
@@ -31,9 +31,43 @@ PORT_FLAGS = (
 )
 """Every flag that gives a port; ``--port-offset`` moves them all."""
 
+HELP_GROUPS = (
+    ("model and devices", ("--model", "--device", "--dtype", "--threads")),
+    ("topology", ("--encoders", "--pds", "--prefills", "--decodes", "--colocated")),
+    ("routing (the proxy's)", ("--pd-policy", "--encoder-policy")),
+    ("ports and network", ("--host", "--port", "--port-offset", "--encoder-base-port", "--pd-base-port")),
+    (
+        "supervision",
+        (
+            "--startup-timeout",
+            "--max-restarts",
+            "--restart-window-s",
+            "--restart-backoff-s",
+            "--health-interval-s",
+            "--health-timeout-s",
+            "--health-failures",
+        ),
+    ),
+    (
+        "logging and metrics",
+        (
+            "--log-level",
+            "--log-json",
+            "--metrics-host",
+            "--encoder-metrics-base-port",
+            "--pd-metrics-base-port",
+            "--proxy-metrics-port",
+            "--launcher-metrics-port",
+            "--metrics-require-token",
+        ),
+    ),
+    ("internal transport security", ("--auto-internal-token",)),
+)
+"""``epd up --help`` in groups (each flag's definition below says what it does)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every ``epd up`` flag, in ``--help`` order."""
+    """Every ``epd up`` flag, grouped for ``--help``."""
     _add_topology_flags(parser)
     _add_port_flags(parser)
     _add_restart_flags(parser)
@@ -41,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_log_json_flag(parser)
     security.add_arguments(parser, grpc_server=True)  # passed on to every service
     security.add_metrics_arguments(parser)
+    cli_args.group_flags(parser, HELP_GROUPS)
 
 
 def _add_topology_flags(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +85,9 @@ def _add_topology_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--model",
         default="",
-        help="checkpoint directory, preset name (tiny, bench, qwen2.5-vl-tiny, ...; see epd make-model) or hub id of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint; default: the tiny model, built on first use",
+        shown_default=cli_args.DEFAULT_MODEL,
+        help="checkpoint directory, preset name (tiny, bench, qwen2.5-vl-tiny, ...; see epd make-model) or hub id "
+        "of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint; empty = the tiny model, built on first use",
     )
     add(parser, "--encoders", type=int, default=1, help="number of encoder processes")
     add(parser, "--pds", type=int, default=1, help="number of PD processes")

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.common import security
+from services.common import cli_args, security
 from services.launcher.flags import with_port_offset
 
 
@@ -94,7 +94,7 @@ def _common_argv(args: argparse.Namespace) -> list[str]:
     log_json = "--log-json" if args.log_json else "--no-log-json"
     return [
         "--model",
-        args.model or "tiny",
+        args.model or cli_args.DEFAULT_MODEL,
         "--host",
         args.host,
         "--log-level",

@@ -32,6 +32,57 @@ from services.pd.faults import PdFaults
 
 log = logging.getLogger(__name__)
 
+HELP_GROUPS = (
+    ("model and devices", ("--model", "--device", "--dtype", "--threads", "--linear-backend")),
+    ("network", ("--host", "--port")),
+    (
+        "KV cache",
+        (
+            "--block-size",
+            "--num-kv-blocks",
+            "--kv-cache-memory-mb",
+            "--gpu-memory-utilization",
+            "--enforce-eager",
+            "--enable-prefix-caching",
+        ),
+    ),
+    (
+        "scheduling",
+        (
+            "--max-num-batched-tokens",
+            "--slo-itl-ms",
+            "--slo-ttft-ms",
+            "--min-prefill-tokens",
+            "--max-num-seqs",
+            "--max-model-len",
+        ),
+    ),
+    (
+        "limits",
+        (
+            "--max-waiting-requests",
+            "--max-waiting-tokens",
+            "--max-requests-per-peer",
+            "--max-items-per-request",
+            "--embedding-cache-tokens",
+            "--default-lease-ms",
+            "--max-preallocations",
+            "--max-preallocations-per-peer",
+            "--max-push-buffer-mb",
+            "--max-pushes-per-peer",
+            "--push-idle-timeout-s",
+        ),
+    ),
+    ("role and embeddings", ("--role", "--decode-allow", "--encoder", "--accept-pixel-values")),
+    ("lifecycle", ("--warmup", "--grace", "--stall-timeout-s", "--liveness-timeout-s")),
+    (
+        "logging and metrics",
+        ("--log-level", "--log-json", "--metrics-port", "--metrics-host", "--metrics-require-token"),
+    ),
+    ("testing", ("--fault",)),
+)
+"""``epd pd --help`` in groups."""
+
 
 def parse_slo_ms(text: str) -> float | None:
     """``--slo-itl-ms`` / ``--slo-ttft-ms``: ``auto`` -> None, else milliseconds >= 0 (0 = off)."""
@@ -66,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_lifecycle_arguments(parser)
     security.add_arguments(parser, grpc_server=True)
     security.add_metrics_arguments(parser)
+    cli_args.group_flags(parser, HELP_GROUPS)
 
 
 def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
