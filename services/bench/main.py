@@ -12,6 +12,7 @@ import importlib
 import pkgutil
 
 import services.bench as package
+from services.common import cli_args
 
 
 def _benchmarks() -> dict[str, str]:
@@ -32,7 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, module_name in sorted(benchmarks.items()):
         module = importlib.import_module(module_name)
         summary = (module.__doc__ or "").strip().splitlines()[0]
-        bench = sub.add_parser(name, help=summary, description=module.__doc__)
+        # Docstrings as help: their paragraphs and lists kept, their ``literals`` printed plain.
+        bench = sub.add_parser(
+            name,
+            help=summary,
+            description=module.__doc__,
+            formatter_class=cli_args.HelpFormatter,
+            usage="%(prog)s [options]",
+        )
         module.add_arguments(bench)
         bench.set_defaults(bench_module=module_name)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.common.image_files import ENCODE_ENVELOPE_BYTES, MAX_FILE_BYTES
 from services.common.ports import DEFAULT_ENCODER_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
-from services.common.tensors import CHUNK_BYTES
+from services.common.wire import CHUNK_BYTES
 from services.encoder.faults import NO_FAULTS, Faults
 from services.encoder.pd_allow import PdAllowSpec
 

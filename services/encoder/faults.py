@@ -16,10 +16,12 @@ Several faults may be combined with commas (``push-late-ms=200,extra-chunk``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.common.fault_spec import parse_fault_spec
+
+if TYPE_CHECKING:  # imported where it is used: --help and config building need no torch
+    import torch
 
 EXTRA_CHUNK = b"\x00" * 8
 """The surplus payload ``extra-chunk`` appends after the declared bytes."""
@@ -67,6 +69,8 @@ class Faults:
         if self.wrong_shape:
             embedding = embedding[:-1]
         if self.wrong_dtype:
+            import torch
+
             embedding = embedding.to(torch.uint8)
         return embedding
 

@@ -22,6 +22,30 @@ log = logging.getLogger(__name__)
 
 KIB = 1 << 10
 
+HELP_GROUPS = (
+    ("model and devices", ("--model", "--device", "--dtype", "--threads")),
+    ("network", ("--host", "--port")),
+    (
+        "batching and limits",
+        (
+            "--max-batch-images",
+            "--max-wait-ms",
+            "--max-pending",
+            "--max-message-mib",
+            "--cache-mib",
+            "--accept-pixel-values",
+        ),
+    ),
+    ("pushes to PDs", ("--pd-allow", "--max-outbound-mib", "--push-chunk-kib", "--push-timeout-s")),
+    ("lifecycle", ("--warmup", "--grace", "--stall-timeout-s", "--liveness-timeout-s")),
+    (
+        "logging and metrics",
+        ("--log-level", "--log-json", "--metrics-port", "--metrics-host", "--metrics-require-token"),
+    ),
+    ("testing", ("--fault",)),
+)
+"""``epd encoder --help`` in groups."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the encoder's flags (each also read from ``EPD_<FLAG>``)."""
@@ -139,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     security.add_arguments(parser, grpc_server=True)
     security.add_metrics_arguments(parser)
+    cli_args.group_flags(parser, HELP_GROUPS)
 
 
 def config_from_args(args: argparse.Namespace) -> EncoderConfig:

@@ -10,10 +10,14 @@ from services.common.security import NO_SECURITY, InternalSecurity
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import DEFAULT_MIN_PREFILL_TOKENS
 from services.pd.faults import NO_FAULTS, PdFaults
-from services.pd.push_intake import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_MAX_PUSHES_PER_PEER
 
 DEFAULT_METRICS_PORT = 9201
 """``epd pd``'s ``--metrics-port`` (``epd up`` gives PD j 9201 + j)."""
+
+DEFAULT_MAX_BUFFER_BYTES = 1 << 30
+"""Payload bytes of all embedding pushes in flight together (``--max-push-buffer-mb``; ``push_intake.py``)."""
+DEFAULT_MAX_PUSHES_PER_PEER = 64
+"""Embedding pushes in flight from one caller address (``--max-pushes-per-peer``; ``push_intake.py``)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""``epd pd``: run one PD (language model) instance."""
+"""``epd pd``: run one PD (language model) instance.
+
+The flags import nothing heavy (``--help`` stays fast); ``run`` imports the
+server, torch and transformers.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ from services.common import cli_args, grpc_utils, security
 from services.common.dial_allow import PdAllowSpec
 from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_PD_PORT
-from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
+from services.pd.config import (
+    DEFAULT_MAX_BUFFER_BYTES,
+    DEFAULT_MAX_PUSHES_PER_PEER,
+    DEFAULT_METRICS_PORT,
+    PdConfig,
+)
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import (
     AUTO_TARGET_MULTIPLE,
@@ -20,12 +29,59 @@ from services.pd.engine.step_budget import (
     TYPICAL_PROMPT_TOKENS,
 )
 from services.pd.faults import PdFaults
-from services.pd.push_intake import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_MAX_PUSHES_PER_PEER
-from services.pd.runner.decode_graphs import DecodePathRefused
-from services.pd.runner.kv_sizing import KvCacheTooSmall
-from services.pd.server import start_pd
 
 log = logging.getLogger(__name__)
+
+HELP_GROUPS = (
+    ("model and devices", ("--model", "--device", "--dtype", "--threads", "--linear-backend")),
+    ("network", ("--host", "--port")),
+    (
+        "KV cache",
+        (
+            "--block-size",
+            "--num-kv-blocks",
+            "--kv-cache-memory-mb",
+            "--gpu-memory-utilization",
+            "--enforce-eager",
+            "--enable-prefix-caching",
+        ),
+    ),
+    (
+        "scheduling",
+        (
+            "--max-num-batched-tokens",
+            "--slo-itl-ms",
+            "--slo-ttft-ms",
+            "--min-prefill-tokens",
+            "--max-num-seqs",
+            "--max-model-len",
+        ),
+    ),
+    (
+        "limits",
+        (
+            "--max-waiting-requests",
+            "--max-waiting-tokens",
+            "--max-requests-per-peer",
+            "--max-items-per-request",
+            "--embedding-cache-tokens",
+            "--default-lease-ms",
+            "--max-preallocations",
+            "--max-preallocations-per-peer",
+            "--max-push-buffer-mb",
+            "--max-pushes-per-peer",
+            "--push-idle-timeout-s",
+        ),
+    ),
+    ("role and embeddings", ("--role", "--decode-allow", "--encoder", "--accept-pixel-values")),
+    ("lifecycle", ("--warmup", "--grace", "--stall-timeout-s", "--liveness-timeout-s")),
+    (
+        "logging and metrics",
+        ("--log-level", "--log-json", "--metrics-port", "--metrics-host", "--metrics-require-token"),
+    ),
+    ("testing", ("--fault",)),
+)
+"""``epd pd --help`` in groups."""
 
 
 def parse_slo_ms(text: str) -> float | None:
@@ -61,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_lifecycle_arguments(parser)
     security.add_arguments(parser, grpc_server=True)
     security.add_metrics_arguments(parser)
+    cli_args.group_flags(parser, HELP_GROUPS)
 
 
 def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -343,7 +400,11 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not for --help: the server imports torch and transformers.
     from services.common.models.startup import refuse_unservable_model
+    from services.pd.runner.decode_graphs import DecodePathRefused
+    from services.pd.runner.kv_sizing import KvCacheTooSmall
+    from services.pd.server import start_pd
 
     if (code := refuse_unservable_model(args.model, "epd pd")) is not None:
         return code

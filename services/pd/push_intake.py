@@ -28,13 +28,10 @@ from services.common import tensors
 from services.common.pb import epd_pb2
 from services.common.push_wire import data_of
 from services.pd import convert
+from services.pd.config import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_MAX_PUSHES_PER_PEER
 from services.pd.engine.errors import EngineError, ErrorKind
 
 PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DEFAULT_MAX_BUFFER_BYTES = 1 << 30
-"""Payload bytes of all pushes in flight together (``--max-push-buffer-mb``)."""
-DEFAULT_MAX_PUSHES_PER_PEER = 64
-"""Pushes in flight from one caller address (``--max-pushes-per-peer``)."""
 _BUSY_RETRY_S = 0.2  # a push in flight ends within its idle timeout or completes
 
 

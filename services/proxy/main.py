@@ -13,6 +13,73 @@ from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.config import MIB, ProxyConfig
 from services.proxy.faults import ProxyFaults
 
+HELP_GROUPS = (
+    ("model", ("--model", "--served-model-name")),
+    ("network", ("--host", "--port", "--max-concurrency", "--keep-alive-timeout-s")),
+    ("backends", ("--pd", "--decode", "--encoder", "--dns-refresh-s", "--load-poll-s")),
+    (
+        "routing and retries",
+        (
+            "--pd-policy",
+            "--encoder-policy",
+            "--encoder-saturation",
+            "--pd-attempts",
+            "--encoder-attempts",
+            "--breaker-failures",
+            "--breaker-open-s",
+        ),
+    ),
+    (
+        "timeouts",
+        (
+            "--request-timeout",
+            "--body-timeout-s",
+            "--first-token-timeout-s",
+            "--inter-token-timeout-s",
+            "--encode-timeout-s",
+            "--write-timeout-s",
+            "--lease-ms",
+            "--grace",
+        ),
+    ),
+    (
+        "request limits",
+        (
+            "--max-body-mb",
+            "--max-messages",
+            "--max-images",
+            "--max-image-pixels",
+            "--max-request-pixels",
+            "--max-video-frames",
+            "--max-video-seconds",
+            "--max-video-bytes",
+            "--max-model-len",
+            "--max-tokens-limit",
+            "--default-max-tokens",
+            "--max-n",
+            "--ignore-unknown-fields",
+        ),
+    ),
+    ("remote media", ("--allowed-media-domains", "--media-timeout", "--max-media-mb")),
+    ("preprocessing", ("--preprocess-threads", "--text-queue", "--image-threads", "--image-queue")),
+    (
+        "clients and caches",
+        (
+            "--api-key",
+            "--max-requests-per-client",
+            "--max-tokens-per-client-per-minute",
+            "--cache-isolation",
+            "--hide-cache-details",
+        ),
+    ),
+    (
+        "logging and metrics",
+        ("--log-level", "--log-json", "--metrics-port", "--metrics-host", "--metrics-require-token"),
+    ),
+    ("testing", ("--fault",)),
+)
+"""``epd proxy --help`` in groups."""
+
 
 def _addresses(text: str) -> tuple[str, ...]:
     """A comma-separated list (addresses, domains) as a tuple, blanks dropped."""
@@ -26,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "--model",
         default="",
-        help="checkpoint directory, preset name or hub id (LLaVA, Qwen2-VL, Qwen2.5-VL); only its processor is loaded (default: the built-in tiny model)",
+        shown_default=cli_args.DEFAULT_MODEL,
+        help="checkpoint directory, preset name or hub id (LLaVA, Qwen2-VL, Qwen2.5-VL); only its processor is loaded; empty = the built-in tiny model",
     )
     add(parser, "--host", default="127.0.0.1", help="HTTP address to listen on")
     add(parser, "--port", type=int, default=8000, help="HTTP port (0 = pick a free one)")
@@ -288,6 +356,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--metrics-host", default="", help="address of the --metrics-port endpoint ('' = --host)")
     security.add_arguments(parser, grpc_server=False)
     security.add_metrics_arguments(parser)
+    cli_args.group_flags(parser, HELP_GROUPS)
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:

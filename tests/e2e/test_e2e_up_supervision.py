@@ -101,7 +101,7 @@ class Launcher:
         raise AssertionError(f"{pattern!r} not printed within {timeout_s:.0f}s; output:\n{self.output()[-6000:]}")
 
     def pid_of(self, name: str, after: float = 0.0) -> int:
-        return int(self.wait_for(rf"{name}\s+ready.* \(pid (\d+)\)", 5, after)[1].group(1))
+        return int(self.wait_for(rf"{name}\s+ready.*\bpid (\d+)\)", 5, after)[1].group(1))
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -17,11 +17,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from services import cluster_specs, launcher
 from services.common.metrics_http import MAX_HEAD_BYTES, MetricsHttpServer
 from services.encoder import main as encoder_main
 from services.encoder.config import EncoderConfig
 from services.encoder.metrics import PrometheusEncoderMetrics
+from services.launcher import command as up
+from services.launcher import ports as up_ports
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
 from services.pd.engine.outputs import ModelRunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
@@ -281,7 +282,7 @@ def test_an_invalid_metrics_port_is_refused(port):
 
 
 def _spawned(monkeypatch, argv: list[str]) -> dict[str, list[str]]:
-    specs = launcher.service_specs(_parse(launcher.add_arguments, argv))
+    specs = up.service_specs(_parse(up.add_arguments, argv))
     return {spec.name: list(spec.argv) for spec in specs}
 
 
@@ -310,13 +311,13 @@ def test_up_gives_each_server_its_own_metrics_port(monkeypatch):
     ],
 )
 def test_up_refuses_ports_that_collide(argv, capsys):
-    assert launcher.run(_parse(launcher.add_arguments, argv)) == 2
+    assert up.run(_parse(up.add_arguments, argv)) == 2
     assert "same port" in capsys.readouterr().err
 
 
 def test_up_ports_do_not_collide_when_metrics_are_off():
     args = _parse(
-        launcher.add_arguments,
+        up.add_arguments,
         [
             "--encoders",
             "150",
@@ -330,5 +331,5 @@ def test_up_ports_do_not_collide_when_metrics_are_off():
             "-1",
         ],
     )
-    ports = cluster_specs.listening_ports(args)
+    ports = up_ports.listening_ports(args)
     assert len(ports) == len(set(ports)) == 1 + 150 + 1 + 1  # proxy, encoders, PD, PD metrics

@@ -1,7 +1,8 @@
 """The start-up check every service runs on ``--model``: one clear line instead of a traceback.
 
-Torch-free (the proxy runs it too): a missing built-in checkpoint is built by
-``epd make-model`` in a child process.
+Torch-free, and transformers-free (the proxy and ``epd up`` run it too): a
+missing built-in checkpoint is built by ``epd make-model`` in a child process
+and only ``config.json`` is read.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import sys
 
 from .cache import ModelBuildError, ensure_model_in_child
 from .processing import UnsupportedModelError
+from .served import check_supported
 from .source import CheckpointSource
-from .supported import check_supported
 
 
 def refuse_unservable_model(model: str, prog: str) -> int | None:

@@ -11,9 +11,9 @@ import asyncio
 
 import grpc
 
-from services import launcher
 from services.common import grpc_utils, launch_proof, security
 from services.common.security import InternalSecurity
+from services.launcher import command as up
 from services.proxy.backends.instances import PdClient, Readiness
 from services.proxy.backends.monitor import Monitor
 
@@ -99,8 +99,8 @@ async def test_the_proxy_proves_its_launch_key_on_http_health(cluster_factory):
     key = launch_proof.new_launch_key()
     cluster = await cluster_factory(http=True, security=InternalSecurity(launch_key=key))
     address = cluster.base_url.removeprefix("http://")
-    assert await asyncio.to_thread(launcher._http_ready, address, key)
-    assert await asyncio.to_thread(launcher._http_answers, address, key, 2.0)
-    assert not await asyncio.to_thread(launcher._http_ready, address, launch_proof.new_launch_key())
+    assert await asyncio.to_thread(up._http_ready, address, key)
+    assert await asyncio.to_thread(up._http_answers, address, key, 2.0)
+    assert not await asyncio.to_thread(up._http_ready, address, launch_proof.new_launch_key())
     reply = await cluster.client.get("/health")  # no challenge, no proof
     assert reply.status_code == 200 and launch_proof.PROOF_METADATA_KEY not in reply.headers

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from services.encoder.metrics import METRICS as ENCODER_METRICS
-from services.launcher_metrics import METRICS as LAUNCHER_METRICS
+from services.launcher.metrics import METRICS as LAUNCHER_METRICS
 from services.pd.metrics import METRICS as PD_METRICS
 from services.proxy.metrics import METRICS as PROXY_METRICS
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services import launcher
 from services.common import security
 from services.common.security import (
     NO_SECURITY,
     InternalSecurity,
     TokenCheckInterceptor,
 )
+from services.launcher import command as up
 
 TOKEN = "0123456789abcdef-token"
 PEM_CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
@@ -210,11 +210,11 @@ def test_forward_argv_passes_only_what_was_set(clean_env):
 
 def test_epd_up_passes_the_flags_to_every_service(monkeypatch, clean_env):
     parser = argparse.ArgumentParser()
-    launcher.add_arguments(parser)
+    up.add_arguments(parser)
     args = parser.parse_args(
         ["--internal-token-file", "t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a", "--grpc-reflection"]
     )
-    spawned = {spec.name: list(spec.argv) for spec in launcher.service_specs(args)}
+    spawned = {spec.name: list(spec.argv) for spec in up.service_specs(args)}
     flags = ["--internal-token-file", "t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a"]
     assert set(spawned) == {"encoder-0", "pd-0", "proxy"}
     for name, argv in spawned.items():
@@ -252,7 +252,7 @@ def test_every_service_takes_the_same_flags_into_its_config(tmp_path: Path, clea
 def test_unreadable_security_files_are_usage_errors_before_anything_starts(tmp_path: Path, clean_env, service):
     import importlib
 
-    module = launcher if service == "up" else importlib.import_module(f"services.{service}.main")
+    module = up if service == "up" else importlib.import_module(f"services.{service}.main")
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     args = parser.parse_args(["--internal-token-file", str(tmp_path / "missing")])

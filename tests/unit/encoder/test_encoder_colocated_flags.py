@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services import launcher
+from services.launcher import command as up
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
 
@@ -27,7 +27,7 @@ def test_pd_encoder_flag_builds_the_config() -> None:
 
 
 def _children(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str, list[str]]:
-    specs = launcher.service_specs(_parse(launcher.add_arguments, argv))
+    specs = up.service_specs(_parse(up.add_arguments, argv))
     return {spec.name: list(spec.argv) for spec in specs}
 
 
@@ -49,4 +49,4 @@ def test_up_disaggregated_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_up_colocated_refuses_several_pds() -> None:
-    assert launcher.run(_parse(launcher.add_arguments, ["--colocated", "--pds", "2"])) == 2
+    assert up.run(_parse(up.add_arguments, ["--colocated", "--pds", "2"])) == 2

@@ -6,10 +6,11 @@ import argparse
 
 import pytest
 
-from services import cluster_specs, launcher
 from services.common import ports, security
 from services.encoder import main as encoder_main
 from services.encoder.config import EncoderConfig
+from services.launcher import command as up
+from services.launcher import ports as up_ports
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
 from services.proxy import main as proxy_main
@@ -29,12 +30,12 @@ def clean_env(monkeypatch):
 
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    launcher.add_arguments(parser)
+    up.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def _env(argv: list[str], environ: dict[str, str] | None = None) -> dict[str, str]:
-    return launcher.launcher_security(_args(argv), environ or {})[1]
+    return up.launcher_security(_args(argv), environ or {})[1]
 
 
 def test_a_fresh_token_is_generated_for_the_children_by_default(clean_env):
@@ -42,7 +43,7 @@ def test_a_fresh_token_is_generated_for_the_children_by_default(clean_env):
     token = first[security.TOKEN_ENV]
     assert len(token) >= 32 and token != second[security.TOKEN_ENV]
     security.InternalSecurity(token=token)  # a valid token for every service
-    specs = launcher.service_specs(_args([]), first)
+    specs = up.service_specs(_args([]), first)
     assert all(spec.env == first for spec in specs)
     assert all(token not in " ".join(spec.argv) for spec in specs)  # never on a command line (ps)
 
@@ -58,14 +59,14 @@ def test_auto_token_can_be_turned_off(clean_env):
 
 
 def test_metrics_require_token_reaches_the_children_and_needs_a_token(clean_env, capsys):
-    transport, env = launcher.launcher_security(_args(["--metrics-require-token"]), {})
+    transport, env = up.launcher_security(_args(["--metrics-require-token"]), {})
     assert env["EPD_METRICS_REQUIRE_TOKEN"] == "1" and transport.metrics_token == env[security.TOKEN_ENV]
-    assert launcher.run(_args(["--metrics-require-token", "--no-auto-internal-token"])) == 2
+    assert up.run(_args(["--metrics-require-token", "--no-auto-internal-token"])) == 2
     assert "needs an internal token" in capsys.readouterr().err
 
 
 def test_metrics_endpoints_listen_on_loopback_whatever_the_host(clean_env):
-    for spec in launcher.service_specs(_args(["--host", "0.0.0.0"])):
+    for spec in up.service_specs(_args(["--host", "0.0.0.0"])):
         if spec.kind != "proxy":
             argv = list(spec.argv)
             assert argv[argv.index("--host") + 1] == "0.0.0.0"
@@ -73,20 +74,18 @@ def test_metrics_endpoints_listen_on_loopback_whatever_the_host(clean_env):
 
 
 def test_restart_flags_build_the_policy_and_bad_ones_are_usage_errors(clean_env, capsys):
-    policy = launcher.restart_policy(
-        _args(["--max-restarts", "2", "--restart-window-s", "30", "--restart-backoff-s", "0.5"])
-    )
+    policy = up.restart_policy(_args(["--max-restarts", "2", "--restart-window-s", "30", "--restart-backoff-s", "0.5"]))
     assert (policy.max_restarts, policy.window_s, policy.backoff_s) == (2, 30.0, 0.5)
-    assert launcher.run(_args(["--max-restarts", "-1"])) == 2
+    assert up.run(_args(["--max-restarts", "-1"])) == 2
     assert "max_restarts" in capsys.readouterr().err
 
 
 def test_health_flags_build_the_liveness_policy_and_bad_ones_are_usage_errors(clean_env, capsys):
-    health = launcher.health_policy(
+    health = up.health_policy(
         _args(["--health-interval-s", "0.5", "--health-timeout-s", "1.5", "--health-failures", "4"])
     )
     assert (health.interval_s, health.timeout_s, health.max_failures) == (0.5, 1.5, 4)
-    assert launcher.run(_args(["--health-timeout-s", "0"])) == 2
+    assert up.run(_args(["--health-timeout-s", "0"])) == 2
     assert "health" in capsys.readouterr().err
 
 
@@ -116,7 +115,7 @@ def test_default_grpc_ports_are_outside_the_ephemeral_range(monkeypatch):
     assert defaults == [ports.DEFAULT_ENCODER_PORT, ports.DEFAULT_PD_PORT] * 2
     assert EncoderConfig().port == ports.DEFAULT_ENCODER_PORT and PdConfig(model="m").port == ports.DEFAULT_PD_PORT
     # Every port a large default `epd up` binds: 10 encoders (the most before PD's port) and 16 PDs.
-    cluster = cluster_specs.listening_ports(_args(["--encoders", "10", "--pds", "16"]))
+    cluster = up_ports.listening_ports(_args(["--encoders", "10", "--pds", "16"]))
     for port in [*defaults, *cluster]:
         assert port not in ports.LINUX_EPHEMERAL_PORTS and port not in _host_ephemeral_ports(), port
         assert port not in range(30000, 32768), port  # Kubernetes NodePorts
@@ -124,9 +123,7 @@ def test_default_grpc_ports_are_outside_the_ephemeral_range(monkeypatch):
 
 
 def test_encoders_may_push_only_to_this_clusters_pds(clean_env):
-    specs = launcher.service_specs(
-        _args(["--host", "10.0.0.5", "--encoders", "2", "--pds", "2", "--pd-base-port", "600"])
-    )
+    specs = up.service_specs(_args(["--host", "10.0.0.5", "--encoders", "2", "--pds", "2", "--pd-base-port", "600"]))
     pds = [spec.address for spec in specs if spec.kind == "pd"]
     assert pds == ["10.0.0.5:600", "10.0.0.5:601"]
     encoders = [list(spec.argv) for spec in specs if spec.kind == "encoder"]
@@ -137,7 +134,7 @@ def test_encoders_may_push_only_to_this_clusters_pds(clean_env):
 
 
 def test_prefills_and_decodes_start_an_epd_cluster(clean_env):
-    specs = launcher.service_specs(
+    specs = up.service_specs(
         _args(["--host", "10.0.0.5", "--prefills", "2", "--decodes", "2", "--pd-base-port", "600"])
     )
     pds = [spec for spec in specs if spec.kind == "pd"]
@@ -166,7 +163,7 @@ def config_role(spec) -> str:
 
 
 def test_default_cluster_has_no_roles_and_no_decode_list(clean_env):
-    specs = launcher.service_specs(_args([]))
+    specs = up.service_specs(_args([]))
     assert not any("--role" in spec.argv or "--decode" in spec.argv for spec in specs)
 
 
@@ -180,4 +177,4 @@ def test_default_cluster_has_no_roles_and_no_decode_list(clean_env):
     ],
 )
 def test_prefills_and_decodes_misuse_is_a_usage_error(argv):
-    assert launcher._usage_error(_args(argv)) is not None
+    assert up._usage_error(_args(argv)) is not None

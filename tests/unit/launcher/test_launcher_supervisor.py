@@ -21,20 +21,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import launcher
-from services.child_output import OutputForwarder, OutputTail
 from services.common import grpc_utils, launch_proof, security
 from services.common.security import InternalSecurity
-from services.spawner import ProcessSpawner
-from services.supervisor import (
-    CrashHistory,
-    HealthPolicy,
-    RestartPolicy,
-    ServiceSpec,
-    StartupFailed,
-    Supervisor,
-    describe_exit,
-)
+from services.launcher import command as up
+from services.launcher.child_output import OutputForwarder, OutputTail
+from services.launcher.policy import CrashHistory, HealthPolicy, RestartPolicy, describe_exit
+from services.launcher.spawner import ProcessSpawner
+from services.launcher.specs import ServiceSpec
+from services.launcher.supervisor import StartupFailed, Supervisor
 
 RUN_FOREVER = "import time\nprint('up', flush=True)\nwhile True: time.sleep(1)"
 CRASH = "import sys\nprint('loading ...', flush=True)\nprint('boom: port in use', flush=True)\nsys.exit(3)"
@@ -141,6 +135,56 @@ async def test_a_killed_child_is_restarted_and_the_others_keep_running():
     finally:
         supervisor.stop_all(grace_s=5)
     assert all(child.process.poll() is not None for child in supervisor.children)
+
+
+# A stand-in that, on SIGTERM, notes which earlier tiers still run, waits until every sibling of its own tier
+# was signalled too (they are stopped together), then exits: 0 if they were, 5 if it gave up waiting.
+STOPS_WITH_ITS_TIER = """
+import os, signal, sys, time
+folder, name, siblings, earlier = {folder!r}, {name!r}, {siblings!r}, {earlier!r}
+mark = lambda who, what: os.path.join(folder, who + "." + what)
+def stop(*_):
+    with open(mark(name, "term"), "w") as note:
+        note.write(",".join(who for who in earlier if not os.path.exists(mark(who, "exited"))))
+    end = time.monotonic() + 20
+    while time.monotonic() < end and not all(os.path.exists(mark(who, "term")) for who in siblings):
+        time.sleep(0.01)
+    together = all(os.path.exists(mark(who, "term")) for who in siblings)
+    open(mark(name, "exited"), "w").close()
+    sys.exit(0 if together else 5)
+signal.signal(signal.SIGTERM, stop)
+open(mark(name, "up"), "w").close()
+while True:
+    time.sleep(1)
+"""
+
+
+async def test_stopping_goes_tier_by_tier_and_each_tier_stops_together(tmp_path):
+    """Proxy, then every encoder at once, then every PD at once: a tier is not signalled before the one
+    before it has exited, and one child's drain does not hold up its siblings' signals."""
+    tiers = [["proxy"], ["encoder-0", "encoder-1"], ["pd-0", "pd-1"]]
+    scripts = []
+    for index, tier in enumerate(tiers):
+        earlier = [name for before in tiers[:index] for name in before]
+        for name in tier:
+            siblings = [other for other in tier if other != name]
+            script = STOPS_WITH_ITS_TIER.format(folder=str(tmp_path), name=name, siblings=siblings, earlier=earlier)
+            scripts.append((name, script))
+
+    async def handles_sigterm(spec: ServiceSpec, launch_key: str) -> bool:
+        return (tmp_path / f"{spec.name}.up").exists()
+
+    stand_ins = StandIns()
+    supervisor = Supervisor(
+        _specs(*reversed(scripts)), RestartPolicy(), is_ready=handles_sigterm, spawn=stand_ins.spawn
+    )
+    supervisor.start_all()
+    await supervisor.wait_ready(30, asyncio.Event())
+    supervisor.stop_all(grace_s=30)
+    codes = {child.spec.name: child.process.returncode for child in supervisor.children}
+    assert codes == dict.fromkeys(codes, 0), codes  # each was signalled together with its siblings
+    still_running = {name: (tmp_path / f"{name}.term").read_text() for name, _ in scripts}
+    assert still_running == dict.fromkeys(still_running, ""), still_running  # earlier tiers had exited
 
 
 async def test_a_crash_loop_takes_out_only_that_service_while_the_others_keep_serving():
@@ -341,7 +385,7 @@ async def test_a_hung_child_is_detected_by_rpc_and_restarted():
         return process, OutputTail(process.stdout, OutputForwarder(io.BytesIO()))
 
     async def answers(spec: ServiceSpec, launch_key: str) -> bool:  # the launcher's liveness RPC for the proxy
-        return await asyncio.to_thread(launcher._http_answers, spec.address, launch_key, 0.3)
+        return await asyncio.to_thread(up._http_answers, spec.address, launch_key, 0.3)
 
     said: list[str] = []
     supervisor = Supervisor(
@@ -420,7 +464,7 @@ async def test_a_listener_on_a_restarting_childs_port_never_receives_the_token()
     genuine_key = launch_proof.new_launch_key()
     genuine = await _serving(launch_key=genuine_key)
     try:
-        is_ready, is_alive = launcher._ready_check(transport), launcher._alive_check(transport, 1.0)
+        is_ready, is_alive = up._ready_check(transport), up._alive_check(transport, 1.0)
         impostor_spec = ServiceSpec("pd-0", (), f"127.0.0.1:{impostor.port}", "epd.v1.PrefillDecode")
         for _ in range(5):
             assert not await is_ready(impostor_spec, launch_proof.new_launch_key())

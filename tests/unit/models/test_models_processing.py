@@ -13,12 +13,21 @@ from PIL import Image
 from services.common.models import ADAPTERS, PROCESSING, load_adapter, load_processing
 from services.common.models.adapter import ModelAdapter
 from services.common.models.cache import ModelBuildError, default_model_dir, ensure_model_in_child, is_built
+from services.common.models.served import MODEL_TYPES
 
 PRESETS = ["tiny", "llava-siglip-tiny", "qwen2.5-vl-tiny", "qwen2-vl-tiny"]
 
 
 def test_every_family_has_both_halves():
-    assert ADAPTERS.keys() == PROCESSING.keys()
+    assert ADAPTERS.keys() == PROCESSING.keys() == set(MODEL_TYPES)  # served.py decides without transformers
+
+
+def test_the_start_up_check_imports_neither_transformers_nor_torch():
+    code = (
+        "import sys; from services.common.models.startup import refuse_unservable_model; "
+        "print([m for m in ('torch', 'transformers') if m in sys.modules])"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
 @pytest.mark.parametrize("preset", PRESETS)

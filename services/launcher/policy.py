@@ -3,7 +3,7 @@
 ``RestartPolicy`` and ``CrashHistory`` decide the backoff before a restart
 or declare a crash loop, from the clock alone; ``HealthPolicy`` says how a
 running child is checked by RPC; ``CrashLoop`` is the report of a service
-left down. ``services/supervisor.py`` applies them to processes.
+left down. ``supervisor.py`` applies them to processes.
 """
 
 from __future__ import annotations

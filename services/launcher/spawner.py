@@ -1,7 +1,7 @@
 """How ``epd up`` starts one child: ``python -m services.cli <argv>`` in its own session.
 
 The child is SIGTERMed if the launcher dies (Linux ``PR_SET_PDEATHSIG``),
-its output is drained by the launcher (``services/child_output.py``), and
+its output is drained by the launcher (``child_output.py``), and
 the secrets of its environment go on an inherited pipe instead
 (``services/common/secret_pipe.py``).
 """
@@ -13,13 +13,10 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from services.child_output import OutputForwarder, OutputTail
 from services.common import secret_pipe, security
-
-if TYPE_CHECKING:
-    from services.supervisor import ServiceSpec
+from services.launcher.child_output import OutputForwarder, OutputTail
+from services.launcher.specs import ServiceSpec
 
 
 def _death_signal() -> Callable[[], None] | None:

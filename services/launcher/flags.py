@@ -1,8 +1,9 @@
 """The ``epd up`` flags, and the restart and liveness policies they make.
 
 Every flag of ``epd up`` is defined here (topology, ports, models and devices,
-supervision, security); ``services/cluster_specs.py`` turns the parsed flags
-into the children to start and ``services/launcher.py`` runs them.
+supervision, security) and grouped for ``--help`` (``HELP_GROUPS``);
+``specs.py`` turns the parsed flags into the children to start, ``ports.py``
+checks the ports they will bind and ``command.py`` runs them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 
 from services.common import cli_args, security
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
-from services.supervision_policy import HealthPolicy, RestartPolicy
+from services.launcher.policy import HealthPolicy, RestartPolicy
 
 DEFAULT_LAUNCHER_METRICS_PORT = 9300
 """``epd up``'s own ``/metrics`` (restarts per service); encoders use 91xx and PDs 92xx."""
@@ -19,9 +20,54 @@ DEFAULT_LAUNCHER_METRICS_PORT = 9300
 DEFAULT_PROXY_METRICS_PORT = 9099
 """The proxy's scrape port under ``epd up`` (its ``--metrics-port``): its public port serves no ``/metrics``."""
 
+PORT_FLAGS = (
+    "--port",
+    "--encoder-base-port",
+    "--pd-base-port",
+    "--encoder-metrics-base-port",
+    "--pd-metrics-base-port",
+    "--proxy-metrics-port",
+    "--launcher-metrics-port",
+)
+"""Every flag that gives a port; ``--port-offset`` moves them all."""
+
+HELP_GROUPS = (
+    ("model and devices", ("--model", "--device", "--dtype", "--threads")),
+    ("topology", ("--encoders", "--pds", "--prefills", "--decodes", "--colocated")),
+    ("routing (the proxy's)", ("--pd-policy", "--encoder-policy")),
+    ("ports and network", ("--host", "--port", "--port-offset", "--encoder-base-port", "--pd-base-port")),
+    (
+        "supervision",
+        (
+            "--startup-timeout",
+            "--max-restarts",
+            "--restart-window-s",
+            "--restart-backoff-s",
+            "--health-interval-s",
+            "--health-timeout-s",
+            "--health-failures",
+        ),
+    ),
+    (
+        "logging and metrics",
+        (
+            "--log-level",
+            "--log-json",
+            "--metrics-host",
+            "--encoder-metrics-base-port",
+            "--pd-metrics-base-port",
+            "--proxy-metrics-port",
+            "--launcher-metrics-port",
+            "--metrics-require-token",
+        ),
+    ),
+    ("internal transport security", ("--auto-internal-token",)),
+)
+"""``epd up --help`` in groups (each flag's definition below says what it does)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every ``epd up`` flag, in ``--help`` order."""
+    """Every ``epd up`` flag, grouped for ``--help``."""
     _add_topology_flags(parser)
     _add_port_flags(parser)
     _add_restart_flags(parser)
@@ -29,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_log_json_flag(parser)
     security.add_arguments(parser, grpc_server=True)  # passed on to every service
     security.add_metrics_arguments(parser)
+    cli_args.group_flags(parser, HELP_GROUPS)
 
 
 def _add_topology_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +85,9 @@ def _add_topology_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--model",
         default="",
-        help="checkpoint directory, preset name (tiny, bench, qwen2.5-vl-tiny, ...; see epd make-model) or hub id of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint; default: the tiny model, built on first use",
+        shown_default=cli_args.DEFAULT_MODEL,
+        help="checkpoint directory, preset name (tiny, bench, qwen2.5-vl-tiny, ...; see epd make-model) or hub id "
+        "of a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint; empty = the tiny model, built on first use",
     )
     add(parser, "--encoders", type=int, default=1, help="number of encoder processes")
     add(parser, "--pds", type=int, default=1, help="number of PD processes")
@@ -77,6 +126,14 @@ def _add_port_flags(parser: argparse.ArgumentParser) -> None:
     add = cli_args.add_flag
     add(parser, "--host", default="127.0.0.1", help="address every service listens on")
     add(parser, "--port", type=int, default=8000, help="proxy HTTP port")
+    add(
+        parser,
+        "--port-offset",
+        type=int,
+        default=0,
+        help="added to every port of the cluster (--port, each --*-base-port, each metrics port that is on), "
+        "so that a second cluster runs beside the first: --port-offset 1 puts the proxy on 8001",
+    )
     add(
         parser, "--encoder-base-port", type=int, default=DEFAULT_ENCODER_PORT, help="encoder i listens on this port + i"
     )
@@ -200,6 +257,24 @@ def _add_health_flags(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log level of every service",
     )
+
+
+def with_port_offset(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``--port-offset`` added to every port flag that is set (-1 = off and 0 stay as they are).
+
+    The result keeps ``port_offset`` (for messages) and is marked shifted, so that shifting it again
+    changes nothing.
+    """
+    offset = getattr(args, "port_offset", 0)
+    if not offset or getattr(args, "ports_shifted", False):
+        return args
+    shifted = argparse.Namespace(**vars(args))
+    for flag in PORT_FLAGS:
+        name = flag.lstrip("-").replace("-", "_")
+        if getattr(args, name) > 0:
+            setattr(shifted, name, getattr(args, name) + offset)
+    shifted.ports_shifted = True
+    return shifted
 
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:

@@ -15,13 +15,13 @@ line names it with how it exited and its last output lines, and the others
 keep serving. Supervision ends, and the caller stops the cluster, only when
 the proxy or every PD is crash-looping.
 
-Policy (``CrashHistory``, in ``services/supervision_policy.py``) is pure
+Policy (``CrashHistory``, in ``policy.py``) is pure
 and clock-driven; processes, readiness checks and output forwarding are
 injected so the loop is testable with tiny processes. Every child's output is drained continuously by the
-launcher (``services/child_output.py``): forwarded line by line, unchanged,
+launcher (``child_output.py``): forwarded line by line, unchanged,
 so JSON log lines stay JSON, dropped rather than waited for when nobody
 reads ``epd up``'s own output, and its last lines kept for the crash report.
-``epd up``'s own metrics are in ``services/launcher_metrics.py``.
+``epd up``'s own metrics are in ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -33,32 +33,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from services.child_output import OutputForwarder, OutputTail
 from services.common import launch_proof
-from services.launcher_metrics import LauncherMetrics
-from services.spawner import ProcessSpawner
-from services.supervision_policy import CrashHistory, CrashLoop, HealthPolicy, RestartPolicy, describe_exit
+from services.launcher.child_output import OutputForwarder, OutputTail
+from services.launcher.metrics import LauncherMetrics
+from services.launcher.policy import CrashHistory, CrashLoop, HealthPolicy, RestartPolicy, describe_exit
+from services.launcher.spawner import ProcessSpawner
+from services.launcher.specs import ServiceSpec
 
 POLL_S = 0.2
 """How often exits are noticed and restarts are due-checked."""
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """How to start one service: ``python -m services.cli <argv>`` with extra environment."""
-
-    name: str  # encoder-0, pd-1, proxy
-    argv: tuple[str, ...]
-    address: str  # host:port it serves on
-    health_service: str | None  # gRPC health service meaning "ready"; None = HTTP /health
-    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the launcher's own (secrets)
-
-    @property
-    def kind(self) -> str:
-        return self.name.split("-")[0]
 
 
 class ChildState(enum.IntEnum):
@@ -187,7 +173,10 @@ class Supervisor:
                 child.state, child.next_check_at = ChildState.RUNNING, self._clock() + self.health.interval_s
                 self.metrics.up.labels(child.spec.name).set(1)
                 again = " again" if child.num_restarts else ""
-                self._say(f"  {child.spec.name:<10} ready{again} on {child.spec.address} (pid {child.pid})")
+                took = self._clock() - child.started_at
+                self._say(
+                    f"epd: {child.spec.name} ready{again} on {child.spec.address} ({took:.1f} s, pid {child.pid})"
+                )
         return all(c.state is ChildState.RUNNING for c in self.children)
 
     async def supervise(self, stop: asyncio.Event) -> CrashLoop | None:
@@ -296,21 +285,40 @@ class Supervisor:
         return None
 
     def stop_all(self, grace_s: float = 30.0) -> None:
-        """SIGTERM in order (proxy, encoders, PDs), each waited for; SIGKILL whatever outlives ``grace_s``."""
-        order = sorted(self.children, key=lambda c: {"proxy": 0, "encoder": 1}.get(c.spec.kind, 2))
-        for child in order:
-            process = child.process
-            if process is None or process.poll() is not None:
-                continue
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """Stops every child, tier by tier: the proxy, then the encoders, then the PDs (``STOP_ORDER``).
+
+        The children of one tier are SIGTERMed together and waited for together, so that stopping
+        takes as long as the slowest of each tier: an idle server exits at once, one with requests in
+        flight drains them first (its own ``--grace``). Whatever outlives ``grace_s`` in its tier is
+        SIGKILLed.
+        """
+        for tier in STOP_ORDER:
+            running = [
+                c.process
+                for c in self.children
+                if _tier(c.spec.kind) == tier and c.process is not None and c.process.poll() is None
+            ]
+            for process in running:
+                process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for process in running:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         for child in self.children:
             if child.output is not None:
                 child.output.lines(wait_s=2.0)  # let the last lines reach the terminal
+
+
+STOP_ORDER = ("proxy", "encoder", "pd")
+"""Tiers in the order they stop: no new work arrives once the proxy is gone, and encoders finish
+their pushes to PDs that are still up."""
+
+
+def _tier(kind: str) -> str:
+    return kind if kind in STOP_ORDER else STOP_ORDER[-1]
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:

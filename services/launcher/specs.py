@@ -1,16 +1,33 @@
 """What ``epd up`` starts: one ``ServiceSpec`` per child, with its role, ports and command line.
 
 Encoders, then PDs (``--pds`` of both roles, or ``--prefills`` then
-``--decodes``), then the proxy that is told every address; also every port
-the cluster would bind, so that a clash is refused before anything starts.
+``--decodes``), then the proxy that is told every address. The ports they
+bind are listed, and checked before anything starts, in ``ports.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from services.common import security
-from services.supervisor import ServiceSpec
+from services.common import cli_args, security
+from services.launcher.flags import with_port_offset
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How to start one service: ``python -m services.cli <argv>`` with extra environment."""
+
+    name: str  # encoder-0, pd-1, proxy
+    argv: tuple[str, ...]
+    address: str  # host:port it serves on
+    health_service: str | None  # gRPC health service meaning "ready"; None = HTTP /health
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the launcher's own (secrets)
+
+    @property
+    def kind(self) -> str:
+        return self.name.split("-")[0]
 
 
 def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -> list[ServiceSpec]:
@@ -20,8 +37,9 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
     metrics switch; the spawner moves the token onto a pipe, ``secret_pipe``).
     Children get the model as the user named it: a preset resolves to the
     checkpoint built by the launcher (same cache directory) and keeps its
-    served name.
+    served name. Their ports are those of the flags, ``--port-offset`` added.
     """
+    args = with_port_offset(args)
     env = dict(env or {})
     common = _common_argv(args)
     device = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
@@ -74,7 +92,15 @@ def service_specs(args: argparse.Namespace, env: dict[str, str] | None = None) -
 def _common_argv(args: argparse.Namespace) -> list[str]:
     """The flags every child gets: model, listen address, logging."""
     log_json = "--log-json" if args.log_json else "--no-log-json"
-    return ["--model", args.model or "tiny", "--host", args.host, "--log-level", args.log_level, log_json]
+    return [
+        "--model",
+        args.model or cli_args.DEFAULT_MODEL,
+        "--host",
+        args.host,
+        "--log-level",
+        args.log_level,
+        log_json,
+    ]
 
 
 def _proxy_spec(
@@ -109,22 +135,6 @@ def _proxy_spec(
 
 def _metrics_port(base: int, index: int) -> str:
     return str(base + index if base >= 0 else -1)
-
-
-def listening_ports(args: argparse.Namespace) -> list[int]:
-    """Every port the cluster would bind: the proxy's, each gRPC server's, each /metrics endpoint's."""
-    num_encoders = 0 if args.colocated else args.encoders
-    num_pds = len(pd_roles(args))
-    ranges = [(args.encoder_base_port, num_encoders), (args.pd_base_port, num_pds)]
-    if args.encoder_metrics_base_port >= 0:
-        ranges.append((args.encoder_metrics_base_port, num_encoders))
-    if args.pd_metrics_base_port >= 0:
-        ranges.append((args.pd_metrics_base_port, num_pds))
-    if args.launcher_metrics_port >= 0:
-        ranges.append((args.launcher_metrics_port, 1))
-    if args.proxy_metrics_port >= 0:
-        ranges.append((args.proxy_metrics_port, 1))
-    return [args.port, *(base + i for base, count in ranges for i in range(count))]
 
 
 def pd_roles(args: argparse.Namespace) -> list[str]:

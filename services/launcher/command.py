@@ -3,12 +3,13 @@
 Starts N encoders and M PDs, then the proxy in front of them, waits until
 every one reports ready and prints the URL. From then on a child that exits
 is restarted on its port with backoff while the others keep serving, and
-so is one that stops answering its health RPCs (``services/supervisor.py``);
+so is one that stops answering its health RPCs (``supervisor.py``);
 a service that crash-loops is left down, named in one log line, while the
 others serve. ``epd up`` itself stops on Ctrl-C / SIGTERM, or when the
 proxy or every PD crash-loops (nothing could serve), saying which and why.
 Stopping goes in order: proxy first (no new work arrives), then encoders,
-then PDs.
+then PDs, the children of one tier together; each drains what it has in
+flight, so an idle cluster stops in about a second.
 
 Internal security is on by default: unless a token is given
 (``--internal-token-file`` / ``$EPD_INTERNAL_TOKEN``) or
@@ -18,9 +19,15 @@ where ``ps`` would show it, nor in its environment, which it would keep for
 life and pass on to whatever it starts: ``services/common/secret_pipe.py``). Every ``/metrics`` endpoint listens on
 ``--metrics-host`` (loopback by default), whatever ``--host`` is.
 
-The flags are defined in ``services/up_flags.py`` and the children they
-make in ``services/cluster_specs.py``; this module checks the flags, probes
-the children (readiness, liveness, launch proof) and runs the loop.
+Before anything starts, every port the cluster will bind is checked: two
+services on one port, or a port another process holds, ends ``epd up`` with
+one line naming the port and its flag (exit 2); ``--port-offset`` moves every
+port at once. While the cluster starts, each service is announced as it
+becomes ready, with the time it took.
+
+The flags are defined in ``flags.py``, the children they make in
+``specs.py`` and their ports in ``ports.py``; this module checks the flags,
+probes the children (readiness, liveness, launch proof) and runs the loop.
 """
 
 from __future__ import annotations
@@ -32,15 +39,17 @@ import os
 import secrets
 import signal
 import sys
+import time
 import urllib.error
 import urllib.request
 
-from services.cluster_specs import listening_ports, pd_roles, service_specs
 from services.common import cli_args, grpc_utils, launch_proof, security
 from services.common.metrics_http import MetricsHttpServer
-from services.launcher_metrics import LauncherMetrics
-from services.supervisor import ServiceSpec, StartupFailed, Supervisor
-from services.up_flags import add_arguments, health_policy, restart_policy
+from services.launcher import ports
+from services.launcher.flags import add_arguments, health_policy, restart_policy, with_port_offset
+from services.launcher.metrics import LauncherMetrics
+from services.launcher.specs import ServiceSpec, pd_roles, service_specs
+from services.launcher.supervisor import StartupFailed, Supervisor
 
 
 def launcher_security(
@@ -128,7 +137,25 @@ def _ready_check(transport: security.InternalSecurity):
     return is_ready
 
 
-async def _supervise(args: argparse.Namespace, supervisor: Supervisor, metrics_token: str | None) -> int:
+def _prepare_model(model: str) -> str | None:
+    """The checkpoint directory (or hub id) of ``--model``, a missing preset built first; None after one line on
+    stderr when it cannot be served.
+
+    Torch-free, like the proxy's own check: a preset is built by ``epd make-model`` in a child process
+    (its progress goes to this output) and only the checkpoint's ``config.json`` is read, so ``epd up``
+    neither waits for torch and transformers to import nor pays for tearing them down at exit.
+    """
+    from services.common.models.cache import ensure_model_in_child
+    from services.common.models.startup import refuse_unservable_model
+
+    if refuse_unservable_model(model, "epd") is not None:
+        return None
+    return str(ensure_model_in_child(model or None))  # built by now: resolves to its directory
+
+
+async def _supervise(
+    args: argparse.Namespace, supervisor: Supervisor, metrics_token: str | None, started: float
+) -> int:
     """Runs the cluster until a stop signal (0, or 130 during start-up) or a failure (1)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -152,7 +179,11 @@ async def _supervise(args: argparse.Namespace, supervisor: Supervisor, metrics_t
         await supervisor.wait_ready(args.startup_timeout, stop)
         if stop.is_set():
             return 130
-        print(f"epd: cluster ready. OpenAI API at http://{args.host}:{args.port}/v1  (Ctrl-C to stop)", flush=True)
+        took = time.monotonic() - started
+        print(
+            f"epd: cluster ready in {took:.1f} s. OpenAI API at http://{args.host}:{args.port}/v1  (Ctrl-C to stop)",
+            flush=True,
+        )
         crash = await supervisor.supervise(stop)
         if crash is not None:  # the supervisor has said which service and why
             print(f"epd: nothing can serve without {crash.name}; stopping the cluster", file=sys.stderr, flush=True)
@@ -176,16 +207,12 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         # The proxy picks an encoder by image hash, not by PD: with several
         # colocated PDs an image could be sent to a PD that holds no reservation.
         return "--colocated runs exactly one PD (use --pds 1)"
-    ports = listening_ports(args)
-    if len(set(ports)) != len(ports):
-        return "two services would listen on the same port; move a --*-base-port or turn metrics off (-1)"
-    return None
+    return ports.clash(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common.models import ensure_model
-    from services.common.models.startup import refuse_unservable_model
-
+    started = time.monotonic()
+    args = with_port_offset(args)
     problem = _usage_error(args)
     try:
         policy = restart_policy(args)
@@ -193,12 +220,13 @@ def run(args: argparse.Namespace) -> int:
         transport, env = launcher_security(args)  # unreadable files fail here, before any child starts
     except ValueError as error:
         problem = problem or str(error)
+    problem = problem or ports.taken(args)  # before the model is prepared: no child has started
     if problem:
         print(f"epd: {problem}", file=sys.stderr, flush=True)
         return 2
     print("epd: preparing model ...", flush=True)
-    model_dir = str(ensure_model(args.model or None, progress=lambda msg: print(f"  {msg}", flush=True)))
-    if refuse_unservable_model(model_dir, "epd") is not None:
+    model_dir = _prepare_model(args.model)
+    if model_dir is None:
         return 2  # before any child starts: one line, no traceback
     print(f"epd: model {model_dir}", flush=True)
     if args.colocated:
@@ -220,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         health=health,
     )
     try:
-        return asyncio.run(_supervise(args, supervisor, transport.metrics_token))
+        return asyncio.run(_supervise(args, supervisor, transport.metrics_token, started))
     finally:
         supervisor.stop_all()
         print("epd: stopped", flush=True)

@@ -1,6 +1,6 @@
 """A child's output, drained continuously: forwarded to ``epd up``'s own output and its last lines kept.
 
-Split from ``services/supervisor.py``: this is the part that must never
+Split from ``supervisor.py``: this is the part that must never
 block, whatever the process on the other end of ``epd up``'s output does.
 """
 
