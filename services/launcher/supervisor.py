@@ -74,6 +74,12 @@ class Child:
     next_check_at: float = 0.0
 
     @property
+    def popen(self) -> subprocess.Popen:
+        """The current process; only for a child that was started."""
+        assert self.process is not None, f"{self.spec.name} was never started"
+        return self.process
+
+    @property
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
 
@@ -152,10 +158,10 @@ class Supervisor:
         deadline = self._clock() + timeout_s
         while not stop.is_set():
             for child in self.children:
-                if child.process.poll() is not None:
+                if child.popen.poll() is not None:
                     lines = "".join(f"\n  | {line}" for line in child.tail())
                     raise StartupFailed(
-                        f"{child.spec.name} {describe_exit(child.process.returncode)} during start-up{lines}"
+                        f"{child.spec.name} {describe_exit(child.popen.returncode)} during start-up{lines}"
                     )
             if await self._check_starting():
                 return
@@ -166,10 +172,10 @@ class Supervisor:
 
     async def _check_starting(self) -> bool:
         """Asks every starting child whether it is ready now; True when all children run."""
-        starting = [c for c in self.children if c.state is ChildState.STARTING and c.process.poll() is None]
+        starting = [c for c in self.children if c.state is ChildState.STARTING and c.popen.poll() is None]
         answers = await asyncio.gather(*(self._is_ready(c.spec, c.launch_key) for c in starting))
         for child, ready in zip(starting, answers):
-            if ready and child.process.poll() is None:
+            if ready and child.popen.poll() is None:
                 child.state, child.next_check_at = ChildState.RUNNING, self._clock() + self.health.interval_s
                 self.metrics.up.labels(child.spec.name).set(1)
                 again = " again" if child.num_restarts else ""
@@ -199,7 +205,7 @@ class Supervisor:
                                 f"epd: {child.spec.name} restarted (pid {child.pid}, restart {child.num_restarts})"
                             )
                         continue
-                    if child.process.poll() is None:
+                    if child.popen.poll() is None:
                         self._kill_if_not_ready(child, now)
                         self._check_alive(child, now)
                         continue
@@ -241,7 +247,7 @@ class Supervisor:
                 f"epd: {child.spec.name} (pid {child.pid}) did not answer {child.num_failed_checks} health checks "
                 f"in a row ({self.health.timeout_s:g}s each); killing it as hung"
             )
-            child.process.kill()
+            child.popen.kill()
 
     async def _alive_within_timeout(self, spec: ServiceSpec, launch_key: str) -> bool:
         assert self._is_alive is not None
@@ -258,10 +264,10 @@ class Supervisor:
         if child.not_ready_in_s is None:
             child.not_ready_in_s = timeout_s
             self._say(f"epd: {child.spec.name} did not become ready within {timeout_s:g}s; killing it")
-            child.process.kill()
+            child.popen.kill()
 
     def _on_exit(self, child: Child, now: float) -> CrashLoop | None:
-        how = describe_exit(child.process.returncode)
+        how = describe_exit(child.popen.returncode)
         if child.not_ready_in_s is not None:
             how = f"did not become ready within {child.not_ready_in_s:g}s"
         if child.killed_as_hung:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+from typing import Any
 
 from services.common import cli_args, security
 from services.common.logs import setup_logging
@@ -418,7 +419,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     )
 
 
-def uvicorn_limits(config: ProxyConfig) -> dict[str, object]:
+def uvicorn_limits(config: ProxyConfig) -> dict[str, Any]:
     """The HTTP server's own limits (``uvicorn.run`` keywords).
 
     ``limit_concurrency`` caps connections plus requests (uvicorn answers a
