@@ -82,15 +82,19 @@ class KVTransfer:
         vocab_size: int,
         max_model_len: int,
         uses_grids: bool | None,
+        tokens_per_second: float | None = None,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         decode_allow: PdAllowList | None = None,
     ) -> None:
-        """``decode_allow``: the decode PDs a hand-off may name (default: ``config.decode_allow``)."""
+        """``tokens_per_second``: the model's temporal rate for video positions (as the Generate that takes
+        the reservation over uses it); ``decode_allow``: the decode PDs a hand-off may name (default:
+        ``config.decode_allow``)."""
         self.engine = engine
         self.config = config
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.uses_grids = uses_grids
+        self.tokens_per_second = tokens_per_second
         self._channel_factory = channel_factory or (lambda address: grpc_utils.aio_channel(address, config.security))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, grpc.aio.StreamUnaryMultiCallable]] = OrderedDict()
         self.stats = KVTransferStats()
@@ -107,6 +111,7 @@ class KVTransfer:
             len(request.prompt_token_ids),
             max_items=self.config.max_items_per_request,
             uses_grids=self.uses_grids,
+            tokens_per_second=self.tokens_per_second,  # a video's spans as its Generate's: they must match
         )
         lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
         if time_remaining is not None:

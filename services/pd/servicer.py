@@ -122,7 +122,14 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             max_pushes_per_peer=config.max_pushes_per_peer,
         )
         self.role = Role(config.role)
-        self.kv = KVTransfer(engine, config, vocab_size=vocab_size, max_model_len=max_model_len, uses_grids=uses_grids)
+        self.kv = KVTransfer(
+            engine,
+            config,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            uses_grids=uses_grids,
+            tokens_per_second=tokens_per_second,
+        )
 
     def _check_admitting(self) -> None:
         if self.draining:

@@ -4,8 +4,9 @@ A raw client plays the proxy: ReserveKV on D, Generate on P with the hand-off
 (P prefills, samples the first token, pushes the blocks D lacks), then
 Generate on D with the reservation. Greedy tokens must equal those of a
 ``--role both`` PD (itself held to transformers ``generate()`` by the e2e
-oracle tests): text, an image, and Qwen2.5-VL with an image, whose M-RoPE
-positions D derives from the reserved spans. Refusals (late, foreign or
+oracle tests): text, an image, and Qwen2.5-VL with an image and a video,
+whose M-RoPE positions D derives from the reserved spans (a video's with the
+model's time rate). Refusals (late, foreign or
 malformed pushes, wrong role) leave nothing behind on any of the three.
 P sends with ``push_wire``'s pre-encoded chunks and D receives data chunks as
 views; a relay on the generated stubs between them (a generated-stub
@@ -182,6 +183,25 @@ def test_an_image_is_token_exact_through_prefill_then_decode(trio):
     expected = whole(trio, prompt, items, embedding)
     _, tokens, _ = handed_off(trio, prompt, items, embedding)
     assert tokens == expected
+
+
+def test_a_video_is_token_exact_through_prefill_then_decode(trio):
+    """Qwen2.5-VL spaces a video's temporal positions by ``tokens_per_second * second_per_grid_t``: the
+    reservation's spans must be the Generate's, or D refuses the Generate after P pushed."""
+    if trio.model != QWEN:
+        pytest.skip("videos are Qwen2-VL-family inputs")
+    assert trio.adapter.tokens_per_second not in (None, 1)  # a step other than 1 is what is checked
+    num_tokens = 16  # t=2 temporal patches of 2x4 merged ones
+    prompt = [5, 9, 11] + [trio.adapter.video_token_id] * num_tokens + [6, 7, 8, 12, 13]
+    item = epd_pb2.MultiModalItem(
+        mm_hash=uuid.uuid4().hex * 2, offset=3, num_tokens=num_tokens, grid=epd_pb2.ImageGrid(t=2, h=2, w=4)
+    )
+    item.second_per_grid_t = 1.5
+    embedding = torch.randn(num_tokens, trio.adapter.hidden_size, generator=torch.Generator().manual_seed(5))
+    expected = whole(trio, [*prompt], [item], embedding)
+    first, tokens, final = handed_off(trio, prompt, [item], embedding)
+    assert first == expected[:1] and tokens == expected
+    assert final.usage.completion_tokens == len(expected)
 
 
 class GeneratedStubRelay(epd_pb2_grpc.PrefillDecodeServicer):
