@@ -11,7 +11,8 @@ from services.common import cli_args, grpc_utils, security
 from services.common.dial_allow import PdAllowSpec
 from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_PD_PORT
-from services.pd.config import DEFAULT_METRICS_PORT, PdConfig
+from services.pd.config import DEFAULT_MAX_KV_BUFFER_MB, DEFAULT_METRICS_PORT, PdConfig
+from services.pd.engine.kv_handoff import DEFAULT_MAX_SHARE_PER_PEER
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import (
     AUTO_TARGET_MULTIPLE,
@@ -221,14 +222,33 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-pushes-per-peer",
         type=int,
         default=DEFAULT_MAX_PUSHES_PER_PEER,
-        help="embedding pushes in flight from one caller address",
+        help="embedding pushes in flight from one caller address, and KV pushes (PushKV) apart from them",
     )
     add(
         parser,
         "--push-idle-timeout-s",
         type=float,
         default=10.0,
-        help="a PushEmbedding stream that sends nothing for this long is ended (DEADLINE_EXCEEDED)",
+        help="a PushEmbedding or PushKV stream that sends no bytes for this long is ended (DEADLINE_EXCEEDED); "
+        "empty chunks do not count",
+    )
+    add(
+        parser,
+        "--max-kv-push-buffer-mb",
+        type=int,
+        default=DEFAULT_MAX_KV_BUFFER_MB,
+        help="with --role decode|both: payload buffers of all KV pushes being received together, MiB (each holds "
+        "its reservation's full size until it lands; one larger push is let in alone); a push beyond it: "
+        "RESOURCE_EXHAUSTED with a retry hint, its reservation stays open",
+    )
+    add(
+        parser,
+        "--max-kv-reservation-share",
+        type=float,
+        default=DEFAULT_MAX_SHARE_PER_PEER,
+        help="with --role decode|both: the share of the decode slots (--max-num-seqs; at least one) and of the KV "
+        "blocks that the live ReserveKV reservations of one caller address may hold (its only reservation may "
+        "take more blocks); more: RESOURCE_EXHAUSTED with a retry hint",
     )
 
 
@@ -326,6 +346,8 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_preallocations_per_peer=args.max_preallocations_per_peer,
         max_push_buffer_mb=args.max_push_buffer_mb,
         max_pushes_per_peer=args.max_pushes_per_peer,
+        max_kv_push_buffer_mb=args.max_kv_push_buffer_mb,
+        max_kv_reservation_share=args.max_kv_reservation_share,
         max_requests_per_peer=args.max_requests_per_peer,
         push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,

@@ -26,7 +26,7 @@ from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.kv_cache import KVCacheManager
-from services.pd.engine.kv_handoff import Role
+from services.pd.engine.kv_handoff import ReservationLimits, Role
 from services.pd.engine.preallocated import PreallocationLimits
 from services.pd.engine.request import Request, SamplingParams
 from services.pd.engine.scheduler import Scheduler, SchedulerConfig
@@ -210,6 +210,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         step_budget=_step_budget(config),
         preallocation_limits=PreallocationLimits(config.max_preallocations, config.max_preallocations_per_peer),
         role=Role(config.role),
+        reservation_limits=ReservationLimits(config.max_kv_reservation_share),
     )
     # The engine thread runs the model with the thread count chosen here.
     engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))

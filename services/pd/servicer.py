@@ -114,7 +114,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.draining = False
-        self._pushes = PushIntake(
+        self.pushes = PushIntake(
             engine.hidden_size,
             config.push_idle_timeout_s,
             self._check_push,
@@ -293,7 +293,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     async def PushEmbedding(self, request_iterator, context):
         with AccessLine(log, "push", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
-                header, embedding = await self._pushes.receive(request_iterator, peer_address(context))
+                header, embedding = await self.pushes.receive(request_iterator, peer_address(context))
                 line.update(num_bytes=header.num_bytes, repeat=embedding is None)
                 if embedding is not None:
                     await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
@@ -310,7 +310,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         with AccessLine(log, "reserve_kv", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
                 self._check_admitting()
-                return await self.kv.reserve(request, context.time_remaining())
+                return await self.kv.reserve(request, context.time_remaining(), peer_address(context))
             except EngineError as error:
                 await abort_with(context, error, line)
             except asyncio.CancelledError:
@@ -322,7 +322,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     async def PushKV(self, request_iterator, context):
         with AccessLine(log, "push_kv", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
-                num_bytes = await self.kv.receive(request_iterator)
+                num_bytes = await self.kv.receive(request_iterator, peer_address(context))
                 line.update(num_bytes=num_bytes)
             except EngineError as error:
                 await abort_with(context, error, line)

@@ -6,7 +6,7 @@ Generate on D with the reservation. Greedy tokens must equal those of a
 ``--role both`` PD (itself held to transformers ``generate()`` by the e2e
 oracle tests): text, an image, and Qwen2.5-VL with an image and a video,
 whose M-RoPE positions D derives from the reserved spans (a video's with the
-model's time rate). Refusals (late, foreign or
+model's time rate). K/V a caller pushed is never served to a later request. Refusals (late, foreign or
 malformed pushes, wrong role) leave nothing behind on any of the three.
 P sends with ``push_wire``'s pre-encoded chunks and D receives data chunks as
 views; a relay on the generated stubs between them (a generated-stub
@@ -238,14 +238,28 @@ def test_generated_stub_peers_interoperate_with_the_fast_push(trio):
     assert sum(len(c.data) for c in data) == header.header.num_bytes
 
 
-def test_decode_skips_the_blocks_it_already_holds(trio):
+def test_pushed_kv_is_never_served_to_a_later_request(trio):
+    """A caller with the internal token reserves, pushes made-up (zero) K/V and takes it over on D: a
+    later request with that prompt must be served its own prefill's K/V, not the planted one."""
     prompt = list(range(50, 90))
-    first_tokens = handed_off(trio, prompt)[1]
+    expected = whole(trio, prompt)
     request_id = new_request_id()
     grant = trio.decode.ReserveKV(epd_pb2.ReserveKVRequest(request_id=request_id, prompt_token_ids=prompt))
-    assert grant.num_cached_blocks == (len(prompt) - 1) // grant.block_size
-    trio.decode.Abort(epd_pb2.AbortRequest(request_id=request_id))
-    assert handed_off(trio, prompt)[1] == first_tokens  # pushed without the cached blocks
+    _, layers, heads, _, block_size, head_dim = trio.cluster.pds[2].engine.core.runner.kv_push_shape(1)
+    planted = kv_push(
+        request_id,
+        grant.reservation_id,
+        grant.num_blocks - grant.num_cached_blocks,
+        (layers, heads, block_size, head_dim),
+    )
+    trio.decode.PushKV(planted, timeout=30)
+    run_generate(trio.decode, generate_request(request_id, prompt, [], 12, kv_reservation_id=grant.reservation_id))
+    again = new_request_id()
+    grant = trio.decode.ReserveKV(epd_pb2.ReserveKVRequest(request_id=again, prompt_token_ids=prompt))
+    assert grant.num_cached_blocks == 0  # the planted blocks are nobody else's prefix
+    trio.decode.Abort(epd_pb2.AbortRequest(request_id=again))
+    first, tokens, final = handed_off(trio, prompt)
+    assert tokens == expected and final.usage.cached_tokens == 0
 
 
 def code_of(call) -> grpc.StatusCode:

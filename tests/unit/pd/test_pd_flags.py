@@ -41,6 +41,9 @@ def test_waiting_bound_flag_reads_the_environment(monkeypatch):
         ("waiting_retry_after_ms", 0),
         ("stall_timeout_s", -1.0),
         ("linear_backend", "blas"),
+        ("max_kv_push_buffer_mb", 0),
+        ("max_kv_reservation_share", 0.0),
+        ("max_kv_reservation_share", 1.5),
     ],
 )
 def test_impossible_limits_are_refused(field, value):
@@ -117,3 +120,10 @@ def test_decode_allow_flag():
     assert _config(["--decode-allow", "*"]).decode_allow.any
     with pytest.raises(ValueError, match="--decode-allow"):
         _config(["--decode-allow", "*,d0:1"])
+
+
+def test_kv_hand_off_limit_flags():
+    default = _config([])
+    assert default.max_kv_push_buffer_mb == 2048 and default.max_kv_reservation_share == 0.5
+    config = _config(["--max-kv-push-buffer-mb", "64", "--max-kv-reservation-share", "0.25"])
+    assert config.max_kv_push_buffer_mb == 64 and config.max_kv_reservation_share == 0.25
