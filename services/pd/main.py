@@ -23,6 +23,7 @@ from services.pd.engine.step_budget import (
 from services.pd.faults import PdFaults
 from services.pd.push_intake import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_MAX_PUSHES_PER_PEER
 from services.pd.runner.decode_graphs import DecodePathRefused
+from services.pd.runner.grammar_compile import DEFAULT_CACHE_MB, DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_PENDING_COMPILES
 from services.pd.runner.kv_sizing import KvCacheTooSmall
 from services.pd.server import start_pd
 
@@ -250,6 +251,32 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         "blocks that the live ReserveKV reservations of one caller address may hold (its only reservation may "
         "take more blocks); more: RESOURCE_EXHAUSTED with a retry hint",
     )
+    add(
+        parser,
+        "--grammar-compile-timeout-s",
+        type=float,
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        help="structured outputs: the longest one constraint (JSON schema, regex, grammar, choice) may take to "
+        "compile; each is compiled first in a child process that is killed past it, and the request is refused "
+        "with INVALID_ARGUMENT (400), as is the same constraint again",
+    )
+    add(
+        parser,
+        "--max-pending-grammar-compiles",
+        type=int,
+        default=DEFAULT_MAX_PENDING_COMPILES,
+        help="structured outputs: constraints waiting for a compile or in one (one at a time; a cached one "
+        "never waits); more: RESOURCE_EXHAUSTED with a retry hint",
+    )
+    add(
+        parser,
+        "--grammar-cache-mb",
+        type=int,
+        default=DEFAULT_CACHE_MB,
+        help="structured outputs: MiB the compiled grammars kept for reuse may hold (xgrammar's estimate of "
+        "each, plus its constraint's text), least recently used out first; a larger one is used by its "
+        "request and not kept",
+    )
 
 
 def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
@@ -348,6 +375,9 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_pushes_per_peer=args.max_pushes_per_peer,
         max_kv_push_buffer_mb=args.max_kv_push_buffer_mb,
         max_kv_reservation_share=args.max_kv_reservation_share,
+        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+        max_pending_grammar_compiles=args.max_pending_grammar_compiles,
+        grammar_cache_mb=args.grammar_cache_mb,
         max_requests_per_peer=args.max_requests_per_peer,
         push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,

@@ -32,8 +32,10 @@ from services.pd.push_intake import PushIntake
 from services.pd.runner.grammar import (
     MISSING_EXTRA_MESSAGE,
     STRUCTURED_EXTRA,
+    GrammarBusy,
     GrammarCompiler,
     GrammarError,
+    GrammarUnavailable,
     structured_outputs_installed,
 )
 
@@ -274,7 +276,8 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
 
     async def _attach_grammar(self, request: Request) -> None:
         """Gives a constrained request its matcher, compiled on the compile thread (the engine thread
-        never waits for a schema); INVALID_ARGUMENT for a constraint that does not compile.
+        never waits for a schema); INVALID_ARGUMENT for a constraint that does not compile (or not within
+        ``--grammar-compile-timeout-s``), RESOURCE_EXHAUSTED beyond ``--max-pending-grammar-compiles``.
 
         Without a compiler: ``MissingExtraError`` where xgrammar is not installed, else
         FAILED_PRECONDITION (a server without a model, such as the transfer bench's)."""
@@ -286,8 +289,13 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 raise MissingExtraError(STRUCTURED_EXTRA, MISSING_EXTRA_MESSAGE)
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "this server does not serve structured outputs")
         try:
+            # Cancelled (the caller went away) while it waits, its compile is dropped.
             request.grammar = await asyncio.wrap_future(self.grammars.submit(spec))
-        except GrammarError as error:
+        except GrammarBusy as error:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, str(error), error.retry_after_s) from None
+        except GrammarUnavailable as error:
+            raise EngineError(ErrorKind.UNAVAILABLE, str(error)) from None
+        except GrammarError as error:  # one that does not compile, or not within the time bound
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
 
     async def PushEmbedding(self, request_iterator, context):
