@@ -300,3 +300,22 @@ def test_shutdown_ends_the_compile_under_way_and_nothing_is_compiled_after(bound
 def test_impossible_compile_limits_are_refused(limits):
     with pytest.raises(ValueError):
         CompileLimits(**limits)
+
+
+def test_failures_after_the_compile_process_quote_nothing(bounded, monkeypatch, caplog):
+    """The child compiled it, then this process fails: compiling here, or making the matcher."""
+    from services.pd.runner import grammar
+
+    def raises(*args, **kwargs):
+        raise RuntimeError(SECRET)
+
+    compiler = bounded()
+    monkeypatch.setattr(grammar, "compile_spec", raises)
+    with pytest.raises(GrammarError) as here:
+        compiler.matcher(StructuredOutputSpec("regex", "[mn]+"))
+    monkeypatch.undo()
+    monkeypatch.setattr(grammar, "GrammarMatcher", raises)
+    with pytest.raises(GrammarError) as matcher:
+        compiler.submit(StructuredOutputSpec("regex", "[op]+")).result(timeout=60)
+    assert SECRET not in str(here.value) + str(matcher.value) + caplog.text
+    assert compiler.num_pending == 0
