@@ -196,6 +196,13 @@ class InProcessCluster:
                 "num_kv_exports",
             ):
                 report[f"pd{i}.{key}"] = int(getattr(stats, key))
+            servicer = getattr(pd, "servicer", None)
+            if servicer is not None:  # pushes being received (their buffers), both kinds
+                report[f"pd{i}.kv_pushes_in_flight"] = servicer.kv.slots.num_in_flight
+                report[f"pd{i}.kv_push_buffer_bytes"] = servicer.kv.slots.buffered_bytes
+                report[f"pd{i}.push_buffer_bytes"] = servicer.pushes.buffered_bytes
+                if servicer.grammars is not None:  # constraints waiting for a compile, or in one
+                    report[f"pd{i}.pending_grammar_compiles"] = servicer.grammars.num_pending
         for i, encoder in enumerate(self.encoders):
             stats = encoder.stats()
             if asyncio.iscoroutine(stats):

@@ -7,9 +7,14 @@ from dataclasses import dataclass
 from services.common.dial_allow import PdAllowSpec
 from services.common.ports import DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
+from services.pd.engine.kv_handoff import DEFAULT_MAX_SHARE_PER_PEER
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import DEFAULT_MIN_PREFILL_TOKENS
 from services.pd.faults import NO_FAULTS, PdFaults
+from services.pd.runner.grammar_compile import DEFAULT_CACHE_MB, DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_PENDING_COMPILES
+
+DEFAULT_MAX_KV_BUFFER_MB = 2048
+"""``--max-kv-push-buffer-mb``: the KV pushes being received, together (``kv_transfer.py``)."""
 
 DEFAULT_METRICS_PORT = 9201
 """``epd pd``'s ``--metrics-port`` (``epd up`` gives PD j 9201 + j)."""
@@ -66,7 +71,16 @@ class PdConfig:
     max_preallocations_per_peer: int = DEFAULT_MAX_PREALLOCATED_PER_PEER
     # Embedding pushes in flight: their payload buffers together (MiB), and how many per caller address.
     max_push_buffer_mb: int = DEFAULT_MAX_BUFFER_BYTES >> 20
-    max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER
+    max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER  # KV pushes (PushKV) counted apart, by the same bound
+    # KV hand-off, decode side: the buffers of the KV pushes being received (MiB; one larger push is let in
+    # alone), and the share of the decode slots and KV blocks one caller's reservations may hold.
+    max_kv_push_buffer_mb: int = DEFAULT_MAX_KV_BUFFER_MB
+    max_kv_reservation_share: float = DEFAULT_MAX_SHARE_PER_PEER
+    # structured outputs (services/pd/runner/grammar.py): how long one constraint may take to compile (longer:
+    # refused), how many may wait for a compile, and the MiB the compiled grammars kept may hold.
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    max_pending_grammar_compiles: int = DEFAULT_MAX_PENDING_COMPILES
+    grammar_cache_mb: int = DEFAULT_CACHE_MB
     # Generate calls in progress per caller address (waiting and running); 0 = only the queue's own bounds.
     max_requests_per_peer: int = 0
     push_idle_timeout_s: float = 10.0  # a PushEmbedding stream that sends nothing this long is ended
@@ -116,8 +130,18 @@ class PdConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1] and kv_cache_memory_mb >= 0")
         if self.embedding_cache_tokens <= 0:
             raise ValueError("embedding_cache_tokens must be positive")
-        if self.max_push_buffer_mb <= 0 or self.max_pushes_per_peer <= 0:
-            raise ValueError("max_push_buffer_mb and max_pushes_per_peer must be positive")
+        if self.max_push_buffer_mb <= 0 or self.max_pushes_per_peer <= 0 or self.max_kv_push_buffer_mb <= 0:
+            raise ValueError("max_push_buffer_mb, max_kv_push_buffer_mb and max_pushes_per_peer must be positive")
+        if not 0 < self.max_kv_reservation_share <= 1:
+            raise ValueError("max_kv_reservation_share must be in (0, 1]")
+        if not (
+            0 < self.grammar_compile_timeout_s < float("inf")
+            and self.max_pending_grammar_compiles > 0
+            and self.grammar_cache_mb > 0
+        ):
+            raise ValueError(
+                "grammar_compile_timeout_s, max_pending_grammar_compiles and grammar_cache_mb must be positive"
+            )
         if self.max_requests_per_peer < 0:
             raise ValueError("max_requests_per_peer must be >= 0 (0 = off)")
         if self.max_preallocations <= 0 or self.max_preallocations_per_peer <= 0:

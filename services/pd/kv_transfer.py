@@ -14,6 +14,14 @@ reservation's size), reads the chunks with an idle timeout, and writes them
 into the reserved blocks on the engine thread, where the reservation is
 checked again (its lease may have ended while the bytes arrived). The bytes
 on the wire are the protobuf encoding: generated-stub peers interoperate.
+
+D receives pushes as it receives embedding pushes (``push_intake.py``): one
+stream per reservation at a time (a second is FAILED_PRECONDITION before any
+buffer), at most ``--max-pushes-per-peer`` from one caller address, their
+buffers within ``--max-kv-push-buffer-mb`` together (a larger push is let in
+alone), an idle timeout that only bytes move (empty chunks do not), and the
+buffer allocated and the values checked off the event loop. ReserveKV
+counts each reservation against its caller's share (``ReservationLimits``).
 """
 
 from __future__ import annotations
@@ -37,12 +45,15 @@ from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.kv_handoff import KVExport
+from services.pd.push_intake import PushSlots, next_chunk, read_payload
 
 log = logging.getLogger(__name__)
 
 MAX_CHANNELS = 64
 """Decode-instance channels a prefill instance keeps open (least recently used closed first)."""
 _MAX_ADDRESS_CHARS = 255
+_STALLED = "the KV push sent nothing for too long"
+_IN_PROGRESS = "a KV push to this reservation is already in progress"
 
 
 @dataclass
@@ -82,23 +93,31 @@ class KVTransfer:
         vocab_size: int,
         max_model_len: int,
         uses_grids: bool | None,
+        tokens_per_second: float | None = None,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         decode_allow: PdAllowList | None = None,
     ) -> None:
-        """``decode_allow``: the decode PDs a hand-off may name (default: ``config.decode_allow``)."""
+        """``tokens_per_second``: the model's temporal rate for video positions (as the Generate that takes
+        the reservation over uses it); ``decode_allow``: the decode PDs a hand-off may name (default:
+        ``config.decode_allow``)."""
         self.engine = engine
         self.config = config
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.uses_grids = uses_grids
+        self.tokens_per_second = tokens_per_second
         self._channel_factory = channel_factory or (lambda address: grpc_utils.aio_channel(address, config.security))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, grpc.aio.StreamUnaryMultiCallable]] = OrderedDict()
         self.stats = KVTransferStats()
         self._decode_allow = decode_allow or PdAllowList(config.decode_allow)
+        self.slots = PushSlots(
+            config.max_kv_push_buffer_mb << 20, config.max_pushes_per_peer, oversize_alone=True
+        )  # decode side: the pushes being received
 
     # ------------------------------------------------------------ decode side
-    async def reserve(self, request: epd_pb2.ReserveKVRequest, time_remaining: float | None) -> Any:
-        """ReserveKV: checks the prompt, then reserves on the engine thread; raises EngineError."""
+    async def reserve(self, request: epd_pb2.ReserveKVRequest, time_remaining: float | None, peer: str = "") -> Any:
+        """ReserveKV: checks the prompt, then reserves on the engine thread, counted against ``peer`` (the
+        caller's address); raises EngineError."""
         convert.check_request_id(request.request_id)
         cache_salt = convert.check_cache_salt(request.cache_salt)
         convert.check_prompt(request.prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
@@ -107,13 +126,20 @@ class KVTransfer:
             len(request.prompt_token_ids),
             max_items=self.config.max_items_per_request,
             uses_grids=self.uses_grids,
+            tokens_per_second=self.tokens_per_second,  # a video's spans as its Generate's: they must match
         )
         lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
         if time_remaining is not None:
             lease_ms = max(1, min(lease_ms, int(time_remaining * 1000)))
         core = self.engine.core
         grant = await self.engine.call(
-            core.reserve_kv, request.request_id, list(request.prompt_token_ids), spans, lease_ms / 1000, cache_salt
+            core.reserve_kv,
+            request.request_id,
+            list(request.prompt_token_ids),
+            spans,
+            lease_ms / 1000,
+            cache_salt,
+            peer,
         )
         return epd_pb2.ReserveKVResponse(
             reservation_id=grant.reservation_id,
@@ -123,12 +149,14 @@ class KVTransfer:
             lease_ms=lease_ms,
         )
 
-    async def receive(self, chunks: AsyncIterator[Any]) -> int:
+    async def receive(self, chunks: AsyncIterator[Any], peer: str = "") -> int:
         """PushKV: reads one push into its reservation; returns its payload bytes; raises EngineError.
 
-        ``chunks``: ``PushKVChunk`` messages, or data chunks as views (``push_wire.deserialize_kv_chunk``)."""
+        ``chunks``: ``PushKVChunk`` messages, or data chunks as views (``push_wire.deserialize_kv_chunk``);
+        ``peer``: the caller's address (its pushes in flight are bounded)."""
         stream = aiter(chunks)
-        first = await self._next(stream)
+        idle_s = self.config.push_idle_timeout_s
+        first = await next_chunk(stream, time.monotonic() + idle_s, _STALLED)
         started = time.perf_counter()
         if first is None or push_wire.data_of(first) is not None or first.WhichOneof("kind") != "header":
             raise _invalid("a KV push must start with its header")
@@ -149,48 +177,24 @@ class KVTransfer:
         if header.num_bytes != num_bytes:
             raise _invalid("num_bytes does not match the shape")
         core, ids = self.engine.core, (header.request_id, header.reservation_id)
-        targets = await self.engine.call(core.kv_push_targets, *ids, shape[3])  # refused before any buffer
-        buffer = await self._read_payload(stream, num_bytes)
-        kv = tensors.tensor_from_bytes(buffer, dtype, shape)
-        if not tensors.all_finite(kv):
-            raise _invalid("the KV push holds non-finite values")
+        with self.slots.hold(header.reservation_id, peer, _IN_PROGRESS) as slot:
+            targets = await self.engine.call(core.kv_push_targets, *ids, shape[3])  # refused before any buffer
+            slot.take_buffer(num_bytes)
+            buffer = await asyncio.to_thread(bytearray, num_bytes)  # zeroing GiBs stalls no other call
+            await read_payload(stream, num_bytes, buffer, idle_s, _STALLED, ErrorKind.INVALID_ARGUMENT)
+            kv = tensors.tensor_from_bytes(buffer, dtype, shape)
+            if not await asyncio.to_thread(tensors.all_finite, kv):
+                raise _invalid("the KV push holds non-finite values")
 
-        def land() -> None:  # on the engine thread: the reservation is checked again, then written
-            if core.kv_push_targets(*ids, shape[3]) != targets:
-                raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV reservation changed during the push")
-            runner.write_kv_blocks(targets, kv)
-            core.fill_kv(*ids, first_token)
+            def land() -> None:  # on the engine thread: the reservation is checked again, then written
+                if core.kv_push_targets(*ids, shape[3]) != targets:
+                    raise EngineError(ErrorKind.FAILED_PRECONDITION, "the KV reservation changed during the push")
+                runner.write_kv_blocks(targets, kv)
+                core.fill_kv(*ids, first_token)
 
-        await self.engine.call(land)
+            await self.engine.call(land)
         self.stats.received.add(num_bytes, time.perf_counter() - started)
         return num_bytes
-
-    async def _read_payload(self, stream: AsyncIterator[Any], num_bytes: int) -> bytearray:
-        """The payload, each chunk's bytes copied once (from the received message) into the buffer."""
-        buffer, filled = bytearray(num_bytes), 0
-        with memoryview(buffer) as view:
-            while (chunk := await self._next(stream)) is not None:
-                data = push_wire.data_of(chunk)
-                if data is None:
-                    raise _invalid("only data chunks may follow the header")
-                size = len(data)
-                if size > tensors.CHUNK_BYTES:
-                    raise _invalid("a KV push chunk is over 1 MiB")
-                if filled + size > num_bytes:
-                    raise _invalid("the KV push sent more bytes than its header declares")
-                view[filled : filled + size] = data
-                filled += size
-        if filled != num_bytes:
-            raise _invalid("the KV push ended before its last byte")
-        return buffer
-
-    async def _next(self, stream: AsyncIterator[Any]) -> Any | None:
-        try:
-            return await asyncio.wait_for(anext(stream), self.config.push_idle_timeout_s)
-        except StopAsyncIteration:
-            return None
-        except TimeoutError:
-            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "the KV push sent nothing for too long") from None
 
     # ----------------------------------------------------------- prefill side
     async def push(

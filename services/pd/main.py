@@ -17,10 +17,12 @@ from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_PD_PORT
 from services.pd.config import (
     DEFAULT_MAX_BUFFER_BYTES,
+    DEFAULT_MAX_KV_BUFFER_MB,
     DEFAULT_MAX_PUSHES_PER_PEER,
     DEFAULT_METRICS_PORT,
     PdConfig,
 )
+from services.pd.engine.kv_handoff import DEFAULT_MAX_SHARE_PER_PEER
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import (
     AUTO_TARGET_MULTIPLE,
@@ -29,6 +31,7 @@ from services.pd.engine.step_budget import (
     TYPICAL_PROMPT_TOKENS,
 )
 from services.pd.faults import PdFaults
+from services.pd.runner.grammar_compile import DEFAULT_CACHE_MB, DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_PENDING_COMPILES
 
 log = logging.getLogger(__name__)
 
@@ -278,14 +281,59 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-pushes-per-peer",
         type=int,
         default=DEFAULT_MAX_PUSHES_PER_PEER,
-        help="embedding pushes in flight from one caller address",
+        help="embedding pushes in flight from one caller address, and KV pushes (PushKV) apart from them",
     )
     add(
         parser,
         "--push-idle-timeout-s",
         type=float,
         default=10.0,
-        help="a PushEmbedding stream that sends nothing for this long is ended (DEADLINE_EXCEEDED)",
+        help="a PushEmbedding or PushKV stream that sends no bytes for this long is ended (DEADLINE_EXCEEDED); "
+        "empty chunks do not count",
+    )
+    add(
+        parser,
+        "--max-kv-push-buffer-mb",
+        type=int,
+        default=DEFAULT_MAX_KV_BUFFER_MB,
+        help="with --role decode|both: payload buffers of all KV pushes being received together, MiB (each holds "
+        "its reservation's full size until it lands; one larger push is let in alone); a push beyond it: "
+        "RESOURCE_EXHAUSTED with a retry hint, its reservation stays open",
+    )
+    add(
+        parser,
+        "--max-kv-reservation-share",
+        type=float,
+        default=DEFAULT_MAX_SHARE_PER_PEER,
+        help="with --role decode|both: the share of the decode slots (--max-num-seqs; at least one) and of the KV "
+        "blocks that the live ReserveKV reservations of one caller address may hold (its only reservation may "
+        "take more blocks); more: RESOURCE_EXHAUSTED with a retry hint",
+    )
+    add(
+        parser,
+        "--grammar-compile-timeout-s",
+        type=float,
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        help="structured outputs: the longest one constraint (JSON schema, regex, grammar, choice) may take to "
+        "compile; each is compiled first in a child process that is killed past it, and the request is refused "
+        "with INVALID_ARGUMENT (400), as is the same constraint again",
+    )
+    add(
+        parser,
+        "--max-pending-grammar-compiles",
+        type=int,
+        default=DEFAULT_MAX_PENDING_COMPILES,
+        help="structured outputs: constraints waiting for a compile or in one (one at a time; a cached one "
+        "never waits); more: RESOURCE_EXHAUSTED with a retry hint",
+    )
+    add(
+        parser,
+        "--grammar-cache-mb",
+        type=int,
+        default=DEFAULT_CACHE_MB,
+        help="structured outputs: MiB the compiled grammars kept for reuse may hold (xgrammar's estimate of "
+        "each, plus its constraint's text), least recently used out first; a larger one is used by its "
+        "request and not kept",
     )
 
 
@@ -383,6 +431,11 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_preallocations_per_peer=args.max_preallocations_per_peer,
         max_push_buffer_mb=args.max_push_buffer_mb,
         max_pushes_per_peer=args.max_pushes_per_peer,
+        max_kv_push_buffer_mb=args.max_kv_push_buffer_mb,
+        max_kv_reservation_share=args.max_kv_reservation_share,
+        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+        max_pending_grammar_compiles=args.max_pending_grammar_compiles,
+        grammar_cache_mb=args.grammar_cache_mb,
         max_requests_per_peer=args.max_requests_per_peer,
         push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,

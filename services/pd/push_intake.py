@@ -13,13 +13,18 @@ RESOURCE_EXHAUSTED with a retry hint; the reservation stays open). Afterwards: a
 values (NaN or infinity must never reach the KV cache). A repeat of a push
 that already landed (a retried Encode) is read off and acknowledged without
 a buffer. Runs on the event loop; nothing here touches the engine's state.
+
+``PushSlots`` (one reservation's stream at a time, pushes per caller, buffer
+bytes) and ``read_payload`` (the idle timeout that only bytes move) are
+shared with the KV push (``kv_transfer.py``), which has its own slots.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,10 +38,112 @@ from services.pd.engine.errors import EngineError, ErrorKind
 
 PUSH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BUSY_RETRY_S = 0.2  # a push in flight ends within its idle timeout or completes
+_STALLED = "push stalled: no data within the idle timeout"
 
 
 def _invalid(message: str) -> EngineError:
     return EngineError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+class PushSlot:
+    """One push stream admitted by ``PushSlots.hold``: ``take_buffer`` counts its payload buffer."""
+
+    def __init__(self, slots: PushSlots) -> None:
+        self._slots = slots
+        self.buffered = 0
+
+    def take_buffer(self, num_bytes: int) -> None:
+        """Counts a ``num_bytes`` buffer; RESOURCE_EXHAUSTED (a retry hint) when the buffers are full.
+
+        With ``oversize_alone``, a push larger than the bound is let in when no other holds a buffer."""
+        slots = self._slots
+        total = slots.buffered_bytes + num_bytes
+        if total > slots.max_buffer_bytes and not (slots.oversize_alone and slots.buffered_bytes == 0):
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "push buffers are full", _BUSY_RETRY_S)
+        slots.buffered_bytes = total
+        self.buffered += num_bytes
+
+
+class PushSlots:
+    """The pushes being received: one stream per reservation at a time, at most ``max_per_peer`` per
+    caller address, and their payload buffers within ``max_buffer_bytes`` together. Event loop only."""
+
+    def __init__(self, max_buffer_bytes: int, max_per_peer: int, *, oversize_alone: bool = False) -> None:
+        self.max_buffer_bytes = max_buffer_bytes
+        self.max_per_peer = max_per_peer
+        self.oversize_alone = oversize_alone
+        self.buffered_bytes = 0
+        self._in_flight: set[str] = set()  # reservation ids with a push being received
+        self._per_peer: dict[str, int] = {}
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @contextlib.contextmanager
+    def hold(self, reservation_id: str, peer: str, in_progress: str) -> Iterator[PushSlot]:
+        """Admits one stream for the block; FAILED_PRECONDITION (``in_progress``) while another pushes to
+        ``reservation_id``, RESOURCE_EXHAUSTED when ``peer`` has its pushes in flight. Gives all back on exit."""
+        if reservation_id in self._in_flight:
+            raise EngineError(ErrorKind.FAILED_PRECONDITION, in_progress)
+        if self._per_peer.get(peer, 0) >= self.max_per_peer:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many pushes in flight from this caller", _BUSY_RETRY_S)
+        self._in_flight.add(reservation_id)
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        slot = PushSlot(self)
+        try:
+            yield slot
+        finally:
+            self.buffered_bytes -= slot.buffered
+            self._in_flight.discard(reservation_id)
+            left = self._per_peer[peer] - 1
+            if left:
+                self._per_peer[peer] = left
+            else:
+                del self._per_peer[peer]
+
+
+async def next_chunk(stream: AsyncIterator[Any], deadline: float, stalled: str) -> Any | None:
+    """The stream's next message (None at its end); DEADLINE_EXCEEDED (``stalled``) past ``deadline``."""
+    try:
+        return await asyncio.wait_for(anext(stream, None), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise EngineError(ErrorKind.DEADLINE_EXCEEDED, stalled) from None
+
+
+async def read_payload(
+    stream: AsyncIterator[Any],
+    num_bytes: int,
+    payload: bytearray | None,
+    idle_timeout_s: float,
+    stalled: str,
+    too_many: ErrorKind = ErrorKind.FAILED_PRECONDITION,
+) -> None:
+    """Reads the data chunks after a header into ``payload`` (each chunk's bytes copied once), or counts
+    them off (None). Only bytes move the idle deadline: a stream trickling empty chunks is ended too.
+    ``too_many``: the refusal of more bytes than declared."""
+    view = memoryview(payload) if payload is not None else None
+    received = 0
+    deadline = time.monotonic() + idle_timeout_s
+    try:
+        while (chunk := await next_chunk(stream, deadline, stalled)) is not None:
+            data = data_of(chunk)
+            if data is None:
+                raise _invalid("only the first message of a push may be a header")
+            if len(data) > tensors.CHUNK_BYTES:
+                raise _invalid("push chunk larger than 1 MiB")
+            if received + len(data) > num_bytes:
+                raise EngineError(too_many, "push carries more bytes than its header declared")
+            if view is not None:
+                view[received : received + len(data)] = data
+            if len(data):
+                received += len(data)
+                deadline = time.monotonic() + idle_timeout_s
+    finally:
+        if view is not None:
+            view.release()
+    if received != num_bytes:
+        raise _invalid("push ended before all declared bytes arrived")
 
 
 class PushIntake:
@@ -54,50 +161,28 @@ class PushIntake:
         self._hidden_size = hidden_size
         self._idle_timeout_s = idle_timeout_s
         self._check_push = check_push
-        self._max_buffer_bytes = max_buffer_bytes
-        self._max_pushes_per_peer = max_pushes_per_peer
-        self._in_flight: set[str] = set()  # reservation ids with a push being received
-        self._buffered_bytes = 0  # payload buffers of the pushes in flight
-        self._per_peer: dict[str, int] = {}  # pushes in flight per caller address
+        self._slots = PushSlots(max_buffer_bytes, max_pushes_per_peer)
 
     @property
     def buffered_bytes(self) -> int:
-        return self._buffered_bytes
+        return self._slots.buffered_bytes
 
     async def receive(
         self, request_iterator: AsyncIterator[Any], peer: str = ""
     ) -> tuple[epd_pb2.EmbeddingHeader, Any | None]:
         """The header and the embedding tensor, or None for a repeat of a push that landed."""
         stream = aiter(request_iterator)
-        first = await self._next(stream, time.monotonic() + self._idle_timeout_s)
+        first = await next_chunk(stream, time.monotonic() + self._idle_timeout_s, _STALLED)
         if first is None or data_of(first) is not None or first.WhichOneof("kind") != "header":
             raise _invalid("a push must start with a header")
         header = first.header
         self.check_header(header)
-        if header.reservation_id in self._in_flight:
-            raise EngineError(ErrorKind.FAILED_PRECONDITION, "a push to this reservation is already in progress")
-        if self._per_peer.get(peer, 0) >= self._max_pushes_per_peer:
-            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many pushes in flight from this caller", _BUSY_RETRY_S)
-        self._in_flight.add(header.reservation_id)
-        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
-        buffered = 0
-        try:
+        with self._slots.hold(header.reservation_id, peer, "a push to this reservation is already in progress") as slot:
             wanted = await self._check_push(header)
             if wanted:
-                if self._buffered_bytes + header.num_bytes > self._max_buffer_bytes:
-                    raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "push buffers are full", _BUSY_RETRY_S)
-                buffered = header.num_bytes
-                self._buffered_bytes += buffered
+                slot.take_buffer(header.num_bytes)
             payload = bytearray(header.num_bytes) if wanted else None
-            await self._read_chunks(stream, header.num_bytes, payload)
-        finally:
-            self._buffered_bytes -= buffered
-            self._in_flight.discard(header.reservation_id)
-            left = self._per_peer[peer] - 1
-            if left:
-                self._per_peer[peer] = left
-            else:
-                del self._per_peer[peer]
+            await read_payload(stream, header.num_bytes, payload, self._idle_timeout_s, _STALLED)
         if payload is None:
             return header, None
         embedding = tensors.tensor_from_bytes(payload, tensors.dtype_from_pb(header.dtype), list(header.shape))
@@ -117,34 +202,3 @@ class PushIntake:
             raise _invalid(f"embedding shape must be [num_tokens, {self._hidden_size}]")
         if header.num_bytes != tensors.expected_num_bytes(dtype, list(header.shape)):
             raise _invalid("num_bytes does not match dtype and shape")
-
-    async def _read_chunks(self, stream: AsyncIterator[Any], num_bytes: int, payload: bytearray | None) -> None:
-        """Reads the data chunks into ``payload`` (each chunk's bytes copied once), or counts them off."""
-        view = memoryview(payload) if payload is not None else None
-        received = 0
-        deadline = time.monotonic() + self._idle_timeout_s  # moved only by bytes, never by empty chunks
-        try:
-            while (chunk := await self._next(stream, deadline)) is not None:
-                data = data_of(chunk)
-                if data is None:
-                    raise _invalid("only the first message of a push may be a header")
-                if len(data) > tensors.CHUNK_BYTES:
-                    raise _invalid("push chunk larger than 1 MiB")
-                if received + len(data) > num_bytes:
-                    raise EngineError(ErrorKind.FAILED_PRECONDITION, "push carries more bytes than its header declared")
-                if view is not None:
-                    view[received : received + len(data)] = data
-                if len(data):
-                    received += len(data)
-                    deadline = time.monotonic() + self._idle_timeout_s
-        finally:
-            if view is not None:
-                view.release()
-        if received != num_bytes:
-            raise _invalid("push ended before all declared bytes arrived")
-
-    async def _next(self, stream: AsyncIterator[Any], deadline: float) -> Any | None:
-        try:
-            return await asyncio.wait_for(anext(stream, None), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "push stalled: no data within the idle timeout") from None

@@ -26,14 +26,19 @@ from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.kv_cache import KVCacheManager
-from services.pd.engine.kv_handoff import Role
+from services.pd.engine.kv_handoff import ReservationLimits, Role
 from services.pd.engine.preallocated import PreallocationLimits
 from services.pd.engine.request import Request, SamplingParams
 from services.pd.engine.scheduler import Scheduler, SchedulerConfig
 from services.pd.engine.step_budget import BudgetConfig, StepBudget
 from services.pd.metrics import PdMetrics
 from services.pd.runner.decode_graphs import StaticDecodeConfig
-from services.pd.runner.grammar import MISSING_EXTRA_MESSAGE, GrammarCompiler, structured_outputs_installed
+from services.pd.runner.grammar import (
+    MISSING_EXTRA_MESSAGE,
+    CompileLimits,
+    GrammarCompiler,
+    structured_outputs_installed,
+)
 from services.pd.runner.kv_sizing import CudaMemoryReader, size_kv_cache
 from services.pd.runner.model_runner import ModelRunner
 from services.pd.servicer import PrefillDecodeServicer
@@ -89,6 +94,8 @@ class PdServer:
         await asyncio.to_thread(self.engine.shutdown)
         if self.servicer is not None:
             await self.servicer.kv.close()
+            if self.servicer.grammars is not None:  # its compile thread and process
+                await asyncio.to_thread(self.servicer.grammars.shutdown)
         if self.metrics_http is not None:  # last: a scrape can still see the drain
             await self.metrics_http.stop()
 
@@ -210,6 +217,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         step_budget=_step_budget(config),
         preallocation_limits=PreallocationLimits(config.max_preallocations, config.max_preallocations_per_peer),
         role=Role(config.role),
+        reservation_limits=ReservationLimits(config.max_kv_reservation_share),
     )
     # The engine thread runs the model with the thread count chosen here.
     engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))
@@ -228,17 +236,26 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         "dtype": str(dtype).removeprefix("torch."),
         # Structured outputs: constraints compiled for this tokenizer and LM head (runner/grammar.py);
         # None without the optional xgrammar, whose absence refuses only constrained requests.
-        "grammars": _grammar_compiler(tokenizer, int(model.config.vocab_size), adapter.eos_token_ids),
+        "grammars": _grammar_compiler(
+            tokenizer,
+            int(model.config.vocab_size),
+            adapter.eos_token_ids,
+            CompileLimits(
+                config.grammar_compile_timeout_s, config.max_pending_grammar_compiles, config.grammar_cache_mb << 20
+            ),
+        ),
     }
     return engine, facts
 
 
-def _grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarCompiler | None:
+def _grammar_compiler(
+    tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], limits: CompileLimits
+) -> GrammarCompiler | None:
     """The structured-output compiler, or None (logged once) where the ``structured`` extra is not installed."""
     if not structured_outputs_installed():
         log.warning("structured outputs are off: xgrammar is not installed (%s)", MISSING_EXTRA_MESSAGE)
         return None
-    return GrammarCompiler(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
+    return GrammarCompiler(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids, limits=limits)
 
 
 # Two full 16-token KV blocks and a tail: its repeat is served from the prefix cache.

@@ -32,8 +32,10 @@ from services.pd.push_intake import PushIntake
 from services.pd.runner.grammar import (
     MISSING_EXTRA_MESSAGE,
     STRUCTURED_EXTRA,
+    GrammarBusy,
     GrammarCompiler,
     GrammarError,
+    GrammarUnavailable,
     structured_outputs_installed,
 )
 
@@ -114,7 +116,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.draining = False
-        self._pushes = PushIntake(
+        self.pushes = PushIntake(
             engine.hidden_size,
             config.push_idle_timeout_s,
             self._check_push,
@@ -122,7 +124,14 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             max_pushes_per_peer=config.max_pushes_per_peer,
         )
         self.role = Role(config.role)
-        self.kv = KVTransfer(engine, config, vocab_size=vocab_size, max_model_len=max_model_len, uses_grids=uses_grids)
+        self.kv = KVTransfer(
+            engine,
+            config,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            uses_grids=uses_grids,
+            tokens_per_second=tokens_per_second,
+        )
 
     def _check_admitting(self) -> None:
         if self.draining:
@@ -267,7 +276,8 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
 
     async def _attach_grammar(self, request: Request) -> None:
         """Gives a constrained request its matcher, compiled on the compile thread (the engine thread
-        never waits for a schema); INVALID_ARGUMENT for a constraint that does not compile.
+        never waits for a schema); INVALID_ARGUMENT for a constraint that does not compile (or not within
+        ``--grammar-compile-timeout-s``), RESOURCE_EXHAUSTED beyond ``--max-pending-grammar-compiles``.
 
         Without a compiler: ``MissingExtraError`` where xgrammar is not installed, else
         FAILED_PRECONDITION (a server without a model, such as the transfer bench's)."""
@@ -279,14 +289,19 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
                 raise MissingExtraError(STRUCTURED_EXTRA, MISSING_EXTRA_MESSAGE)
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "this server does not serve structured outputs")
         try:
+            # Cancelled (the caller went away) while it waits, its compile is dropped.
             request.grammar = await asyncio.wrap_future(self.grammars.submit(spec))
-        except GrammarError as error:
+        except GrammarBusy as error:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, str(error), error.retry_after_s) from None
+        except GrammarUnavailable as error:
+            raise EngineError(ErrorKind.UNAVAILABLE, str(error)) from None
+        except GrammarError as error:  # one that does not compile, or not within the time bound
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
 
     async def PushEmbedding(self, request_iterator, context):
         with AccessLine(log, "push", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
-                header, embedding = await self._pushes.receive(request_iterator, peer_address(context))
+                header, embedding = await self.pushes.receive(request_iterator, peer_address(context))
                 line.update(num_bytes=header.num_bytes, repeat=embedding is None)
                 if embedding is not None:
                     await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
@@ -303,7 +318,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         with AccessLine(log, "reserve_kv", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
                 self._check_admitting()
-                return await self.kv.reserve(request, context.time_remaining())
+                return await self.kv.reserve(request, context.time_remaining(), peer_address(context))
             except EngineError as error:
                 await abort_with(context, error, line)
             except asyncio.CancelledError:
@@ -315,7 +330,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
     async def PushKV(self, request_iterator, context):
         with AccessLine(log, "push_kv", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
-                num_bytes = await self.kv.receive(request_iterator)
+                num_bytes = await self.kv.receive(request_iterator, peer_address(context))
                 line.update(num_bytes=num_bytes)
             except EngineError as error:
                 await abort_with(context, error, line)

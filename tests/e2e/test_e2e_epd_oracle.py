@@ -5,7 +5,7 @@ prefills (images pushed to it by the encoder), samples the first token and
 pushes the prompt's KV to the decode instance, which streams the answer.
 Requests go through the official ``openai`` client, streaming and not;
 LLaVA and Qwen2.5-VL (M-RoPE: the decode side keeps the image tokens' 3-D
-positions). After every test, nothing is left reserved, held, pending or
+positions), images and videos. After every test, nothing is left reserved, held, pending or
 referenced on any instance.
 """
 
@@ -21,6 +21,8 @@ import pytest
 from cluster_support import InProcessCluster, checked_client, serving_preset
 from oracle_support import make_image, user_message
 from test_e2e_oracle import CASES, _chat
+from test_e2e_video import _case as video_case
+from test_e2e_video import chat as video_chat
 
 MAX_TOKENS = 16
 SETUPS = {"llava": "tiny", "qwen2.5": "qwen2.5-vl-tiny"}
@@ -78,7 +80,7 @@ def test_sixteen_concurrent_mixed_requests(client, oracle):
 
 
 @pytest.mark.parametrize("cluster", ["llava"], indirect=True)
-def test_a_repeated_prompt_pushes_only_what_the_decode_instance_lacks(cluster, client, oracle):
+def test_a_repeated_prompt_is_pushed_whole_again(cluster, client, oracle):
     text, images = CASES["one_image"]
     messages = [user_message(text + " Be precise." * 12, images)]
     expected = oracle.generate(messages, images, MAX_TOKENS)
@@ -86,10 +88,29 @@ def test_a_repeated_prompt_pushes_only_what_the_decode_instance_lacks(cluster, c
     pushed = []
     for _ in range(2):
         before = transfer.stats.sent.num_bytes
-        assert _chat(client, messages, False, max_tokens=MAX_TOKENS)[0] == expected
+        token_ids, _, _, usage = _chat(client, messages, False, max_tokens=MAX_TOKENS)
+        assert token_ids == expected
         pushed.append(transfer.stats.sent.num_bytes - before)
-    # The second ReserveKV found the first request's full blocks in D's prefix cache: only the last is sent.
-    assert 0 < pushed[1] < pushed[0]
+    # K/V that arrived by push is never another request's prefix on D (whoever holds the internal
+    # token could push any): the second request's K/V comes from its own prefill, all of it.
+    assert pushed[1] == pushed[0] > 0
+    assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("case", ["one_video", "video_and_image", "two_videos"])
+@pytest.mark.parametrize("cluster", ["qwen2.5"], indirect=True)
+def test_video_greedy_tokens_equal_generate_through_prefill_and_decode(cluster, client, oracle, case, stream):
+    """Qwen2.5-VL spaces a video's temporal positions by its time rate: D's reservation must derive the
+    same spans as the Generate that takes it over (every video was a 500 before)."""
+    content, videos, images, extensions = video_case(case, oracle.processor.image_processor)
+    messages = [{"role": "user", "content": content}]
+    expected = oracle.generate(messages, images, MAX_TOKENS, videos=videos)
+    token_ids, usage = video_chat(client, content, stream, **extensions)
+    assert token_ids == expected
+    merge = oracle.processor.image_processor.merge_size
+    assert usage.model_extra["epd"]["video_tokens"] == sum(int(v.grid.prod()) // merge**2 for v in videos)
+    assert cluster.run(cluster.decodes[0].stats()).num_steps > 0  # the decode instance generated
 
 
 @pytest.mark.parametrize("cluster", ["llava"], indirect=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -172,4 +173,32 @@ def test_a_schema_that_does_not_compile_is_a_400_that_does_not_echo_it(cluster):
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["type"] == "invalid_request_error"
     assert SECRET not in reply.text
+    assert cluster.leaks() == {}
+
+
+@pytest.mark.timeout(300)
+def test_long_strings_compile_and_a_slow_constraint_is_a_400_within_the_bound(cluster):
+    """``maxLength`` 4000 and 9000 took 47 s and over 200 s to compile when they were rewritten into
+    patterns, and every other constrained request waited behind them; a pattern xgrammar still compiles
+    that slowly is refused at PD's bound (``--grammar-compile-timeout-s``, 5 s), and the constrained
+    request that follows is served as usual."""
+
+    def ask(schema: dict) -> httpx.Response:
+        body = {
+            "messages": [{"role": "user", "content": "Hi."}],
+            "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "probe", "schema": schema}},
+        }
+        return httpx.post(cluster.base_url + "/chat/completions", json=body, timeout=240)
+
+    for max_length in (4000, 9000):
+        reply = ask(_object({"text": {"type": "string", "maxLength": max_length}}))
+        assert reply.status_code == 200, reply.text
+    started = time.monotonic()
+    reply = ask({"type": "string", "pattern": '^[^"]{0,8000}$'})  # about a minute to compile here
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+    assert time.monotonic() - started < 60
+    started = time.monotonic()
+    assert ask(_object({"name": _NAME, "n": _SMALL})).status_code == 200
+    assert time.monotonic() - started < 30  # not behind the refused compile
     assert cluster.leaks() == {}

@@ -45,7 +45,7 @@ from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.handoff_core import KVHandoffMixin
 from services.pd.engine.invariants import check
-from services.pd.engine.kv_handoff import Role
+from services.pd.engine.kv_handoff import ReservationLimits, Role
 from services.pd.engine.outputs import Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
 from services.pd.engine.preallocated import PreallocatedRequests, PreallocationLimits, claim_spans
 from services.pd.engine.request import CachedPrefix, Request, RequestStatus
@@ -65,7 +65,8 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
 
     ``runner`` has ``execute(SchedulerOutput, embeddings) -> ModelRunnerOutput`` and
     ``prepare_embedding(tensor)`` (to its device and dtype; ValueError for one it cannot
-    use). ``role``: which side of a KV hand-off it serves (``handoff_core.py``). ``step_budget`` sizes
+    use). ``role``: which side of a KV hand-off it serves (``handoff_core.py``);
+    ``reservation_limits`` bound what one caller's KV reservations hold. ``step_budget`` sizes
     each step's prefill (default: off, the whole step budget);
     ``timer`` measures steps. Errors are ``EngineError``s whose messages never echo input.
     """
@@ -84,6 +85,7 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
         preallocation_limits: PreallocationLimits | None = None,
         role: Role = Role.BOTH,
         export_lease_s: float = 30.0,
+        reservation_limits: ReservationLimits | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
@@ -100,7 +102,7 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
         self.step_stats = StepStats()
         self.step_budget = step_budget or StepBudget.off(scheduler.config.max_num_batched_tokens)
         self._timer = timer
-        self._init_handoff(role, export_lease_s)
+        self._init_handoff(role, export_lease_s, reservation_limits)
 
     # ---------------------------------------------------------------- Generate
     def add_request(self, request: Request) -> None:

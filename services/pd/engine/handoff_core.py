@@ -8,11 +8,20 @@ blocks), ``_release_handoff`` (every release) and ``_expire_handoffs``
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from services.pd.engine.errors import EngineError, ErrorKind
-from services.pd.engine.kv_handoff import KVExport, KVExports, KVGrant, KVReservations, ReservationState, Role
+from services.pd.engine.kv_handoff import (
+    KVExport,
+    KVExports,
+    KVGrant,
+    KVReservations,
+    ReservationLimits,
+    ReservationState,
+    Role,
+)
 from services.pd.engine.outputs import SampledToken
 from services.pd.engine.request import MultiModalSpan, Request, RequestStatus, SamplingParams
 from services.pd.engine.scheduler_config import QueueFull, validate_request
@@ -36,6 +45,7 @@ class KVHandoffMixin:
     _streams: RequestStreams
     _clock: Callable[[], float]
     _reservations: KVReservations
+    _reservation_limits: ReservationLimits
     _exports: KVExports
     _num_expired_kv_reservations: int
 
@@ -43,10 +53,11 @@ class KVHandoffMixin:
 
         def _finish(self, request_id: str, request: Request | None, error: EngineError | None) -> None: ...
 
-    def _init_handoff(self, role: Role, export_lease_s: float) -> None:
+    def _init_handoff(self, role: Role, export_lease_s: float, limits: ReservationLimits | None = None) -> None:
         self.role = role
         self.export_lease_s = export_lease_s  # how long P holds a finished prefill's K/V for its push
         self._reservations = KVReservations()  # decode side: blocks reserved for a push
+        self._reservation_limits = limits or ReservationLimits()
         self._exports = KVExports()  # prefill side: blocks held until their push lands
         self._num_expired_kv_reservations = 0
 
@@ -58,11 +69,13 @@ class KVHandoffMixin:
         spans: Sequence[MultiModalSpan],
         lease_s: float,
         cache_salt: str = "",
+        peer: str = "",
     ) -> KVGrant:
         """Takes blocks for a prompt's K/V under a lease; its cached prefix here is shared, not pushed.
 
         Raises EngineError, holding nothing: FAILED_PRECONDITION on a prefill-only
-        engine, ALREADY_EXISTS, INVALID_ARGUMENT, RESOURCE_EXHAUSTED (no slot or no blocks).
+        engine, ALREADY_EXISTS, INVALID_ARGUMENT, RESOURCE_EXHAUSTED (no slot or no blocks,
+        or ``peer``, the caller's address, holds its share of them: ``ReservationLimits``).
         """
         if not self.role.decodes:
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "this instance does not decode handed-off requests")
@@ -78,12 +91,19 @@ class KVHandoffMixin:
         retry_s = self.scheduler.config.retry_after_s
         if self.scheduler.num_active + len(self._reservations) >= self.scheduler.config.max_num_seqs:
             raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "no free decode slot", retry_s)
+        held, held_blocks = self._reservations.held_by(peer)
+        limits = self._reservation_limits
+        if held >= limits.max_reservations(self.scheduler.config.max_num_seqs):
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "too many KV reservations from this caller", retry_s)
+        num_blocks = self.kv_cache.num_blocks_for(probe.num_prompt_tokens)
+        if held and held_blocks + num_blocks > limits.max_blocks(self.kv_cache.num_blocks):
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "this caller's KV reservations hold their share", retry_s)
         prefix = self.kv_cache.claim_cached_prefix(probe)
         probe.cached_prefix = None
         if not self.kv_cache.allocate_slots(probe, probe.num_prompt_tokens - prefix.num_tokens, prefix.block_ids):
             raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "no free KV blocks", retry_s)
         probe.num_cached_tokens = prefix.num_tokens
-        reservation = self._reservations.add(probe, self._clock() + lease_s, len(prefix.block_ids))
+        reservation = self._reservations.add(probe, self._clock() + lease_s, len(prefix.block_ids), peer)
         return KVGrant(
             reservation.reservation_id, len(probe.block_ids), reservation.num_cached_blocks, self.kv_cache.block_size
         )
@@ -116,7 +136,7 @@ class KVHandoffMixin:
                 raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, "no free decode slot", exc.retry_after_s) from None
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(exc)) from None
         request.timings.first_scheduled = request.timings.first_token = self._clock()
-        self.kv_cache.cache_full_blocks(request)  # the pushed blocks join D's prefix cache
+        self.kv_cache.cache_full_blocks(request)  # the pushed blocks, under the request's private keys
         self._streams.open(request)
         status = request.stop_status(token_id, self.scheduler.config.max_model_len)
         if status is not None:
@@ -139,9 +159,14 @@ class KVHandoffMixin:
         # P's matcher accepted the first token; this request's own one must have too before it samples.
         if request.grammar is not None and not request.grammar.accept(first.token_id):
             raise EngineError(ErrorKind.FAILED_PRECONDITION, "the first token breaks the request's grammar")
-        probe = self._reservations.take(request.request_id, reservation_id, now).probe
+        taken = self._reservations.take(request.request_id, reservation_id, now)
+        probe = taken.probe
         request.block_ids, probe.block_ids = probe.block_ids, []
-        request.block_hashes = probe.block_hashes
+        # The blocks D had cached keep their keys; the pushed ones are keyed for this request alone: a
+        # caller holding the token could push any K/V, which no other request may be served from.
+        request.block_hashes = probe.block_hashes[: taken.num_cached_blocks]
+        request.private_kv_salt = secrets.token_bytes(16)
+        request.private_kv_from = taken.num_cached_blocks
         request.num_computed_tokens = probe.num_prompt_tokens
         request.num_cached_tokens = probe.num_cached_tokens
         request.output_token_ids.append(first.token_id)

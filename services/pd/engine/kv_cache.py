@@ -12,7 +12,11 @@ block and, for models with multimodal RoPE, the image's grid (it decides the
 positions its tokens and every later token rotate by): two different images,
 or one image claimed with two grids, at the same position never share KV.
 The first block's chain starts from the request's cache salt (``""`` for
-none), so two tenants' identical prompts never share a block either.
+none), so two tenants' identical prompts never share a block either. K/V
+that arrived over the wire (a KV hand-off's decode side) is keyed from its
+first pushed block on under a random salt of its request's own
+(``Request.private_kv_salt``): only that request, re-admitted after a
+preemption, finds it again.
 
 Freed blocks keep their key and join an LRU free queue, so a later request with
 the same prefix can revive them; a block is evicted from the key map only when
@@ -352,6 +356,8 @@ class KVCacheManager:
                 j += 1
             # The first block's key is seeded by the tenant's salt (vLLM's cache_salt): the chain carries it on.
             prev = keys[-1] if keys else request.cache_salt.encode()
+            if request.private_kv_salt and i == request.private_kv_from:
+                prev = hashlib.sha256(prev + request.private_kv_salt).digest()  # this request's own from here
             keys.append(block_key(prev, token_slice(request, start, end), extras))
         return keys
 

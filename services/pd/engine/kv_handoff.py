@@ -18,6 +18,11 @@ remembered, a bounded number of them, so a late push or Generate hears
 DEADLINE_EXCEEDED). A push for an unknown reservation, another request's, a
 filled one or blocks outside it is refused and writes nothing. Block ids
 only: the runner moves the bytes.
+
+Reservations hold decode slots and KV blocks before any Generate, so one
+caller address may hold only a share of them (``ReservationLimits``): a
+caller holding the internal token cannot take every slot or block and
+leave every other request a RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -36,6 +41,29 @@ from services.pd.engine.request import Request
 
 EXPIRED_MEMORY = 4096
 """Reservation ids whose lease ran out, remembered for a late push or Generate (bounded)."""
+DEFAULT_MAX_SHARE_PER_PEER = 0.5
+"""Share of the decode slots, and of the KV blocks, one caller's reservations may hold (``--max-kv-reservation-share``)."""
+
+
+@dataclass(frozen=True)
+class ReservationLimits:
+    """How much of a decode instance the live reservations of one caller address may hold.
+
+    ``max_share_per_peer`` of the decode slots (``max_num_seqs``; at least one reservation) and of
+    the KV blocks; a caller's only reservation may take more blocks (a long prompt stays servable).
+    """
+
+    max_share_per_peer: float = DEFAULT_MAX_SHARE_PER_PEER
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_share_per_peer <= 1:
+            raise ValueError("the KV reservation share per caller must be in (0, 1]")
+
+    def max_reservations(self, max_num_seqs: int) -> int:
+        return max(1, int(self.max_share_per_peer * max_num_seqs))
+
+    def max_blocks(self, num_blocks: int) -> int:
+        return int(self.max_share_per_peer * num_blocks)
 
 
 class Role(enum.Enum):
@@ -81,6 +109,7 @@ class KVReservation:
     probe: Request
     deadline: float  # monotonic seconds
     num_cached_blocks: int
+    peer: str = ""  # the caller address that reserved it (its share is bounded)
     state: ReservationState = ReservationState.RESERVED
     first_token: SampledToken | None = None  # P's sample, with its logprobs when asked for
 
@@ -100,6 +129,7 @@ class KVReservations:
     def __init__(self) -> None:
         self._live: dict[str, KVReservation] = {}
         self._by_request: dict[str, str] = {}
+        self._per_peer: dict[str, tuple[int, int]] = {}  # caller address -> (reservations, blocks) held
         self._leases = LeaseQueue()
         self._expired: OrderedDict[str, None] = OrderedDict()
         # Per instance, so a restarted D never matches an id handed out before.
@@ -115,12 +145,18 @@ class KVReservations:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._by_request
 
-    def add(self, probe: Request, deadline: float, num_cached_blocks: int) -> KVReservation:
-        """Records a reservation whose blocks ``probe`` already holds."""
-        reservation = KVReservation(f"{self._prefix}-{next(self._ids)}", probe, deadline, num_cached_blocks)
+    def held_by(self, peer: str) -> tuple[int, int]:
+        """``(reservations, blocks)`` the live reservations of ``peer`` hold."""
+        return self._per_peer.get(peer, (0, 0))
+
+    def add(self, probe: Request, deadline: float, num_cached_blocks: int, peer: str = "") -> KVReservation:
+        """Records a reservation whose blocks ``probe`` already holds, counted against ``peer``."""
+        reservation = KVReservation(f"{self._prefix}-{next(self._ids)}", probe, deadline, num_cached_blocks, peer)
         self._live[reservation.reservation_id] = reservation
         self._by_request[probe.request_id] = reservation.reservation_id
         self._leases.push(deadline, reservation.reservation_id)
+        count, blocks = self.held_by(peer)
+        self._per_peer[peer] = (count + 1, blocks + len(probe.block_ids))
         return reservation
 
     def lookup(self, request_id: str, reservation_id: str, now: float) -> KVReservation:
@@ -187,6 +223,11 @@ class KVReservations:
     def _remove(self, reservation: KVReservation) -> None:
         del self._live[reservation.reservation_id]
         del self._by_request[reservation.probe.request_id]
+        count, blocks = self._per_peer[reservation.peer]
+        if count > 1:  # its blocks: the probe's table, unchanged since ``add``
+            self._per_peer[reservation.peer] = (count - 1, blocks - len(reservation.probe.block_ids))
+        else:
+            del self._per_peer[reservation.peer]
 
 
 @dataclass(frozen=True)

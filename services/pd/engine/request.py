@@ -204,6 +204,12 @@ class Request:
     # A prefill instance's half of a KV hand-off: once finished (its first token sampled), its prompt
     # blocks are held for the push to the decode instance instead of freed (``handoff_core.py``).
     hand_off_kv: bool = False
+    # K/V that came over the wire (the decode side of a KV hand-off, ``handoff_core.py``): its blocks from
+    # ``private_kv_from`` on are keyed in the prefix cache under this random salt, so only this request
+    # (re-admitted after a preemption) can ever find them again; no other request is served K/V that a
+    # caller pushed. b"" = every key is the shared one.
+    private_kv_salt: bytes = b""
+    private_kv_from: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

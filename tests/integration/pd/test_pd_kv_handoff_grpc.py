@@ -4,8 +4,9 @@ A raw client plays the proxy: ReserveKV on D, Generate on P with the hand-off
 (P prefills, samples the first token, pushes the blocks D lacks), then
 Generate on D with the reservation. Greedy tokens must equal those of a
 ``--role both`` PD (itself held to transformers ``generate()`` by the e2e
-oracle tests): text, an image, and Qwen2.5-VL with an image, whose M-RoPE
-positions D derives from the reserved spans. Refusals (late, foreign or
+oracle tests): text, an image, and Qwen2.5-VL with an image and a video,
+whose M-RoPE positions D derives from the reserved spans (a video's with the
+model's time rate). K/V a caller pushed is never served to a later request. Refusals (late, foreign or
 malformed pushes, wrong role) leave nothing behind on any of the three.
 P sends with ``push_wire``'s pre-encoded chunks and D receives data chunks as
 views; a relay on the generated stubs between them (a generated-stub
@@ -184,6 +185,25 @@ def test_an_image_is_token_exact_through_prefill_then_decode(trio):
     assert tokens == expected
 
 
+def test_a_video_is_token_exact_through_prefill_then_decode(trio):
+    """Qwen2.5-VL spaces a video's temporal positions by ``tokens_per_second * second_per_grid_t``: the
+    reservation's spans must be the Generate's, or D refuses the Generate after P pushed."""
+    if trio.model != QWEN:
+        pytest.skip("videos are Qwen2-VL-family inputs")
+    assert trio.adapter.tokens_per_second not in (None, 1)  # a step other than 1 is what is checked
+    num_tokens = 16  # t=2 temporal patches of 2x4 merged ones
+    prompt = [5, 9, 11] + [trio.adapter.video_token_id] * num_tokens + [6, 7, 8, 12, 13]
+    item = epd_pb2.MultiModalItem(
+        mm_hash=uuid.uuid4().hex * 2, offset=3, num_tokens=num_tokens, grid=epd_pb2.ImageGrid(t=2, h=2, w=4)
+    )
+    item.second_per_grid_t = 1.5
+    embedding = torch.randn(num_tokens, trio.adapter.hidden_size, generator=torch.Generator().manual_seed(5))
+    expected = whole(trio, [*prompt], [item], embedding)
+    first, tokens, final = handed_off(trio, prompt, [item], embedding)
+    assert first == expected[:1] and tokens == expected
+    assert final.usage.completion_tokens == len(expected)
+
+
 class GeneratedStubRelay(epd_pb2_grpc.PrefillDecodeServicer):
     """A PushKV receiver on the generated stubs (parsed messages) that forwards each push to D with
     the generated stub's sender, keeping the chunks it saw."""
@@ -218,14 +238,28 @@ def test_generated_stub_peers_interoperate_with_the_fast_push(trio):
     assert sum(len(c.data) for c in data) == header.header.num_bytes
 
 
-def test_decode_skips_the_blocks_it_already_holds(trio):
+def test_pushed_kv_is_never_served_to_a_later_request(trio):
+    """A caller with the internal token reserves, pushes made-up (zero) K/V and takes it over on D: a
+    later request with that prompt must be served its own prefill's K/V, not the planted one."""
     prompt = list(range(50, 90))
-    first_tokens = handed_off(trio, prompt)[1]
+    expected = whole(trio, prompt)
     request_id = new_request_id()
     grant = trio.decode.ReserveKV(epd_pb2.ReserveKVRequest(request_id=request_id, prompt_token_ids=prompt))
-    assert grant.num_cached_blocks == (len(prompt) - 1) // grant.block_size
-    trio.decode.Abort(epd_pb2.AbortRequest(request_id=request_id))
-    assert handed_off(trio, prompt)[1] == first_tokens  # pushed without the cached blocks
+    _, layers, heads, _, block_size, head_dim = trio.cluster.pds[2].engine.core.runner.kv_push_shape(1)
+    planted = kv_push(
+        request_id,
+        grant.reservation_id,
+        grant.num_blocks - grant.num_cached_blocks,
+        (layers, heads, block_size, head_dim),
+    )
+    trio.decode.PushKV(planted, timeout=30)
+    run_generate(trio.decode, generate_request(request_id, prompt, [], 12, kv_reservation_id=grant.reservation_id))
+    again = new_request_id()
+    grant = trio.decode.ReserveKV(epd_pb2.ReserveKVRequest(request_id=again, prompt_token_ids=prompt))
+    assert grant.num_cached_blocks == 0  # the planted blocks are nobody else's prefix
+    trio.decode.Abort(epd_pb2.AbortRequest(request_id=again))
+    first, tokens, final = handed_off(trio, prompt)
+    assert tokens == expected and final.usage.cached_tokens == 0
 
 
 def code_of(call) -> grpc.StatusCode:

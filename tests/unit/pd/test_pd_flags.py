@@ -41,6 +41,13 @@ def test_waiting_bound_flag_reads_the_environment(monkeypatch):
         ("waiting_retry_after_ms", 0),
         ("stall_timeout_s", -1.0),
         ("linear_backend", "blas"),
+        ("max_kv_push_buffer_mb", 0),
+        ("max_kv_reservation_share", 0.0),
+        ("max_kv_reservation_share", 1.5),
+        ("grammar_compile_timeout_s", 0.0),
+        ("grammar_compile_timeout_s", float("inf")),
+        ("max_pending_grammar_compiles", 0),
+        ("grammar_cache_mb", 0),
     ],
 )
 def test_impossible_limits_are_refused(field, value):
@@ -117,3 +124,21 @@ def test_decode_allow_flag():
     assert _config(["--decode-allow", "*"]).decode_allow.any
     with pytest.raises(ValueError, match="--decode-allow"):
         _config(["--decode-allow", "*,d0:1"])
+
+
+def test_kv_hand_off_limit_flags():
+    default = _config([])
+    assert default.max_kv_push_buffer_mb == 2048 and default.max_kv_reservation_share == 0.5
+    config = _config(["--max-kv-push-buffer-mb", "64", "--max-kv-reservation-share", "0.25"])
+    assert config.max_kv_push_buffer_mb == 64 and config.max_kv_reservation_share == 0.25
+
+
+def test_grammar_compile_flags():
+    default = _config([])
+    assert default.grammar_compile_timeout_s == 5.0 and default.max_pending_grammar_compiles == 32
+    assert default.grammar_cache_mb == 256
+    config = _config(
+        ["--grammar-compile-timeout-s", "2.5", "--max-pending-grammar-compiles", "4", "--grammar-cache-mb", "64"]
+    )
+    assert config.grammar_compile_timeout_s == 2.5 and config.max_pending_grammar_compiles == 4
+    assert config.grammar_cache_mb == 64

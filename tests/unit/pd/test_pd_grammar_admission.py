@@ -1,6 +1,7 @@
 """Generate's grammar step on PD: a constrained request gets its matcher before admission; a server without
 a compiler refuses it (FAILED_PRECONDITION, naming the ``structured`` extra where xgrammar is missing); a
-constraint that does not compile is INVALID_ARGUMENT."""
+constraint that does not compile (or not in time) is INVALID_ARGUMENT, a full compile queue RESOURCE_EXHAUSTED
+with a retry hint, a compiler that cannot compile now UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.request import Request, SamplingParams, StructuredOutputSpec
-from services.pd.runner.grammar import GrammarError, structured_outputs_installed
+from services.pd.runner.grammar import GrammarBusy, GrammarError, GrammarUnavailable, structured_outputs_installed
 from services.pd.servicer import MissingExtraError, PrefillDecodeServicer
 
 SPEC = StructuredOutputSpec("regex", "a+")
@@ -27,6 +28,8 @@ class CompilerDouble:
 
     def submit(self, spec):
         self.specs.append(spec)
+        if isinstance(self.outcome, GrammarBusy):
+            raise self.outcome
         future: Future = Future()
         if isinstance(self.outcome, Exception):
             future.set_exception(self.outcome)
@@ -89,3 +92,23 @@ async def test_a_constraint_that_does_not_compile_is_invalid_argument():
     with pytest.raises(EngineError) as refused:
         await _attach(CompilerDouble(GrammarError("the structured output constraint could not be compiled")), request)
     assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and request.grammar is None
+
+
+@pytest.mark.parametrize(
+    ("outcome", "kind"),
+    [
+        (
+            GrammarBusy("too many structured output constraints are waiting to be compiled"),
+            ErrorKind.RESOURCE_EXHAUSTED,
+        ),
+        (GrammarUnavailable("the grammar compile process could not be started"), ErrorKind.UNAVAILABLE),
+        (GrammarError("the structured output constraint takes longer than 5s to compile"), ErrorKind.INVALID_ARGUMENT),
+    ],
+    ids=["busy", "unavailable", "overrun"],
+)
+async def test_compile_refusals_keep_their_meaning(outcome, kind):
+    request = _request()
+    with pytest.raises(EngineError) as refused:
+        await _attach(CompilerDouble(outcome), request)
+    assert refused.value.kind is kind and request.grammar is None
+    assert (refused.value.retry_after_s is not None) == (kind is ErrorKind.RESOURCE_EXHAUSTED)

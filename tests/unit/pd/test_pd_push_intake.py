@@ -14,7 +14,7 @@ import torch
 from services.common import tensors
 from services.common.pb import epd_pb2
 from services.pd.engine.errors import EngineError, ErrorKind
-from services.pd.push_intake import PushIntake
+from services.pd.push_intake import PushIntake, PushSlots
 
 HIDDEN = 8
 ROWS = 4
@@ -108,3 +108,20 @@ async def test_pushes_in_flight_are_bounded_per_caller():
         with pytest.raises(EngineError):
             await task
     await pushes.receive(stream(header("res-4"), data(b"\0" * NUM_BYTES)), peer="ipv4:10.0.0.1")  # room again
+
+
+def test_slots_let_one_push_over_the_byte_bound_in_alone():
+    slots = PushSlots(100, 8, oversize_alone=True)
+    with slots.hold("res-1", "peer", "busy") as slot:
+        slot.take_buffer(150)  # larger than the bound, and no other buffer: let in
+        with slots.hold("res-2", "peer", "busy") as other, pytest.raises(EngineError) as refused:
+            other.take_buffer(1)
+        assert refused.value.kind is ErrorKind.RESOURCE_EXHAUSTED
+        with pytest.raises(EngineError) as busy, slots.hold("res-1", "peer", "busy"):
+            pass
+        assert busy.value.kind is ErrorKind.FAILED_PRECONDITION and busy.value.message == "busy"
+    assert slots.buffered_bytes == 0 and slots.num_in_flight == 0
+    strict = PushSlots(100, 8)  # without oversize_alone, such a push is refused even alone
+    with strict.hold("res-3", "peer", "busy") as alone, pytest.raises(EngineError):
+        alone.take_buffer(150)
+    assert strict.buffered_bytes == 0 and strict.num_in_flight == 0

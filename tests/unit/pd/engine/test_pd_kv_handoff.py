@@ -128,13 +128,81 @@ def test_a_first_token_that_stops_finishes_on_decode_at_once(prefill, decode):
     assert events[-1].status is RequestStatus.FINISHED_STOPPED
 
 
-def test_decode_prefix_cache_skips_the_blocks_it_holds(prefill, decode):
+def test_pushed_kv_is_never_served_to_another_request(prefill, decode):
+    """A caller holding the token can push any K/V into its reservation: no later request may reuse it."""
     hand_over(prefill, decode)
     run(decode)
     grant = decode.reserve_kv("again", PROMPT + [11, 12], [], LEASE_S)
-    assert grant.num_cached_blocks == 2  # blocks 0-1 are full and registered; never the last token's block
-    assert decode.kv_push_targets("again", grant.reservation_id, grant.num_blocks - 2)
+    assert grant.num_cached_blocks == 0  # the pushed blocks are keyed for their own request alone
+    assert decode.kv_push_targets("again", grant.reservation_id, grant.num_blocks)
     decode.abort("again")
+
+
+def test_decode_skips_the_blocks_it_computed_itself(clock, prefill):
+    both = core(Role.BOTH, clock)
+    both.add_request(request("whole", max_tokens=1))
+    run(both)  # prefilled here: blocks 0-1 are full and registered
+    grant = both.reserve_kv("again", PROMPT + [11, 12], [], LEASE_S)
+    assert grant.num_cached_blocks == 2  # never the last token's block
+    assert both.kv_push_targets("again", grant.reservation_id, grant.num_blocks - 2)
+    both.abort("again")
+    assert_clean(both)
+
+
+def twin(of: Request, salted: bool) -> Request:
+    """A fresh request with ``of``'s prompt (and its private salt when ``salted``), no blocks."""
+    copy = request("twin", of.prompt_token_ids)
+    if salted:
+        copy.private_kv_salt, copy.private_kv_from = of.private_kv_salt, of.private_kv_from
+    return copy
+
+
+def test_a_handed_off_request_alone_finds_its_pushed_blocks_again(clock):
+    """Re-admitted after a preemption, the request itself claims its pushed blocks (and D's own cached
+    ones before them); a request without its salt finds only D's own."""
+    prefill = core(Role.PREFILL, clock)
+    decode = core(Role.BOTH, clock)
+    decode.add_request(request("own", PROMPT[:5], max_tokens=1))
+    run(decode)  # D computed block 0 itself
+    grant = hand_over(prefill, decode, prompt=PROMPT + [11, 12, 13], max_tokens=8)
+    assert grant.num_cached_blocks == 1
+    handed = decode.scheduler.get_request("r")
+    assert handed.private_kv_from == 1 and len(handed.private_kv_salt) == 16
+    assert decode.kv_cache.get_computed_blocks(twin(handed, salted=True)) == (handed.block_ids[:3], 12)
+    assert decode.kv_cache.get_computed_blocks(twin(handed, salted=False)) == (handed.block_ids[:1], 4)
+    decode.abort("r")
+    assert_clean(prefill)
+    assert_clean(decode)
+
+
+def test_one_callers_reservations_hold_at_most_their_share_of_slots(clock):
+    decode = core(Role.DECODE, clock, max_num_seqs=4)  # share 0.5: two reservations a caller
+    for request_id in ("a1", "a2"):
+        decode.reserve_kv(request_id, PROMPT, [], LEASE_S, "", "ipv4:10.0.0.1")
+    with pytest.raises(EngineError) as refused:
+        decode.reserve_kv("a3", PROMPT, [], LEASE_S, "", "ipv4:10.0.0.1")
+    assert refused.value.kind is ErrorKind.RESOURCE_EXHAUSTED and refused.value.retry_after_s
+    decode.reserve_kv("b1", PROMPT, [], LEASE_S, "", "ipv4:10.0.0.2")  # another caller is served
+    decode.abort("a1")
+    decode.reserve_kv("a3", PROMPT, [], LEASE_S, "", "ipv4:10.0.0.1")  # room again
+    for request_id in ("a2", "a3", "b1"):
+        decode.abort(request_id)
+    assert decode._reservations.held_by("ipv4:10.0.0.1") == (0, 0)
+    assert_clean(decode)
+
+
+def test_one_callers_reservations_hold_at_most_their_share_of_blocks(clock):
+    decode = core(Role.DECODE, clock, max_num_seqs=16)  # 16 blocks: 8 a caller
+    decode.reserve_kv("a1", PROMPT, [], LEASE_S, "", "ipv4:10.0.0.1")  # 3 blocks
+    decode.reserve_kv("a2", PROMPT[:8], [], LEASE_S, "", "ipv4:10.0.0.1")  # 2 more
+    with pytest.raises(EngineError) as refused:
+        decode.reserve_kv("a3", PROMPT + [11, 12, 13], [], LEASE_S, "", "ipv4:10.0.0.1")  # 4 more: 9 > 8
+    assert refused.value.kind is ErrorKind.RESOURCE_EXHAUSTED
+    long_prompt = list(range(1, 41))  # 10 blocks, over the share: a caller's only reservation may
+    decode.reserve_kv("b1", long_prompt, [], LEASE_S, "", "ipv4:10.0.0.2")
+    for request_id in ("a1", "a2", "b1"):
+        decode.abort(request_id)
+    assert_clean(decode)
 
 
 def test_expired_reservation_frees_its_blocks_and_refuses_late_pushes(clock, decode):
@@ -236,7 +304,7 @@ def test_reserve_refusals(clock, prefill):
     tight = make_core(clock=clock, num_blocks=4, block_size=4, role=Role.DECODE, max_model_len=16)
     tight.reserve_kv("a", PROMPT, [], LEASE_S)
     with pytest.raises(EngineError) as full:
-        tight.reserve_kv("b", PROMPT, [], LEASE_S)
+        tight.reserve_kv("b", PROMPT, [], LEASE_S, "", "another caller")  # no free block
     assert full.value.kind is ErrorKind.RESOURCE_EXHAUSTED
     tight.abort("a")
     assert_clean(tight)
@@ -324,3 +392,9 @@ def test_the_decode_side_grammar_accepts_the_first_token_before_it_samples(prefi
     assert grammar.accepted == [42]
     run(decode)
     assert grammar.accepted[0] == 42 and len(grammar.accepted) == 4  # the first token, then three sampled here
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.01])
+def test_impossible_reservation_shares_are_refused(share):
+    with pytest.raises(ValueError):
+        kv_handoff.ReservationLimits(share)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -13,11 +14,14 @@ from transformers import AutoTokenizer
 from services.pd.engine.request import SamplingParams, StructuredOutputSpec
 from services.pd.runner.grammar import (
     BitmaskFiller,
+    CompileLimits,
+    GrammarBusy,
     GrammarCompiler,
     GrammarError,
+    GrammarUnavailable,
     apply_bitmask,
-    bounded_strings_as_patterns,
 )
+from services.pd.runner.grammar_compile import CompileUnavailable, Preflight, json_safe_strings
 from services.pd.runner.sampler import Sampler
 
 SECRET = "zebra-secret-42"
@@ -85,9 +89,10 @@ def test_json_object_gives_an_object(compiler, tokenizer):
 
 def test_compiled_grammars_are_cached_by_spec_and_matchers_are_fresh(compiler):
     spec = StructuredOutputSpec("regex", "[xyz]+")
-    assert compiler.compile(spec) is compiler.compile(StructuredOutputSpec("regex", "[xyz]+"))
-    first, second = compiler.submit(spec).result(), compiler.submit(spec).result()
-    assert first is not second and first.num_accepted_tokens == second.num_accepted_tokens == 0
+    first, second = compiler.submit(spec).result(), compiler.submit(StructuredOutputSpec("regex", "[xyz]+"))
+    assert second.done()  # a cached constraint is answered at once, never behind a compile
+    assert first is not second.result() and first.compiled is second.result().compiled
+    assert first.num_accepted_tokens == second.result().num_accepted_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -108,25 +113,37 @@ def test_a_constraint_that_does_not_compile_raises_without_quoting_it(compiler, 
     assert SECRET not in str(refused.value)
 
 
-def test_bounded_strings_become_patterns_that_keep_json_valid():
-    schema = {
-        "type": "object",
-        "properties": {
-            "short": {"type": "string", "minLength": 1, "maxLength": 3},
-            "open": {"type": "string", "minLength": 2},
-            "patterned": {"type": "string", "maxLength": 3, "pattern": "^a+$"},
-            "odd": {"type": "string", "maxLength": "3"},
-        },
-        "enum": [{"type": "string", "maxLength": 1}],
-    }
-    out = bounded_strings_as_patterns(schema)
-    properties = out["properties"]
-    assert properties["short"] == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\]{1,3}$'}
-    assert properties["open"] == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\]{2,}$'}
-    assert properties["patterned"] == schema["properties"]["patterned"]  # its own pattern wins
-    assert properties["odd"] == schema["properties"]["odd"]  # not a length xgrammar could take anyway
-    assert out["enum"] == schema["enum"]  # data, not a schema
-    assert schema["properties"]["short"] == {"type": "string", "minLength": 1, "maxLength": 3}  # input unchanged
+def test_bounded_strings_keep_their_bounds_and_only_the_characters_json_allows(compiler, tokenizer):
+    """xgrammar 0.2.8 lets control characters into a length-bounded string (the output then does not
+    parse); its own repetition keeps the bounds, with JSON's characters."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 3}}}
+    matcher = compiler.matcher(StructuredOutputSpec("json_schema", json.dumps(schema)))
+    for token in tokenizer.encode('{"s": "', add_special_tokens=False):
+        assert matcher.accept(token)
+    control = [t for t in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([t]))]
+    bitmask = BitmaskFiller(compiler.vocab_size).fill([matcher])
+    assert control and not set(control) & set(_allowed(bitmask, 0, compiler.vocab_size))
+    for seed in range(3):
+        spec = StructuredOutputSpec("json_schema", json.dumps(schema))
+        value = json.loads(_walk(compiler, tokenizer, spec, seed))  # parses: no raw control character
+        assert 2 <= len(value.get("s", "ab")) <= 3
+
+
+def test_json_safe_strings_rewrites_only_the_bounded_strings_character_rule():
+    rule = r"root_characters ::= (([^\"\\\r\n]))"  # as xgrammar 0.2.8 writes it
+    ebnf = 'root ::= (("\\"" root_characters{0, 9000} "\\""))\n' + rule + "\n"
+    assert json_safe_strings(ebnf) == ebnf.replace(rule, r"root_characters ::= (([^\0-\x1f\"\\]))")
+    other = r'root ::= (("a") | ([^\"\\\r\n]))'  # the same class inside another body: left alone
+    assert json_safe_strings(other) == other
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_length", [4000, 9000])
+def test_long_bounded_strings_compile_in_well_under_the_time_bound(compiler, max_length):
+    """As a pattern these took 24-47 s (4000) and over 200 s (9000) on an 8k vocabulary."""
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": max_length}}}
+    matcher = compiler.matcher(StructuredOutputSpec("json_schema", json.dumps(schema)))
+    assert matcher.num_accepted_tokens == 0
 
 
 def test_free_rows_are_all_ones_and_apply_masks_only_the_given_rows(compiler):
@@ -153,3 +170,152 @@ def test_the_sampler_takes_only_allowed_tokens_and_reports_unmasked_logprobs(com
     assert out[1] == free  # the free row samples as it would alone
     if params.logprobs is not None:
         assert out[0].top_token_ids == (int(logits[0].argmax()),)  # from the unmasked logits
+
+
+# A pattern xgrammar compiles super-linearly (the shape the old maxLength rewrite made): about 28 s on
+# the tiny tokenizer here, far past the bounds below.
+SLOW = StructuredOutputSpec("json_schema", json.dumps({"type": "string", "pattern": '^[^"]{0,8000}$'}))
+QUICK = StructuredOutputSpec("regex", "[ab]{2}-[0-9]")
+
+
+def _wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def bounded(tokenizer):
+    """Compilers with small limits, shut down after the test."""
+    made = []
+
+    def make(**limits) -> GrammarCompiler:
+        made.append(GrammarCompiler(tokenizer, vocab_size=len(tokenizer), limits=CompileLimits(**limits)))
+        return made[-1]
+
+    yield make
+    for compiler in made:
+        compiler.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_compile_past_the_time_bound_is_refused_and_the_next_one_compiles(bounded):
+    compiler = bounded(timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(GrammarError) as refused:
+        compiler.matcher(SLOW)
+    assert "longer than 1s to compile" in str(refused.value) and "8000" not in str(refused.value)
+    assert time.monotonic() - started < 60  # within the bound (and the compile process's start)
+    assert compiler._preflight.num_killed == 1
+    started = time.monotonic()
+    with pytest.raises(GrammarError):  # the same constraint again: refused at once, nothing compiled
+        compiler.submit(SLOW).result(timeout=5)
+    assert compiler._preflight.num_killed == 1 and time.monotonic() - started < 5
+    assert compiler.matcher(QUICK).num_accepted_tokens == 0  # a fresh compile process
+    assert compiler.num_pending == 0
+
+
+@pytest.mark.timeout(120)
+def test_pending_compiles_are_bounded_and_a_cached_constraint_never_waits(bounded):
+    compiler = bounded(timeout_s=3.0, max_pending=2)
+    compiler.matcher(QUICK)  # cached
+    slow = compiler.submit(SLOW)
+    queued = compiler.submit(StructuredOutputSpec("regex", "[cd]+"))
+    with pytest.raises(GrammarBusy):
+        compiler.submit(StructuredOutputSpec("regex", "[ef]+"))
+    assert compiler.submit(QUICK).done()  # from the cache, at once
+    with pytest.raises(GrammarError):
+        slow.result(timeout=60)
+    assert queued.result(timeout=60).num_accepted_tokens == 0
+    assert compiler.num_pending == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_cancelled_queued_compile_is_dropped(bounded):
+    compiler = bounded(timeout_s=3.0, max_pending=2)
+    slow = compiler.submit(SLOW)
+    cancelled_spec = StructuredOutputSpec("regex", "[gh]+")
+    queued = compiler.submit(cancelled_spec)
+    assert queued.cancel() and compiler.num_pending == 1  # its caller went away: room again at once
+    with pytest.raises(GrammarError):
+        slow.result(timeout=60)
+    assert compiler.num_pending == 0 and compiler.num_cached == 0  # it was never compiled
+
+
+def test_the_cache_is_bounded_in_bytes(bounded):
+    specs = [StructuredOutputSpec("regex", f"x{i}[a-z]{{0,40}}") for i in range(8)]
+    size = bounded().matcher(specs[0]).compiled.memory_size_bytes
+    limit = 3 * size + 3 * 1024  # room for three of them
+    compiler = bounded(cache_bytes=limit)
+    for spec in specs:
+        compiler.matcher(spec)
+    assert 0 < compiler.cache_bytes <= limit and compiler.num_cached == 3  # the most recently used
+    assert compiler.submit(specs[-1]).done() and not compiler.submit(specs[0]).done()
+    huge = bounded(cache_bytes=1)  # a grammar larger than the whole cache is used, not kept
+    assert huge.matcher(QUICK).num_accepted_tokens == 0 and huge.num_cached == 0 and huge.cache_bytes == 0
+
+
+def test_without_a_compile_process_constraints_are_unavailable(bounded, monkeypatch):
+    compiler = bounded()
+
+    def cannot_start(self):
+        raise CompileUnavailable
+
+    monkeypatch.setattr(Preflight, "_ensure_started", cannot_start)
+    with pytest.raises(GrammarUnavailable):
+        compiler.matcher(QUICK)
+
+
+def test_a_compile_process_that_dies_fails_its_constraint_and_is_replaced(bounded):
+    compiler = bounded()
+    compiler.matcher(QUICK)
+    preflight = compiler._preflight
+    connection = preflight._connection
+    preflight._process.kill()  # as if xgrammar crashed on the next constraint
+    preflight._process.join()
+    spec = StructuredOutputSpec("regex", "[ij]+")
+    assert preflight._ask(connection, spec, 30) is False and preflight._process is None
+    assert compiler.matcher(spec).num_accepted_tokens == 0  # a new process
+    assert compiler._preflight.num_started == 2
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_ends_the_compile_under_way_and_nothing_is_compiled_after(bounded):
+    compiler = bounded(timeout_s=60.0)
+    compiler.matcher(QUICK)  # the compile process is up
+    slow, waiting = compiler.submit(SLOW), compiler.submit(StructuredOutputSpec("regex", "[kl]+"))
+    _wait_for(lambda: compiler._num_compiling == 1 and len(compiler._queue) == 1)  # the slow one is compiling
+    started = time.monotonic()
+    compiler.shutdown()
+    assert time.monotonic() - started < 30  # not the 60 s bound, nor the compile's minute
+    for future in (slow, waiting):
+        with pytest.raises(GrammarUnavailable):
+            future.result(timeout=5)
+    with pytest.raises(GrammarUnavailable):
+        compiler.submit(QUICK)
+
+
+@pytest.mark.parametrize("limits", [{"timeout_s": 0}, {"max_pending": 0}, {"cache_bytes": 0}])
+def test_impossible_compile_limits_are_refused(limits):
+    with pytest.raises(ValueError):
+        CompileLimits(**limits)
+
+
+def test_failures_after_the_compile_process_quote_nothing(bounded, monkeypatch, caplog):
+    """The child compiled it, then this process fails: compiling here, or making the matcher."""
+    from services.pd.runner import grammar
+
+    def raises(*args, **kwargs):
+        raise RuntimeError(SECRET)
+
+    compiler = bounded()
+    monkeypatch.setattr(grammar, "compile_spec", raises)
+    with pytest.raises(GrammarError) as here:
+        compiler.matcher(StructuredOutputSpec("regex", "[mn]+"))
+    monkeypatch.undo()
+    monkeypatch.setattr(grammar, "GrammarMatcher", raises)
+    with pytest.raises(GrammarError) as matcher:
+        compiler.submit(StructuredOutputSpec("regex", "[op]+")).result(timeout=60)
+    assert SECRET not in str(here.value) + str(matcher.value) + caplog.text
+    assert compiler.num_pending == 0
