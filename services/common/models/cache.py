@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .presets import PRESETS
 
-BUILD_VERSION = "v2"  # bump when the builder's output changes, so cached builds are not reused
+BUILD_VERSION = "v3"  # bump when the builder's output changes, so cached builds are not reused
 CONFIG_FILE = "config.json"
 DEFAULT_PRESET = "tiny"
 
