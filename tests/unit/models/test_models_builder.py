@@ -174,7 +174,12 @@ def test_llava_checkpoint_keys_are_in_llava_hf_layout_and_load_unchanged(models_
     with safe_open(models_tiny_dir / "model.safetensors", framework="pt") as handle:
         keys = list(handle.keys())
         projector = handle.get_tensor("multi_modal_projector.linear_1.weight")
-    prefixes = {"vision_tower.vision_model.", "multi_modal_projector.", "language_model.model.", "language_model.lm_head."}
+    prefixes = {
+        "vision_tower.vision_model.",
+        "multi_modal_projector.",
+        "language_model.model.",
+        "language_model.lm_head.",
+    }
     assert keys and all(any(key.startswith(p) for p in prefixes) for key in keys)
     assert any(key.startswith("vision_tower.vision_model.") for key in keys)
     model, info = LlavaForConditionalGeneration.from_pretrained(models_tiny_dir, output_loading_info=True)
