@@ -155,10 +155,11 @@ def build_metadata(
     )
     decode: DecodeGroup | RaggedDecodeGroup | KernelDecodeGroup | None = None
     if decode_ids:
-        make_group: Callable[..., DecodeGroup | RaggedDecodeGroup | KernelDecodeGroup] = {
-            "ragged": ragged_decode_group,
-            "kernel": kernel_decode_group,
-        }.get(decode_path, _decode_group)
+        make_group: Callable[..., DecodeGroup | RaggedDecodeGroup | KernelDecodeGroup] = _decode_group
+        if decode_path == "ragged":
+            make_group = ragged_decode_group
+        elif decode_path == "kernel":
+            make_group = kernel_decode_group
         decode = make_group(
             [query_starts[i] for i in decode_ids],
             [context_lens[i] for i in decode_ids],
