@@ -56,21 +56,35 @@ def check_tokens(counts: dict[str, list[dict[int, tuple[int, int]]]]) -> dict[st
 
     ``counts[server]`` holds one ``token_counts`` per run. The first server's
     first run is the reference; a request missing from a run is not compared.
+    Output counts must be equal. A server whose prompt counts all differ from
+    the reference's by one constant (one BOS token more or fewer: whether the
+    server adds the tokenizer's special tokens to a rendered chat template)
+    agrees, with that offset reported; any other difference is a mismatch.
     """
     runs = [(name, run) for name, per_run in counts.items() for run in per_run]
     if not runs:
-        return {"agree": True, "compared": 0, "mismatches": []}
+        return {"agree": True, "compared": 0, "prompt_offsets": {}, "mismatches": []}
     reference = runs[0][1]
-    mismatches, compared = [], 0
+    offsets: dict[str, set[int]] = {}
+    pairs: list[tuple[str, int, tuple[int, int], tuple[int, int]]] = []
     for name, run in runs[1:]:
         for index, got in sorted(run.items()):
             want = reference.get(index)
-            if want is None:
-                continue
-            compared += 1
-            if got != want:
-                mismatches.append({"server": name, "request": index, "expected": list(want), "got": list(got)})
-    return {"agree": not mismatches, "compared": compared, "mismatches": mismatches[:20]}
+            if want is not None:
+                pairs.append((name, index, want, got))
+                offsets.setdefault(name, set()).add(got[0] - want[0])
+    constant = {name: next(iter(found)) for name, found in offsets.items() if len(found) == 1}
+    mismatches = [
+        {"server": name, "request": index, "expected": list(want), "got": list(got)}
+        for name, index, want, got in pairs
+        if got[1] != want[1] or (name not in constant and got != want)
+    ]
+    return {
+        "agree": not mismatches,
+        "compared": len(pairs),
+        "prompt_offsets": {name: offset for name, offset in constant.items() if offset},
+        "mismatches": mismatches[:20],
+    }
 
 
 def figures(workload_runs: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, bool]]:

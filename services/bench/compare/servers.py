@@ -57,9 +57,18 @@ def model_id(base_url: str, timeout_s: float = 5.0) -> str:
 
 
 def _answers(base_url: str) -> bool:
+    """Ready means serving: it lists a model and completes a one-token request (a server may list its
+    model before its backends are up, or compile on its first request)."""
     try:
-        model_id(base_url, timeout_s=2.0)
-        return True
+        model = model_id(base_url, timeout_s=2.0)
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        request = urllib.request.Request(
+            f"{base_url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=600.0) as reply:
+            return reply.status == 200
     except (OSError, ValueError, KeyError, IndexError, urllib.error.URLError):
         return False
 
