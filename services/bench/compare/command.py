@@ -146,37 +146,17 @@ def run(args: argparse.Namespace) -> int:
     plans = {name: workloads.build(workloads.WORKLOADS[name], args.seed, scale=args.scale) for name in args.workloads}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {t.name: [] for t in targets} for w in args.workloads}
     counts: dict[str, dict[str, list]] = {w: {t.name: [] for t in targets} for w in args.workloads}
+    failures: dict[str, list[str]] = {}
     with open(args.out / "requests.jsonl", "w") as log:
         for run_index in range(args.runs):
             shift = run_index % len(targets)
             for target in targets[shift:] + targets[:shift]:
                 servers.say(f"run {run_index + 1}/{args.runs}: starting {target.label}")
-                with servers.serving(target, model_dir, ready_timeout_s=args.ready_timeout, log_dir=args.out) as url:
-                    model = servers.model_id(url)
-                    asyncio.run(
-                        _schedule(
-                            url,
-                            workloads.warmup(args.seed),
-                            workloads.encode(workloads.warmup(args.seed), model),
-                            args.request_timeout,
-                        )
-                    )
-                    for name, requests in plans.items():
-                        servers.say(f"run {run_index + 1}: {target.name}: {name} ({len(requests)} requests)")
-                        records = asyncio.run(
-                            _schedule(url, requests, workloads.encode(requests, model), args.request_timeout)
-                        )
-                        summary = report.summarize(records)
-                        runs[name][target.name].append(summary)
-                        counts[name][target.name].append(report.token_counts(records))
-                        servers.say(f"  {summary['num_ok']}/{summary['num_requests']} ok, {summary['tok_s']} tok/s")
-                        for record in records:
-                            log.write(
-                                json.dumps(
-                                    {"server": target.name, "run": run_index, "workload": name, **record.to_json()}
-                                )
-                                + "\n"
-                            )
+                try:
+                    _measure(args, target, model_dir, plans, run_index, runs, counts, log)
+                except RuntimeError as error:  # a server that does not start: its run is lost, not the others'
+                    servers.say(f"run {run_index + 1}: {target.name}: {error}")
+                    failures.setdefault(target.name, []).append(str(error))
     results = {
         "schema": "epd-bench-compare/1",
         "command": shlex.join(["epd", *sys.argv[1:]]) if sys.argv[1:3] == ["bench", "compare"] else "epd bench compare",
@@ -189,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         "workload_descriptions": {w: workloads.WORKLOADS[w].description for w in args.workloads},
         "workloads": runs,
         "token_check": {w: report.check_tokens(c) for w, c in counts.items()},
+        "start_failures": failures,
         "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -196,6 +177,41 @@ def run(args: argparse.Namespace) -> int:
     (args.out / "results.md").write_text(markdown)
     print(markdown)
     return 0 if all(check["agree"] for check in results["token_check"].values()) else 1
+
+
+def _measure(args, target, model_dir: str, plans: dict, run_index: int, runs: dict, counts: dict, log) -> None:
+    """One server's run: start it, warm it up, run every workload, stop it."""
+    from services.bench.compare import report, servers, workloads
+
+    with servers.serving(target, model_dir, ready_timeout_s=args.ready_timeout, log_dir=args.out) as url:
+        model = servers.model_id(url)
+        _warm_up(url, model, args)
+        for name, requests in plans.items():
+            servers.say(f"run {run_index + 1}: {target.name}: {name} ({len(requests)} requests)")
+            records = asyncio.run(_schedule(url, requests, workloads.encode(requests, model), args.request_timeout))
+            summary = report.summarize(records)
+            runs[name][target.name].append(summary)
+            counts[name][target.name].append(report.token_counts(records))
+            servers.say(f"  {summary['num_ok']}/{summary['num_requests']} ok, {summary['tok_s']} tok/s")
+            for record in records:
+                entry = {"server": target.name, "run": run_index, "workload": name, **record.to_json()}
+                log.write(json.dumps(entry) + "\n")
+
+
+def _warm_up(url: str, model: str, args: argparse.Namespace) -> None:
+    """One text and one image request, repeated until both succeed: first-call costs stay out of the
+    measurement, and a server that serves text before images (an encoder still starting) is waited for."""
+    from services.bench.compare import workloads
+
+    warm = workloads.warmup(args.seed)
+    deadline = time.monotonic() + args.ready_timeout
+    while True:
+        records = asyncio.run(_schedule(url, warm, workloads.encode(warm, model), args.request_timeout))
+        if all(r.ok for r in records):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"warm-up requests failed for {args.ready_timeout:.0f} s: {records[-1].error}")
+        time.sleep(2.0)
 
 
 async def _schedule(url: str, requests: list, bodies: list[bytes], timeout_s: float) -> list:

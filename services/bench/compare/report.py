@@ -181,4 +181,6 @@ def render(results: dict[str, Any]) -> str:
             + ".",
             "",
         ]
+    for server, errors in (results.get("start_failures") or {}).items():
+        lines.append(f"- {server} did not start in {len(errors)} run(s): {errors[0]}")
     return "\n".join(lines) + "\n"
