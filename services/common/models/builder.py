@@ -5,7 +5,8 @@ The output is an ordinary Hugging Face directory: ``config.json``,
 chat template, and ``generation_config.json``. ``AutoProcessor`` and
 ``AutoModelForImageTextToText.from_pretrained`` load it like any hub
 checkpoint of its family (LLaVA here; Qwen2-VL / Qwen2.5-VL in
-``builder_qwen.py``). The same preset and seed always give byte-identical weights.
+``builder_qwen.py``), with its tensors named as the family's published
+checkpoints name them (``key_layout.py``), so other engines load it unchanged. The same preset and seed always give byte-identical weights.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .cache import is_built, resolve_model
 from .chat_template import LLAVA_CHAT_TEMPLATE
 from .configs import text_config_of
 from .init_weights import initialise_vlm
+from .key_layout import llava_hf_key, rewrite_keys
 from .presets import CLIP_MEAN, CLIP_STD, Preset, get_preset
 from .tokenizer import IMAGE, build_hf_tokenizer, token_id
 
@@ -184,6 +186,7 @@ def _write_llava_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: 
     )
     progress("saving weights")
     model.save_pretrained(out_dir, safe_serialization=True)
+    rewrite_keys(out_dir, llava_hf_key)  # the layout llava-hf publishes, which every loader reads
     llava_processor(preset, tokenizer).save_pretrained(out_dir)
 
 

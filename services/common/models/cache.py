@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .presets import PRESETS
 
-BUILD_VERSION = "v2"  # bump when the builder's output changes, so cached builds are not reused
+BUILD_VERSION = "v3"  # bump when the builder's output changes, so cached builds are not reused
 CONFIG_FILE = "config.json"
 DEFAULT_PRESET = "tiny"
 
@@ -24,10 +24,14 @@ class ModelBuildError(RuntimeError):
     """A built-in checkpoint could not be built (the child process has said why on stderr)."""
 
 
+def cache_root() -> Path:
+    """``$EPD_CACHE_DIR``, by default ``~/.cache/epd`` (read when called): built checkpoints and kernels."""
+    return Path(os.environ.get("EPD_CACHE_DIR") or "~/.cache/epd").expanduser()
+
+
 def default_model_dir(preset: str = DEFAULT_PRESET) -> Path:
     """``$EPD_CACHE_DIR/models/<preset>-<BUILD_VERSION>`` (default cache dir ``~/.cache/epd``), read when called."""
-    cache_dir = os.environ.get("EPD_CACHE_DIR") or str(Path("~/.cache/epd").expanduser())
-    return Path(cache_dir).expanduser() / "models" / f"{preset}-{BUILD_VERSION}"
+    return cache_root() / "models" / f"{preset}-{BUILD_VERSION}"
 
 
 def is_built(directory: Path) -> bool:

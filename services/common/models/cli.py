@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "--out",
         default="",
-        help="output directory (default: the model cache, $EPD_CACHE_DIR/models/<preset>-v2)",
+        help="output directory (default: the model cache, $EPD_CACHE_DIR/models/<preset>-v3)",
     )
     cli_args.add_flag(
         parser, "--seed", type=int, default=0, help="random seed; the same seed gives byte-identical weights"

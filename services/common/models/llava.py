@@ -30,6 +30,7 @@ class LlavaAdapter(LlavaProcessing, ModelAdapter):
             encoder = VisionEncoder(self.config)
         parts = {"vision_tower": Part.VISION_TOWER, "multi_modal_projector": Part.PROJECTOR}
         load_part(encoder, self._weights(), parts, torch.device(device), dtype)
+        encoder.drop_unused_layers()
         return encoder.eval().requires_grad_(False)
 
     def load_language_model(self, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:

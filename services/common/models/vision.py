@@ -29,6 +29,29 @@ class VisionEncoder(nn.Module):
         self.drop_cls = config.vision_feature_select_strategy == "default"
         self.hidden_size: int = text_config_of(config).hidden_size
 
+    def drop_unused_layers(self) -> int:
+        """Drops the tower's layers past the last one whose hidden states are used; returns how many.
+
+        LLaVA-1.5 takes the penultimate layer's states (``vision_feature_layer``
+        -2): the last layer, a twelfth of a ViT-B's work, was computed for
+        nothing. ``hidden_states`` of the shortened tower are those of the full
+        one up to its length, so the features are bit for bit the same.
+        """
+        encoder = getattr(self.vision_tower, "encoder", None)
+        if encoder is None:  # a tower that nests its transformer one level down
+            encoder = getattr(getattr(self.vision_tower, "vision_model", None), "encoder", None)
+        layers = getattr(encoder, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            return 0
+        num_layers = len(layers)
+        used = tuple(layer % (num_layers + 1) for layer in self.feature_layers)  # num_layers + 1 hidden states
+        keep = max(used)
+        if keep >= num_layers:
+            return 0
+        encoder.layers = layers[:keep]
+        self.feature_layers = used
+        return num_layers - keep
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` [N, 3, H, W] -> embeddings [N, num_image_tokens, hidden_size]."""
         outputs = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)

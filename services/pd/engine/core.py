@@ -245,6 +245,16 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
         self.step_stats.seconds["update"] += now - executed
         self.step_stats.record(scheduler_output, runner_output, now - started)
         self.step_budget.after_step(scheduler_output, started, now)
+        if log.isEnabledFor(logging.DEBUG):
+            decodes = sum(1 for c in scheduler_output.chunks if c.num_tokens == 1)
+            log.debug(
+                "step: %d decode rows, %d prefill tokens, budget %d, %.1f ms (execute %.1f ms)",
+                decodes,
+                scheduler_output.num_batched_tokens - decodes,
+                prefill_budget,
+                1000 * (now - started),
+                1000 * (executed - scheduled),
+            )
         return True
 
     def _let_go_of_computed_images(self, scheduler_output: SchedulerOutput) -> None:

@@ -10,14 +10,14 @@ their own static buffers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.pd.runner.flex_decode import FlexDecodeGroup
 
-DECODE_PATHS = ("padded", "ragged")
+DECODE_PATHS = ("padded", "ragged", "kernel")
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -54,6 +54,16 @@ class RaggedDecodeGroup:
 
 
 @dataclass(frozen=True)
+class KernelDecodeGroup:
+    """Requests with exactly one query token, attended in place by the CPU kernel (``cpu_kernels``)."""
+
+    rows: slice | torch.Tensor  # packed-batch row of each query: a slice when contiguous, else [D] long
+    block_tables: torch.Tensor  # [D, max_blocks] int32, each row valid up to its context
+    context_lens: torch.Tensor  # [D] int32
+    max_context: int
+
+
+@dataclass(frozen=True)
 class PrefillSeq:
     """One request with several query tokens (a prefill chunk)."""
 
@@ -71,7 +81,7 @@ class PagedAttentionMetadata:
     key_cache: torch.Tensor  # [layers, kv_heads, blocks, block_size, head_dim]
     value_cache: torch.Tensor  # same layout as key_cache
     slot_mapping: torch.Tensor  # [T] long: flat slot (block * block_size + offset) per packed token
-    decode: DecodeGroup | RaggedDecodeGroup | FlexDecodeGroup | None
+    decode: DecodeGroup | RaggedDecodeGroup | KernelDecodeGroup | FlexDecodeGroup | None
     prefills: tuple[PrefillSeq, ...]
     gather_keys: torch.Tensor  # flat scratch with room for any one gather of this step
     gather_values: torch.Tensor
@@ -143,9 +153,13 @@ def build_metadata(
         for i, n in enumerate(query_lens)
         if n > 1
     )
-    decode = None
+    decode: DecodeGroup | RaggedDecodeGroup | KernelDecodeGroup | None = None
     if decode_ids:
-        make_group = ragged_decode_group if decode_path == "ragged" else _decode_group
+        make_group: Callable[..., DecodeGroup | RaggedDecodeGroup | KernelDecodeGroup] = _decode_group
+        if decode_path == "ragged":
+            make_group = ragged_decode_group
+        elif decode_path == "kernel":
+            make_group = kernel_decode_group
         decode = make_group(
             [query_starts[i] for i in decode_ids],
             [context_lens[i] for i in decode_ids],
@@ -170,7 +184,7 @@ def _largest_gather(prefills: tuple[PrefillSeq, ...], decode) -> int:
     gather_blocks = [seq.block_ids.shape[0] for seq in prefills if seq.mask is not None]
     if isinstance(decode, DecodeGroup):
         gather_blocks.append(decode.block_tables.numel())
-    elif decode is not None:
+    elif isinstance(decode, RaggedDecodeGroup):
         gather_blocks.append(decode.block_ids.numel())
     return max(gather_blocks, default=0)
 
@@ -233,6 +247,19 @@ def ragged_decode_group(token_indices, context_lens, block_tables, block_size, d
         rows=_rows(token_indices, device),
         block_ids=to_device(torch.tensor(block_ids, dtype=torch.long), device),
         spans=tuple(spans),
+    )
+
+
+def kernel_decode_group(token_indices, context_lens, block_tables, block_size, device) -> KernelDecodeGroup:
+    """The in-place one-query group of rows ``token_indices`` (CPU only: the kernel reads host memory)."""
+    num_blocks = [-(-n // block_size) for n in context_lens]
+    width = max(num_blocks)
+    tables = [list(t[:nb]) + [0] * (width - nb) for t, nb in zip(block_tables, num_blocks)]
+    return KernelDecodeGroup(
+        rows=_rows(token_indices, device),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        max_context=max(context_lens),
     )
 
 

@@ -36,6 +36,7 @@ from services.pd.runner.attention_metadata import (
     build_metadata,
     to_device,
 )
+from services.pd.runner.cpu_kernels import load_paged_decode
 from services.pd.runner.cpu_linear import resolve_backend, use_onednn_linear
 from services.pd.runner.decode_graphs import (
     DecodeBuffers,
@@ -89,6 +90,13 @@ def step_position_ids(chunks: Sequence[ScheduledChunk], mrope: bool = False) -> 
     return axes
 
 
+def default_decode_path(device: torch.device, dtype: torch.dtype) -> str:
+    """``decode_path="auto"``: the C kernel on CPU in float32 where it loads, ragged otherwise on CPU, padded on GPU."""
+    if device.type != "cpu":
+        return "padded"
+    return "kernel" if dtype == torch.float32 and load_paged_decode() is not None else "ragged"
+
+
 class ModelRunner:
     """Executes ``SchedulerOutput`` steps: packed or static forward, paged KV, sampling.
 
@@ -97,7 +105,8 @@ class ModelRunner:
     already live on ``device`` in ``dtype``; the KV cache is allocated there,
     with one block past ``num_blocks`` that only padded rows of static decode
     steps write to. ``decode_path`` picks the one-query attention of packed
-    steps (``attention.py``); ``"auto"`` = ragged on CPU, padded elsewhere.
+    steps (``attention.py``); ``"auto"`` = the C kernel on CPU (ragged where
+    it cannot be built), padded elsewhere.
     ``linear_backend`` picks who runs the linear layers (``cpu_linear.py``);
     ``"auto"`` = oneDNN for fp32 on CPU when it passes its self-check, else
     PyTorch's own. ``static_decode`` says how decode-only steps run
@@ -132,10 +141,12 @@ class ModelRunner:
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.device = torch.device(device)
         self.dtype = dtype
-        # See attention.py: ragged decode attention wins on CPU, one padded
-        # kernel per layer wins on GPU.
+        # See attention.py: on CPU the C kernel where it builds (float32), else
+        # ragged attention; on GPU one padded kernel per layer.
         if decode_path == "auto":
-            decode_path = "ragged" if self.device.type == "cpu" else "padded"
+            decode_path = default_decode_path(self.device, dtype)
+        if decode_path == "kernel" and (self.device.type != "cpu" or dtype != torch.float32 or not load_paged_decode()):
+            raise ValueError("decode_path 'kernel' needs float32 on the CPU and a built CPU kernel")
         self.decode_path = decode_path
         self.linear_backend = resolve_backend(linear_backend, self.device, dtype)
         if self.linear_backend == "onednn":

@@ -47,19 +47,17 @@ def _copy_with_tensors(source: Path, target: Path, tensors: dict[str, torch.Tens
 
 
 def _to_transformers5_layout(key: str) -> str:
-    """Saved (legacy-style) key -> ``model.language_model.*`` / ``model.vision_tower.*`` layout."""
+    """Saved (llava-hf) key -> ``model.language_model.*`` / ``model.vision_tower.*`` layout."""
     if key.startswith("language_model.lm_head."):
         return key.removeprefix("language_model.")
     if key.startswith("language_model.model."):
         return "model.language_model." + key.removeprefix("language_model.model.")
-    return "model." + key
+    return "model." + key.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
 
-def _to_llava_hf_layout(key: str) -> str:
-    """Saved key -> the original llava-hf layout (``vision_tower.vision_model.*``)."""
-    if key.startswith("vision_tower."):
-        return "vision_tower.vision_model." + key.removeprefix("vision_tower.")
-    return key
+def _to_flat_tower_layout(key: str) -> str:
+    """Saved key -> the tower one level up (``vision_tower.*``, what transformers 5's save_pretrained writes)."""
+    return key.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
 
 def _pixels(num_images: int, seed: int = 0) -> torch.Tensor:
@@ -107,10 +105,14 @@ def test_processor_settings_are_json_and_cover_pixels(models_tiny_dir: Path):
 def test_vision_load_holds_exactly_tower_and_projector(models_tiny_dir: Path, models_tiny_full):
     encoder = load_adapter(models_tiny_dir).load_vision(CPU, torch.float32)
     full = models_tiny_full.model
-    expected = {f"vision_tower.{n}" for n, _ in full.vision_tower.named_parameters()}
+    # LLaVA-1.5 reads the penultimate layer (vision_feature_layer -2): the last one is dropped at load.
+    last = len(full.vision_tower.encoder.layers) - 1
+    tower = {n: p for n, p in full.vision_tower.named_parameters() if not n.startswith(f"encoder.layers.{last}.")}
+    expected = {f"vision_tower.{n}" for n in tower}
     expected |= {f"multi_modal_projector.{n}" for n, _ in full.multi_modal_projector.named_parameters()}
     assert {n for n, _ in encoder.named_parameters()} == expected
-    assert count_parameters(encoder) == count_parameters(full.vision_tower) + count_parameters(
+    assert len(encoder.vision_tower.encoder.layers) == last and encoder.feature_layers == (last,)
+    assert count_parameters(encoder) == sum(p.numel() for p in tower.values()) + count_parameters(
         full.multi_modal_projector
     )
     assert all(p.device == CPU and not p.is_meta for p in encoder.parameters())
@@ -153,8 +155,8 @@ def test_language_model_on_spliced_embeddings_equals_full_model(models_tiny_dir:
 
 @pytest.mark.parametrize(
     ("convert", "shards"),
-    [(_to_transformers5_layout, 1), (_to_llava_hf_layout, 1), (_to_llava_hf_layout, 3)],
-    ids=["transformers5", "llava-hf", "llava-hf-sharded"],
+    [(_to_transformers5_layout, 1), (_to_flat_tower_layout, 1), (str, 3)],
+    ids=["transformers5", "flat-tower", "llava-hf-sharded"],
 )
 def test_other_key_layouts_load_the_same_weights(models_tiny_dir, models_tiny_full, tmp_path, convert, shards):
     tensors = {convert(k): v for k, v in _checkpoint_tensors(models_tiny_dir).items()}

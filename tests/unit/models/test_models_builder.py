@@ -110,9 +110,9 @@ def test_unknown_preset_is_rejected(tmp_path: Path):
 
 def test_default_model_dir_reads_environment_when_called(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
-    assert default_model_dir("bench") == tmp_path / "models" / "bench-v2"
+    assert default_model_dir("bench") == tmp_path / "models" / "bench-v3"
     monkeypatch.delenv("EPD_CACHE_DIR")
-    assert default_model_dir() == Path("~/.cache/epd/models/tiny-v2").expanduser()
+    assert default_model_dir() == Path("~/.cache/epd/models/tiny-v3").expanduser()
 
 
 def test_ensure_model_builds_once_even_when_raced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -126,7 +126,7 @@ def test_ensure_model_builds_once_even_when_raced(monkeypatch: pytest.MonkeyPatc
     target = default_model_dir("tiny")
     assert results == [target, target]
     assert (target / "model.safetensors").is_file()
-    assert sorted(p.name for p in target.parent.iterdir()) == ["tiny-v2"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["tiny-v3"]
     assert ensure_model("tiny") == target
 
 
@@ -163,3 +163,37 @@ def test_llava_15_7b_preset_has_llava_15_7b_shapes():
     assert config.image_seq_length == preset.num_image_tokens == 576
     assert num_parameters(preset) == 7_063_427_072  # LLaVA-1.5-7B's 7.06B
     assert build_device(get_preset("tiny")) == (torch.device("cpu"), torch.float32)
+
+
+def test_llava_checkpoint_keys_are_in_llava_hf_layout_and_load_unchanged(models_tiny_dir: Path):
+    """Other engines (vLLM, SGLang) read llava-hf's names: the vision tower sits under ``vision_model``."""
+    import torch
+    from safetensors import safe_open
+    from transformers import LlavaForConditionalGeneration
+
+    with safe_open(models_tiny_dir / "model.safetensors", framework="pt") as handle:
+        keys = list(handle.keys())
+        projector = handle.get_tensor("multi_modal_projector.linear_1.weight")
+    prefixes = {
+        "vision_tower.vision_model.",
+        "multi_modal_projector.",
+        "language_model.model.",
+        "language_model.lm_head.",
+    }
+    assert keys and all(any(key.startswith(p) for p in prefixes) for key in keys)
+    assert any(key.startswith("vision_tower.vision_model.") for key in keys)
+    model, info = LlavaForConditionalGeneration.from_pretrained(models_tiny_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(model.model.multi_modal_projector.linear_1.weight, projector)
+
+
+def test_llava_hf_key_maps_every_layout_onto_the_published_one():
+    from services.common.models.key_layout import llava_hf_key
+
+    assert llava_hf_key("vision_tower.embeddings.x") == "vision_tower.vision_model.embeddings.x"
+    assert llava_hf_key("vision_tower.vision_model.embeddings.x") == "vision_tower.vision_model.embeddings.x"
+    assert llava_hf_key("model.vision_tower.encoder.y") == "vision_tower.vision_model.encoder.y"
+    assert llava_hf_key("model.language_model.layers.0.z") == "language_model.model.layers.0.z"
+    assert llava_hf_key("lm_head.weight") == "language_model.lm_head.weight"
+    assert llava_hf_key("language_model.lm_head.weight") == "language_model.lm_head.weight"
+    assert llava_hf_key("model.multi_modal_projector.linear_1.bias") == "multi_modal_projector.linear_1.bias"

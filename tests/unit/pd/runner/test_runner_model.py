@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.pd.engine.outputs import ImageSlice, ScheduledChunk, SchedulerOutput
 from services.pd.engine.request import SamplingParams
+from services.pd.runner import model_runner as model_runner_module
 from services.pd.runner.attention import ATTN_IMPLEMENTATION, METADATA_KWARG
 from services.pd.runner.model_runner import ModelRunner, kv_cache_shape
 
@@ -45,9 +46,9 @@ def models() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     return model, copy.deepcopy(model)
 
 
-@pytest.fixture(params=["padded", "ragged"])
+@pytest.fixture(params=["padded", "ragged", "kernel"])
 def runner(models, request) -> ModelRunner:
-    """A runner per one-query attention path (both run on CPU)."""
+    """A runner per one-query attention path (all run on CPU; the C kernel is built by the test machine's cc)."""
     return ModelRunner(
         models[0],
         num_blocks=NUM_BLOCKS,
@@ -169,7 +170,7 @@ def test_batched_greedy_generation_equals_hf_generate(runner, models):
         assert output == expected[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("decode_path", ["padded", "ragged"])
+@pytest.mark.parametrize("decode_path", ["padded", "ragged", "kernel"])
 def test_multi_head_attention_with_explicit_head_dim(decode_path):
     # No GQA (kv heads == heads) and head_dim != hidden / heads: the other attention branches.
     torch.manual_seed(1)
@@ -216,11 +217,16 @@ def test_invalid_image_slices_are_refused(runner, models):
         )
 
 
-def test_decode_path_is_picked_by_device_or_refused(models):
+def test_decode_path_is_picked_by_device_or_refused(models, monkeypatch):
     model = copy.deepcopy(models[1])
-    assert ModelRunner(model, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32).decode_path == "ragged"
+    assert ModelRunner(model, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32).decode_path == "kernel"
     with pytest.raises(ValueError, match="decode_path"):
         ModelRunner(model, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32, decode_path="fast")
+    # Where the C kernel cannot be built (no compiler), CPU steps attend in PyTorch instead; asking for it fails.
+    monkeypatch.setattr(model_runner_module, "load_paged_decode", lambda: None)
+    assert ModelRunner(model, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32).decode_path == "ragged"
+    with pytest.raises(ValueError, match="kernel"):
+        ModelRunner(model, num_blocks=4, block_size=4, device="cpu", dtype=torch.float32, decode_path="kernel")
 
 
 def test_attention_without_metadata_fails_loudly(runner):

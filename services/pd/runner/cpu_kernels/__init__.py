@@ -1,0 +1,203 @@
+"""C kernels for the CPU, built on first use with the machine's C compiler and loaded with ``ctypes``.
+
+PyTorch has no paged attention for the CPU: attending each decode row on its
+own took a dozen small ops per request and layer, about half of a decode
+step at 32 streams (bench model). ``paged_decode.c`` attends every decode
+row of a step in one call per layer, reading K/V in place through the block
+tables, spread over the OpenMP threads PyTorch itself uses.
+
+The build needs a C compiler with OpenMP (``$CC``, else ``cc``); it runs
+once per machine and source version, into ``$EPD_CACHE_DIR/kernels`` (a
+private temporary file, renamed into place, so concurrent builders never see
+half a library), with ``-march=native``: the cache key includes the CPU's
+feature flags. A missing compiler, a failed build or a failed self-check
+leaves the kernel out (``load_paged_decode`` returns None, with one warning
+saying why) and the runner falls back to its PyTorch path.
+
+Imports nothing from the engine or the service shell.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from services.common.models.cache import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+ABI_VERSION = 1  # epd_paged_decode_abi(): bumped with the C signature
+MAX_GROUP = 64  # query heads per KV head the kernel takes (EPD_MAX_GROUP in the source)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120.0
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here; the message says why in one line."""
+
+
+def _compiler() -> str:
+    found = shutil.which(os.environ.get("CC") or "cc")
+    if found is None:
+        raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
+    return found
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what ``-march=native`` compiles for), or the machine name elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library for this source, compiler and CPU lives in the cache."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags(), str(ABI_VERSION)]).encode()
+    ).hexdigest()[:16]
+    return cache_root() / "kernels" / f"paged_decode-{key}.so"
+
+
+def build(compiler: str, target: Path) -> Path:
+    """Compiles the source into ``target`` (atomically); KernelUnavailable with the compiler's first line."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", staging, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise KernelUnavailable(f"{Path(compiler).name} failed to build {SOURCE.name}: {first[:200]}")
+        os.replace(staging, target)
+    except subprocess.TimeoutExpired:
+        raise KernelUnavailable(f"building {SOURCE.name} took over {BUILD_TIMEOUT_S:.0f} s") from None
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return target
+
+
+class PagedDecode:
+    """``paged_decode.c`` loaded: one call attends every decode row of a step for one layer."""
+
+    def __init__(self, path: Path) -> None:
+        library = ctypes.CDLL(str(path))  # CDLL: the GIL is released for the call
+        if library.epd_paged_decode_abi() != ABI_VERSION:
+            raise KernelUnavailable(f"{path.name} has another ABI version")
+        self._fn = library.epd_paged_decode_f32
+        self._fn.restype = None
+        self._fn.argtypes = [
+            _PTR, _I64, _I64,  # q, row stride, head stride
+            _PTR, _PTR, _I64,  # k, v caches of one layer, kv head stride
+            _PTR, _I64, _PTR,  # block tables, table stride, context lengths
+            _PTR, _I64, _I64,  # out, row stride, head stride
+            _I64, _I64, _I64, _I64, _I64,  # rows, heads, kv heads, head dim, block size
+            _I64, ctypes.c_float, ctypes.c_int,  # max context, scale, threads
+        ]  # fmt: skip
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """``query [rows, H, D]`` over one layer's ``[KVH, blocks, block_size, D]`` caches into
+        ``out [rows, H, D]``; ``block_tables [rows, W]`` and ``context_lens [rows]`` int32.
+
+        float32 CPU tensors whose last dim is contiguous; checked here, since a
+        wrong stride or dtype would read out of bounds in C."""
+        rows, num_heads, head_dim = query.shape
+        num_kv_heads, _, block_size, _ = key_cache.shape
+        if not (
+            query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.float32
+            and block_tables.dtype == context_lens.dtype == torch.int32
+            and key_cache.is_contiguous()
+            and value_cache.is_contiguous()
+            and block_tables.stride(1) == 1
+            and context_lens.is_contiguous()
+            and query.stride(2) == 1
+            and out.stride(2) == 1
+            and out.shape == query.shape
+            and value_cache.shape == key_cache.shape
+            and key_cache.shape[3] == head_dim
+            and block_tables.shape[0] == context_lens.shape[0] == rows
+            and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP
+        ):
+            raise ValueError("paged decode kernel: tensors of another dtype, shape or layout")
+        self._fn(
+            query.data_ptr(), query.stride(0), query.stride(1),
+            key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            rows, num_heads, num_kv_heads, head_dim, block_size,
+            max_context, scale, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def self_check(kernel: PagedDecode) -> None:
+    """Compares the kernel with PyTorch's attention on a small random batch (GQA, scattered blocks)."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, heads, head_dim, block_size, blocks = 2, 4, 16, 4, 12
+    keys = torch.randn(kv_heads, blocks, block_size, head_dim, generator=generator)
+    values = torch.randn(kv_heads, blocks, block_size, head_dim, generator=generator)
+    tables = torch.tensor([[7, 2, 9], [0, 11, 3]], dtype=torch.int32)
+    lens = torch.tensor([10, 5], dtype=torch.int32)
+    query = torch.randn(2, heads, head_dim, generator=generator)
+    got = kernel(query, keys, values, tables, lens, 10, head_dim**-0.5, torch.empty_like(query))
+    for row in range(2):
+        n = int(lens[row])
+        k = keys[:, tables[row].long()].reshape(kv_heads, -1, head_dim)[:, :n]
+        v = values[:, tables[row].long()].reshape(kv_heads, -1, head_dim)[:, :n]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query[row][:, None], k, v, enable_gqa=True
+        )[:, 0]  # fmt: skip
+        if not torch.allclose(got[row], want, rtol=1e-4, atol=1e-5):
+            raise KernelUnavailable("the built kernel disagrees with PyTorch's attention")
+
+
+@functools.cache
+def load_paged_decode() -> PagedDecode | None:
+    """The paged decode kernel, built if needed and self-checked; None (logged once) where it is unavailable."""
+    try:
+        compiler = _compiler()
+        path = library_path(compiler)
+        if not path.is_file():
+            log.info("building the CPU paged decode kernel with %s (once per machine)", Path(compiler).name)
+            build(compiler, path)
+        kernel = PagedDecode(path)
+        self_check(kernel)
+        return kernel
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
+        log.warning("CPU paged decode kernel unavailable, decode attention stays in PyTorch: %s", error)
+        return None

@@ -1,0 +1,111 @@
+"""The CPU paged decode kernel (``cpu_kernels``) against PyTorch's attention, and its build's failure branches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.pd.runner import cpu_kernels
+from services.pd.runner.cpu_kernels import KernelUnavailable, PagedDecode, load_paged_decode
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecode:
+    built = load_paged_decode()
+    assert built is not None, "the test machine has a C compiler: the kernel must build"
+    return built
+
+
+def _reference(query, keys, values, tables, lens, scale):
+    out = []
+    kv_heads, _, _, head_dim = keys.shape
+    for row in range(query.shape[0]):
+        n = int(lens[row])
+        k = keys[:, tables[row].long()].reshape(kv_heads, -1, head_dim)[:, :n]
+        v = values[:, tables[row].long()].reshape(kv_heads, -1, head_dim)[:, :n]
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(query[row][:, None], k, v, scale=scale, enable_gqa=True)[
+                :, 0
+            ]
+        )
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(4, 4, 8, 4), (8, 2, 16, 16), (6, 3, 64, 5)])
+def test_kernel_matches_attention_over_scattered_blocks(kernel, heads, kv_heads, head_dim, block_size):
+    generator = torch.Generator().manual_seed(heads * head_dim)
+    num_blocks, rows = 40, 7
+    keys = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    values = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 17, 2, 5 * block_size], dtype=torch.int32)
+    width = int(-(-lens.max() // block_size))
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(rows, width, dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(lens.tolist()):
+        needed = -(-n // block_size)
+        tables[row, :needed] = order[used : used + needed].int()
+        used += needed
+    query = torch.randn(rows, heads, head_dim, generator=generator)
+    got = kernel(query, keys, values, tables, lens, int(lens.max()), 0.3, torch.empty_like(query))
+    torch.testing.assert_close(got, _reference(query, keys, values, tables, lens, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_reads_strided_queries_and_writes_strided_rows(kernel):
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 6, 4, 8, generator=generator)
+    values = torch.randn(2, 6, 4, 8, generator=generator)
+    tables = torch.tensor([[5, 1], [2, 0]], dtype=torch.int32)
+    lens = torch.tensor([6, 8], dtype=torch.int32)
+    packed = torch.randn(2, 5, 8, generator=generator)  # [heads, tokens, dim], as HF hands it over
+    query = packed[:, 1:3].transpose(0, 1)  # rows 1-2, a strided view
+    out = torch.zeros(5, 2, 8)
+    kernel(query, keys, values, tables, lens, 8, 8**-0.5, out[1:3])
+    torch.testing.assert_close(out[1:3], _reference(query, keys, values, tables, lens, 8**-0.5), rtol=1e-5, atol=1e-5)
+    assert out[0].abs().sum() == 0 and out[3:].abs().sum() == 0
+
+
+def test_kernel_refuses_tensors_it_would_misread(kernel):
+    keys = torch.zeros(1, 2, 4, 8)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    query = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match="layout"):
+        kernel(query.double(), keys, keys, tables, lens, 1, 1.0, torch.empty_like(query))
+    with pytest.raises(ValueError, match="layout"):
+        kernel(query, keys, keys, tables.long(), lens, 1, 1.0, torch.empty_like(query))
+    with pytest.raises(ValueError, match="layout"):
+        kernel(query, keys.transpose(2, 3), keys, tables, lens, 1, 1.0, torch.empty_like(query))
+
+
+def test_no_compiler_leaves_the_kernel_out(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-anywhere")
+    load_paged_decode.cache_clear()
+    try:
+        assert load_paged_decode() is None
+        assert "no C compiler" in caplog.text
+    finally:
+        load_paged_decode.cache_clear()
+
+
+def test_a_failing_build_says_why_and_leaves_nothing_behind(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    with pytest.raises(KernelUnavailable, match="failed to build"):
+        cpu_kernels.build(cpu_kernels._compiler(), tmp_path / "out" / "lib.so")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_the_build_lands_in_the_cache_and_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    path = cpu_kernels.library_path(cpu_kernels._compiler())
+    assert path.parent == tmp_path / "kernels"
+    load_paged_decode.cache_clear()
+    try:
+        assert load_paged_decode() is not None and path.is_file()
+        stamp = path.stat().st_mtime_ns
+        load_paged_decode.cache_clear()
+        assert load_paged_decode() is not None and path.stat().st_mtime_ns == stamp
+    finally:
+        load_paged_decode.cache_clear()
