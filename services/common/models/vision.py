@@ -41,7 +41,7 @@ class VisionEncoder(nn.Module):
         if encoder is None:  # a tower that nests its transformer one level down
             encoder = getattr(getattr(self.vision_tower, "vision_model", None), "encoder", None)
         layers = getattr(encoder, "layers", None)
-        if not isinstance(layers, nn.ModuleList):
+        if encoder is None or not isinstance(layers, nn.ModuleList):
             return 0
         num_layers = len(layers)
         used = tuple(layer % (num_layers + 1) for layer in self.feature_layers)  # num_layers + 1 hidden states
