@@ -67,9 +67,9 @@ class ProxyConfig:
     # per-client fairness (services/proxy/web/fairness.py); a client is the API key, else the peer address; 0 = off
     max_requests_per_client: int = 0  # requests in flight per client (n choices count as n); beyond it 429
     max_tokens_per_client_per_minute: int = 0  # token bucket over prompt + max_tokens × n; beyond it 429
-    # Unknown body fields: False = refused with a 400 naming them; True = ignored, named in the
-    # X-EPD-Ignored-Fields header and a log line (OpenAI fields we do not implement are refused either way).
-    ignore_unknown_fields: bool = False
+    # Unknown body fields: True = ignored (as vLLM does), named in the X-EPD-Ignored-Fields header and a
+    # log line; False = refused with a 400 naming them (fields we know and do not implement: refused either way).
+    ignore_unknown_fields: bool = True
     hide_cache_details: bool = False  # usage carries no cached_tokens, cache hits or stage timings
     # which requests may share cache entries: a per-tenant salt in every cache key (cache_isolation.py)
     cache_isolation: CacheIsolation = CacheIsolation.SHARED

@@ -109,8 +109,8 @@ def _check_sampling(state: ProxyState, body: _SamplingFields) -> None:
 
 
 def _check_fields(state: ProxyState, body: _SamplingFields, path: str) -> list[str]:
-    """Refuses undeclared fields (``openai/fields.py``); under ``--ignore-unknown-fields`` logs the ignored names once."""
+    """Refuses undeclared fields (``openai/fields.py``); logs the ignored ones' names in one line (bounded)."""
     ignored = check_fields(body, ignore_unknown=state.config.ignore_unknown_fields)
     if ignored:
-        log.warning("%s: ignored unknown fields %s", path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER])
+        log.info("%s: ignored unknown fields %s", path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER])
     return ignored

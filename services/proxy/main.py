@@ -247,11 +247,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         parser,
         "--ignore-unknown-fields",
-        default=False,
-        help="for lenient clients: ignore request body fields this server does not know (top-level or nested) "
-        "instead of refusing them with a 400; the response names them in the X-EPD-Ignored-Fields header and "
-        "one warning is logged (names only). OpenAI fields this server does not implement are still refused "
-        "unless they have their no-op value",
+        default=True,
+        help="ignore request body fields this server does not know (top-level or nested), as vLLM does, "
+        "instead of refusing them with a 400 (--no-ignore-unknown-fields); the response names them in the "
+        "X-EPD-Ignored-Fields header and one line is logged (names only). Fields whose meaning this server "
+        "knows and does not implement (OpenAI's, vLLM's) are refused either way unless they have their "
+        "no-op value",
     )
     add(
         parser,
