@@ -42,6 +42,7 @@ from services.common.logs import log_request
 from services.common.models.loaded_vision import LoadedVision
 from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.common.video_files import NO_BUDGET, DecodeBudget, DecodeStopped
 from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
 from services.pd.convert import check_cache_salt, check_request_id
@@ -192,10 +193,12 @@ def parse_encode_request(
     layout: PixelLayout = PixelLayout(),
     process_file: ProcessFile | None = None,
     accept_pixel_values: bool = True,
+    budget: DecodeBudget = NO_BUDGET,
 ) -> list[ColocatedItem]:
     """Validates an EncodeRequest into items; ``pd_address`` is not used (the reservations are ours).
 
     ``process_file`` turns image files into pixels (``encode_items``); call this off the event loop.
+    ``budget``: when a video's decoding must stop (``DecodeStopped``).
     """
     request_id = check_request_id(request.request_id)
     cache_salt = check_cache_salt(request.cache_salt)
@@ -206,9 +209,11 @@ def parse_encode_request(
         reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
         mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
         try:
-            pixels, grid = item_pixels(item, index, layout, process_file, cache_salt, accept_pixel_values)
+            pixels, grid = item_pixels(item, index, layout, process_file, cache_salt, accept_pixel_values, budget)
         except ValueError as error:
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
+        except DecodeStopped:
+            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded while decoding a video") from None
         items.append(ColocatedItem(request_id, reservation_id, mm_hash, pixels, deadline, grid))
     return items
 
@@ -225,11 +230,18 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
         remaining = context.time_remaining()
         deadline = float("inf") if remaining is None else time.monotonic() + remaining
         status = "CANCELLED"
+        budget = DecodeBudget(None if remaining is None else deadline)
         try:
             vision = self._encoder.vision
             # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
             items = await asyncio.to_thread(
-                parse_encode_request, request, deadline, vision.layout, vision.process_file, self._accept_pixel_values
+                parse_encode_request,
+                request,
+                deadline,
+                vision.layout,
+                vision.process_file,
+                self._accept_pixel_values,
+                budget,
             )
             done = await self._encoder.encode(items)
             status = "OK"
@@ -237,6 +249,7 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
             status = error.kind.name
             await abort_with(context, error)
         finally:
+            budget.cancel()  # a video decode still running for this call stops at its next frame
             log_request(
                 log,
                 "encode",
