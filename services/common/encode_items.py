@@ -91,6 +91,11 @@ def file_processor(adapter: Any, image_processor: Any, video_limits: VideoLimits
     return _FileProcessor(adapter, image_processor, video_limits)
 
 
+def has_video(request: epd_pb2.EncodeRequest) -> bool:
+    """Whether any item of ``request`` is a video (decoded on ``video_decodes.VideoDecodes``)."""
+    return any(item.video_file or item.frame_files for item in request.items)
+
+
 def _max_file_pixels() -> int:
     return MAX_FILE_PIXELS
 

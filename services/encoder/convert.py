@@ -127,11 +127,6 @@ def parse_encode_request(
     return EncodeWork(request_id=request_id, pd_address=address, items=items)
 
 
-def has_video(request: epd_pb2.EncodeRequest) -> bool:
-    """Whether any item of ``request`` is a video (decoded on ``VideoDecodes``)."""
-    return any(item.video_file or item.frame_files for item in request.items)
-
-
 def encode_response(outcomes: Iterable[ItemOutcome]) -> epd_pb2.EncodeResponse:
     """The reply of a successful Encode call, items in request order."""
     return epd_pb2.EncodeResponse(items=[outcome.to_pb() for outcome in outcomes])

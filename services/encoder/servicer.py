@@ -16,7 +16,7 @@ import time
 import grpc
 
 from services.common import grpc_utils
-from services.common.encode_items import ProcessFile
+from services.common.encode_items import ProcessFile, has_video
 from services.common.logs import log_request
 from services.common.models.vision_io import PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
@@ -30,7 +30,6 @@ from services.encoder.convert import (
     check_pd_address,
     encode_response,
     encoder_load,
-    has_video,
     parse_encode_request,
 )
 from services.encoder.errors import DeadlineExceeded, EncoderError, PdNotAllowed

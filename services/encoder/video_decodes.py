@@ -1,64 +1,23 @@
-"""Video items are decoded on threads of their own, a bounded number at once.
-
-Decoding a video is CPU work that can take seconds (every frame up to the
-last sampled one), far more than parsing an image. Encode calls with a video
-item parse on ``VideoDecodes`` (``--video-threads``, 1 by default) instead of
-the default executor, so videos neither crowd out image calls nor decode more
-at once than configured; the calls waiting for a thread are bounded too (a
-call beyond the bound is RESOURCE_EXHAUSTED). A call that ends (answered,
-cancelled, past its deadline) cancels its ``DecodeBudget``: its decode stops
-at the next frame, or never starts when it was still queued.
-"""
+"""The encoder's video decode threads (``--video-threads``, ``--video-queue``): ``common.video_decodes``, whose
+full queue is the encoder's ``Overloaded`` (RESOURCE_EXHAUSTED + ``retry-after-ms``)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from services.common import video_decodes
+from services.common.video_decodes import RETRY_AFTER_MS, DecodesFull
 from services.encoder.errors import Overloaded
 
 T = TypeVar("T")
-_RETRY_AFTER_MS = 500  # a queued decode ends within its call's deadline
 
 
-class VideoDecodes:
-    """``threads`` decode threads and at most ``max_queued`` calls waiting for one."""
-
-    def __init__(self, threads: int, max_queued: int) -> None:
-        if threads < 1 or max_queued < 0:
-            raise ValueError("threads >= 1 and max_queued >= 0 are required")
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="encoder-video")
-        self._capacity = threads + max_queued
-        self._lock = threading.Lock()
-        self._num_admitted = 0  # queued + running, released when the job's future is done
-
-    @property
-    def num_admitted(self) -> int:
-        """Decodes queued or running (0 when idle: leak checks)."""
-        with self._lock:
-            return self._num_admitted
+class VideoDecodes(video_decodes.VideoDecodes):
+    """``threads`` decode threads and at most ``max_queued`` calls waiting for one; beyond them ``Overloaded``."""
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on a decode thread; ``Overloaded`` when every thread and queue slot is taken."""
-        with self._lock:
-            if self._num_admitted >= self._capacity:
-                raise Overloaded("too many videos waiting to be decoded", _RETRY_AFTER_MS)
-            self._num_admitted += 1
         try:
-            future = self._executor.submit(fn)
-        except BaseException:
-            self._release(None)
-            raise
-        future.add_done_callback(self._release)  # also when cancelled before it started
-        return await asyncio.wrap_future(future)  # cancelling this cancels a job that has not started
-
-    def _release(self, _future: object) -> None:
-        with self._lock:
-            self._num_admitted -= 1
-
-    def shutdown(self) -> None:
-        """Drops queued decodes; running ones stop at their next frame once their calls cancel them."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            return await super().run(fn)
+        except DecodesFull as error:
+            raise Overloaded(str(error), RETRY_AFTER_MS) from None

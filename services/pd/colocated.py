@@ -25,10 +25,12 @@ needs to report the forward.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +39,12 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, tensors
-from services.common.encode_items import ProcessFile, item_pixels
+from services.common.encode_items import ProcessFile, has_video, item_pixels
 from services.common.logs import log_request
 from services.common.models.loaded_vision import LoadedVision
 from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.common.video_decodes import RETRY_AFTER_MS, DecodesFull, VideoDecodes
 from services.common.video_files import NO_BUDGET, DecodeBudget, DecodeStopped
 from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
@@ -218,12 +221,20 @@ def parse_encode_request(
     return items
 
 
+VIDEO_THREADS = 1
+"""Videos a colocated PD decodes at once (the encoder's ``--video-threads`` default)."""
+VIDEO_QUEUE = 8
+"""Encode calls with a video waiting for a decode thread; beyond it RESOURCE_EXHAUSTED (the encoder's default)."""
+
+
 class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
     """``epd.v1.Encoder`` served by PD itself; reservations held by another PD are NOT_FOUND."""
 
     def __init__(self, encoder: ColocatedEncoder, accept_pixel_values: bool = False) -> None:
         self._encoder = encoder
         self._accept_pixel_values = accept_pixel_values  # PdConfig.accept_pixel_values
+        # Videos decode on threads of their own, as at the encoder (its defaults: one thread, eight waiting).
+        self.video_decodes = VideoDecodes(threads=VIDEO_THREADS, max_queued=VIDEO_QUEUE)
 
     async def Encode(self, request: epd_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> Any:
         start = time.perf_counter()
@@ -234,7 +245,7 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
         try:
             vision = self._encoder.vision
             # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
-            items = await asyncio.to_thread(
+            parse = functools.partial(
                 parse_encode_request,
                 request,
                 deadline,
@@ -243,6 +254,7 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
                 self._accept_pixel_values,
                 budget,
             )
+            items = await (self._decode_videos(parse) if has_video(request) else asyncio.to_thread(parse))
             done = await self._encoder.encode(items)
             status = "OK"
         except EngineError as error:
@@ -265,6 +277,13 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
                 for item in done
             ]
         )
+
+    async def _decode_videos(self, parse: Callable[[], list[ColocatedItem]]) -> list[ColocatedItem]:
+        """``parse`` on the video decode threads; RESOURCE_EXHAUSTED when they and their queue are taken."""
+        try:
+            return await self.video_decodes.run(parse)
+        except DecodesFull as error:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, str(error), RETRY_AFTER_MS / 1000) from None
 
     async def GetLoad(self, request: epd_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> Any:
         # PD's embedding cache is the only cache; nothing is pushed over the network.

@@ -1,5 +1,5 @@
-"""VideoDecodes: videos decode on their own bounded threads; the queue is bounded; nothing stays admitted.
-A decode stopped by its budget is DEADLINE_EXCEEDED at the encoder and at a colocated PD."""
+"""VideoDecodes: videos decode on their own bounded threads (encoder and colocated PD); the queue is bounded;
+nothing stays admitted. A decode stopped by its budget is DEADLINE_EXCEEDED at the encoder and at a colocated PD."""
 
 from __future__ import annotations
 
@@ -89,3 +89,32 @@ def test_a_decode_past_its_deadline_is_deadline_exceeded_at_a_colocated_pd():
             _video_request(), 0.0, PixelLayout(patch_dim=8, merge_size=2), _StoppedVideo(), budget=DecodeBudget()
         )
     assert stopped.value.kind is ErrorKind.DEADLINE_EXCEEDED
+
+
+@pytest.mark.timeout(30)
+async def test_a_colocated_pd_decodes_videos_on_bounded_threads_of_their_own():
+    servicer = colocated.ColocatedEncoderServicer(None)  # type: ignore[arg-type]
+    release, started = threading.Event(), threading.Event()
+
+    def blocking() -> list:
+        started.set()
+        release.wait(10)
+        return []
+
+    decodes = servicer.video_decodes
+    running = asyncio.create_task(servicer._decode_videos(blocking))
+    await asyncio.to_thread(started.wait, 10)
+    queued = [asyncio.create_task(servicer._decode_videos(list)) for _ in range(colocated.VIDEO_QUEUE)]
+    await asyncio.sleep(0)
+    assert decodes.num_admitted == 1 + colocated.VIDEO_QUEUE
+    with pytest.raises(EngineError) as full:  # every thread and queue slot taken: refused at once
+        await servicer._decode_videos(list)
+    assert full.value.kind is ErrorKind.RESOURCE_EXHAUSTED and full.value.retry_after_s
+    release.set()
+    assert await running == [] and await asyncio.gather(*queued) == [[]] * colocated.VIDEO_QUEUE
+    for _ in range(100):  # bounded: the done callbacks run on the executor's thread
+        if decodes.num_admitted == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert decodes.num_admitted == 0
+    decodes.shutdown()
