@@ -300,7 +300,9 @@ class Colocated:
     @classmethod
     async def load(cls, config: PdConfig, engine: EngineBridge) -> Colocated:
         """Loads the vision half off the event loop; serve it with ``register`` + ``become_ready``."""
-        vision = await asyncio.to_thread(LoadedVision.load, config.model, config.device, config.dtype)
+        vision = await asyncio.to_thread(
+            LoadedVision.load, config.model, config.device, config.dtype, config.video_limits()
+        )
         return cls(ColocatedEncoder(engine, vision), config.accept_pixel_values)
 
     def register(self, server: grpc.aio.Server) -> None:

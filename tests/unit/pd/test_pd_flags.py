@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from services.common.video_files import VideoLimits
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
 
@@ -117,3 +118,15 @@ def test_decode_allow_flag():
     assert _config(["--decode-allow", "*"]).decode_allow.any
     with pytest.raises(ValueError, match="--decode-allow"):
         _config(["--decode-allow", "*,d0:1"])
+
+
+def test_a_colocated_pd_takes_the_proxys_video_limits():
+    parser = argparse.ArgumentParser()
+    pd_main.add_arguments(parser)
+    defaults = pd_main.config_from_args(parser.parse_args([]))
+    assert defaults.video_limits() == VideoLimits()  # the proxy's and the encoder's defaults
+    args = ["--encoder", "local", "--max-video-frames", "128", "--max-video-seconds", "60", "--max-video-bytes", "1024"]
+    limits = pd_main.config_from_args(parser.parse_args(args)).video_limits()
+    assert (limits.max_frames, limits.max_seconds, limits.max_bytes) == (128, 60.0, 1024)
+    with pytest.raises(ValueError):
+        pd_main.config_from_args(parser.parse_args(["--max-video-frames", "0"]))
