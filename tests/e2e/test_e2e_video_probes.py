@@ -170,21 +170,29 @@ def test_hostile_videos_are_refused_or_stopped_in_bounded_memory_and_time(cluste
 
     slow = vp8_static(6000, size=(1920, 1080))  # 1.2 MiB; decoding to its frame 4500 takes about a minute here
     four = {"mm_processor_kwargs": {"num_frames": 4}}  # within the pixel limits: it must be decoded to be judged
-    # Two to the proxy at once, as in the report (its video pool has one thread), and one straight to the encoder.
-    with ThreadPoolExecutor(3) as pool:
+    # Two to the proxy at once, as in the report (its video pool has one thread), and one straight to the encoder;
+    # an image request meanwhile is not held up by them (images have their own threads at proxy and encoder).
+    with ThreadPoolExecutor(4) as pool:
         to_proxy = [pool.submit(chat, proxy, raw_video(slow, "video/webm"), DEADLINE_S, **four) for _ in range(2)]
         to_encoder = pool.submit(encode, encoder, pd, slow, DEADLINE_S)
+        time.sleep(0.5)  # the decodes are under way
+        image = pool.submit(chat, proxy, {"type": "image_url", "image_url": {"url": data_url(make_image(7))}})
         replies = [future.result() for future in to_proxy]
         status, took = to_encoder.result()
+        image_reply, image_s = image.result()
+    assert image_reply.status_code == 200, image_reply.text
+    assert image_s < NORMAL_S, f"an image request during the slow probes took {image_s:.2f} s"
     for reply, proxy_took in replies:
         assert reply.status_code == 504, reply.text
         assert proxy_took < DEADLINE_S + LATE_S  # the second waited for the video thread, within its own deadline
     assert status == "DEADLINE_EXCEEDED" and took < DEADLINE_S + LATE_S
     log.warning(
-        "slow probe, %.0f s deadline: proxy 504 after %s s, encoder DEADLINE_EXCEEDED after %.2f s",
+        "slow probe, %.0f s deadline: proxy 504 after %s s, encoder DEADLINE_EXCEEDED after %.2f s; "
+        "an image request meanwhile %.2f s",
         DEADLINE_S,
         " and ".join(f"{t:.2f}" for _, t in replies),
         took,
+        image_s,
     )
     normal_requests(proxy)  # the decodes stopped: the video threads are free again
 
