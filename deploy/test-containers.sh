@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The compose stack in a real container engine, Docker or Podman:
-#   build the image -> compose up -> the quick start's requests -> SIGKILL the
-#   encoder, then PD: each must be back and healthy within RECOVER_S with
-#   >= 95% of the requests sent around the kill answered 200 -> compose stop
-#   (every server drains and exits 0) -> compose down, no volume left behind.
+#   build the image -> compose up -> the hardening is in force (read-only root,
+#   no capabilities, no-new-privileges, a memory limit, encoders and PD off the
+#   public network) -> the quick start's requests -> SIGKILL the encoder, then
+#   PD: each must be back and healthy within RECOVER_S with >= 95% of the
+#   requests sent around the kill answered 200 -> compose stop (every server
+#   drains and exits 0) -> compose down -> the E+P+D stack
+#   (docker-compose.epd.yml) with a video model (EPD_VIDEO_MODEL): an image, a
+#   video and a hostile video (refused with a 400), then stop and down -> no
+#   volume left behind.
 #
 #   deploy/test-containers.sh                 # docker if `docker info` works, else podman
 #   ENGINE=podman deploy/test-containers.sh
@@ -20,6 +25,8 @@
 #   NO_CACHE=1        build every layer again (the build time of a first build)
 #   EPD_PROXY_PORT    host port of the proxy (default 18000, on 127.0.0.1)
 #   RECOVER_S         how long a killed service may take to be healthy again (30)
+#   EPD_VIDEO_MODEL   the E+P+D stack's model, one that takes videos (default the preset
+#                     qwen2.5-vl-tiny, built by each service into its tmpfs cache at start)
 #   RESULTS           a file to append the figures to (key=value lines)
 #
 # Podman: unless CONTAINERS_CONF is set, deploy/podman-containers.conf is used
@@ -59,12 +66,14 @@ export EPD_INTERNAL_TOKEN_SECRET_FILE=$WORK/internal-token
 
 # shellcheck disable=SC2206
 compose=($COMPOSE -p "$PROJECT" -f deploy/docker-compose.yml)
+# shellcheck disable=SC2206
+compose_epd=($COMPOSE -p "$PROJECT" -f deploy/docker-compose.yml -f deploy/docker-compose.epd.yml)
 ticker_pid=
 cleanup() {
   local job
   for job in $(jobs -p); do kill "$job" 2> /dev/null || true; done
   if [ -n "$ticker_pid" ]; then kill "$ticker_pid" 2> /dev/null || true; fi
-  "${compose[@]}" down > /dev/null 2>&1 || true
+  "${compose_epd[@]}" down > /dev/null 2>&1 || true
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -107,14 +116,44 @@ if [ "$ENGINE" = podman ]; then
   done) &
   ticker_pid=$!
 fi
-t0=$(now)
-"${compose[@]}" up -d >&2
-deadline=$(($(date +%s) + 600))
-until [ "$(curl -s -o /dev/null -w '%{http_code}' "$BASE/health")" = 200 ]; do
-  [ "$(date +%s)" -lt "$deadline" ] || { "${compose[@]}" logs >&2 || true; fail "not ready after 600 s"; }
-  sleep 0.5
-done
-record ready_s "$(since "$t0")"
+wait_ready() {  # $1 = the name of the figure to record; the compose command follows
+  local name=$1 t0 deadline
+  shift
+  t0=$(now)
+  "$@" up -d >&2
+  deadline=$(($(date +%s) + 600))
+  until [ "$(curl -s -o /dev/null -w '%{http_code}' "$BASE/health")" = 200 ]; do
+    [ "$(date +%s)" -lt "$deadline" ] || { "$@" logs >&2 || true; fail "not ready after 600 s"; }
+    sleep 0.5
+  done
+  record "$name" "$(since "$t0")"
+}
+wait_ready ready_s "${compose[@]}"
+
+# --- the hardening is in force ----------------------------------------------------
+check_hardening() {  # every EPD service's container, as the engine runs it
+  local service id networks
+  for service in "$@"; do
+    id=$(container "$service")
+    [ -n "$id" ] || fail "no container for $service"
+    [ "$($ENGINE inspect -f '{{.HostConfig.ReadonlyRootfs}}' "$id")" = true ] || fail "$service: writable root"
+    $ENGINE inspect -f '{{.HostConfig.CapDrop}}' "$id" | grep -qi all || fail "$service: capabilities kept"
+    $ENGINE inspect -f '{{.HostConfig.SecurityOpt}}' "$id" | grep -q no-new-privileges \
+      || fail "$service: no no-new-privileges"
+    [ "$($ENGINE inspect -f '{{.HostConfig.Memory}}' "$id")" -gt 0 ] || fail "$service: no memory limit"
+    # /models belongs to the service's user (deploy/Dockerfile): only the read-only root keeps it unwritten.
+    if $ENGINE exec "$id" sh -c 'touch /models/written' > /dev/null 2>&1; then fail "$service: wrote to its root"; fi
+    $ENGINE exec "$id" sh -c 'touch /tmp/written /var/cache/epd/written' || fail "$service: cannot write its tmpfs"
+    networks=$($ENGINE inspect -f '{{range $name, $_ := .NetworkSettings.Networks}}{{$name}} {{end}}' "$id")
+    case "$service:$networks" in
+      proxy:*public*) ;;
+      proxy:*) fail "proxy is not on the public network: $networks" ;;
+      *public*) fail "$service is on the public network: $networks" ;;
+    esac
+  done
+  log "hardened: $*"
+}
+check_hardening pd encoder proxy
 
 # --- the quick start's requests ---------------------------------------------------
 RED=iVBORw0KGgoAAAANSUhEUgAAAEAAAABACAIAAAAlC+aJAAAAX0lEQVR4nO3PQQ0AIBDAMMC/50MEj4ZkVbDtWX87OuBVA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA1oDWgNaA9oFUoUBf3Xr7AgAAAAASUVORK5CYII=
@@ -203,6 +242,72 @@ for id in $ids; do
   [ "$code" = 0 ] || fail "$($ENGINE inspect -f '{{.Name}}' "$id") exited $code on stop (a drain ends in 0)"
 done
 "${compose[@]}" down >&2
+[ -z "$($ENGINE ps -aq --filter "label=com.docker.compose.project=$PROJECT")" ] || fail "containers left after down"
+
+# --- E+P+D with a video model: an image, a video, a hostile video ------------------
+export EPD_MODEL=${EPD_VIDEO_MODEL:-qwen2.5-vl-tiny}
+wait_ready epd_ready_s "${compose_epd[@]}"
+check_hardening pd decode encoder proxy
+MODEL=$(curl -sf "$BASE/v1/models" | sed -n 's/.*"id" *: *"\([^"]*\)".*/\1/p' | head -n 1)
+[ -n "$MODEL" ] || fail "GET /v1/models named no model (E+P+D)"
+# The videos are made in the proxy's container, with the image's own PyAV: a 16-frame MP4, and MJPEG whose
+# header says 32x32 and whose next frame is 8192x8192 (refused for its codec, before a frame is decoded).
+$ENGINE exec "$(container proxy)" python -c '
+import base64, io, sys
+from fractions import Fraction
+import av, numpy as np
+from PIL import Image
+
+def clip():
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as box:
+        stream = box.add_stream("mpeg4", rate=Fraction(4))
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for index in range(16):
+            pixels = np.full((48, 64, 3), 12 * index, np.uint8)
+            box.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        box.mux(stream.encode(None))
+    return out.getvalue()
+
+def grower():
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="matroska") as box:
+        stream = box.add_stream("mjpeg", rate=Fraction(4))
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuvj420p"
+        for index, size in enumerate((32, 8192)):
+            jpeg = io.BytesIO()
+            Image.new("RGB", (size, size)).save(jpeg, format="JPEG", quality=20)
+            packet = av.Packet(jpeg.getvalue())
+            packet.stream, packet.time_base, packet.pts, packet.dts = stream, Fraction(1, 4), index, index
+            box.mux(packet)
+    return out.getvalue()
+
+sys.stdout.write(base64.b64encode(clip()).decode() + " " + base64.b64encode(grower()).decode())
+' > "$WORK/videos" || fail "could not make the test videos in the proxy container"
+read -r CLIP GROWER < "$WORK/videos" || true  # (no newline at the end: read says EOF)
+[ -n "${GROWER:-}" ] || fail "the test videos came out empty"
+video_body() {  # $1 = media type, $2 = base64 file
+  printf '{"model": "%s", "max_tokens": 16, "messages": [{"role": "user", "content": [
+    {"type": "video_url", "video_url": {"url": "data:%s;base64,%s"}},
+    {"type": "text", "text": "What happens?"}]}]}' "$MODEL" "$1" "$2"
+}
+sed "s|\"model\": \"[^\"]*\"|\"model\": \"$MODEL\"|" "$WORK/chat.json" > "$WORK/epd-chat.json"
+[ "$(chat "$WORK/epd-chat.json")" = 200 ] || fail "E+P+D chat with an image: $(cat "$WORK/reply")"
+video_body video/mp4 "$CLIP" > "$WORK/video.json"
+[ "$(chat "$WORK/video.json")" = 200 ] || fail "E+P+D chat with a video: $(cat "$WORK/reply")"
+grep -q '"video_tokens": *[1-9]' "$WORK/reply" || fail "no video tokens counted: $(cat "$WORK/reply")"
+video_body video/x-matroska "$GROWER" > "$WORK/grower.json"
+[ "$(chat "$WORK/grower.json")" = 400 ] || fail "the MJPEG probe was not refused: $(cat "$WORK/reply")"
+grep -q unsupported_video_format "$WORK/reply" || fail "the MJPEG probe: $(cat "$WORK/reply")"
+[ "$(chat "$WORK/video.json")" = 200 ] || fail "a video after the probe: $(cat "$WORK/reply")"
+log "E+P+D: an image, a video and a refused hostile video"
+ids=$($ENGINE ps -aq --filter "label=com.docker.compose.project=$PROJECT")
+"${compose_epd[@]}" stop >&2
+for id in $ids; do
+  code=$($ENGINE inspect -f '{{.State.ExitCode}}' "$id")
+  [ "$code" = 0 ] || fail "$($ENGINE inspect -f '{{.Name}}' "$id") exited $code on stop (E+P+D)"
+done
+"${compose_epd[@]}" down >&2
 [ -z "$($ENGINE ps -aq --filter "label=com.docker.compose.project=$PROJECT")" ] || fail "containers left after down"
 $ENGINE volume ls -q | sort > "$WORK/volumes.after"
 left=$(comm -13 "$WORK/volumes.before" "$WORK/volumes.after")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import struct
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -46,6 +47,86 @@ def make_video(
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
     return buffer.getvalue()
+
+
+def make_gop_video(seed: int, num_frames: int, gop: int, size: tuple[int, int] = (64, 48), fps: int = 10) -> bytes:
+    """An MP4 (MPEG-4 part 2) of distinct frames with a keyframe every ``gop`` frames."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    base = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.gop_size = gop
+        for index in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(np.roll(base, index, axis=1)), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------- probes: hostile videos
+
+
+def _mux_packets(fmt: str, codec: str, size: tuple[int, int], fps: int, payloads: list[bytes], keys: list[bool]):
+    """A container whose one video stream's header says ``size``, holding ``payloads`` as its packets."""
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=Fraction(fps))
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        for index, (data, key) in enumerate(zip(payloads, keys)):
+            packet = av.Packet(data)
+            packet.stream, packet.time_base, packet.pts, packet.dts = stream, Fraction(1, fps), index, index
+            packet.is_keyframe = key
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def _jpeg(size: tuple[int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (90, 120, 30)).save(buffer, format="JPEG", quality=20)
+    return buffer.getvalue()
+
+
+def mjpeg_that_grows(num_big: int = 2, big: int = 8192, small: int = 32) -> bytes:
+    """MJPEG in Matroska: a ``small``² header and first frame, then ``num_big`` frames of ``big``²."""
+    payloads = [_jpeg((small, small))] + [_jpeg((big, big))] * num_big
+    return _mux_packets("matroska", "mjpeg", (small, small), 4, payloads, [True] * len(payloads))
+
+
+def _vp8_packets(num_frames: int, size: tuple[int, int], gop: int = 1_000_000, step: int = 40) -> list[bytes]:
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="webm") as container:
+        stream = container.add_stream("libvpx", rate=Fraction(30))
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        stream.codec_context.gop_size = gop
+        packets = []
+        for index in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(np.full((size[1], size[0], 3), step * index, np.uint8), format="rgb24")
+            frame.pts = index
+            packets += [bytes(p) for p in stream.encode(frame)]
+        packets += [bytes(p) for p in stream.encode(None)]
+    return packets
+
+
+def vp8_keyframe_that_claims(big: int = 8192, num_big: int = 4, small: int = 32) -> bytes:
+    """VP8 in WebM, header and first frame ``small``², then keyframes whose own headers claim ``big``²
+    (the first keyframe with its size fields rewritten: a decoder sizes its buffers before it reads the rest)."""
+    key = _vp8_packets(2, (small, small), gop=1)[0]
+    assert key[3:6] == b"\x9d\x01\x2a"  # a VP8 keyframe's start code; width and height follow
+    claiming = key[:6] + struct.pack("<HH", big, big) + key[10:]
+    payloads = [key] + [claiming] * num_big
+    return _mux_packets("webm", "libvpx", (small, small), 4, payloads, [True] * len(payloads))
+
+
+def vp8_static(num_frames: int, size: tuple[int, int] = (640, 360), fps: int = 30) -> bytes:
+    """VP8 in WebM: one keyframe, then ``num_frames - 1`` copies of one empty inter frame (a few bytes each
+    that still cost a full frame to decode)."""
+    first, *_, inter = _vp8_packets(3, size, step=0)  # frames alike: the last inter frame changes nothing
+    payloads = [first] + [inter] * (num_frames - 1)
+    return _mux_packets("webm", "libvpx", size, fps, payloads, [True] + [False] * (num_frames - 1))
 
 
 def video_data_url(data: bytes, fmt: str = "mp4") -> str:

@@ -21,7 +21,7 @@ from services.common.grids import grid_from_pb
 from services.common.hashing import hash_settings, mm_hash
 from services.common.models.pixel_layout import Grid, PixelLayout
 from services.common.pb import epd_pb2
-from services.common.video_files import VideoLimits
+from services.common.video_files import NO_BUDGET, DecodeBudget, VideoLimits
 
 MAX_FILE_PIXELS = 8192 * 8192
 """Largest image file a vision side decodes (the proxy's own cap, ``--max-image-pixels``, is lower by default)."""
@@ -32,20 +32,23 @@ class ProcessFile(Protocol):
 
     def __call__(self, data: bytes, cache_salt: str) -> tuple[np.ndarray, Grid | None, str]: ...
 
-    def video(self, item: epd_pb2.EncodeItem, cache_salt: str) -> tuple[np.ndarray, Grid, str]: ...
+    def video(
+        self, item: epd_pb2.EncodeItem, cache_salt: str, budget: DecodeBudget = NO_BUDGET
+    ) -> tuple[np.ndarray, Grid, str]: ...
 
 
 VIDEO_LIMITS = VideoLimits()
-"""What a vision side decodes of one video (the proxy's own limits, ``--max-video-*``, are no larger by default)."""
+"""What a vision side decodes of one video by default: the proxy's defaults (``--max-video-*`` on both)."""
 
 
 class _FileProcessor:
     """``file_processor``'s result: the adapter's processors and hashing, for image files and videos."""
 
-    def __init__(self, adapter: Any, image_processor: Any) -> None:
+    def __init__(self, adapter: Any, image_processor: Any, video_limits: VideoLimits) -> None:
         self.adapter = adapter
         self.image_processor = image_processor
         self.settings = adapter.processor_settings()
+        self.video_limits = video_limits
 
     def __call__(self, data: bytes, cache_salt: str) -> tuple[np.ndarray, Grid | None, str]:
         with image_files.decoded(data, _max_file_pixels()) as image:
@@ -55,12 +58,15 @@ class _FileProcessor:
             )
         return processed.pixel_values, processed.patch_grid, digest
 
-    def video(self, item: epd_pb2.EncodeItem, cache_salt: str) -> tuple[np.ndarray, Grid, str]:
+    def video(
+        self, item: epd_pb2.EncodeItem, cache_salt: str, budget: DecodeBudget = NO_BUDGET
+    ) -> tuple[np.ndarray, Grid, str]:
         if not getattr(self.adapter, "supports_video", False):
             raise ValueError("this model takes no videos")
         temporal = int(self.image_processor.temporal_patch_size)
-        sampling = video_items.sampling_from_pb(item.video_sampling, temporal, VIDEO_LIMITS)
-        video = video_items.sample_video(item.video_file, item.frame_files, sampling, VIDEO_LIMITS)
+        limits = self.video_limits
+        sampling = video_items.sampling_from_pb(item.video_sampling, temporal, limits)
+        video = video_items.sample_video(item.video_file, item.frame_files, sampling, limits, budget)
         try:
             processed = self.adapter.process_video(self.image_processor, video.frames)
             grid = processed.patch_grid
@@ -78,11 +84,16 @@ class _FileProcessor:
         return processed.pixel_values, grid, digest
 
 
-def file_processor(adapter: Any, image_processor: Any) -> ProcessFile:
-    """Decodes an image file (``image_files``, at most ``MAX_FILE_PIXELS``) or a video (``video_items``), runs
-    ``adapter``'s processor on it and hashes it as the proxy does; ValueError for a file it refuses. CPU work:
-    call it off the event loop."""
-    return _FileProcessor(adapter, image_processor)
+def file_processor(adapter: Any, image_processor: Any, video_limits: VideoLimits = VIDEO_LIMITS) -> ProcessFile:
+    """Decodes an image file (``image_files``, at most ``MAX_FILE_PIXELS``) or a video (``video_items``, within
+    ``video_limits``), runs ``adapter``'s processor on it and hashes it as the proxy does; ValueError for a file
+    it refuses, ``DecodeStopped`` when a video's budget ends. CPU work: call it off the event loop."""
+    return _FileProcessor(adapter, image_processor, video_limits)
+
+
+def has_video(request: epd_pb2.EncodeRequest) -> bool:
+    """Whether any item of ``request`` is a video (decoded on ``video_decodes.VideoDecodes``)."""
+    return any(item.video_file or item.frame_files for item in request.items)
 
 
 def _max_file_pixels() -> int:
@@ -96,6 +107,7 @@ def item_pixels(
     process_file: ProcessFile | None = None,
     cache_salt: str = "",
     accept_pixel_values: bool = True,
+    budget: DecodeBudget = NO_BUDGET,
 ) -> tuple[torch.Tensor, Grid | None]:
     """The processed pixels and patch grid of ``item``; ValueError unless they fit ``layout``.
 
@@ -104,6 +116,7 @@ def item_pixels(
     ``mm_hash`` must be its hash under ``cache_salt`` (checked by the caller).
     ``accept_pixel_values``: whether processed pixels are taken at all; their
     ``mm_hash`` cannot be checked against them (it hashes the decoded image).
+    ``budget``: when a video's decoding must stop (``DecodeStopped``, not a ValueError).
     """
     has_video = bool(item.video_file) or bool(item.frame_files)
     has_pixels, has_file = item.HasField("pixel_values"), bool(item.image_file)
@@ -120,7 +133,7 @@ def item_pixels(
     except ValueError:
         raise ValueError(f"item {index}: {what} or grid is not valid") from None
     if pixels is None:
-        pixels = _process(item, grid, index, process_file, cache_salt, has_video)
+        pixels = _process(item, grid, index, process_file, cache_salt, has_video, budget)
     elif pixels.dtype not in tensors.PIXEL_DTYPES:
         raise ValueError(f"item {index}: pixel_values must be float32, float16 or bfloat16")
     try:
@@ -141,6 +154,7 @@ def _process(
     process_file: ProcessFile | None,
     cache_salt: str,
     is_video: bool,
+    budget: DecodeBudget,
 ) -> torch.Tensor:
     what = "video" if is_video else "image_file"
     if process_file is None:
@@ -148,7 +162,7 @@ def _process(
     file_grid: Grid | None
     try:
         if is_video:
-            pixels, file_grid, digest = process_file.video(item, cache_salt)
+            pixels, file_grid, digest = process_file.video(item, cache_salt, budget)
         else:
             pixels, file_grid, digest = process_file(item.image_file, cache_salt)
     except ValueError as error:  # image/video files' refusals, and the processor's (e.g. an extreme aspect ratio)

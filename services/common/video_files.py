@@ -1,27 +1,33 @@
-"""Strict decoding of video files: the proxy's client videos and the encoder's ``EncodeItem.video_file``.
+"""Strict reading of video files: the proxy's client videos and the encoder's ``EncodeItem.video_file``.
 
-Decoded with PyAV (FFmpeg's demuxers and decoders, wheels for every platform,
+Read with PyAV (FFmpeg's demuxers and decoders, wheels for every platform,
 no torch or torchvision). As for images, each check runs before the work it
 protects: the byte count first; the container is sniffed from its magic
 bytes against an allow-list (MP4/QuickTime, Matroska/WebM) and opened with
 that demuxer only; width x height, codec and duration come from the header;
-the frames are counted from the packets (no decoding); the sampled frame
-count is checked; only then are frames decoded, one at a time, keeping the
-sampled ones. Messages never include the input.
+the frames are counted from the packets (no decoding), and their timestamps
+kept for seeking. Decoding the sampled frames is ``video_decode``'s. Both
+loops stop at their request's ``DecodeBudget``. Messages never include the input.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import av
-from PIL import Image
 
-ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
-"""Video codecs decoded; anything else in an allowed container is refused before decoding."""
+ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
+"""Video codecs decoded; anything else in an allowed container is refused before decoding. Not MJPEG (nor any
+other intra-only still-image codec): each of its frames is a picture of its own, with its own size, so the header
+bounds nothing and a few hundred bytes a frame can ask for the largest picture the codec allows."""
+
+MAX_TRUSTED_FPS = 60.0
+"""The frame rate the frame cap allows for (``VideoLimits.max_total_frames``): a file may claim any rate."""
 
 _CONTAINERS = {"mp4": "mp4", "matroska": "matroska"}  # sniffed kind -> FFmpeg demuxer
 
@@ -42,21 +48,61 @@ class CorruptVideoError(VideoFileError):
     """The header or the data is truncated or corrupt, or it holds no frame."""
 
 
+class DecodeStopped(Exception):
+    """Decoding stopped before it finished: its request's deadline passed or its request went away.
+
+    Not a ``VideoFileError``: the file may be fine (the proxy answers 504, the encoder DEADLINE_EXCEEDED).
+    """
+
+
+class DecodeBudget:
+    """When a decode must stop: its request's deadline and a cancel flag. Thread-safe.
+
+    ``deadline`` is in ``clock()`` seconds (``time.monotonic``; None = none). The demux and decode loops call
+    ``check()`` before every packet and frame, so a decode whose request has its answer (a 504 at the deadline)
+    or has gone away (``cancel()``, idempotent) ends within one frame instead of holding its thread to the end
+    of the file.
+    """
+
+    def __init__(self, deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.deadline = deadline
+        self._clock = clock
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def check(self) -> None:
+        """Raises ``DecodeStopped`` once cancelled or past the deadline."""
+        if self._cancelled.is_set():
+            raise DecodeStopped("the request went away")
+        if self.deadline is not None and self._clock() >= self.deadline:
+            raise DecodeStopped("the request's deadline passed")
+
+
+NO_BUDGET = DecodeBudget()
+"""No deadline, never cancelled (callers that bound the work otherwise: tests, tools)."""
+
+
 @dataclass(frozen=True)
 class VideoLimits:
-    """Bounds on one video, checked before decoding (``--max-video-*`` flags)."""
+    """Bounds on one video, checked before decoding (``--max-video-*`` flags: proxy and encoder share the defaults)."""
 
     max_bytes: int = 32 << 20
-    max_seconds: float = 600.0
-    max_frames: int = 768  # sampled frames
+    max_seconds: float = 300.0
+    max_frames: int = 64  # sampled frames
     max_frame_pixels: int = 4096 * 4096
-    # width x height x sampled frames: what decoding holds at once (3 bytes a pixel), 4 GiB-class frames never
-    max_total_pixels: int = 4 * 4096 * 4096
+    # width x height x sampled frames: what decoding holds at once (3 bytes a pixel)
+    max_total_pixels: int = 2 * 4096 * 4096
 
     @property
     def max_total_frames(self) -> int:
-        """Frames a video may hold before sampling (at most 240 a second over ``max_seconds``): bounds decoding."""
-        return max(1, math.ceil(self.max_seconds * 240))
+        """Frames a video may hold before sampling (``MAX_TRUSTED_FPS`` over ``max_seconds``): bounds decoding."""
+        return max(1, math.ceil(self.max_seconds * MAX_TRUSTED_FPS))
 
 
 @dataclass(frozen=True)
@@ -80,13 +126,22 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Timeline:
+    """Timestamps of a video's frames from its packets (stream time base), for seeking to keyframes."""
+
+    frame_pts: tuple[int, ...]  # every frame's, ascending: presentation order (frame i has frame_pts[i])
+    keyframe_pts: tuple[int, ...]  # the keyframes', ascending (the first frame's among them)
+
+
+@dataclass(frozen=True)
 class VideoInfo:
     """What the header and the packets say, before any frame is decoded."""
 
     width: int
     height: int
-    num_frames: int  # frames in the file (video packets)
+    num_frames: int  # frames shown (video packets, less those an edit list discards)
     fps: float  # the stream's average frame rate
+    timeline: Timeline | None = None  # None: timestamps missing or repeated (frames are then decoded in order)
 
 
 def sniff(data: bytes) -> str:
@@ -116,20 +171,19 @@ def sampled_fps(num_sampled: int, info: VideoInfo) -> float:
     return num_sampled / info.num_frames * info.fps
 
 
-def probe(data: bytes, limits: VideoLimits) -> VideoInfo:
+def probe(data: bytes, limits: VideoLimits, budget: DecodeBudget = NO_BUDGET) -> VideoInfo:
     """Checks bytes, container, codec, frame size and duration from the header, then counts packets."""
     if len(data) > limits.max_bytes:
         raise VideoLimitError(f"The video is larger than {limits.max_bytes} bytes.")
-    with _open(data) as container:
-        stream = _video_stream(container, limits)
-        info = _count_frames(container, stream, limits)
+    budget.check()
+    with open_container(data) as container:
+        stream = video_stream(container, limits)
+        info = _count_frames(container, stream, limits, budget)
     return info
 
 
-def decode_frames(data: bytes, limits: VideoLimits, sampling: Sampling) -> tuple[list[Image.Image], VideoInfo]:
-    """The sampled frames of a video as RGB images (``probe`` first), and its header facts."""
-    info = probe(data, limits)
-    indices = sample_indices(info.num_frames, info.fps, sampling)
+def check_sampled(info: VideoInfo, indices: list[int], limits: VideoLimits) -> None:
+    """Refuses a sampling with no frame, or one over ``max_frames`` or ``max_total_pixels``, before decoding."""
     if not indices:
         raise CorruptVideoError("The video has too few frames to sample.")
     if len(indices) > limits.max_frames:
@@ -139,29 +193,11 @@ def decode_frames(data: bytes, limits: VideoLimits, sampling: Sampling) -> tuple
         raise VideoLimitError(
             f"The video's sampled frames have {total} pixels; the limit is {limits.max_total_pixels}."
         )
-    return _decode(data, limits, indices), info
 
 
-def _decode(data: bytes, limits: VideoLimits, indices: Sequence[int]) -> list[Image.Image]:
-    wanted = set(indices)
-    frames: list[Image.Image] = []
-    with _open(data) as container:
-        stream = _video_stream(container, limits)
-        try:
-            for index, frame in enumerate(container.decode(stream)):
-                if index in wanted:
-                    frames.append(frame.to_image())  # RGB24
-                if len(frames) == len(indices):
-                    break
-        except (av.FFmpegError, ValueError, MemoryError):
-            raise CorruptVideoError("The video data is truncated or corrupt.") from None
-    if len(frames) != len(indices):
-        raise CorruptVideoError("The video data is truncated or corrupt.")
-    return frames
-
-
-class _open:
-    """``av.open`` of ``data`` with the sniffed demuxer only, errors as ``VideoFileError``."""
+class open_container:
+    """``with open_container(data) as container``: ``av.open`` of ``data`` with the sniffed demuxer only, errors
+    as ``VideoFileError``."""
 
     def __init__(self, data: bytes) -> None:
         kind = sniff(data)
@@ -177,7 +213,8 @@ class _open:
         self.container.close()
 
 
-def _video_stream(container: av.container.InputContainer, limits: VideoLimits) -> av.VideoStream:
+def video_stream(container: av.container.InputContainer, limits: VideoLimits) -> av.VideoStream:
+    """The first video stream, its codec and header frame size and duration checked against ``limits``."""
     if not container.streams.video:
         raise CorruptVideoError("The file has no video stream.")
     stream = container.streams.video[0]
@@ -196,22 +233,50 @@ def _video_stream(container: av.container.InputContainer, limits: VideoLimits) -
     return stream
 
 
-def _count_frames(container: av.container.InputContainer, stream: av.VideoStream, limits: VideoLimits) -> VideoInfo:
+def _count_frames(
+    container: av.container.InputContainer, stream: av.VideoStream, limits: VideoLimits, budget: DecodeBudget
+) -> VideoInfo:
     rate = stream.average_rate or stream.guessed_rate
     fps = float(rate) if rate else 0.0
     if not fps > 0:
         raise CorruptVideoError("The video has no frame rate.")
-    count = 0
+    count = shown = 0
+    frame_pts: list[int] | None = []  # None once a packet has no timestamp
+    keyframe_pts: list[int] = []
     try:
         for packet in container.demux(stream):
-            if packet.size:  # the demuxer's final flush packet is empty
-                count += 1
-                if count > limits.max_total_frames:
-                    raise VideoLimitError(f"The video has more than {limits.max_total_frames} frames.")
+            if not packet.size:  # the demuxer's final flush packet is empty
+                continue
+            budget.check()
+            count += 1
+            if count > limits.max_total_frames:
+                raise VideoLimitError(f"The video has more than {limits.max_total_frames} frames.")
+            if packet.is_discard:  # decoded for its references, never shown (an edit list trimmed it)
+                continue
+            shown += 1
+            if packet.pts is None:
+                frame_pts = None
+            elif frame_pts is not None:
+                frame_pts.append(packet.pts)
+                if packet.is_keyframe:
+                    keyframe_pts.append(packet.pts)
     except av.FFmpegError:
         raise CorruptVideoError("The video data is truncated or corrupt.") from None
-    if count == 0:
+    if shown == 0:
         raise CorruptVideoError("The video has no frames.")
-    if count / fps > limits.max_seconds:
+    if shown / fps > limits.max_seconds:
         raise VideoLimitError(f"The video is longer than {limits.max_seconds:g} seconds.")
-    return VideoInfo(stream.codec_context.width, stream.codec_context.height, count, fps)
+    return VideoInfo(
+        stream.codec_context.width, stream.codec_context.height, shown, fps, _timeline(frame_pts, keyframe_pts)
+    )
+
+
+def _timeline(frame_pts: list[int] | None, keyframe_pts: list[int]) -> Timeline | None:
+    """The frames' timestamps, when every frame has its own and the first frame is a keyframe."""
+    if not frame_pts or len(set(frame_pts)) != len(frame_pts):
+        return None
+    ordered = tuple(sorted(frame_pts))
+    keys = tuple(sorted(keyframe_pts))
+    if not keys or keys[0] != ordered[0]:
+        return None
+    return Timeline(ordered, keys)

@@ -15,10 +15,10 @@ from typing import Any
 
 from PIL import Image
 
-from services.common import image_files, video_files
+from services.common import image_files, video_decode, video_files
 from services.common.hashing import video_hash
 from services.common.pb import epd_pb2
-from services.common.video_files import Sampling, VideoLimits
+from services.common.video_files import NO_BUDGET, DecodeBudget, Sampling, VideoLimits
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,18 @@ def sampling_from_pb(message: epd_pb2.VideoSampling, temporal_patch_size: int, l
 
 
 def sample_video(
-    video_file: bytes, frame_files: Sequence[bytes], sampling: Sampling, limits: VideoLimits
+    video_file: bytes,
+    frame_files: Sequence[bytes],
+    sampling: Sampling,
+    limits: VideoLimits,
+    budget: DecodeBudget = NO_BUDGET,
 ) -> SampledVideo:
     """The kept frames of a video file, or the given frames (at ``sampling.fps``); ``VideoFileError`` /
-    ``ImageFileError`` (both ValueError) for input it refuses. CPU work: call it off the event loop."""
+    ``ImageFileError`` (both ValueError) for input it refuses, ``DecodeStopped`` when ``budget`` ends.
+    CPU work: call it off the event loop."""
+    budget.check()
     if video_file:
-        decoded, info = video_files.decode_frames(video_file, limits, sampling)
+        decoded, info = video_decode.decode_frames(video_file, limits, sampling, budget)
         return SampledVideo(decoded, video_files.sampled_fps(len(decoded), info))
     if not frame_files:
         raise video_files.CorruptVideoError("The video has no frames.")
@@ -78,8 +84,9 @@ def sample_video(
     frames: list[Image.Image] = []
     try:
         for data in frame_files:
+            budget.check()
             frames.append(image_files.decode_image_bytes(data, limits.max_frame_pixels))
-    except ValueError:
+    except BaseException:
         SampledVideo(frames, 1.0).close()
         raise
     return SampledVideo(frames, sampling.fps)

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from services.common.image_files import ENCODE_ENVELOPE_BYTES, MAX_FILE_BYTES
 from services.common.ports import DEFAULT_ENCODER_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
+from services.common.video_files import VideoLimits
 from services.common.wire import CHUNK_BYTES
 from services.encoder.faults import NO_FAULTS, Faults
 from services.encoder.pd_allow import PdAllowSpec
 
 MIB = 1 << 20
+_VIDEO = VideoLimits()  # the defaults the proxy's video limits share
 DEFAULT_METRICS_PORT = 9101
 """``epd encoder``'s ``--metrics-port`` (``epd up`` gives encoder i 9101 + i)."""
 
@@ -81,6 +83,23 @@ class EncoderConfig:
     popular image's hash and PD cache them."""
     pd_allow: PdAllowSpec = PdAllowSpec()
     """The PDs an Encode may name (``pd_allow.py``); the default allows loopback addresses only."""
+    max_video_frames: int = _VIDEO.max_frames
+    """Most frames sampled of one video (the proxy's ``--max-video-frames``: keep them equal)."""
+    max_video_seconds: float = _VIDEO.max_seconds
+    """Longest video, from its header and its packets (the proxy's ``--max-video-seconds``)."""
+    max_video_bytes: int = _VIDEO.max_bytes
+    """Largest video file (the proxy's ``--max-video-bytes``)."""
+    video_threads: int = 1
+    """Videos decoded at once, on threads of their own (``video_decodes.py``)."""
+    video_queue: int = 8
+    """Encode calls with a video waiting for a decode thread; beyond it RESOURCE_EXHAUSTED."""
+
+    def video_limits(self) -> VideoLimits:
+        """What this encoder decodes of one video; a frame's size and the sampled frames' pixels together are
+        ``VideoLimits``' defaults, the proxy's default ``--max-image-pixels`` and ``--max-request-pixels``."""
+        return VideoLimits(
+            max_bytes=self.max_video_bytes, max_seconds=self.max_video_seconds, max_frames=self.max_video_frames
+        )
 
     def __post_init__(self) -> None:
         positive = {
@@ -92,6 +111,10 @@ class EncoderConfig:
             "push_timeout_s": self.push_timeout_s,
             "push_attempts": self.push_attempts,
             "push_connect_timeout_s": self.push_connect_timeout_s,
+            "max_video_frames": self.max_video_frames,
+            "max_video_seconds": self.max_video_seconds,
+            "max_video_bytes": self.max_video_bytes,
+            "video_threads": self.video_threads,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -104,6 +127,7 @@ class EncoderConfig:
             "port": self.port,
             "stall_timeout_s": self.stall_timeout_s,
             "liveness_timeout_s": self.liveness_timeout_s,
+            "video_queue": self.video_queue,
         }
         for name, value in non_negative.items():
             if value < 0:

@@ -15,6 +15,7 @@ from services.common import hashing, tensors
 from services.common.encode_items import ProcessFile, item_pixels
 from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2
+from services.common.video_files import NO_BUDGET, DecodeBudget
 from services.encoder.errors import InvalidInput
 
 MAX_ADDRESS_CHARS = 512
@@ -72,11 +73,12 @@ def _parse_item(
     process_file: ProcessFile | None,
     cache_salt: str,
     accept_pixel_values: bool,
+    budget: DecodeBudget,
 ) -> EncodeItemWork:
     mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
     reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
     try:
-        pixels, grid = item_pixels(item, index, layout, process_file, cache_salt, accept_pixel_values)
+        pixels, grid = item_pixels(item, index, layout, process_file, cache_salt, accept_pixel_values, budget)
     except ValueError as error:
         raise InvalidInput(str(error)) from None
     return EncodeItemWork(mm_hash=mm_hash, reservation_id=reservation_id, pixel_values=pixels, grid=grid)
@@ -104,12 +106,14 @@ def parse_encode_request(
     layout: PixelLayout = PixelLayout(),
     process_file: ProcessFile | None = None,
     accept_pixel_values: bool = True,
+    budget: DecodeBudget = NO_BUDGET,
 ) -> EncodeWork:
     """Validates an ``EncodeRequest`` against the vision module's ``layout``; raises ``InvalidInput``.
 
     ``process_file`` turns image files into pixels (None: pixel_values only);
     it decodes and processes images, so call this off the event loop.
     ``accept_pixel_values``: see ``EncoderConfig.accept_pixel_values``.
+    ``budget``: when a video's decoding must stop (``DecodeStopped``).
     """
     request_id = _check_id(request.request_id, "request_id")
     address = check_pd_address(request.pd_address)
@@ -117,7 +121,7 @@ def parse_encode_request(
     if not request.items:
         raise InvalidInput("items must not be empty")
     items = tuple(
-        _parse_item(item, index, layout, process_file, cache_salt, accept_pixel_values)
+        _parse_item(item, index, layout, process_file, cache_salt, accept_pixel_values, budget)
         for index, item in enumerate(request.items)
     )
     return EncodeWork(request_id=request_id, pd_address=address, items=items)

@@ -36,6 +36,7 @@ HELP_GROUPS = (
             "--accept-pixel-values",
         ),
     ),
+    ("videos", ("--max-video-frames", "--max-video-seconds", "--max-video-bytes", "--video-threads", "--video-queue")),
     ("pushes to PDs", ("--pd-allow", "--max-outbound-mib", "--push-chunk-kib", "--push-timeout-s")),
     ("lifecycle", ("--warmup", "--grace", "--stall-timeout-s", "--liveness-timeout-s")),
     (
@@ -120,6 +121,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "port (a Kubernetes headless service: pd-headless:21061); '*' = any address (warned at start-up); "
         "'' = loopback addresses only. Any other address is refused with PERMISSION_DENIED before any work",
     )
+    add(
+        parser,
+        "--max-video-frames",
+        type=int,
+        default=defaults.max_video_frames,
+        help="most frames sampled of one video (keep it equal to the proxy's --max-video-frames)",
+    )
+    add(
+        parser,
+        "--max-video-seconds",
+        type=float,
+        default=defaults.max_video_seconds,
+        help="longest video (keep it equal to the proxy's --max-video-seconds)",
+    )
+    add(
+        parser,
+        "--max-video-bytes",
+        type=int,
+        default=defaults.max_video_bytes,
+        help="largest video file (keep it equal to the proxy's --max-video-bytes)",
+    )
+    add(
+        parser,
+        "--video-threads",
+        type=int,
+        default=defaults.video_threads,
+        help="videos decoded at once, on threads of their own (a decode stops at its call's deadline)",
+    )
+    add(
+        parser,
+        "--video-queue",
+        type=int,
+        default=defaults.video_queue,
+        help="Encode calls with a video waiting for a decode thread; beyond it RESOURCE_EXHAUSTED",
+    )
     add(parser, "--warmup", default=defaults.warmup, help="run a blank-image forward before reporting ready")
     add(
         parser,
@@ -193,6 +229,11 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         security=security.from_args(args),
         pd_allow=PdAllowSpec.parse(args.pd_allow),
         accept_pixel_values=args.accept_pixel_values,
+        max_video_frames=args.max_video_frames,
+        max_video_seconds=args.max_video_seconds,
+        max_video_bytes=args.max_video_bytes,
+        video_threads=args.video_threads,
+        video_queue=args.video_queue,
     )
 
 

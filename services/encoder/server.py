@@ -29,6 +29,7 @@ from services.encoder.metrics import EncoderMetrics, PrometheusEncoderMetrics
 from services.encoder.pd_allow import PdAllowList, PdAllowSpec
 from services.encoder.pusher import EmbeddingPusher
 from services.encoder.servicer import EncoderServicer
+from services.encoder.video_decodes import VideoDecodes
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,12 @@ class EncoderStats(NamedTuple):
     num_cached: int
     outbound_bytes: int  # bytes of pushes in flight
     num_images_encoded: int = 0
+    num_video_decodes: int = 0  # video Encode calls decoding or waiting for a decode thread
 
 
 def load_vision(config: EncoderConfig) -> LoadedVision:
     """Loads only the vision tower + projector of ``config.model`` (blocking; run off the loop)."""
-    return LoadedVision.load(config.model, config.device, config.dtype)
+    return LoadedVision.load(config.model, config.device, config.dtype, config.video_limits())
 
 
 def _log_pd_allow(spec: PdAllowSpec) -> None:
@@ -74,8 +76,10 @@ class EncoderServer:
         batcher: Batcher,
         pusher: EmbeddingPusher,
         cache: EmbeddingCache,
+        video_decodes: VideoDecodes | None = None,
     ) -> None:
         self.config = config
+        self._video_decodes = video_decodes or VideoDecodes(config.video_threads, config.video_queue)
         self.vision = vision
         self._grpc = grpc_server
         self._batcher = batcher
@@ -112,6 +116,7 @@ class EncoderServer:
         )
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
+        video_decodes = VideoDecodes(config.video_threads, config.video_queue)
         servicer = EncoderServicer(
             batcher,
             pusher,
@@ -121,6 +126,7 @@ class EncoderServer:
             process_file=vision.process_file,
             pd_allow=PdAllowList(config.pd_allow),
             accept_pixel_values=config.accept_pixel_values,
+            video_decodes=video_decodes,
         )
         _log_pd_allow(config.pd_allow)
 
@@ -136,7 +142,7 @@ class EncoderServer:
             security=config.security,
             max_receive_bytes=config.max_message_bytes,
         )
-        return cls(config, vision, grpc_server, batcher, pusher, cache)
+        return cls(config, vision, grpc_server, batcher, pusher, cache, video_decodes)
 
     @property
     def port(self) -> int:
@@ -173,6 +179,7 @@ class EncoderServer:
             num_cached=len(self._cache),
             outbound_bytes=self._pusher.outbound_bytes,
             num_images_encoded=self._batcher.num_images_encoded,
+            num_video_decodes=self._video_decodes.num_admitted,
         )
 
     async def stop(self, grace: float | None = None) -> None:
@@ -180,6 +187,7 @@ class EncoderServer:
         if self._watchdog is not None:
             self._watchdog.cancel()
         await self._grpc.stop(self.config.grace_s if grace is None else grace)
+        self._video_decodes.shutdown()
         await asyncio.to_thread(self._batcher.stop)
         await self._pusher.close()
         if self.metrics_http is not None:  # last: a scrape can still see the drain

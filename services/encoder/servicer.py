@@ -9,16 +9,18 @@ cancels every item task; the batcher and pusher release their share in
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
 import grpc
 
 from services.common import grpc_utils
-from services.common.encode_items import ProcessFile
+from services.common.encode_items import ProcessFile, has_video
 from services.common.logs import log_request
 from services.common.models.vision_io import PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.common.video_files import DecodeBudget, DecodeStopped
 from services.encoder.batcher import Batcher
 from services.encoder.cache import EmbeddingCache
 from services.encoder.convert import (
@@ -34,6 +36,7 @@ from services.encoder.errors import DeadlineExceeded, EncoderError, PdNotAllowed
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pd_allow import PdAllowList
 from services.encoder.pusher import EmbeddingPusher
+from services.encoder.video_decodes import VideoDecodes
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         process_file: ProcessFile | None = None,
         pd_allow: PdAllowList | None = None,
         accept_pixel_values: bool = False,
+        video_decodes: VideoDecodes | None = None,
     ) -> None:
+        self.video_decodes = video_decodes or VideoDecodes(threads=1, max_queued=8)
         self._pd_allow = pd_allow or PdAllowList()  # loopback only unless configured
         self._accept_pixel_values = accept_pixel_values  # EncoderConfig.accept_pixel_values
         self._layout = layout  # what the vision module takes: checked before anything is queued
@@ -85,14 +90,12 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         status = "UNKNOWN"
         request_id = grpc_utils.request_id_of(context)  # until the request body is validated
         outcomes: list[ItemOutcome] = []
+        budget = DecodeBudget(deadline)
         try:
             # Before any other work: the address decides where this encoder, and its token, go.
             if not await self._pd_allow.allows(check_pd_address(request.pd_address)):
                 raise PdNotAllowed("pd_address is not a PD this encoder may push to (--pd-allow)")
-            # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
-            work = await asyncio.to_thread(
-                parse_encode_request, request, self._layout, self._process_file, self._accept_pixel_values
-            )
+            work = await self._parse(request, budget)
             request_id = work.request_id
             outcomes = await self._encode_all(work, deadline, remaining)
             status = "OK"
@@ -107,6 +110,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             status = "INTERNAL"  # the interceptor logs it and answers INTERNAL
             raise
         finally:
+            budget.cancel()  # a video decode still running for this call stops at its next frame
             duration = time.perf_counter() - start
             self._metrics.on_request(status, duration)
             log_request(
@@ -118,6 +122,19 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
                 cache_hits=sum(outcome.cache_hit for outcome in outcomes),
                 duration_ms=duration * 1000.0,
             )
+
+    async def _parse(self, request: epd_pb2.EncodeRequest, budget: DecodeBudget) -> EncodeWork:
+        """The validated request; off the event loop (checking pixels, decoding and processing files is CPU work),
+        videos on their own bounded threads. ``DeadlineExceeded`` when a video's decoding outlasts the deadline."""
+        parse = functools.partial(
+            parse_encode_request, request, self._layout, self._process_file, self._accept_pixel_values, budget
+        )
+        try:
+            if has_video(request):
+                return await self.video_decodes.run(parse)
+            return await asyncio.to_thread(parse)
+        except DecodeStopped:
+            raise DeadlineExceeded("deadline exceeded while decoding a video") from None
 
     async def _encode_all(self, work: EncodeWork, deadline: float | None, remaining: float | None) -> list[ItemOutcome]:
         try:

@@ -25,10 +25,12 @@ needs to report the forward.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +39,13 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils, tensors
-from services.common.encode_items import ProcessFile, item_pixels
+from services.common.encode_items import ProcessFile, has_video, item_pixels
 from services.common.logs import log_request
 from services.common.models.loaded_vision import LoadedVision
 from services.common.models.vision_io import Grid, PixelLayout
 from services.common.pb import epd_pb2, epd_pb2_grpc
+from services.common.video_decodes import RETRY_AFTER_MS, DecodesFull, VideoDecodes
+from services.common.video_files import NO_BUDGET, DecodeBudget, DecodeStopped
 from services.pd.bridge import EngineBridge
 from services.pd.config import PdConfig
 from services.pd.convert import check_cache_salt, check_request_id
@@ -192,10 +196,12 @@ def parse_encode_request(
     layout: PixelLayout = PixelLayout(),
     process_file: ProcessFile | None = None,
     accept_pixel_values: bool = True,
+    budget: DecodeBudget = NO_BUDGET,
 ) -> list[ColocatedItem]:
     """Validates an EncodeRequest into items; ``pd_address`` is not used (the reservations are ours).
 
     ``process_file`` turns image files into pixels (``encode_items``); call this off the event loop.
+    ``budget``: when a video's decoding must stop (``DecodeStopped``).
     """
     request_id = check_request_id(request.request_id)
     cache_salt = check_cache_salt(request.cache_salt)
@@ -206,11 +212,19 @@ def parse_encode_request(
         reservation_id = _check_id(item.reservation_id, f"item {index}: reservation_id")
         mm_hash = _check_id(item.mm_hash, f"item {index}: mm_hash")
         try:
-            pixels, grid = item_pixels(item, index, layout, process_file, cache_salt, accept_pixel_values)
+            pixels, grid = item_pixels(item, index, layout, process_file, cache_salt, accept_pixel_values, budget)
         except ValueError as error:
             raise EngineError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
+        except DecodeStopped:
+            raise EngineError(ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded while decoding a video") from None
         items.append(ColocatedItem(request_id, reservation_id, mm_hash, pixels, deadline, grid))
     return items
+
+
+VIDEO_THREADS = 1
+"""Videos a colocated PD decodes at once (the encoder's ``--video-threads`` default)."""
+VIDEO_QUEUE = 8
+"""Encode calls with a video waiting for a decode thread; beyond it RESOURCE_EXHAUSTED (the encoder's default)."""
 
 
 class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
@@ -219,24 +233,35 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
     def __init__(self, encoder: ColocatedEncoder, accept_pixel_values: bool = False) -> None:
         self._encoder = encoder
         self._accept_pixel_values = accept_pixel_values  # PdConfig.accept_pixel_values
+        # Videos decode on threads of their own, as at the encoder (its defaults: one thread, eight waiting).
+        self.video_decodes = VideoDecodes(threads=VIDEO_THREADS, max_queued=VIDEO_QUEUE)
 
     async def Encode(self, request: epd_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> Any:
         start = time.perf_counter()
         remaining = context.time_remaining()
         deadline = float("inf") if remaining is None else time.monotonic() + remaining
         status = "CANCELLED"
+        budget = DecodeBudget(None if remaining is None else deadline)
         try:
             vision = self._encoder.vision
             # Off the event loop: checking pixels, and decoding and processing image files, is CPU work.
-            items = await asyncio.to_thread(
-                parse_encode_request, request, deadline, vision.layout, vision.process_file, self._accept_pixel_values
+            parse = functools.partial(
+                parse_encode_request,
+                request,
+                deadline,
+                vision.layout,
+                vision.process_file,
+                self._accept_pixel_values,
+                budget,
             )
+            items = await (self._decode_videos(parse) if has_video(request) else asyncio.to_thread(parse))
             done = await self._encoder.encode(items)
             status = "OK"
         except EngineError as error:
             status = error.kind.name
             await abort_with(context, error)
         finally:
+            budget.cancel()  # a video decode still running for this call stops at its next frame
             log_request(
                 log,
                 "encode",
@@ -253,6 +278,13 @@ class ColocatedEncoderServicer(epd_pb2_grpc.EncoderServicer):
             ]
         )
 
+    async def _decode_videos(self, parse: Callable[[], list[ColocatedItem]]) -> list[ColocatedItem]:
+        """``parse`` on the video decode threads; RESOURCE_EXHAUSTED when they and their queue are taken."""
+        try:
+            return await self.video_decodes.run(parse)
+        except DecodesFull as error:
+            raise EngineError(ErrorKind.RESOURCE_EXHAUSTED, str(error), RETRY_AFTER_MS / 1000) from None
+
     async def GetLoad(self, request: epd_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> Any:
         # PD's embedding cache is the only cache; nothing is pushed over the network.
         return epd_pb2.EncoderLoad(num_pending=self._encoder.num_pending)
@@ -268,7 +300,9 @@ class Colocated:
     @classmethod
     async def load(cls, config: PdConfig, engine: EngineBridge) -> Colocated:
         """Loads the vision half off the event loop; serve it with ``register`` + ``become_ready``."""
-        vision = await asyncio.to_thread(LoadedVision.load, config.model, config.device, config.dtype)
+        vision = await asyncio.to_thread(
+            LoadedVision.load, config.model, config.device, config.dtype, config.video_limits()
+        )
         return cls(ColocatedEncoder(engine, vision), config.accept_pixel_values)
 
     def register(self, server: grpc.aio.Server) -> None:

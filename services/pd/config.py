@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from services.common.dial_allow import PdAllowSpec
 from services.common.ports import DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
+from services.common.video_files import VideoLimits
 from services.pd.engine.kv_handoff import DEFAULT_MAX_SHARE_PER_PEER
 from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MAX_PREALLOCATED_PER_PEER
 from services.pd.engine.step_budget import DEFAULT_MIN_PREFILL_TOKENS
@@ -16,6 +17,7 @@ from services.pd.runner.grammar_compile import DEFAULT_CACHE_MB, DEFAULT_COMPILE
 DEFAULT_MAX_KV_BUFFER_MB = 2048
 """``--max-kv-push-buffer-mb``: the KV pushes being received, together (``kv_transfer.py``)."""
 
+_VIDEO = VideoLimits()  # the defaults the proxy's and the encoder's video limits share
 DEFAULT_METRICS_PORT = 9201
 """``epd pd``'s ``--metrics-port`` (``epd up`` gives PD j 9201 + j)."""
 
@@ -93,6 +95,10 @@ class PdConfig:
     decode_allow: PdAllowSpec = PdAllowSpec()
     encoder: str = "remote"  # remote = encoder services push embeddings; local = colocated baseline
     accept_pixel_values: bool = False  # local: also take processed pixels (EncoderConfig.accept_pixel_values)
+    # local: what one video may be (the proxy's and the encoder's --max-video-*; keep them equal)
+    max_video_frames: int = _VIDEO.max_frames
+    max_video_seconds: float = _VIDEO.max_seconds
+    max_video_bytes: int = _VIDEO.max_bytes
     # lifecycle
     warmup: bool = True
     grace_s: float = 30.0
@@ -104,6 +110,12 @@ class PdConfig:
     # internal transport: TLS/mTLS and the token check of this server (services/common/security.py)
     security: InternalSecurity = NO_SECURITY
     faults: PdFaults = NO_FAULTS  # test-only fault injection (services/pd/faults.py); off by default
+
+    def video_limits(self) -> VideoLimits:
+        """What a colocated vision side (``--encoder local``) decodes of one video."""
+        return VideoLimits(
+            max_bytes=self.max_video_bytes, max_seconds=self.max_video_seconds, max_frames=self.max_video_frames
+        )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -152,5 +164,7 @@ class PdConfig:
             raise ValueError("default_lease_ms must be in (0, max_lease_ms]")
         if self.encoder not in ("remote", "local"):
             raise ValueError("encoder must be 'remote' or 'local'")
+        if self.max_video_frames <= 0 or self.max_video_seconds <= 0 or self.max_video_bytes <= 0:
+            raise ValueError("max_video_frames, max_video_seconds and max_video_bytes must be positive")
         if not 0 < self.lease_sweep_interval_s <= 1.0:
             raise ValueError("lease_sweep_interval_s must be in (0, 1]: leases are swept at least once a second")

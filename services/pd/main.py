@@ -15,6 +15,7 @@ from services.common import cli_args, grpc_utils, security
 from services.common.dial_allow import PdAllowSpec
 from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_PD_PORT
+from services.common.video_files import VideoLimits
 from services.pd.config import (
     DEFAULT_MAX_BUFFER_BYTES,
     DEFAULT_MAX_KV_BUFFER_MB,
@@ -76,7 +77,18 @@ HELP_GROUPS = (
             "--push-idle-timeout-s",
         ),
     ),
-    ("role and embeddings", ("--role", "--decode-allow", "--encoder", "--accept-pixel-values")),
+    (
+        "role and embeddings",
+        (
+            "--role",
+            "--decode-allow",
+            "--encoder",
+            "--accept-pixel-values",
+            "--max-video-frames",
+            "--max-video-seconds",
+            "--max-video-bytes",
+        ),
+    ),
     ("lifecycle", ("--warmup", "--grace", "--stall-timeout-s", "--liveness-timeout-s")),
     (
         "logging and metrics",
@@ -348,6 +360,28 @@ def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --encoder local: also take processed pixel tensors in Encode calls (older proxies); their "
         "mm_hash cannot be checked against the image, so any caller with the token could plant an embedding",
     )
+    video = VideoLimits()  # the proxy's and the encoder's defaults
+    add(
+        parser,
+        "--max-video-frames",
+        type=int,
+        default=video.max_frames,
+        help="with --encoder local: most frames sampled of one video (keep it equal to the proxy's)",
+    )
+    add(
+        parser,
+        "--max-video-seconds",
+        type=float,
+        default=video.max_seconds,
+        help="with --encoder local: longest video (keep it equal to the proxy's)",
+    )
+    add(
+        parser,
+        "--max-video-bytes",
+        type=int,
+        default=video.max_bytes,
+        help="with --encoder local: largest video file (keep it equal to the proxy's)",
+    )
     add(
         parser,
         "--role",
@@ -444,6 +478,9 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         role=args.role,
         decode_allow=PdAllowSpec.parse(args.decode_allow, "--decode-allow"),
         accept_pixel_values=args.accept_pixel_values,
+        max_video_frames=args.max_video_frames,
+        max_video_seconds=args.max_video_seconds,
+        max_video_bytes=args.max_video_bytes,
         grace_s=args.grace,
         stall_timeout_s=args.stall_timeout_s,
         liveness_timeout_s=args.liveness_timeout_s,

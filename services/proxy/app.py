@@ -214,6 +214,7 @@ async def _respond(
         len(prompt.images),
         num_video_tokens=prompt.num_video_tokens,
         return_token_ids=body.return_token_ids,
+        prompt_token_ids=list(prompt.token_ids) if body.return_token_ids else [],
         hide_cache_details=config.hide_cache_details,
         echo_text=checked.echo_text,
     )

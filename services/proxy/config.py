@@ -13,6 +13,7 @@ from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.faults import NO_FAULTS, ProxyFaults
 
 MIB = 1024 * 1024
+_VIDEO = VideoLimits()  # the video limits' defaults, shared with the encoder's
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,9 @@ class ProxyConfig:
     max_image_pixels: int = 4096 * 4096  # width × height, read from the header before decoding
     max_request_pixels: int = 2 * 4096 * 4096  # all images of one request together, from their headers
     # one video, checked from its header before decoding (a frame's size is capped by max_image_pixels)
-    max_video_frames: int = 64  # sampled frames (also bounds mm_processor_kwargs' num_frames / max_frames)
-    max_video_seconds: float = 300.0
-    max_video_bytes: int = 32 * MIB
+    max_video_frames: int = _VIDEO.max_frames  # sampled frames (also bounds mm_processor_kwargs' frame counts)
+    max_video_seconds: float = _VIDEO.max_seconds
+    max_video_bytes: int = _VIDEO.max_bytes
     max_model_len: int = 0  # prompt + completion cap; 0 = the model's (match PD's flag)
     max_tokens_limit: int = 16384  # largest max_tokens a client may ask for
     default_max_tokens: int = 1024  # when the client does not say (also capped by context room)
@@ -63,13 +64,15 @@ class ProxyConfig:
     text_queue: int = 64  # text jobs waiting for a thread beyond which requests get 503
     image_threads: int = 2  # image work (decode, hash, image processor), its own pool
     image_queue: int = 64  # requests' image jobs waiting beyond which requests get 503
+    video_threads: int = 1  # video decoding, its own pool: videos never hold the image threads
+    video_queue: int = 8  # requests' video jobs waiting beyond which requests get 503
     max_n: int = 8  # most choices (n) in one request
     # per-client fairness (services/proxy/web/fairness.py); a client is the API key, else the peer address; 0 = off
     max_requests_per_client: int = 0  # requests in flight per client (n choices count as n); beyond it 429
     max_tokens_per_client_per_minute: int = 0  # token bucket over prompt + max_tokens × n; beyond it 429
-    # Unknown body fields: False = refused with a 400 naming them; True = ignored, named in the
-    # X-EPD-Ignored-Fields header and a log line (OpenAI fields we do not implement are refused either way).
-    ignore_unknown_fields: bool = False
+    # Unknown body fields: True = ignored (as vLLM does), named in the X-EPD-Ignored-Fields header and a
+    # log line; False = refused with a 400 naming them (fields we know and do not implement: refused either way).
+    ignore_unknown_fields: bool = True
     hide_cache_details: bool = False  # usage carries no cached_tokens, cache hits or stage timings
     # which requests may share cache entries: a per-tenant salt in every cache key (cache_isolation.py)
     cache_isolation: CacheIsolation = CacheIsolation.SHARED
@@ -143,6 +146,7 @@ class ProxyConfig:
             "max_video_seconds": self.max_video_seconds,
             "max_video_bytes": self.max_video_bytes,
             "image_threads": self.image_threads,
+            "video_threads": self.video_threads,
             "max_tokens_limit": self.max_tokens_limit,
             "default_max_tokens": self.default_max_tokens,
             "preprocess_threads": self.preprocess_threads,
@@ -173,8 +177,8 @@ class ProxyConfig:
             )
         if self.max_requests_per_client < 0 or self.max_tokens_per_client_per_minute < 0:
             raise ValueError("max_requests_per_client and max_tokens_per_client_per_minute must be >= 0 (0 = off)")
-        if self.text_queue < 0 or self.image_queue < 0:
-            raise ValueError("text_queue and image_queue must be >= 0")
+        if self.text_queue < 0 or self.image_queue < 0 or self.video_queue < 0:
+            raise ValueError("text_queue, image_queue and video_queue must be >= 0")
         if self.max_images_per_request < 0:
             raise ValueError("max_images_per_request must be >= 0 (0 = text only)")
         if self.default_max_tokens > self.max_tokens_limit:

@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import grpc
 from starlette.requests import Request
 
-from services.proxy.errors import ApiError, InvalidVideoUrlError, deadline_during_body
+from services.common.video_files import DecodeBudget, DecodeStopped
+from services.proxy.errors import ApiError, InvalidVideoUrlError, deadline_during_body, from_grpc
 from services.proxy.openai.fields import IGNORED_FIELDS_HEADER, check_fields, ignored_fields_header
 from services.proxy.openai.sampling import check_logit_bias, check_stop_token_ids, check_supported
 from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -75,7 +77,8 @@ async def chat_videos(
     state: ProxyState, body: ChatCompletionRequest, refs: list[VideoRef], cache_salt: str, deadline: float
 ) -> tuple[ProcessedVideo, ...]:
     """The video stage of a chat request: sampling options checked, remote URLs fetched (as images are),
-    then headers, frames and hashes on the image pool."""
+    then headers, frames and hashes on the video pool. The decode stops at the deadline (504) or, when the
+    request ends first (its client gone), at its next frame: it never outlives its request by more."""
     if not refs:
         return ()
     preprocessor = state.preprocessor
@@ -90,7 +93,15 @@ async def chat_videos(
         taken = 1 if isinstance(ref, str) else len(ref)
         sources.append(fetched[0] if isinstance(ref, str) else fetched[:taken])
         fetched = fetched[taken:]
-    return await state.image_pool.run(preprocessor.chat_videos, sources, sampling, cache_salt, deadline=deadline)
+    budget = DecodeBudget(deadline)
+    try:
+        return await state.video_pool.run(
+            preprocessor.chat_videos, sources, sampling, cache_salt, budget, deadline=deadline
+        )
+    except DecodeStopped:
+        raise from_grpc(grpc.StatusCode.DEADLINE_EXCEEDED) from None
+    finally:
+        budget.cancel()
 
 
 def read_completion(state: ProxyState, raw: bytes) -> tuple[CompletionRequest, list[str]]:
@@ -109,8 +120,8 @@ def _check_sampling(state: ProxyState, body: _SamplingFields) -> None:
 
 
 def _check_fields(state: ProxyState, body: _SamplingFields, path: str) -> list[str]:
-    """Refuses undeclared fields (``openai/fields.py``); under ``--ignore-unknown-fields`` logs the ignored names once."""
+    """Refuses undeclared fields (``openai/fields.py``); logs the ignored ones' names in one line (bounded)."""
     ignored = check_fields(body, ignore_unknown=state.config.ignore_unknown_fields)
     if ignored:
-        log.warning("%s: ignored unknown fields %s", path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER])
+        log.info("%s: ignored unknown fields %s", path, ignored_fields_header(ignored)[IGNORED_FIELDS_HEADER])
     return ignored

@@ -148,6 +148,7 @@ def proxy_lifespan(config: ProxyConfig, backends: Backends | None, fetcher: Medi
         media = fetcher if fetcher is not None else _media_fetcher(config)
         text_pool = WorkPool("text", config.preprocess_threads, config.text_queue)
         image_pool = WorkPool("image", config.image_threads, config.image_queue)
+        video_pool = WorkPool("video", config.video_threads, config.video_queue)
         app.state.proxy = ProxyState(
             config=config,
             adapter=adapter,
@@ -156,6 +157,7 @@ def proxy_lifespan(config: ProxyConfig, backends: Backends | None, fetcher: Medi
             pipeline=pipeline,
             text_pool=text_pool,
             image_pool=image_pool,
+            video_pool=video_pool,
             metrics=metrics,
             fetcher=media,
             served_model_name=config.served_model_name or default_served_name(config.model, adapter.model_id),
@@ -189,5 +191,6 @@ def proxy_lifespan(config: ProxyConfig, backends: Backends | None, fetcher: Medi
                 await media.aclose()
             text_pool.shutdown()
             image_pool.shutdown()
+            video_pool.shutdown()
 
     return lifespan

@@ -62,7 +62,17 @@ HELP_GROUPS = (
         ),
     ),
     ("remote media", ("--allowed-media-domains", "--media-timeout", "--max-media-mb")),
-    ("preprocessing", ("--preprocess-threads", "--text-queue", "--image-threads", "--image-queue")),
+    (
+        "preprocessing",
+        (
+            "--preprocess-threads",
+            "--text-queue",
+            "--image-threads",
+            "--image-queue",
+            "--video-threads",
+            "--video-queue",
+        ),
+    ),
     (
         "clients and caches",
         (
@@ -90,6 +100,7 @@ def _addresses(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the proxy flags (each also read from ``EPD_<FLAG>``)."""
     add = cli_args.add_flag
+    defaults = ProxyConfig()
     add(
         parser,
         "--model",
@@ -193,9 +204,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most chat messages in one request (and 16 content parts a message), counted in the raw body before "
         "it is parsed, so a body of many small messages costs no parsing to refuse",
     )
-    add(parser, "--max-video-frames", type=int, default=64, help="most frames sampled of one video")
-    add(parser, "--max-video-seconds", type=float, default=300.0, help="longest video (from its header)")
-    add(parser, "--max-video-bytes", type=int, default=32 * MIB, help="largest video file")
+    add(
+        parser,
+        "--max-video-frames",
+        type=int,
+        default=defaults.max_video_frames,
+        help="most frames sampled of one video (the encoders' --max-video-frames must be no lower)",
+    )
+    add(
+        parser,
+        "--max-video-seconds",
+        type=float,
+        default=defaults.max_video_seconds,
+        help="longest video, from its header and its frame count (the encoders' must be no lower)",
+    )
+    add(
+        parser,
+        "--max-video-bytes",
+        type=int,
+        default=defaults.max_video_bytes,
+        help="largest video file (the encoders' must be no lower)",
+    )
     add(
         parser,
         "--max-image-pixels",
@@ -243,15 +272,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="requests whose images may wait for an image thread; beyond it they get 503 + Retry-After",
     )
+    add(
+        parser,
+        "--video-threads",
+        type=int,
+        default=defaults.video_threads,
+        help="threads decoding videos, a pool of their own (a decode stops at its request's deadline or when "
+        "the client goes away)",
+    )
+    add(
+        parser,
+        "--video-queue",
+        type=int,
+        default=defaults.video_queue,
+        help="requests whose videos may wait for a video thread; beyond it they get 503 + Retry-After",
+    )
     add(parser, "--max-n", type=int, default=8, help="most choices (n) in one request")
     add(
         parser,
         "--ignore-unknown-fields",
-        default=False,
-        help="for lenient clients: ignore request body fields this server does not know (top-level or nested) "
-        "instead of refusing them with a 400; the response names them in the X-EPD-Ignored-Fields header and "
-        "one warning is logged (names only). OpenAI fields this server does not implement are still refused "
-        "unless they have their no-op value",
+        default=True,
+        help="ignore request body fields this server does not know (top-level or nested), as vLLM does, "
+        "instead of refusing them with a 400 (--no-ignore-unknown-fields); the response names them in the "
+        "X-EPD-Ignored-Fields header and one line is logged (names only). Fields whose meaning this server "
+        "knows and does not implement (OpenAI's, vLLM's) are refused either way unless they have their "
+        "no-op value",
     )
     add(
         parser,
@@ -393,6 +438,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         text_queue=args.text_queue,
         image_threads=args.image_threads,
         image_queue=args.image_queue,
+        video_threads=args.video_threads,
+        video_queue=args.video_queue,
         max_n=args.max_n,
         max_requests_per_client=args.max_requests_per_client,
         max_tokens_per_client_per_minute=args.max_tokens_per_client_per_minute,

@@ -32,6 +32,7 @@ class ProxyState:
     pipeline: Pipeline
     text_pool: WorkPool
     image_pool: WorkPool
+    video_pool: WorkPool  # video decoding, apart from images (``intake.chat_videos``)
     metrics: ProxyMetrics
     fetcher: MediaFetcher | None
     served_model_name: str

@@ -200,3 +200,58 @@ def admitted_peers(docs: dict[tuple[str, str], dict], name: str) -> dict[str, se
             assert port["protocol"] == "TCP" and port["port"] in ports
             admitted.setdefault(port["port"], set()).update(sources)
     return admitted
+
+
+# ------------------------------------------------------------------ hardening
+WRITABLE_PATHS = ("/tmp", "/var/cache/epd", "/home/epd")
+"""Where the services write (temp files, $EPD_CACHE_DIR, $HOME): tmpfs or emptyDir under a read-only root."""
+
+EPD_SERVICES = ("pd", "encoder", "proxy", "decode")
+"""The compose services that run the EPD image (``decode``: the E+P+D override's)."""
+
+
+def hardening_gaps_k8s(deployment: dict) -> list[str]:
+    """What a Deployment's pods lack of the hardening every EPD pod has (``[]``: nothing)."""
+    name = deployment["metadata"]["name"]
+    pod = deployment["spec"]["template"]["spec"]
+    container = main_container(deployment)
+    context = container.get("securityContext", {})
+    pod_context = pod.get("securityContext", {})
+    gaps = []
+    if pod_context.get("runAsNonRoot") is not True or pod_context.get("runAsUser", 0) == 0:
+        gaps.append(f"{name}: pods may run as root")
+    if pod_context.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+        gaps.append(f"{name}: no RuntimeDefault seccomp profile")
+    if context.get("allowPrivilegeEscalation") is not False:
+        gaps.append(f"{name}: privilege escalation allowed")
+    if context.get("readOnlyRootFilesystem") is not True:
+        gaps.append(f"{name}: writable root file system")
+    if context.get("capabilities", {}).get("drop") != ["ALL"]:
+        gaps.append(f"{name}: capabilities not all dropped")
+    if "memory" not in container.get("resources", {}).get("limits", {}):
+        gaps.append(f"{name}: no memory limit")
+    empty_dirs = {v["name"]: v["emptyDir"] for v in pod.get("volumes", []) if "emptyDir" in v}
+    mounted = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    for path in WRITABLE_PATHS:
+        volume = mounted.get(path)
+        if volume not in empty_dirs or not (empty_dirs[volume] or {}).get("sizeLimit"):
+            gaps.append(f"{name}: {path} is not a size-limited emptyDir")
+    return gaps
+
+
+def hardening_gaps_compose(name: str, service: dict) -> list[str]:
+    """What a compose service running the EPD image lacks of the hardening (``[]``: nothing)."""
+    gaps = []
+    if service.get("cap_drop") != ["ALL"]:
+        gaps.append(f"{name}: capabilities not all dropped")
+    if "no-new-privileges:true" not in service.get("security_opt", []):
+        gaps.append(f"{name}: no no-new-privileges")
+    if service.get("read_only") is not True:
+        gaps.append(f"{name}: writable root file system")
+    if not service.get("mem_limit"):
+        gaps.append(f"{name}: no memory limit")
+    tmpfs = {entry.split(":")[0]: entry for entry in service.get("tmpfs", [])}
+    for path in WRITABLE_PATHS:
+        if "size=" not in tmpfs.get(path, ""):
+            gaps.append(f"{name}: {path} is not a size-limited tmpfs")
+    return gaps

@@ -13,16 +13,19 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 from deploy_support import (
     COMPOSE_FILE,
     DEPLOY,
     EPD_COMPOSE_FILE,
+    EPD_SERVICES,
     GPU_COMPOSE_FILE,
     READY_SERVICE,
     dockerfile_instructions,
     duration_s,
     flag,
     grace_s,
+    hardening_gaps_compose,
     image_model_build,
     load_compose,
     parse_epd_args,
@@ -450,3 +453,41 @@ def test_epd_prometheus_scrapes_every_metrics_port(epd_services):
         k: v for k, v in base.items() if k != "scrape_configs"
     }
     assert [job["job_name"] for job in config["scrape_configs"]] == [job["job_name"] for job in base["scrape_configs"]]
+
+
+@pytest.mark.parametrize("override", [None, EPD_COMPOSE_FILE], ids=["base", "epd"])
+def test_every_epd_service_is_hardened(override):
+    """No capabilities, no-new-privileges, a read-only root with size-limited tmpfs where the services write,
+    and a memory limit; after the engine's own merge too (docker-compose config, where installed)."""
+    services = load_compose(*([override] if override else []))["services"]
+    names = [name for name in EPD_SERVICES if name in services]
+    assert len(names) == (4 if override else 3)
+    assert [gap for name in names for gap in hardening_gaps_compose(name, services[name])] == []
+    if shutil.which("docker-compose"):
+        files = [COMPOSE_FILE, *([override] if override else [])]
+        merged = yaml.safe_load(_docker_compose(*[a for path in files for a in ("-f", str(path))]).stdout)
+        assert [gap for name in names for gap in hardening_gaps_compose(name, merged["services"][name])] == []
+
+
+def test_the_compose_hardening_check_catches_a_gap(services):
+    weakened = {**services["proxy"], "read_only": False, "tmpfs": ["/tmp:size=1m"]}
+    assert hardening_gaps_compose("proxy", weakened) == [
+        "proxy: writable root file system",
+        "proxy: /var/cache/epd is not a size-limited tmpfs",
+        "proxy: /home/epd is not a size-limited tmpfs",
+    ]
+
+
+@pytest.mark.parametrize("override", [None, EPD_COMPOSE_FILE], ids=["base", "epd"])
+def test_only_the_proxy_is_on_the_public_network_and_the_rest_is_internal(override):
+    compose = load_compose(*([override] if override else []))
+    networks, services = compose["networks"], compose["services"]
+    assert networks["internal"] == {"internal": True}  # no route off the host
+    on = {name: set(service.get("networks", [])) for name, service in services.items()}
+    assert {name for name, nets in on.items() if "public" in nets} == {"proxy"}
+    assert on["proxy"] == {"public", "internal"}
+    for name in set(EPD_SERVICES) - {"proxy"}:
+        if name in services:
+            assert on[name] == {"internal"}, name
+            assert "ports" not in services[name], name
+    assert on["prometheus"] == {"internal", "monitoring"} and on["grafana"] == {"monitoring"}

@@ -15,6 +15,7 @@ from deploy_support import (
     container_ports,
     flag,
     grace_s,
+    hardening_gaps_k8s,
     image_model_build,
     load_compose,
     load_k8s,
@@ -278,3 +279,23 @@ def test_encoders_push_only_to_the_pds_the_proxy_routes_to(docs):
     service = docs[("Service", host)]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"]["app.kubernetes.io/component"] == "pd"
     assert int(port) in [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_every_pod_is_hardened(docs):
+    """Non-root, RuntimeDefault seccomp, no privilege escalation, every capability dropped, a read-only root
+    file system with size-limited emptyDirs where the services write, and a memory limit."""
+    deployments = [doc for (kind, _), doc in docs.items() if kind == "Deployment"]
+    assert len(deployments) == 3
+    assert [gap for deployment in deployments for gap in hardening_gaps_k8s(deployment)] == []
+
+
+def test_the_hardening_check_catches_a_gap(docs):
+    import copy
+
+    weakened = copy.deepcopy(docs[("Deployment", "proxy")])
+    main_container(weakened)["securityContext"]["readOnlyRootFilesystem"] = False
+    del weakened["spec"]["template"]["spec"]["securityContext"]["seccompProfile"]
+    assert hardening_gaps_k8s(weakened) == [
+        "proxy: no RuntimeDefault seccomp profile",
+        "proxy: writable root file system",
+    ]

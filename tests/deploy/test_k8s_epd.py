@@ -22,6 +22,7 @@ from deploy_support import (
     container_ports,
     flag,
     grace_s,
+    hardening_gaps_k8s,
     load_k8s,
     main_container,
     parse_epd_args,
@@ -194,3 +195,9 @@ def test_every_policy_names_pods_that_exist(rendered):
         if kind == "NetworkPolicy":
             peers = [peer for rule in doc["spec"]["ingress"] for peer in rule.get("from", [])]
             assert {component(doc["spec"]), *map(component, peers)} <= components, name
+
+
+def test_every_rendered_pod_is_hardened(rendered):
+    deployments = [doc for (kind, _), doc in rendered.items() if kind == "Deployment"]
+    assert {d["metadata"]["name"] for d in deployments} == set(SERVERS)
+    assert [gap for deployment in deployments for gap in hardening_gaps_k8s(deployment)] == []

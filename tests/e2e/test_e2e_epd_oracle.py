@@ -79,6 +79,22 @@ def test_sixteen_concurrent_mixed_requests(client, oracle):
         assert content == oracle.decode(want)
 
 
+@pytest.mark.parametrize("cluster", ["llava", "qwen2.5"], indirect=True)
+def test_a_burst_of_requests_for_one_new_image_is_token_exact(cluster, client, oracle):
+    """16 at once with one image no instance has seen: the first push fills P's entry, the other requests
+    prefill from it and end on P (first token, KV handed to D) while their own pushes are still on the
+    way. Those late pushes are acknowledged; no request fails for a push it no longer needed."""
+    image = make_image(900, (48, 40))
+    requests = [([user_message(f"Burst {i}: what is this?", [image])], i % 2 == 1) for i in range(16)]
+    expected = [oracle.generate(messages, [image], MAX_TOKENS) for messages, _ in requests]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda r: _chat(client, r[0], r[1], max_tokens=MAX_TOKENS), requests))
+    for want, (token_ids, content, _, _) in zip(expected, results):
+        assert token_ids == want
+        assert content == oracle.decode(want)
+    # the client fixture then checks every instance for leaks
+
+
 @pytest.mark.parametrize("cluster", ["llava"], indirect=True)
 def test_a_repeated_prompt_is_pushed_whole_again(cluster, client, oracle):
     text, images = CASES["one_image"]

@@ -106,8 +106,16 @@ def test_chat_with_images_stream_and_not(client, model, oracle):
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **IDS)
     assert ids_of(reply.choices[0]) == expected
     assert reply.usage.model_extra["epd"]["num_images"] == 2 and reply.usage.model_extra["epd"]["image_tokens"] > 0
-    _, ids, _, _, _ = stream_chat(client, model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **IDS)
+    _, ids, _, _, chunks = stream_chat(
+        client, model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **IDS
+    )
     assert ids[0] == expected
+    # vLLM's placement: a chat response's prompt ids at its top level; streamed, in the first chunk only
+    prompt_ids = oracle.prompt_ids(messages, images)
+    assert reply.model_extra["prompt_token_ids"] == prompt_ids
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in (chunk.model_extra or {}) for chunk in chunks[1:])
 
 
 def test_max_completion_tokens_limits_the_output(client, model):
@@ -202,6 +210,8 @@ def test_completions_endpoint_features(client, model, oracle):
     )
     choice = reply.choices[0]
     assert len(choice.model_extra["token_ids"]) == reply.usage.completion_tokens
+    # vLLM's placement: a completion choice carries its prompt's ids (the tokenizer's, special tokens included)
+    assert choice.model_extra["prompt_token_ids"] == oracle.processor.tokenizer(prompt)["input_ids"]
     assert len(choice.logprobs.tokens) == reply.usage.completion_tokens
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
     assert "".join(choice.logprobs.tokens) == choice.text or choice.finish_reason == "stop"
@@ -215,13 +225,19 @@ def test_completions_endpoint_features(client, model, oracle):
             n=2,
             stream=True,
             stream_options={"include_usage": True},
+            **IDS,
         )
     )
     by_index: dict[int, str] = {}
+    prompt_ids: dict[int, list[list[int]]] = {}
     for chunk in chunks:
         for c in chunk.choices:
             by_index[c.index] = by_index.get(c.index, "") + c.text
+            if "prompt_token_ids" in c.model_extra:
+                prompt_ids.setdefault(c.index, []).append(c.model_extra["prompt_token_ids"])
     assert by_index == {0: choice.text, 1: choice.text}
+    wanted = [choice.model_extra["prompt_token_ids"]]
+    assert prompt_ids == {0: wanted, 1: wanted}  # streamed: in each choice's first chunk only
     assert chunks[-1].usage.completion_tokens == 2 * reply.usage.completion_tokens
 
     token_prompt = client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, stop=["\n"])

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
-from services.common.encode_items import ProcessFile, file_processor
+from services.common.encode_items import VIDEO_LIMITS, ProcessFile, file_processor
 from services.common.models.pixel_layout import Grid, PixelLayout
 from services.common.models.vision_io import batch_key, encode_images
+from services.common.video_files import VideoLimits
 
 WARMUP_IMAGE_SIZE = 64
 """Side of the blank image used for the warm-up forward (any size: the processor resizes)."""
@@ -35,10 +36,11 @@ class LoadedVision:
     process_file: ProcessFile | None = None  # image files (EncodeItem.image_file) -> pixels
 
     @classmethod
-    def load(cls, model: str, device: str, dtype: str) -> LoadedVision:
+    def load(cls, model: str, device: str, dtype: str, video_limits: VideoLimits = VIDEO_LIMITS) -> LoadedVision:
         """Loads only the vision tower + projector of ``model`` (blocking; run off the event loop).
 
-        ``model`` "" or a preset name means the built-in checkpoint, built on first use.
+        ``model`` "" or a preset name means the built-in checkpoint, built on first use; ``video_limits``
+        bound the videos ``process_file`` decodes.
         """
         from PIL import Image
 
@@ -61,7 +63,7 @@ class LoadedVision:
             hidden_size=adapter.hidden_size,
             sample_grid=sample.patch_grid,
             layout=adapter.pixel_layout(),
-            process_file=file_processor(adapter, image_processor),
+            process_file=file_processor(adapter, image_processor, video_limits),
         )
 
     def encode(self, images: Sequence[tuple[torch.Tensor, Grid | None]]) -> list[torch.Tensor]:

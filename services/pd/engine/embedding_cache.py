@@ -236,7 +236,9 @@ class EmbeddingCache:
         Call after releasing the request's own references. RESERVED entries
         nobody else needs go away (room freed). The last pending push of an
         entry that others still reference is kept under its lease (and ends
-        when filled), so the encoder's push can still land for them.
+        when filled), so the encoder's push can still land for them. A push
+        still on its way for a request that was served from another request's
+        push (its entry READY) is answered like a repeat (``AlreadyFilled``).
         """
         removed: list[str] = []
         for reservation in self._reservations_of(request_id):
@@ -250,7 +252,10 @@ class EmbeddingCache:
             ):
                 reservation.end_on_fill = True
                 continue
-            self._remove_reservation(reservation, "cancelled")
+            # A request that took its reservation over and ends with the entry READY was served by
+            # another request's push: its own push, arriving now, carries nothing new and is no failure.
+            served = reservation.end_on_fill and entry.state is EntryState.READY
+            self._remove_reservation(reservation, "served" if served else "cancelled")
             if self._drop_if_orphaned(entry):
                 removed.append(entry.mm_hash)
         return removed
@@ -302,7 +307,8 @@ class EmbeddingCache:
             tombstone = self._tombstones.get(reservation_id)
             if tombstone is None:
                 raise ReservationNotFound("unknown reservation")
-            if tombstone.filled and (tombstone.request_id, tombstone.mm_hash) == (request_id, mm_hash):
+            served = tombstone.filled or tombstone.why == "served"
+            if served and (tombstone.request_id, tombstone.mm_hash) == (request_id, mm_hash):
                 raise AlreadyFilled(tombstone.num_tokens)
             if tombstone.why == "lease expired":
                 raise LeaseExpired("reservation lease expired")

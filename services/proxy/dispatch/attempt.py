@@ -99,11 +99,17 @@ class Attempt:
         return reserved
 
     async def next(self) -> epd_pb2.GenerateResponse | None:
-        """The next PD message (None at end of stream); raises the first Encode failure."""
+        """The next PD message (None at end of stream); before the first one, raises the first Encode failure.
+
+        PD's first message comes after it prefilled the whole prompt: every image was on PD by then (from
+        this request's push, or from the embedding another request's push brought). An Encode still running
+        after it is not needed: its failure (PD answering a push that came too late to matter) is not this
+        request's, and the call is cancelled at the attempt's end like any other.
+        """
         assert self.call is not None
         read = asyncio.ensure_future(self.call.read())
         try:
-            while self._pending_encodes:
+            while self._pending_encodes and self.first is None:
                 done, _ = await asyncio.wait({read, *self._pending_encodes}, return_when=asyncio.FIRST_COMPLETED)
                 if read in done:
                     # PD answered first. If it failed, that is the cause; an Encode

@@ -1,14 +1,17 @@
-"""The request surface: every body field is honoured or refused, never silently dropped.
+"""The request surface: every body field is honoured, refused or ignored, and the client is told which.
 
 ``schemas.py`` declares the fields this server honours (OpenAI's and the
 vLLM-compatible ``EXTENSIONS``). A field it does not declare is one of:
 
-- an OpenAI field we do not implement (``NOT_IMPLEMENTED``): accepted only
-  with its no-op value (``store: false``, ``modalities: ["text"]``, ...),
-  otherwise a 400 ``unsupported_parameter`` naming it;
-- unknown: a 400 ``unknown_parameter`` naming it; under
-  ``--ignore-unknown-fields`` it is ignored instead, and the handler reports
-  the names in ``X-EPD-Ignored-Fields`` and in one log line.
+- a field whose meaning we know and do not implement (``NOT_IMPLEMENTED``:
+  OpenAI's, and vLLM's and SGLang's that change the output): accepted only
+  with its no-op value (``store: false``, ``modalities: ["text"]``,
+  ``use_beam_search: false``, ...), otherwise a 400 ``unsupported_parameter``
+  naming it: ignoring it would answer a question the client did not ask;
+- unknown: ignored, as vLLM and SGLang ignore them (clients add fields of
+  their own), and the handler names it in ``X-EPD-Ignored-Fields`` and in one
+  log line. ``--no-ignore-unknown-fields`` refuses it instead, a 400
+  ``unknown_parameter`` naming it.
 
 The same holds inside nested objects (messages, content parts, image_url,
 stream_options, response_format and its json_schema, structured_outputs). Names come back to the client only when
@@ -24,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from services.proxy.errors import UnknownFieldError, UnsupportedFeatureError
-from services.proxy.openai.schemas import ChatCompletionRequest, ChatMessage, StreamOptions
+from services.proxy.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 
 EXTENSIONS = (
     "top_k",
@@ -49,6 +52,46 @@ EXTENSIONS = (
 
 _DISABLED = (None, False)
 _EMPTY: tuple[object, ...] = (None, [], {})
+_NULL = (None,)
+
+# vLLM's (and SGLang's) request fields that change what comes back, on both endpoints -> their no-op values.
+_PEER_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": _DISABLED,
+    "length_penalty": (None, 1.0, 1),
+    "truncate_prompt_tokens": _NULL,
+    "prompt_logprobs": _NULL,
+    "logprob_token_ids": _EMPTY,
+    "allowed_token_ids": _NULL,
+    "bad_words": _EMPTY,
+    "logits_processors": _EMPTY,
+    "priority": (None, 0),
+    "return_tokens_as_token_ids": _DISABLED,
+    "return_token_offsets": _DISABLED,
+    "return_prompt_text": _DISABLED,
+    "kv_transfer_params": _NULL,
+    "ec_transfer_params": _NULL,
+    "vllm_xargs": _EMPTY,
+    "thinking_token_budget": _NULL,
+    "repetition_detection": _NULL,
+    "guided_grammar": _NULL,
+    "guided_whitespace_pattern": _NULL,
+    "regex": _NULL,  # SGLang's constraints
+    "ebnf": _NULL,
+    "lora_path": _NULL,
+    "no_stop_trim": _DISABLED,
+    "return_hidden_states": _DISABLED,
+}
+# ... and on chat only (completions honours ``echo``).
+_PEER_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
+    "echo": _DISABLED,
+    "add_generation_prompt": (None, True),
+    "continue_final_message": _DISABLED,
+    "add_special_tokens": _DISABLED,
+    "documents": _EMPTY,
+    "chat_template": _NULL,
+    "include_reasoning": (None, True),  # no reasoning parser: the reasoning is in the content
+    "media_io_kwargs": _EMPTY,
+}
 
 # OpenAI fields this server does not implement -> the values that ask for nothing (accepted).
 NOT_IMPLEMENTED: dict[type[BaseModel], dict[str, tuple[Any, ...]]] = {
@@ -68,7 +111,10 @@ NOT_IMPLEMENTED: dict[type[BaseModel], dict[str, tuple[Any, ...]]] = {
         "store": _DISABLED,
         "verbosity": (None,),
         "web_search_options": (None,),
+        **_PEER_FIELDS,
+        **_PEER_CHAT_FIELDS,
     },
+    CompletionRequest: dict(_PEER_FIELDS),
     # Keys of OpenAI messages this server has no use for (the SDK echoes them back in conversation history).
     ChatMessage: {
         "tool_calls": _EMPTY,
@@ -112,13 +158,13 @@ def _extras(model: BaseModel, path: str) -> Iterator[tuple[BaseModel, str, str, 
                     yield from _extras(item, f"{path}{name}[{index}].")
 
 
-def check_fields(body: BaseModel, *, ignore_unknown: bool = False) -> list[str]:
+def check_fields(body: BaseModel, *, ignore_unknown: bool = True) -> list[str]:
     """Refuses the undeclared fields of ``body`` that ask for something; returns the ignored ones.
 
-    Raises ``UnsupportedFeatureError`` for an OpenAI field set to anything but
-    its no-op value, and ``RequestError`` for an unknown field unless
-    ``ignore_unknown``. Returns the ignored fields' paths without list
-    indexes (``messages.x``), each once, in order of appearance.
+    Raises ``UnsupportedFeatureError`` for a ``NOT_IMPLEMENTED`` field set to
+    anything but its no-op value, and ``UnknownFieldError`` for an unknown
+    field when not ``ignore_unknown``. Returns the ignored fields' paths
+    without list indexes (``messages.x``), each once, in order of appearance.
     """
     ignored: list[str] = []
     for model, path, key, value in _extras(body, ""):

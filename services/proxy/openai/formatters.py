@@ -24,7 +24,8 @@ class ResponseMeta:
     decode_token: Callable[[int], str]  # token id -> its text (for logprobs)
     num_images: int = 0
     num_video_tokens: int = 0  # prompt tokens that are video embeddings (usage.epd.video_tokens)
-    return_token_ids: bool = False  # extension: each choice also carries "token_ids"
+    return_token_ids: bool = False  # extension: each choice carries "token_ids"; the prompt's, as vLLM places them
+    prompt_token_ids: list[int] = field(default_factory=list)  # the prompt's ids (with return_token_ids)
     hide_cache_details: bool = False  # --hide-cache-details: usage says nothing of what the caches did
     echo_text: str = ""  # completions' echo: the prompt's text, before each choice's own
     created: int = field(default_factory=lambda: int(time.time()))
@@ -53,10 +54,13 @@ class ChatFormatter:
         return chunk
 
     def role_chunk(self, index: int, with_usage: bool) -> dict[str, Any] | None:
-        return self._chunk(
+        chunk = self._chunk(
             [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
             with_usage=with_usage,
         )
+        if self.meta.return_token_ids:  # vLLM: the prompt's ids in each choice's first chunk, at the top level
+            chunk["prompt_token_ids"] = list(self.meta.prompt_token_ids)
+        return chunk
 
     def delta_chunk(
         self,
@@ -100,7 +104,7 @@ class ChatFormatter:
         return self._with_ids(choice, token_ids)
 
     def full(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        return {
+        response = {
             "id": self.meta.response_id,
             "object": "chat.completion",
             "created": self.meta.created,
@@ -108,6 +112,9 @@ class ChatFormatter:
             "choices": choices,
             "usage": usage,
         }
+        if self.meta.return_token_ids:  # vLLM: the prompt's ids at the top level of a chat response
+            response["prompt_token_ids"] = list(self.meta.prompt_token_ids)
+        return response
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.meta.decode_token(token_id)
@@ -136,6 +143,7 @@ class CompletionFormatter(ChatFormatter):
         # text_offset continues where the previous chunk's tokens ended.
         self._streamed_chars: dict[int, int] = {}
         self._echoed: set[int] = set()  # streamed choices whose prompt text went out already
+        self._prompt_ids_sent: set[int] = set()  # streamed choices whose prompt_token_ids went out already
 
     def _with_echo(self, index: int, text: str) -> str:
         """``text``, after the prompt's text in the first chunk of choice ``index`` (``echo``)."""
@@ -161,7 +169,14 @@ class CompletionFormatter(ChatFormatter):
             "finish_reason": None,
             "logprobs": None if logprobs is None else self._streamed_logprobs(index, logprobs),
         }
-        return self._chunk([self._with_ids(choice, token_ids)], with_usage=with_usage)
+        return self._chunk([self._with_prompt_ids(index, self._with_ids(choice, token_ids))], with_usage=with_usage)
+
+    def _with_prompt_ids(self, index: int, choice: dict[str, Any]) -> dict[str, Any]:
+        """vLLM: a completion choice carries the prompt's ids (streamed: in its first chunk only)."""
+        if self.meta.return_token_ids and index not in self._prompt_ids_sent:
+            self._prompt_ids_sent.add(index)
+            choice["prompt_token_ids"] = list(self.meta.prompt_token_ids)
+        return choice
 
     def _streamed_logprobs(self, index: int, entries: list[epd_pb2.TokenLogprob]) -> dict[str, Any]:
         result = self.logprobs(entries, start=self._streamed_chars.get(index, 0))
@@ -171,10 +186,8 @@ class CompletionFormatter(ChatFormatter):
         return result
 
     def finish_chunk(self, index: int, reason: str, with_usage: bool) -> dict[str, Any]:
-        return self._chunk(
-            [{"index": index, "text": self._with_echo(index, ""), "logprobs": None, "finish_reason": reason}],
-            with_usage=with_usage,
-        )
+        choice = {"index": index, "text": self._with_echo(index, ""), "logprobs": None, "finish_reason": reason}
+        return self._chunk([self._with_prompt_ids(index, choice)], with_usage=with_usage)
 
     def choice(
         self, index: int, text: str, logprobs: list[epd_pb2.TokenLogprob] | None, reason: str, token_ids: list[int]
@@ -185,6 +198,8 @@ class CompletionFormatter(ChatFormatter):
             "finish_reason": reason,
             "logprobs": self.logprobs(logprobs) if logprobs is not None else None,
         }
+        if self.meta.return_token_ids:
+            choice["prompt_token_ids"] = list(self.meta.prompt_token_ids)
         return self._with_ids(choice, token_ids)
 
     def full(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from services.proxy.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS
+from services.proxy.openai.fields import IGNORED_FIELDS_HEADER, MAX_HEADER_CHARS, NOT_IMPLEMENTED
 from services.proxy.openai.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.proxy.openai.schemas import ChatCompletionRequest, CompletionRequest
 from services.proxy.openai.structured import MAX_CHOICES
@@ -47,16 +48,21 @@ _USAGE = {
     },
 }
 _FINISH_REASON = {"enum": ["stop", "length"]}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}  # with return_token_ids (vLLM's)
 # One server-sent event (OpenAPI < 3.2: ``schema`` describes each event of a stream).
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 
 
-def _completion(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
-    """A whole (non-streamed) response object; extensions (``token_ids``, ``usage.epd``) are extra properties."""
+def _completion(object_name: str, choice: dict[str, Any], *, prompt_ids_in_choice: bool) -> dict[str, Any]:
+    """A whole (non-streamed) response object; ``usage.epd`` is an extra property. With ``return_token_ids``
+    each choice has ``token_ids``, and ``prompt_token_ids`` is in each choice or at the top level (vLLM's)."""
+    prompt_ids = {"prompt_token_ids": _TOKEN_IDS}
+    top = {} if prompt_ids_in_choice else prompt_ids
     return {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices", "usage"],
         "properties": {
+            **top,
             "id": {"type": "string"},
             "object": {"const": object_name},
             "created": {"type": "integer"},
@@ -70,6 +76,8 @@ def _completion(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
                     "properties": {
                         "index": {"type": "integer", "minimum": 0},
                         "finish_reason": _FINISH_REASON,
+                        "token_ids": _TOKEN_IDS,
+                        **(prompt_ids if prompt_ids_in_choice else {}),
                         **choice,
                     },
                 },
@@ -88,8 +96,9 @@ _CHAT_COMPLETION = _completion(
             "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
         }
     },
+    prompt_ids_in_choice=False,
 )
-_TEXT_COMPLETION = _completion("text_completion", {"text": {"type": "string"}})
+_TEXT_COMPLETION = _completion("text_completion", {"text": {"type": "string"}}, prompt_ids_in_choice=True)
 
 _MODEL = {
     "type": "object",
@@ -179,6 +188,21 @@ def _limits(max_tokens_limit: int, max_n: int) -> dict[str, dict[str, Any]]:
     }
 
 
+def _no_op(values: tuple[Any, ...]) -> dict[str, Any]:
+    """The values a ``NOT_IMPLEMENTED`` field is accepted with (type-strict: ``0`` is not ``false``)."""
+
+    def one(value: Any) -> dict[str, Any]:
+        if value is None:
+            return {"type": "null"}
+        if isinstance(value, list | dict) and not value:
+            kind = "array" if isinstance(value, list) else "object"
+            return {"type": kind, "maxItems" if kind == "array" else "maxProperties": 0}
+        kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}[type(value)]
+        return {"type": kind, "const": value}
+
+    return {"anyOf": [one(value) for value in values]}
+
+
 def _one(item: dict[str, Any]) -> dict[str, Any]:
     return {"type": "array", "items": item, "minItems": 1, "maxItems": 1}
 
@@ -209,6 +233,12 @@ def _generation(model: type[BaseModel], response: str) -> dict[str, Any]:
         "responses": {
             "200": {
                 "description": "The completion; with stream=true, server-sent events ending with [DONE]",
+                "headers": {
+                    IGNORED_FIELDS_HEADER: {
+                        "description": "The unknown request fields that were ignored, by path (bounded)",
+                        "schema": {"type": "string", "maxLength": MAX_HEADER_CHARS},
+                    }
+                },
                 "content": {**_json(_ref(response)), "text/event-stream": {"schema": _SSE_EVENT}},
             },
             **_errors("400", "401", "404", "413", "415", "429", "500", "503", "504"),
@@ -230,6 +260,11 @@ def openapi_document(app: FastAPI, *, max_tokens_limit: int, max_n: int) -> dict
         properties.update({name: limit for name, limit in limits.items() if name in properties})
         schemas[model.__name__] = body
     schemas["ChatMessage"].update(_CONTENT_REQUIRED)
+    # Fields this server knows and does not implement: described with the only values it accepts. Any other
+    # property is ignored (and named in X-EPD-Ignored-Fields), so the schemas leave additionalProperties open.
+    for declared, fields in NOT_IMPLEMENTED.items():
+        properties = schemas[declared.__name__].setdefault("properties", {})
+        properties.update({name: _no_op(values) for name, values in fields.items() if name not in properties})
     schemas.update(Error=_ERROR, Usage=_USAGE, ChatCompletion=_CHAT_COMPLETION, TextCompletion=_TEXT_COMPLETION)
     paths = document["paths"]
     paths["/v1/chat/completions"]["post"].update(_generation(ChatCompletionRequest, "ChatCompletion"))

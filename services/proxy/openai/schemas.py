@@ -3,10 +3,9 @@
 Every field declared here is honoured; a value we cannot honour is refused
 in ``sampling.py`` with a clear 400. Fields not declared are kept aside
 (``extra="allow"``, so they cost one validation pass) and judged by
-``fields.py``: an OpenAI field we do not implement is refused unless it has
-its no-op value, anything else is unknown (a 400, or ignored under
-``--ignore-unknown-fields``). The OpenAPI document says
-``additionalProperties: false``. Types are strict, as OpenAI's are: ``"5"``
+``fields.py``: a field we know and do not implement is refused unless it has
+its no-op value, anything else is unknown and ignored (a 400 under
+``--no-ignore-unknown-fields``). Types are strict, as OpenAI's are: ``"5"``
 is not an integer and ``"yes"`` is not a boolean.
 """
 
@@ -23,7 +22,7 @@ _MAX_FRAME_URLS = 768  # frames of one video given as images (transformers' Qwen
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ImageUrl(_Body):

@@ -17,7 +17,7 @@ from services.common.grids import grid_to_pb
 from services.common.hashing import hash_settings, mm_hash
 from services.common.models.processing import UnsupportedImageError
 from services.common.pb import epd_pb2
-from services.common.video_files import Sampling, VideoLimits
+from services.common.video_files import NO_BUDGET, DecodeBudget, Sampling, VideoLimits
 from services.proxy.errors import (
     ImageError,
     PlaceholderMismatchError,
@@ -317,10 +317,15 @@ class Preprocessor:
             image.close()  # the decoded pixels go now, not when the request ends
 
     def chat_videos(
-        self, sources: Sequence[str | bytes | list[str | bytes]], sampling: Sampling, cache_salt: str = ""
+        self,
+        sources: Sequence[str | bytes | list[str | bytes]],
+        sampling: Sampling,
+        cache_salt: str = "",
+        budget: DecodeBudget = NO_BUDGET,
     ) -> tuple[ProcessedVideo, ...]:
-        """Video stage (``videos.VideoStage``): limits from headers first, then one video at a time."""
-        return self.videos.process(sources, sampling, cache_salt)
+        """Video stage (``videos.VideoStage``): limits from headers first, then one video at a time, until
+        ``budget`` ends (``DecodeStopped``)."""
+        return self.videos.process(sources, sampling, cache_salt, budget)
 
     def assemble(
         self,

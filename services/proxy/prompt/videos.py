@@ -5,10 +5,11 @@ holds a ``data:video/...;base64,`` URL, an https URL (behind the same opt-in
 fetcher as images) or a list of image URLs: the video's frames. Sampling
 follows vLLM's ``mm_processor_kwargs`` (``fps``, ``num_frames``,
 ``max_frames``), bounded by ``--max-video-frames``. The stage runs on the
-image pool (off the event loop): limits from the header first
-(``video_files.probe``), then the sampled frames are decoded, counted and
-hashed; the encoder gets the file and decodes it again (see the README for
-why decoding is not done here once).
+image pool (off the event loop, on the proxy's video pool): limits from the header first
+(``video_files.probe``), then the sampled frames are decoded
+(``video_decode``), counted and hashed, the whole within the request's
+``DecodeBudget``; the encoder gets the file and decodes it again (see the
+docs, Models, for why decoding is not done here once).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from services.common import image_files, video_files, video_items
 from services.common.grids import grid_to_pb
 from services.common.models.processing import UnsupportedImageError
 from services.common.pb import epd_pb2
-from services.common.video_files import Sampling, VideoLimits
+from services.common.video_files import NO_BUDGET, DecodeBudget, Sampling, VideoLimits
 from services.proxy.errors import (
     ImageError,
     InvalidVideoDataError,
@@ -143,15 +144,20 @@ class VideoStage:
         self._settings = adapter.processor_settings()
 
     def process(
-        self, sources: Sequence[str | bytes | list[str | bytes]], sampling: Sampling, cache_salt: str
+        self,
+        sources: Sequence[str | bytes | list[str | bytes]],
+        sampling: Sampling,
+        cache_salt: str,
+        budget: DecodeBudget = NO_BUDGET,
     ) -> tuple[ProcessedVideo, ...]:
-        """Every video's header limits first, then one video's frames alive at a time."""
+        """Every video's header limits first, then one video's frames alive at a time; ``DecodeStopped``
+        once ``budget`` ends (checked before every packet and frame)."""
         files = [self._files(source) for source in sources]
         for video_file, _ in files:
             if video_file:
                 with _as_api_errors():
-                    video_files.probe(video_file, self.limits)
-        return tuple(self._process(video_file, frames, sampling, cache_salt) for video_file, frames in files)
+                    video_files.probe(video_file, self.limits, budget)
+        return tuple(self._process(video_file, frames, sampling, cache_salt, budget) for video_file, frames in files)
 
     def _files(self, source: str | bytes | list[str | bytes]) -> tuple[bytes, tuple[bytes, ...]]:
         if isinstance(source, bytes):
@@ -162,10 +168,15 @@ class VideoStage:
         return b"", frames
 
     def _process(
-        self, video_file: bytes, frame_files: tuple[bytes, ...], sampling: Sampling, cache_salt: str
+        self,
+        video_file: bytes,
+        frame_files: tuple[bytes, ...],
+        sampling: Sampling,
+        cache_salt: str,
+        budget: DecodeBudget,
     ) -> ProcessedVideo:
         with _as_api_errors():
-            video = video_items.sample_video(video_file, frame_files, sampling, self.limits)
+            video = video_items.sample_video(video_file, frame_files, sampling, self.limits, budget)
         try:
             width, height = video.frames[0].size
             shape = self.adapter.video_shape(len(video.frames), height, width)

@@ -58,6 +58,7 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
         self.request_ids_seen: list[str] = []  # from gRPC metadata
         self.filled: set[str] = set()  # reservation ids pushed by FakeEncoder
         self.ready_hashes: set[str] = set()  # answer READY for these
+        self.wait_for_pushes = True  # False: Generate streams at once (the embedding came from another push)
         self.preallocate_failure: Failure | None = None
         self.generate_failure: Failure | None = None  # before the first message
         self.fail_after_first: Failure | None = None  # after the first message
@@ -115,7 +116,7 @@ class FakePd(epd_pb2_grpc.PrefillDecodeServicer):
             if self.generate_failure is not None:
                 await self.generate_failure.raise_in(context)
             needed = self._reserved_ids(request.request_id)
-            while not needed <= self.filled:  # wait for the encoder's pushes
+            while self.wait_for_pushes and not needed <= self.filled:  # wait for the encoder's pushes
                 self._filled_changed.clear()
                 await self._filled_changed.wait()
             await self.hold_first_token.wait()
@@ -181,16 +182,21 @@ class FakeEncoder(epd_pb2_grpc.EncoderServicer):
         self.cache_hits: set[str] = set()  # mm_hashes to report as cache hits
         self.push_failures: dict[str, Failure] = {}  # PD address -> how pushes to it fail
         self.deadlines: list[float | None] = []  # time_remaining() seen by each Encode
+        self.hold = asyncio.Event()  # cleared = Encode waits (after it is recorded) until it is set
+        self.hold.set()
+        self.num_answered = 0  # Encode calls that got past ``hold`` and the delay
 
     async def Encode(self, request, context):
         self.encodes.append(request)
         self.deadlines.append(context.time_remaining())
         try:
+            await self.hold.wait()
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
+        self.num_answered += 1
         if self.next_failures:
             await self.next_failures.pop(0).raise_in(context)
         if self.failure is not None:

@@ -8,6 +8,7 @@ import json
 import grpc
 from proxy_doubles import Failure, image_message, png_data_url, wait_until
 
+from services.common import grpc_utils
 from services.common.pb import epd_pb2
 from services.proxy.backends.routing import rendezvous_weight
 
@@ -188,6 +189,38 @@ async def test_encoder_failure_aborts_pd_and_returns_clean_error(cluster_factory
     assert pd.aborts == [pd.preallocates[0].request_id]
     await asyncio.sleep(0.05)
     assert pd.num_active == 0 and pd.generate_cancelled == 1  # the waiting Generate did not hang
+
+
+async def test_a_push_that_fails_after_pd_prefilled_does_not_fail_the_request(cluster_factory):
+    """PD prefilled from the embedding another request's push brought and streamed; this request's own push
+    then failed at PD (its reservation already gone). The answer is whole, without an error event."""
+    cluster = await cluster_factory(http=True)  # real HTTP: the client reads the stream as it comes
+    pd, encoder = cluster.pd, cluster.encoder
+    pd.wait_for_pushes = False
+    pd.hold_after_first.clear()
+    encoder.hold.clear()
+    encoder.push_failures[pd.address] = Failure(grpc.StatusCode.FAILED_PRECONDITION, failed_hop=grpc_utils.PUSH_HOP)
+    request = {"messages": [image_message(png_data_url())], "stream": True, "max_tokens": 4}
+    async with cluster.client.stream("POST", "/v1/chat/completions", json=request) as reply:
+        assert reply.status_code == 200
+        lines = reply.aiter_lines()
+        while "Hello" not in await anext(lines):  # the first token reached the client
+            pass
+        encoder.hold.set()
+        await wait_until(lambda: encoder.num_answered == 1)  # the push failed...
+        pd.hold_after_first.set()  # ... and PD goes on
+        rest = "\n".join([line async for line in lines])
+    assert '"error"' not in rest and " world" in rest and "[DONE]" in rest
+    assert pd.aborts == []
+
+
+async def test_a_push_that_fails_before_pd_prefilled_still_fails_the_request(cluster_factory):
+    cluster = await cluster_factory()
+    pd, encoder = cluster.pd, cluster.encoder
+    encoder.push_failures[pd.address] = Failure(grpc.StatusCode.FAILED_PRECONDITION, failed_hop=grpc_utils.PUSH_HOP)
+    reply = await cluster.client.post("/v1/chat/completions", json={"messages": [image_message(png_data_url())]})
+    assert reply.status_code == 500
+    assert pd.aborts == [pd.preallocates[0].request_id]
 
 
 async def test_encoder_overload_is_503(cluster_factory):

@@ -1,4 +1,5 @@
-"""Every request field is honoured or refused: unknown and unimplemented fields, the lenient flag, min_tokens."""
+"""Every request field is honoured, refused or ignored and named: unknown and unimplemented fields, the strict flag,
+min_tokens, penalties, min_p, logit_bias, detokenizer options."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 
 import openai
 import pytest
-from proxy_doubles import openai_client
+from proxy_doubles import openai_client, png_data_url
 
 SECRET = "zebra-secret-42"
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
@@ -24,70 +25,119 @@ def assert_refused(reply, code: str, param: str | None) -> dict:
 
 
 def image_part(**extra) -> dict:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", **extra}}
+    return {"type": "image_url", "image_url": {"url": png_data_url(), **extra}}
 
 
 @pytest.mark.parametrize(("path", "body"), BODIES)
-async def test_an_unknown_top_level_field_is_refused_by_name(cluster_factory, path, body):
+async def test_an_unknown_top_level_field_is_ignored_and_named(cluster_factory, path, body):
     cluster = await cluster_factory()
     reply = await cluster.client.post(path, json={**body, "temprature": SECRET})
-    error = assert_refused(reply, "unknown_parameter", "temprature")
-    assert error["message"] == "Unknown field temprature."
-    assert cluster.pd.generates == []
+    assert reply.status_code == 200, reply.text
+    assert reply.headers[IGNORED] == "temprature" and SECRET not in str(reply.headers)
+    assert len(cluster.pd.generates) == 1
 
 
 @pytest.mark.parametrize(
-    ("message", "extra", "param"),
+    ("message", "extra", "name"),
     [
-        ({"role": "user", "content": "Hi.", "colour": SECRET}, {}, "messages[0].colour"),
+        ({"role": "user", "content": "Hi.", "colour": SECRET}, {}, "messages.colour"),
         (
             {"role": "user", "content": [{"type": "text", "text": "Hi.", "cache_control": SECRET}]},
             {},
-            "messages[0].content[0].cache_control",
+            "messages.content.cache_control",
         ),
         (
-            {"role": "user", "content": [{"type": "text", "text": "Look."}, image_part(size=SECRET)]},
+            {"role": "user", "content": [{"type": "text", "text": "Look."}, image_part(uuid=SECRET)]},
             {},
-            "messages[0].content[1].image_url.size",
+            "messages.content.image_url.uuid",
+        ),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "Look."}, {**image_part(), "modalities": "x"}]},
+            {},
+            "messages.content.modalities",  # SGLang's vision tests send it on every image part
         ),
         (CHAT["messages"][0], {"response_format": {"type": "text", "strict": SECRET}}, "response_format.strict"),
         (CHAT["messages"][0], {"stream": True, "stream_options": {"usage": SECRET}}, "stream_options.usage"),
     ],
-    ids=["message", "text_part", "image_url", "response_format", "stream_options"],
+    ids=["message", "text_part", "image_url", "image_part", "response_format", "stream_options"],
 )
-async def test_an_unknown_nested_key_is_refused_with_its_path(cluster_factory, message, extra, param):
+async def test_an_unknown_nested_key_is_ignored_and_named_by_path(cluster_factory, message, extra, name):
     cluster = await cluster_factory()
     reply = await cluster.client.post("/v1/chat/completions", json={**CHAT, "messages": [message], **extra})
-    assert_refused(reply, "unknown_parameter", param)
-    assert cluster.pd.generates == []
+    assert reply.status_code == 200, reply.text
+    assert reply.headers[IGNORED] == name
+    assert len(cluster.pd.generates) == 1
 
 
-async def test_a_key_that_is_no_plain_name_is_refused_without_repeating_it(cluster_factory):
+async def test_unknown_fields_at_every_level_with_an_image_are_served(cluster_factory):
+    """vLLM's test_extra_fields_allowed and its unknown keys on an image part; SGLang's ``modalities``."""
     cluster = await cluster_factory()
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": png_data_url(), "uuid": SECRET}, "modalities": "multi-images"},
+        ],
+        "extra_field": SECRET,
+    }
+    reply = await cluster.client.post(
+        "/v1/chat/completions", json={**CHAT, "messages": [message], "top_level_x": 1, "return_token_ids": True}
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.headers[IGNORED] == (
+        "top_level_x,messages.extra_field,messages.content.modalities,messages.content.image_url.uuid"
+    )
+    [generate] = cluster.pd.generates
+    assert reply.json()["prompt_token_ids"] == list(generate.prompt_token_ids)
+
+
+async def test_a_key_that_is_no_plain_name_is_ignored_without_repeating_it(cluster_factory):
+    cluster = await cluster_factory()
+    message = {"role": "user", "content": "Hi.", f"{SECRET} with spaces": 1}
+    reply = await cluster.client.post("/v1/chat/completions", json={**CHAT, "messages": [message]})
+    assert reply.status_code == 200 and reply.headers[IGNORED] == "messages.?"
+    assert SECRET not in str(reply.headers)
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+async def test_the_strict_flag_refuses_unknown_fields_by_name(cluster_factory, path, body):
+    cluster = await cluster_factory(ignore_unknown_fields=False)
+    reply = await cluster.client.post(path, json={**body, "temprature": SECRET})
+    error = assert_refused(reply, "unknown_parameter", "temprature")
+    assert error["message"] == "Unknown field temprature."
+    message = {"role": "user", "content": [{"type": "text", "text": "Hi.", "cache_control": SECRET}]}
+    reply = await cluster.client.post("/v1/chat/completions", json={**CHAT, "messages": [message]})
+    assert_refused(reply, "unknown_parameter", "messages[0].content[0].cache_control")
     message = {"role": "user", "content": "Hi.", f"{SECRET} with spaces": 1}
     reply = await cluster.client.post("/v1/chat/completions", json={**CHAT, "messages": [message]})
     assert_refused(reply, "unknown_parameter", "messages[0]")
     reply = await cluster.client.post("/v1/completions", json={**COMPLETION, "x" * 65: 1})
     assert_refused(reply, "unknown_parameter", None)
+    assert cluster.pd.generates == []
 
 
-async def test_the_sdk_sees_unknown_fields_refused(cluster_factory):
+async def test_the_sdk_sees_unknown_fields_ignored_and_peer_fields_we_do_not_honour_refused(cluster_factory):
     cluster = await cluster_factory(http=True)
     client = openai_client(cluster)
     try:
-        with pytest.raises(openai.BadRequestError) as caught:
-            await client.chat.completions.create(
-                model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body={"best_of_n": SECRET}
-            )
-        assert (caught.value.body["code"], caught.value.body["param"]) == ("unknown_parameter", "best_of_n")
-        with pytest.raises(openai.BadRequestError) as caught:
-            await client.completions.create(
-                model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"truncate_prompt_tokens": 2}
-            )
-        assert caught.value.body["param"] == "truncate_prompt_tokens"  # a vLLM field this server does not honour
+        reply = await client.chat.completions.with_raw_response.create(
+            model="tiny-llava", messages=CHAT["messages"], max_tokens=3, extra_body={"best_of_n": SECRET}
+        )
+        assert reply.headers[IGNORED] == "best_of_n"
+        for field, value in (("truncate_prompt_tokens", 2), ("use_beam_search", True), ("regex", "a+")):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.completions.create(
+                    model="tiny-llava", prompt="Once", max_tokens=3, extra_body={field: value}
+                )
+            # a vLLM (or SGLang) field this server does not honour: ignoring it would change the answer
+            assert (caught.value.body["code"], caught.value.body["param"]) == ("unsupported_parameter", field)
+        served = await client.completions.create(
+            model="tiny-llava", prompt="Once", max_tokens=3, extra_body={"use_beam_search": False, "priority": 0}
+        )
+        assert served.choices[0].text is not None
     finally:
         await client.close()
-    assert cluster.pd.generates == []
+    assert len(cluster.pd.generates) == 2
 
 
 @pytest.mark.parametrize(
@@ -106,7 +156,7 @@ async def test_the_sdk_sees_unknown_fields_refused(cluster_factory):
     ],
 )
 async def test_the_sdk_sees_openai_fields_we_do_not_implement_refused(cluster_factory, field, value):
-    cluster = await cluster_factory(http=True, ignore_unknown_fields=True)  # refused whatever the flag
+    cluster = await cluster_factory(http=True)  # refused, not ignored
     client = openai_client(cluster)
     try:
         with pytest.raises(openai.BadRequestError) as caught:
@@ -191,15 +241,15 @@ async def test_include_obfuscation_true_is_refused(cluster_factory):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(("path", "body"), BODIES)
-async def test_the_lenient_flag_ignores_unknown_fields_and_names_them(cluster_factory, caplog, path, body, stream):
-    cluster = await cluster_factory(ignore_unknown_fields=True)
+async def test_unknown_fields_are_ignored_named_and_logged_once(cluster_factory, caplog, path, body, stream):
+    cluster = await cluster_factory()
     request = {**body, "stream": stream, "zeta": SECRET, "alpha": {"nested": SECRET}}
     if "messages" in body:
         request["messages"] = [
             {"role": "user", "content": [{"type": "text", "text": "Hi.", "cache_control": SECRET}], "colour": 1},
             {"role": "user", "content": "Again.", "colour": 2},
         ]
-    with caplog.at_level(logging.WARNING, logger="services.proxy.app"):
+    with caplog.at_level(logging.INFO, logger="services.proxy.intake"):
         reply = await cluster.client.post(path, json=request)
     assert reply.status_code == 200, reply.text
     expected = "zeta,alpha" + (",messages.colour,messages.content.cache_control" if "messages" in body else "")
@@ -211,7 +261,7 @@ async def test_the_lenient_flag_ignores_unknown_fields_and_names_them(cluster_fa
 
 
 async def test_the_ignored_fields_header_is_bounded(cluster_factory):
-    cluster = await cluster_factory(ignore_unknown_fields=True)
+    cluster = await cluster_factory()
     many = {f"field_{i:02d}": i for i in range(40)}
     reply = await cluster.client.post("/v1/completions", json={**COMPLETION, **many, "y" * 64: 1, "a b": 1})
     assert reply.status_code == 200, reply.text
@@ -222,7 +272,7 @@ async def test_the_ignored_fields_header_is_bounded(cluster_factory):
 
 
 async def test_without_unknown_fields_no_header_is_sent(cluster_factory):
-    cluster = await cluster_factory(ignore_unknown_fields=True)
+    cluster = await cluster_factory()
     reply = await cluster.client.post("/v1/completions", json=COMPLETION)
     assert reply.status_code == 200 and IGNORED not in reply.headers
 

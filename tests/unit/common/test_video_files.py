@@ -1,27 +1,43 @@
-"""Video files: sniffing, limits before decoding, sampling, corrupt input; the vision side's video items."""
+"""Video files: sniffing, limits before decoding, sampling, corrupt input, hostile files (memory, time, seeking);
+the vision side's video items."""
 
 from __future__ import annotations
 
 import io
+import json
 import math
+import subprocess
+import sys
+import time
 
 import av
 import numpy as np
 import pytest
 import torch
-from video_support import make_video, sample
+from video_support import (
+    decode_all,
+    make_gop_video,
+    make_video,
+    mjpeg_that_grows,
+    sample,
+    vp8_keyframe_that_claims,
+    vp8_static,
+)
 
-from services.common import encode_items, video_files, video_items
+from services.common import encode_items, video_decode, video_files, video_items
 from services.common.encode_items import file_processor, item_pixels
 from services.common.models import load_adapter
 from services.common.pb import epd_pb2
+from services.common.video_decode import decode_frames
 from services.common.video_files import (
+    NO_BUDGET,
     CorruptVideoError,
+    DecodeBudget,
+    DecodeStopped,
     Sampling,
     UnsupportedVideoError,
     VideoLimitError,
     VideoLimits,
-    decode_frames,
     probe,
     sample_indices,
 )
@@ -104,7 +120,7 @@ class _FewFrames(VideoLimits):
 
 
 def test_total_frames_are_bounded_while_counting():
-    assert VideoLimits(max_seconds=10.0).max_total_frames == 2400
+    assert VideoLimits(max_seconds=10.0).max_total_frames == 600  # 60 frames a second at most, whatever it claims
     with pytest.raises(VideoLimitError, match="more than 5 frames"):
         probe(CLIP, _FewFrames())
 
@@ -170,7 +186,7 @@ def test_video_patches_pair_consecutive_frames_channel_major(qwen):
     ("change", "message"),
     [
         (lambda item: setattr(item.video_sampling, "fps", 0.0), "fps must be in"),
-        (lambda item: setattr(item.video_sampling, "num_frames", 10_000), "more than 768 frames"),
+        (lambda item: setattr(item.video_sampling, "num_frames", 10_000), "more than 64 frames"),
         (lambda item: setattr(item, "video_file", CLIP[:100]), "video: The video header is corrupt"),
         (lambda item: item.frame_files.append(b"x"), "exactly one of"),
     ],
@@ -260,6 +276,8 @@ class _StreamDouble:
 
 class _PacketDouble:
     size = 100
+    pts = None
+    is_keyframe = is_discard = False
 
 
 class _ContainerDouble:
@@ -275,10 +293,119 @@ class _ContainerDouble:
 
 def test_a_stream_without_a_frame_rate_is_refused_before_counting():
     with pytest.raises(CorruptVideoError, match="no frame rate"):
-        video_files._count_frames(_ContainerDouble(3), _StreamDouble(None), VideoLimits())
+        video_files._count_frames(_ContainerDouble(3), _StreamDouble(None), VideoLimits(), NO_BUDGET)
 
 
 def test_a_demuxer_error_while_counting_is_a_corrupt_video_not_a_crash():
     # A real truncated WebM just ends early (fewer frames); a demuxer that fails mid-file must not escape.
     with pytest.raises(CorruptVideoError, match="truncated or corrupt"):
-        video_files._count_frames(_ContainerDouble(3), _StreamDouble(4), VideoLimits())
+        video_files._count_frames(_ContainerDouble(3), _StreamDouble(4), VideoLimits(), NO_BUDGET)
+
+
+# ----------------------------------------------------------------------------- hostile videos: memory and time
+
+
+def test_an_mjpeg_video_is_refused_before_a_frame_is_decoded():
+    """MJPEG in Matroska, a 32x32 header and 8192x8192 frames after the first: refused for its codec."""
+    with pytest.raises(UnsupportedVideoError, match="codec"):
+        decode_frames(mjpeg_that_grows(), VideoLimits(), Sampling(num_frames=2))
+
+
+_PEAK_OF_A_DECODE = """
+import json, resource, sys
+from services.common import video_files
+from services.common.video_decode import decode_frames
+from services.common.video_files import Sampling, VideoLimits
+video_files.ALLOWED_CODECS = (*video_files.ALLOWED_CODECS, "mjpeg")  # the frame checks alone must hold
+data = sys.stdin.buffer.read()
+decode_frames(data[:{normal_size}], VideoLimits(), Sampling(num_frames=2))  # warm: the decoders' own buffers
+idle_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    decode_frames(data[{normal_size}:], VideoLimits(), Sampling(num_frames=2))
+    outcome = "decoded"
+except ValueError as error:
+    outcome = type(error).__name__
+print(json.dumps({{"idle_kib": idle_kib, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "outcome": outcome}}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "make_probe", [mjpeg_that_grows, vp8_keyframe_that_claims], ids=["mjpeg_32_then_8192", "vp8_key_claims_8192"]
+)
+def test_frames_larger_than_the_header_are_refused_before_they_take_memory(make_probe):
+    """Each probe's frames claim 8192x8192 under a 32x32 header: before, decoding them took the process past
+    1.5 GB (MJPEG) or allocated 100 MB a frame (VP8). The decoder is held to the header's size and every frame
+    is checked before it is converted: the peak stays within 20% of idle plus what the request may hold."""
+    normal, probe_data = make_video(4, num_frames=4, size=(32, 32), fmt="webm"), make_probe()
+    code = _PEAK_OF_A_DECODE.format(normal_size=len(normal))
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=normal + probe_data, capture_output=True, timeout=100, check=True
+    )
+    result = json.loads(done.stdout)
+    assert result["outcome"] in ("VideoLimitError", "CorruptVideoError")
+    allowed_kib = 3 * len(probe_data) // 1024 + 2 * 32 * 32 * 3 // 1024  # the file, its copies, two kept frames
+    assert result["peak_kib"] <= 1.2 * (result["idle_kib"] + allowed_kib), result
+
+
+class _Ticks:
+    """A clock that moves one second per reading: a budget of N seconds allows about N checks."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("deadline", [50.0, 250.0], ids=["while_counting", "while_decoding"])
+def test_decoding_stops_within_a_frame_once_the_budget_ends(deadline):
+    """One check a packet counted (200, after one at the start), then one a frame decoded: a deadline of 250
+    ticks ends the decode at its 49th frame, long before the last sampled one (#150)."""
+    clip = vp8_static(200, size=(64, 48))
+    clock = _Ticks()
+    budget = DecodeBudget(deadline=deadline, clock=clock)
+    with pytest.raises(DecodeStopped):
+        decode_frames(clip, VideoLimits(), Sampling(num_frames=4), budget)
+    assert clock.now == deadline  # stopped at the first check that found the deadline passed
+
+
+def test_a_cancelled_budget_stops_a_decode_and_a_live_one_lets_it_finish():
+    clip = vp8_static(40, size=(64, 48))
+    budget = DecodeBudget(deadline=time.monotonic() + 60)
+    assert len(decode_frames(clip, VideoLimits(), Sampling(num_frames=4), budget)[0]) == 4
+    budget.cancel()
+    assert budget.cancelled
+    with pytest.raises(DecodeStopped):
+        decode_frames(clip, VideoLimits(), Sampling(num_frames=4), budget)
+    with pytest.raises(DecodeStopped):
+        video_items.sample_video(b"", [b"frame"], Sampling(), VideoLimits(), budget)  # the frames form too
+
+
+def test_sparse_samples_seek_to_keyframes_and_get_the_frames_a_full_decode_gets(monkeypatch):
+    clip = make_gop_video(7, num_frames=240, gop=8)
+    seeks: list[int] = []
+    seek = video_decode._TimestampWalk._seek
+    monkeypatch.setattr(video_decode._TimestampWalk, "_seek", lambda self, i: (seeks.append(i), seek(self, i))[1])
+    frames, info = decode_frames(clip, VideoLimits(), Sampling(num_frames=6))
+    every, _ = decode_all(clip)
+    wanted = sample_indices(info.num_frames, info.fps, Sampling(num_frames=6))
+    assert [np.asarray(frame).tolist() for frame in frames] == [every[i].tolist() for i in wanted]
+    assert seeks and all(index % 8 == 0 for index in seeks)  # jumped to keyframes, skipping whole groups
+
+
+def test_without_timestamps_frames_are_read_in_order(monkeypatch):
+    clip = make_gop_video(8, num_frames=60, gop=8)
+    monkeypatch.setattr(video_files, "_timeline", lambda frame_pts, keyframe_pts: None)
+    frames, info = decode_frames(clip, VideoLimits(), Sampling(num_frames=4))
+    every, _ = decode_all(clip)
+    wanted = sample_indices(info.num_frames, info.fps, Sampling(num_frames=4))
+    assert [np.asarray(frame).tolist() for frame in frames] == [every[i].tolist() for i in wanted]
+
+
+def test_the_frame_cap_trusts_no_frame_rate_above_60():
+    clip = vp8_static(61, size=(64, 48), fps=1000)  # 0.06 s by its own account
+    with pytest.raises(VideoLimitError, match="more than 60 frames"):
+        probe(clip, VideoLimits(max_seconds=1.0))

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from services.common.video_files import VideoLimits
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
 
@@ -142,3 +143,15 @@ def test_grammar_compile_flags():
     )
     assert config.grammar_compile_timeout_s == 2.5 and config.max_pending_grammar_compiles == 4
     assert config.grammar_cache_mb == 64
+
+
+def test_a_colocated_pd_takes_the_proxys_video_limits():
+    parser = argparse.ArgumentParser()
+    pd_main.add_arguments(parser)
+    defaults = pd_main.config_from_args(parser.parse_args([]))
+    assert defaults.video_limits() == VideoLimits()  # the proxy's and the encoder's defaults
+    args = ["--encoder", "local", "--max-video-frames", "128", "--max-video-seconds", "60", "--max-video-bytes", "1024"]
+    limits = pd_main.config_from_args(parser.parse_args(args)).video_limits()
+    assert (limits.max_frames, limits.max_seconds, limits.max_bytes) == (128, 60.0, 1024)
+    with pytest.raises(ValueError):
+        pd_main.config_from_args(parser.parse_args(["--max-video-frames", "0"]))

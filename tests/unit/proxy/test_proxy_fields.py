@@ -34,13 +34,34 @@ def test_a_no_op_value_must_have_the_no_op_type(field, value):
         check_fields(chat(**{field: value}))
 
 
-def test_unknown_fields_are_refused_or_listed_once_without_indexes():
+def test_unknown_fields_are_listed_once_without_indexes_or_refused_when_strict():
     body = chat(messages=[{"role": "user", "content": "a", "x": 1}, {"role": "user", "content": "b", "x": 2}], y=3)
+    assert check_fields(body) == ["y", "messages.x"]
+    assert check_fields(CompletionRequest.model_validate({"prompt": "p"})) == []
     with pytest.raises(UnknownFieldError) as refused:
-        check_fields(body)
+        check_fields(body, ignore_unknown=False)
     assert refused.value.param == "y" and refused.value.code == "unknown_parameter"
-    assert check_fields(body, ignore_unknown=True) == ["y", "messages.x"]
-    assert check_fields(CompletionRequest.model_validate({"prompt": "p"}), ignore_unknown=True) == []
+
+
+@pytest.mark.parametrize(
+    ("model", "field", "value"),
+    [
+        (CompletionRequest, "truncate_prompt_tokens", 5),
+        (CompletionRequest, "use_beam_search", True),
+        (CompletionRequest, "length_penalty", 2.0),
+        (ChatCompletionRequest, "continue_final_message", True),
+        (ChatCompletionRequest, "add_generation_prompt", False),
+        (ChatCompletionRequest, "echo", True),
+        (ChatCompletionRequest, "regex", "a+"),
+    ],
+)
+def test_a_peer_field_we_do_not_honour_is_refused_whatever_the_unknown_policy(model, field, value):
+    base = {"prompt": "p"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(UnsupportedFeatureError) as refused:
+        check_fields(model.model_validate({**base, field: value}))
+    assert refused.value.param == field
+    no_op = NOT_IMPLEMENTED[model][field][-1]
+    assert check_fields(model.model_validate({**base, field: no_op})) == []
 
 
 def test_the_header_is_bounded_in_names_and_characters():

@@ -140,12 +140,12 @@ def test_a_built_in_preset_is_served_under_its_name():
     assert default_served_name("/models/llava", "llava") == "llava"
 
 
-def test_ignore_unknown_fields_is_off_unless_asked(monkeypatch):
-    assert config_from_args(parse([])).ignore_unknown_fields is False
-    assert config_from_args(parse(["--ignore-unknown-fields"])).ignore_unknown_fields is True
-    monkeypatch.setenv("EPD_IGNORE_UNKNOWN_FIELDS", "1")
+def test_ignore_unknown_fields_is_on_unless_turned_off(monkeypatch):
     assert config_from_args(parse([])).ignore_unknown_fields is True
     assert config_from_args(parse(["--no-ignore-unknown-fields"])).ignore_unknown_fields is False
+    monkeypatch.setenv("EPD_IGNORE_UNKNOWN_FIELDS", "0")
+    assert config_from_args(parse([])).ignore_unknown_fields is False
+    assert config_from_args(parse(["--ignore-unknown-fields"])).ignore_unknown_fields is True
 
 
 def test_help_explains_ignore_unknown_fields():
@@ -154,6 +154,7 @@ def test_help_explains_ignore_unknown_fields():
     text = " ".join(parser.format_help().split())
     assert "--ignore-unknown-fields" in text and "EPD_IGNORE_UNKNOWN_FIELDS" in text
     assert "X-EPD-Ignored-Fields" in text and "instead of refusing them with a 400" in text
+    assert "--no-ignore-unknown-fields" in text
 
 
 def test_time_limit_and_server_flags():

@@ -110,11 +110,14 @@ def test_a_schema_at_the_depth_limit_passes():
     check_supported(chat(guided_json=_deep_schema(MAX_SCHEMA_DEPTH - 1)))
 
 
-def test_unknown_keys_inside_structured_outputs_and_json_schema_are_refused_by_path():
+def test_unknown_keys_inside_structured_outputs_and_json_schema_are_named_by_path():
+    body = chat(structured_outputs={"regex": "a", "whitespace_pattern": SECRET})
+    assert check_fields(body) == ["structured_outputs.whitespace_pattern"]
     with pytest.raises(UnknownFieldError) as refused:
-        check_fields(chat(structured_outputs={"regex": "a", "whitespace_pattern": SECRET}))
+        check_fields(body, ignore_unknown=False)
     assert refused.value.param == "structured_outputs.whitespace_pattern"
     body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "colour": 1}})
+    assert check_fields(body) == ["response_format.json_schema.colour"]
     with pytest.raises(UnknownFieldError) as refused:
-        check_fields(body)
+        check_fields(body, ignore_unknown=False)
     assert refused.value.param == "response_format.json_schema.colour"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.pd.engine.embedding_cache import (
+    AlreadyFilled,
     EmbeddingCache,
     EmbeddingCacheFull,
     EntryState,
@@ -173,6 +174,35 @@ def test_cancel_keeps_the_last_push_others_wait_on(cache):
     assert cache.fill("r1", rid, "h1", now=1.0) is True  # the push still lands
     assert cache.stats().num_reservations == 0  # and the orphaned reservation ends
     cache.release("h1")
+
+
+def test_a_late_push_for_a_request_served_by_another_push_is_a_repeat(cache):
+    """E+P+D burst: r2 joined r1's pending entry, r1's push made it READY, r2 prefilled from it and
+    ended (a prefill instance ends a request at its first token); r2's own push arrives after that."""
+    _, rid1 = reserve(cache, "r1", "h1")
+    _, rid2 = reserve(cache, "r2", "h1")
+    assert cache.take_over("r2") == ["h1"]  # Generate waits on the pending entry
+    assert cache.fill("r1", rid1, "h1", now=1.0) is True
+    cache.release("h1")
+    cache.cancel_request("r2")  # r2 ended, served
+    with pytest.raises(AlreadyFilled):  # acknowledged, nothing stored; a size mismatch is still refused
+        cache.check_push("r2", rid2, "h1", 10, now=2.0)
+    with pytest.raises(ReservationRejected, match="size"):
+        cache.check_push("r2", rid2, "h1", 9, now=2.0)
+    with pytest.raises(ReservationRejected, match="served"):  # another request's id is no repeat
+        cache.check_push("r3", rid2, "h1", 10, now=2.0)
+    assert cache.take_over("r1") == ["h1"]
+    cache.release("h1")
+
+
+def test_a_push_for_a_request_that_ended_unserved_is_still_rejected(cache):
+    _, rid1 = reserve(cache, "r1", "h1")
+    _, rid2 = reserve(cache, "r2", "h1")
+    assert cache.fill("r1", rid1, "h1", now=1.0) is True
+    cache.cancel_request("r2")  # aborted before its Generate took the reservation over
+    with pytest.raises(ReservationRejected, match="cancelled"):
+        cache.check_push("r2", rid2, "h1", 10, now=2.0)
+    cache.cancel_request("r1")
 
 
 def test_expire_drops_pending_entries_and_unpins_ready_ones(cache):

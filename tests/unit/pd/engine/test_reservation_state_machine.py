@@ -45,6 +45,7 @@ class ModelReservation:
     filled: bool = False
     ended: bool = False
     end_on_fill: bool = False
+    served: bool = False  # its request ended after another push made the entry READY: a late push is a repeat
 
 
 def prompt_of(images: list[str]) -> tuple[list[int], list[MultiModalSpan]]:
@@ -132,6 +133,7 @@ class ReservationMachine(RuleBasedStateMachine):
             ):
                 r.end_on_fill = True
             else:
+                r.served = r.kind == "push" and not r.filled and r.end_on_fill and r.mm_hash in self.accepted
                 r.ended = True
         self._sync_dropped_entries()
 
@@ -199,7 +201,8 @@ class ReservationMachine(RuleBasedStateMachine):
         code = self.pusher.push(
             reservation.request_id, reservation_id, reservation.mm_hash, SIZES[reservation.mm_hash], mode, tag
         )
-        repeat = reservation.kind == "push" and reservation.filled  # a retried Encode pushing again
+        # a retried Encode pushing again, or a push that comes after its request was served by another push
+        repeat = reservation.kind == "push" and (reservation.filled or reservation.served)
         if mode == "unknown_id":
             assert code is S.NOT_FOUND
         elif mode == "complete" and (self._live_push(reservation) or repeat):
