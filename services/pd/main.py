@@ -75,8 +75,11 @@ HELP_GROUPS = (
             "--max-push-buffer-mb",
             "--max-pushes-per-peer",
             "--push-idle-timeout-s",
+            "--max-kv-push-buffer-mb",
+            "--max-kv-reservation-share",
         ),
     ),
+    ("structured outputs", ("--grammar-compile-timeout-s", "--max-pending-grammar-compiles", "--grammar-cache-mb")),
     (
         "role and embeddings",
         (
