@@ -59,7 +59,9 @@ class _FileProcessor:
         if not getattr(self.adapter, "supports_video", False):
             raise ValueError("this model takes no videos")
         temporal = int(self.image_processor.temporal_patch_size)
-        sampling = video_items.sampling_from_pb(item.video_sampling, temporal, VIDEO_LIMITS)
+        sampling = video_items.sampling_from_pb(
+            item.video_sampling, temporal, VIDEO_LIMITS, self.adapter.video_sampling_rule
+        )
         video = video_items.sample_video(item.video_file, item.frame_files, sampling, VIDEO_LIMITS)
         try:
             processed = self.adapter.process_video(self.image_processor, video.frames)

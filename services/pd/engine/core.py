@@ -67,7 +67,9 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
     ``prepare_embedding(tensor)`` (to its device and dtype; ValueError for one it cannot
     use). ``role``: which side of a KV hand-off it serves (``handoff_core.py``). ``step_budget`` sizes
     each step's prefill (default: off, the whole step budget);
-    ``timer`` measures steps. Errors are ``EngineError``s whose messages never echo input.
+    ``timer`` measures steps. ``num_deepstack_levels``: DeepStack feature rows a pushed embedding
+    carries per token besides its own (Qwen3-VL; 0 = ``[num_tokens, hidden_size]`` embeddings).
+    Errors are ``EngineError``s whose messages never echo input.
     """
 
     def __init__(
@@ -84,12 +86,14 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
         preallocation_limits: PreallocationLimits | None = None,
         role: Role = Role.BOTH,
         export_lease_s: float = 30.0,
+        num_deepstack_levels: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
         self.embedding_cache = scheduler.embedding_cache
         self.runner = runner
         self.hidden_size = hidden_size
+        self.num_deepstack_levels = num_deepstack_levels
         self.sweep_interval_s = lease_sweep_interval_s
         self._clock = clock
         self._embeddings: dict[str, Any] = {}  # mm_hash -> tensor of each READY entry

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ class ProcessedVideo:
     second_per_grid_t: float
     patch_grid: tuple[int, int, int]
     token_grid: tuple[int, int, int]
+    # Text before and after each temporal patch's placeholders (Qwen3-VL's timestamps); () = one run.
+    frame_texts: tuple[tuple[str, str], ...] = ()
 
     def encode_item_pb(self, reservation_id: str) -> epd_pb2.EncodeItem:
         """The encoder's item for this video: the file (or frames) and the sampling, to decode again."""
@@ -145,7 +148,9 @@ class VideoStage:
     def process(
         self, sources: Sequence[str | bytes | list[str | bytes]], sampling: Sampling, cache_salt: str
     ) -> tuple[ProcessedVideo, ...]:
-        """Every video's header limits first, then one video's frames alive at a time."""
+        """Every video's header limits first, then one video's frames alive at a time; frames are
+        picked by the model's rule (``Sampling.rule``)."""
+        sampling = dataclasses.replace(sampling, rule=self.adapter.video_sampling_rule)
         files = [self._files(source) for source in sources]
         for video_file, _ in files:
             if video_file:
@@ -187,6 +192,7 @@ class VideoStage:
                 second_per_grid_t=video.second_per_grid_t(sampling.temporal_patch_size),
                 patch_grid=shape.patch_grid,
                 token_grid=shape.token_grid,
+                frame_texts=self.adapter.video_frame_texts(video.indices, video.source_fps),
             )
         except UnsupportedImageError as error:
             raise VideoError(str(error), "video_url") from None

@@ -108,3 +108,40 @@ async def test_pushes_in_flight_are_bounded_per_caller():
         with pytest.raises(EngineError):
             await task
     await pushes.receive(stream(header("res-4"), data(b"\0" * NUM_BYTES)), peer="ipv4:10.0.0.1")  # room again
+
+
+def deepstack_header(shape: list[int], levels: int) -> epd_pb2.PushEmbeddingChunk:
+    chunk = header()
+    chunk.header.shape[:] = shape
+    chunk.header.num_deepstack_levels = levels
+    chunk.header.num_bytes = 4 * shape[0] * (shape[1] if len(shape) == 2 else shape[1] * shape[2])
+    return chunk
+
+
+async def test_an_embedding_with_deepstack_levels_is_received_whole():
+    levels = 3
+    payload = torch.arange(ROWS * (1 + levels) * HIDDEN, dtype=torch.float32).numpy().tobytes()
+    pushed = deepstack_header([ROWS, 1 + levels, HIDDEN], levels)
+    got, embedding = await intake(num_deepstack_levels=levels).receive(stream(pushed, data(payload)))
+    assert got.num_deepstack_levels == levels and embedding.shape == (ROWS, 1 + levels, HIDDEN)
+
+
+@pytest.mark.parametrize(
+    ("shape", "levels", "message"),
+    [
+        ([ROWS, HIDDEN], 0, "DeepStack levels"),  # an older sender: no features for a model that needs them
+        ([ROWS, 3, HIDDEN], 2, "DeepStack levels"),  # levels that are not the model's
+        ([ROWS, 2, HIDDEN], 3, r"\[num_tokens, 4, 8\]"),  # a shape that disagrees with its levels
+        ([0, 4, HIDDEN], 3, "shape"),
+    ],
+)
+async def test_a_push_without_the_models_deepstack_levels_is_refused(shape, levels, message):
+    with pytest.raises(EngineError, match=message) as raised:
+        await intake(num_deepstack_levels=3).receive(stream(deepstack_header(shape, levels)))
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+async def test_a_model_without_deepstack_refuses_pushes_that_carry_levels():
+    with pytest.raises(EngineError, match="0 DeepStack levels") as raised:
+        await intake().receive(stream(deepstack_header([ROWS, 4, HIDDEN], 3)))
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
