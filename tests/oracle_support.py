@@ -57,7 +57,8 @@ class Oracle:
     def __init__(self, model_dir: str):
         from transformers import AutoModelForImageTextToText
 
-        self.model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+        self.model_dir = Path(model_dir)
+        self.model_type = json.loads((self.model_dir / "config.json").read_text())["model_type"]
         self.inputs = _LlavaInputs(model_dir) if self.model_type == "llava" else _QwenInputs(model_dir)
         self.processor = self.inputs.processor
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()

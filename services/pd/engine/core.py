@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
 _NOT_DELIVERED = "an image embedding was not delivered before its lease expired"
+_SERVED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)  # finished with its answer
 
 
 class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
@@ -182,7 +183,8 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
         self.kv_cache.unpin(request_id)
         self._preallocated.pop(request_id)
         self._preallocated.let_go(request_id)
-        self.embedding_cache.cancel_request(request_id)
+        served = request is not None and request.status in _SERVED
+        self.embedding_cache.cancel_request(request_id, served=served)
         self._release_handoff(request_id)
 
     def sweep(self) -> None:

@@ -230,8 +230,12 @@ class EmbeddingCache:
         self._touch(entry)
 
     # -------------------------------------------------------- cancel / expire
-    def cancel_request(self, request_id: str) -> list[str]:
+    def cancel_request(self, request_id: str, served: bool = False) -> list[str]:
         """Drop a finished request's reservations and pins; returns the hashes removed.
+
+        ``served``: the request finished with its answer (its prompt's KV came from the
+        prefix cache, so a push it reserved never had to land): a late push to it is then
+        taken and dropped, as a repeat is, rather than refused (its encoder call succeeds).
 
         Call after releasing the request's own references. RESERVED entries
         nobody else needs go away (room freed). The last pending push of an
@@ -250,7 +254,8 @@ class EmbeddingCache:
             ):
                 reservation.end_on_fill = True
                 continue
-            self._remove_reservation(reservation, "cancelled")
+            unneeded = served and reservation.kind is ReservationKind.PUSH and not reservation.filled
+            self._remove_reservation(reservation, "not needed" if unneeded else "cancelled")
             if self._drop_if_orphaned(entry):
                 removed.append(entry.mm_hash)
         return removed
@@ -302,7 +307,8 @@ class EmbeddingCache:
             tombstone = self._tombstones.get(reservation_id)
             if tombstone is None:
                 raise ReservationNotFound("unknown reservation")
-            if tombstone.filled and (tombstone.request_id, tombstone.mm_hash) == (request_id, mm_hash):
+            moot = tombstone.filled or tombstone.why == "not needed"
+            if moot and (tombstone.request_id, tombstone.mm_hash) == (request_id, mm_hash):
                 raise AlreadyFilled(tombstone.num_tokens)
             if tombstone.why == "lease expired":
                 raise LeaseExpired("reservation lease expired")

@@ -81,7 +81,7 @@ class CacheEntry:
 class Tombstone(NamedTuple):
     """What is remembered of a removed reservation, to answer a late push precisely."""
 
-    why: str  # "lease expired", "cancelled", "taken over", "already filled"
+    why: str  # "lease expired", "cancelled", "taken over", "already filled", "not needed" (its request was served)
     request_id: str
     mm_hash: str
     num_tokens: int
