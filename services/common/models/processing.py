@@ -48,6 +48,10 @@ class UnsupportedImageError(ValueError):
     """An image the model's processor cannot take (e.g. an extreme aspect ratio)."""
 
 
+class TooFewFramesError(UnsupportedImageError):
+    """A video with fewer sampled frames than the model's processor takes (Qwen3-VL: one temporal patch)."""
+
+
 @dataclass(frozen=True)
 class ProcessedImage:
     """One image as the encoder takes it, and what the LM sees of it.

@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from .pixel_layout import PixelLayout
-from .processing import ImageShape, ProcessedImage, UnsupportedImageError
+from .processing import ImageShape, ProcessedImage, TooFewFramesError, UnsupportedImageError
 from .qwen3_video import clip_patches, frame_timestamps, timestamp_text, video_grid
 from .qwen_vl_processing import MAX_PATCHES_SLACK, QwenVLProcessing
 from .source import CheckpointSource
 
 _VIDEO_REFUSED = "The video is too short (fewer frames than a temporal patch) or its aspect ratio is too extreme."
+_TOO_FEW_FRAMES = "The video has too few frames to sample."
 
 
 class Qwen3VLProcessing(QwenVLProcessing):
@@ -38,6 +39,8 @@ class Qwen3VLProcessing(QwenVLProcessing):
 
     def video_shape(self, num_frames: int, height: int, width: int) -> ImageShape:
         processor = self._processor.image_processor
+        if num_frames < processor.temporal_patch_size:  # the same refusal as a clip too short to sample
+            raise TooFewFramesError(_TOO_FEW_FRAMES)
         try:
             t, h, w = video_grid(num_frames, height, width, self.video_bounds, processor)
         except ValueError:

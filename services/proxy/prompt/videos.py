@@ -23,7 +23,7 @@ from typing import Any
 
 from services.common import image_files, video_files, video_items
 from services.common.grids import grid_to_pb
-from services.common.models.processing import UnsupportedImageError
+from services.common.models.processing import TooFewFramesError, UnsupportedImageError
 from services.common.pb import epd_pb2
 from services.common.video_files import Sampling, VideoLimits
 from services.proxy.errors import (
@@ -194,6 +194,8 @@ class VideoStage:
                 token_grid=shape.token_grid,
                 frame_texts=self.adapter.video_frame_texts(video.indices, video.source_fps),
             )
+        except TooFewFramesError as error:
+            raise InvalidVideoDataError(str(error), "video_url") from None
         except UnsupportedImageError as error:
             raise VideoError(str(error), "video_url") from None
         finally:
