@@ -257,7 +257,7 @@ QWEN3_VL_BENCH = Preset(
     name="qwen3-vl-bench",
     # ViT-B-sized tower with Qwen3-VL's 16-pixel patches and three DeepStack
     # levels (layers 3, 7, 11, as the 2B model takes 5, 11, 17 of 24): a
-    # 336x336 image becomes 121 tokens (11x11 after the 2x2 merge), at most 256.
+    # 336x336 image is resized to 320x320, 100 tokens (10x10 after the 2x2 merge), at most 256.
     vision=QwenVisionShape(
         hidden_size=768,
         num_layers=12,
