@@ -52,12 +52,13 @@ def _hf_messages(messages: list[dict]) -> list[dict]:
 
 
 class Oracle:
-    """Greedy reference tokens from the full checkpoint's ``generate()`` (LLaVA, Qwen2-VL, Qwen2.5-VL)."""
+    """Greedy reference tokens from the full checkpoint's ``generate()`` (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
 
     def __init__(self, model_dir: str):
         from transformers import AutoModelForImageTextToText
 
-        self.model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+        self.model_dir = Path(model_dir)
+        self.model_type = json.loads((self.model_dir / "config.json").read_text())["model_type"]
         self.inputs = _LlavaInputs(model_dir) if self.model_type == "llava" else _QwenInputs(model_dir)
         self.processor = self.inputs.processor
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -121,6 +122,14 @@ class _QwenInputs:
         self.video_token = tokenizer.video_token
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
 
+    def _qwen3_video(self, video, merge: int) -> str:
+        """``Qwen3VLProcessor.replace_video_token``'s text for one video."""
+        per_frame = int(video.grid[1:].prod()) // (merge * merge)
+        return "".join(
+            f"<{seconds:.1f} seconds><|vision_start|>{self.video_token * per_frame}<|vision_end|>"
+            for seconds in video.timestamps
+        )
+
     def __call__(self, messages: list[dict], images: list[Image.Image], videos: list | None = None) -> dict:
         tokenizer, image_processor = self.processor.tokenizer, self.processor.image_processor
         text = tokenizer.apply_chat_template(_hf_messages(messages), add_generation_prompt=True, tokenize=False)
@@ -137,11 +146,21 @@ class _QwenInputs:
             vision["video_grid_thw"] = torch.stack([video.grid for video in videos])
             vision["second_per_grid_ts"] = torch.tensor([video.second_per_grid_t for video in videos])
             counts = [int(video.grid.prod()) // (merge * merge) for video in videos]
-            text = _repeat(text, self.video_token, counts)
+            if videos[0].timestamps is None:
+                text = _repeat(text, self.video_token, counts)
+            else:  # Qwen3-VL: each temporal patch after its timestamp, between the vision markers
+                text = _replace(text, self.video_token, [self._qwen3_video(video, merge) for video in videos])
         encoded = tokenizer(text, return_tensors="pt")
         ids = encoded["input_ids"]
         mm_token_type_ids = (ids == self.image_token_id).int() + 2 * (ids == self.video_token_id).int()
         return {**encoded, **vision, "mm_token_type_ids": mm_token_type_ids}
+
+
+def _replace(text: str, token: str, replacements: list[str]) -> str:
+    """Each occurrence of ``token`` replaced by ``replacements[i]``."""
+    parts = text.split(token)
+    assert len(parts) == len(replacements) + 1, "one placeholder per item"
+    return parts[0] + "".join(new + rest for new, rest in zip(replacements, parts[1:]))
 
 
 def _repeat(text: str, token: str, counts: list[int]) -> str:

@@ -9,6 +9,12 @@ n / k).int()``), each resized with PIL's bicubic filter to ``smart_resize``'s
 size, rescaled and normalised in numpy, padded and cut into patches as the
 video processor's ``patchify`` does (torch view + permute), and
 ``second_per_grid_ts`` from the sampled fps as Qwen2.5-VL's processor computes it.
+
+Qwen3-VL's video processor has rules of its own (``reference_video_qwen3``):
+frames at ``np.linspace(0, n - 1, k).round()``, one size for the whole clip from
+transformers' Qwen3-VL ``smart_resize`` (frames x height x width within the
+video processor's bounds), and each temporal patch's timestamp, from
+transformers' own ``Qwen3VLProcessor._calculate_timestamps``.
 """
 
 from __future__ import annotations
@@ -144,6 +150,7 @@ class ReferenceVideo:
     pixel_values: torch.Tensor  # [t*h*w, C*T*P*P]
     grid: torch.Tensor  # [3]: (t, h, w) in patches
     second_per_grid_t: float
+    timestamps: list[float] | None = None  # Qwen3-VL: seconds of each temporal patch (its prompt text)
 
 
 def decode_all(data: bytes) -> tuple[list[np.ndarray], float]:
@@ -186,11 +193,44 @@ def reference_frames(images: list[Image.Image], image_processor, fps: float = 2.
     return ReferenceVideo(pixels, grid, image_processor.temporal_patch_size / fps)
 
 
-def patches(frames: list[np.ndarray], processor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Resize, rescale, normalise, pad and patchify (the video processor's ``_preprocess``)."""
+def reference_video_qwen3(
+    data: bytes, image_processor, video_config: dict, fps: float = 2.0, num_frames: int = 0
+) -> ReferenceVideo:
+    """Qwen3-VL's reading of a video file (module docstring); ``video_config`` is the checkpoint's
+    ``video_preprocessor_config.json``."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as smart_resize_3d
+
+    frames, video_fps = decode_all(data)
+    total = len(frames)
+    if not num_frames:
+        num_frames = min(
+            max(int(total / video_fps * fps), video_config["min_frames"]), video_config["max_frames"], total
+        )
+    indices = np.linspace(0, total - 1, num_frames).round().astype(int).tolist()
+    picked = [frames[i] for i in indices]
+    temporal = image_processor.temporal_patch_size
+    size = smart_resize_3d(
+        len(picked),
+        *picked[0].shape[:2],
+        temporal_factor=temporal,
+        factor=image_processor.patch_size * image_processor.merge_size,
+        min_pixels=video_config["size"]["shortest_edge"],
+        max_pixels=video_config["size"]["longest_edge"],
+    )
+    pixels, grid = patches(picked, image_processor, size)
+    timestamps = Qwen3VLProcessor._calculate_timestamps(None, indices, video_fps, temporal)
+    return ReferenceVideo(pixels, grid, temporal / (len(indices) / total * video_fps), timestamps)
+
+
+def patches(
+    frames: list[np.ndarray], processor, size: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Resize (to ``size``, else by the image processor's bounds), rescale, normalise, pad and patchify
+    (the video processor's ``_preprocess``)."""
     patch, merge, temporal = processor.patch_size, processor.merge_size, processor.temporal_patch_size
     height, width = frames[0].shape[:2]
-    new_h, new_w = smart_resize(
+    new_h, new_w = size or smart_resize(
         height,
         width,
         factor=patch * merge,

@@ -65,7 +65,7 @@ class _FileProcessor:
             raise ValueError("this model takes no videos")
         temporal = int(self.image_processor.temporal_patch_size)
         limits = self.video_limits
-        sampling = video_items.sampling_from_pb(item.video_sampling, temporal, limits)
+        sampling = video_items.sampling_from_pb(item.video_sampling, temporal, limits, self.adapter.video_sampling_rule)
         video = video_items.sample_video(item.video_file, item.frame_files, sampling, limits, budget)
         try:
             processed = self.adapter.process_video(self.image_processor, video.frames)

@@ -64,11 +64,15 @@ def decode_frames(
     info = probe(data, limits, budget)
     indices = sample_indices(info.num_frames, info.fps, sampling)
     check_sampled(info, indices, limits)
+    distinct = sorted(set(indices))  # a rule may take a frame twice (Qwen3-VL's, for more frames than the file has)
     try:
-        frames = _decode(data, limits, info, indices, budget, by_timestamp=info.timeline is not None)
+        frames = _decode(data, limits, info, distinct, budget, by_timestamp=info.timeline is not None)
     except _TimelineMismatch:  # the timestamps misled: read every frame in order instead
-        frames = _decode(data, limits, info, indices, budget, by_timestamp=False)
-    return frames, info
+        frames = _decode(data, limits, info, distinct, budget, by_timestamp=False)
+    if len(distinct) == len(indices):
+        return frames, info
+    by_index = dict(zip(distinct, frames, strict=True))
+    return [by_index[index] for index in indices], info
 
 
 class _TimelineMismatch(Exception):

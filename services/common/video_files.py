@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import av
+import numpy as np
 
 ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
 """Video codecs decoded; anything else in an allowed container is refused before decoding. Not MJPEG (nor any
@@ -110,8 +111,12 @@ class Sampling:
     """How frames are taken (``VideoSampling`` on the wire, vLLM's ``mm_processor_kwargs``).
 
     ``num_frames`` > 0: that many, spread evenly; else ``fps`` frames a second,
-    at least ``min_frames``, at most ``max_frames``. Both are rounded down to a
-    multiple of ``temporal_patch_size`` (Qwen2-VL's ``sample_frames``).
+    at least ``min_frames``, at most ``max_frames``. ``rule`` is the model
+    family's way to pick them (``sample_indices``): ``qwen2_vl`` rounds both
+    down to a multiple of ``temporal_patch_size`` (Qwen2-VL's
+    ``sample_frames``); ``qwen3_vl`` takes them as they are, spread over the
+    first to the last frame (Qwen3-VL's), the processor then pads the last
+    temporal patch.
     """
 
     fps: float = 2.0
@@ -119,6 +124,7 @@ class Sampling:
     max_frames: int = 768
     min_frames: int = 4
     temporal_patch_size: int = 2
+    rule: str = "qwen2_vl"
 
     def settings(self) -> dict[str, float | int]:
         """What the hash covers of the sampling."""
@@ -153,8 +159,14 @@ def sniff(data: bytes) -> str:
     raise UnsupportedVideoError("The video is not an MP4, QuickTime, Matroska or WebM file.")
 
 
+SAMPLING_RULES = ("qwen2_vl", "qwen3_vl")
+"""The values of ``Sampling.rule``."""
+
+
 def sample_indices(num_frames: int, fps: float, sampling: Sampling) -> list[int]:
-    """Indices of the frames kept of ``num_frames`` at ``fps`` (Qwen2-VL's ``sample_frames``); may be empty."""
+    """Indices of the frames kept of ``num_frames`` at ``fps`` (by ``sampling.rule``), in order; may be empty."""
+    if sampling.rule == "qwen3_vl":
+        return _spread_indices(num_frames, fps, sampling)
     step = sampling.temporal_patch_size
     if sampling.num_frames > 0:
         wanted = min(round(sampling.num_frames / step) * step, num_frames // step * step)
@@ -164,6 +176,19 @@ def sample_indices(num_frames: int, fps: float, sampling: Sampling) -> list[int]
         wanted = math.floor(wanted_f / step) * step
     # torch.arange(0, n, n / k).int() without its float steps: exact floors of i * n / k.
     return [i * num_frames // wanted for i in range(wanted)] if wanted > 0 else []
+
+
+def _spread_indices(num_frames: int, fps: float, sampling: Sampling) -> list[int]:
+    """Qwen3-VL's ``sample_frames``: ``num_frames``, or ``fps`` a second within ``[min_frames,
+    max_frames]`` and at most all of them, at ``linspace(0, num_frames - 1, n).round()`` (ties to even,
+    as numpy rounds; a ``num_frames`` above the count repeats frames)."""
+    if sampling.num_frames > 0:
+        wanted = sampling.num_frames
+    else:
+        wanted = min(max(int(num_frames / fps * sampling.fps), sampling.min_frames), sampling.max_frames, num_frames)
+    if wanted <= 0 or num_frames <= 0:
+        return []
+    return [int(i) for i in np.linspace(0, num_frames - 1, wanted).round().astype(int)]
 
 
 def sampled_fps(num_sampled: int, info: VideoInfo) -> float:

@@ -23,10 +23,12 @@ from services.common.video_files import NO_BUDGET, DecodeBudget, Sampling, Video
 
 @dataclass(frozen=True)
 class SampledVideo:
-    """The kept frames of one video (RGB, one size) and their rate."""
+    """The kept frames of one video (RGB, one size), their rate, and where they were taken from."""
 
     frames: list[Image.Image]
     fps: float  # frames a second of the kept frames
+    indices: tuple[int, ...] = ()  # each kept frame's index in the source (its frames form: 0, 1, ...)
+    source_fps: float = 0.0  # the source's frame rate (its frames form: the sampling's fps)
 
     def second_per_grid_t(self, temporal_patch_size: int) -> float:
         """Seconds one temporal patch spans (transformers' ``second_per_grid_ts``)."""
@@ -41,8 +43,11 @@ def sampling_to_pb(sampling: Sampling) -> epd_pb2.VideoSampling:
     return epd_pb2.VideoSampling(fps=sampling.fps, num_frames=sampling.num_frames, max_frames=sampling.max_frames)
 
 
-def sampling_from_pb(message: epd_pb2.VideoSampling, temporal_patch_size: int, limits: VideoLimits) -> Sampling:
-    """The wire's sampling, bounded by ``limits``; ValueError (naming the field) when out of range."""
+def sampling_from_pb(
+    message: epd_pb2.VideoSampling, temporal_patch_size: int, limits: VideoLimits, rule: str = "qwen2_vl"
+) -> Sampling:
+    """The wire's sampling, bounded by ``limits``, picked by the model's ``rule`` (``Sampling.rule``);
+    ValueError (naming the field) when out of range."""
     if not 0 < message.fps <= 240:
         raise ValueError("video_sampling.fps must be in (0, 240]")
     if message.num_frames > limits.max_frames or message.max_frames > limits.max_frames:
@@ -52,6 +57,7 @@ def sampling_from_pb(message: epd_pb2.VideoSampling, temporal_patch_size: int, l
         num_frames=int(message.num_frames),
         max_frames=int(message.max_frames) or limits.max_frames,
         temporal_patch_size=temporal_patch_size,
+        rule=rule,
     )
 
 
@@ -68,7 +74,8 @@ def sample_video(
     budget.check()
     if video_file:
         decoded, info = video_decode.decode_frames(video_file, limits, sampling, budget)
-        return SampledVideo(decoded, video_files.sampled_fps(len(decoded), info))
+        indices = video_files.sample_indices(info.num_frames, info.fps, sampling)
+        return SampledVideo(decoded, video_files.sampled_fps(len(decoded), info), tuple(indices), info.fps)
     if not frame_files:
         raise video_files.CorruptVideoError("The video has no frames.")
     if len(frame_files) > limits.max_frames:
@@ -89,7 +96,7 @@ def sample_video(
     except BaseException:
         SampledVideo(frames, 1.0).close()
         raise
-    return SampledVideo(frames, sampling.fps)
+    return SampledVideo(frames, sampling.fps, tuple(range(len(frames))), sampling.fps)
 
 
 def video_settings(

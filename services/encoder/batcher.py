@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 class EncodeResult(NamedTuple):
     """One image's embedding as handed to the servicer."""
 
-    embedding: torch.Tensor  # [num_tokens, hidden] on CPU, contiguous; shared, never mutate
+    embedding: torch.Tensor  # [num_tokens, hidden] (or [num_tokens, 1 + levels, hidden]) on CPU; shared, never mutate
     encode_s: float  # forward time of the batch that produced it (0 on a cache hit)
     cache_hit: bool
 

@@ -39,7 +39,7 @@ def tensor_num_bytes(tensor: torch.Tensor) -> int:
 
 
 class EmbeddingCache:
-    """LRU over ``cache_key -> Tensor[num_tokens, hidden]`` holding at most ``capacity_bytes``.
+    """LRU over ``cache_key -> embedding`` (``[num_tokens, ...]``, DeepStack rows included) holding at most ``capacity_bytes``.
 
     Invariant: ``bytes == sum of entry sizes <= capacity_bytes``. An entry
     larger than the whole capacity is never stored.

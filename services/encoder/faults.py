@@ -65,7 +65,7 @@ class Faults:
         return ",".join(parts)
 
     def tamper(self, embedding: torch.Tensor) -> torch.Tensor:
-        """The tensor actually pushed in place of ``embedding`` ([num_tokens, hidden])."""
+        """The tensor actually pushed in place of ``embedding`` (``[num_tokens, ...]``)."""
         if self.wrong_shape:
             embedding = embedding[:-1]
         if self.wrong_dtype:

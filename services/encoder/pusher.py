@@ -166,7 +166,8 @@ class EmbeddingPusher:
         embedding: torch.Tensor,
         deadline: float | None,
     ) -> None:
-        """Streams ``embedding`` ([num_tokens, hidden]) into PD's reservation ``reservation_id``.
+        """Streams ``embedding`` (``[num_tokens, hidden]``, or with DeepStack features ``[num_tokens, 1 +
+        levels, hidden]``) into PD's reservation ``reservation_id``.
 
         ``deadline`` is in ``time.monotonic()`` seconds (None = ``default_timeout_s``
         from now). Raises ``PushFailed`` carrying the status the caller should see,
@@ -187,6 +188,7 @@ class EmbeddingPusher:
             dtype=dtype_to_pb(embedding.dtype),
             shape=list(embedding.shape),
             num_bytes=len(data),
+            num_deepstack_levels=embedding.shape[1] - 1 if embedding.dim() == 3 else 0,
         )
         try:
             await asyncio.wait_for(self._budget.acquire(len(data)), timeout=max(0.0, deadline - time.monotonic()))

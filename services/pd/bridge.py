@@ -51,6 +51,10 @@ class EngineBridge:
     def hidden_size(self) -> int:
         return self.core.hidden_size
 
+    @property
+    def num_deepstack_levels(self) -> int:
+        return self.core.num_deepstack_levels
+
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._thread.start()
@@ -124,7 +128,7 @@ class EngineBridge:
         return await self.call(self.core.check_push, request_id, reservation_id, mm_hash, num_tokens)
 
     async def push(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
-        """``EngineCore.fill`` with a received ``[num_tokens, hidden]`` embedding."""
+        """``EngineCore.fill`` with a received embedding (``[num_tokens, hidden]``, or ``[num_tokens, 1 + levels, hidden]``)."""
         await self.call(self.core.fill, request_id, reservation_id, mm_hash, embedding)
 
     async def add_request(self, request: Request, kv_reservation_id: str = "") -> asyncio.Queue[Event]:

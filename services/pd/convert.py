@@ -108,7 +108,9 @@ def spans_from_pb(
     model's multimodal RoPE) requires every item to carry one (True) or none
     (False); None accepts either. A video (``second_per_grid_t`` set) gets its
     temporal step: ``tokens_per_second * second_per_grid_t`` (Qwen2.5-VL), 1
-    when the model has no such rate (Qwen2-VL).
+    when the model has no such rate (Qwen2-VL). ``frame_offsets`` (Qwen3-VL
+    videos) must name one increasing, non-overlapping run per temporal patch,
+    the first at ``offset``.
     """
     if len(items) > max_items:
         raise _invalid(f"at most {max_items} images per request")
@@ -121,13 +123,28 @@ def spans_from_pb(
             raise _invalid(f"item {index}: num_tokens must be positive")
         if item.offset < end:
             raise _invalid(f"item {index}: image spans must be sorted and must not overlap")
-        if item.offset + item.num_tokens > prompt_len:
-            raise _invalid(f"item {index}: image span extends past the prompt")
         grid = _grid(item, index, uses_grids)
         step = video_time_step(item, index, grid, tokens_per_second)
-        spans.append(MultiModalSpan(item.mm_hash, item.offset, item.num_tokens, grid, step))
-        end = item.offset + item.num_tokens
+        span = MultiModalSpan(item.mm_hash, item.offset, item.num_tokens, grid, step, _frame_offsets(item, index, grid))
+        if span.end > prompt_len:
+            raise _invalid(f"item {index}: image span extends past the prompt")
+        spans.append(span)
+        end = span.end
     return spans
+
+
+def _frame_offsets(item: epd_pb2.MultiModalItem, index: int, grid: tuple[int, int, int] | None) -> tuple[int, ...]:
+    """An item's ``frame_offsets``, checked: one run of ``num_tokens / t`` rows per temporal patch of its
+    grid, the first at ``offset``, each after the end of the one before."""
+    offsets = tuple(item.frame_offsets)
+    if not offsets:
+        return ()
+    if grid is None or len(offsets) != grid[0] or offsets[0] != item.offset:
+        raise _invalid(f"item {index}: frame_offsets needs one offset per temporal patch, the first at offset")
+    length = item.num_tokens // grid[0]
+    if any(later < earlier + length for earlier, later in zip(offsets, offsets[1:])):
+        raise _invalid(f"item {index}: frame_offsets must increase by at least a frame's tokens")
+    return offsets
 
 
 def video_time_step(

@@ -12,8 +12,12 @@ which is after warm-up: step 0 is the first step that serves a client.
                               readiness watchdog must report NOT_SERVING (with ``--stall-timeout-s``
                               < M/1000) and SERVING again once the step completes.
 - ``freeze-after=N``          which step freezes (needs ``freeze-step-ms``).
+- ``drop-deepstack``          every image embedding this PD receives loses its DeepStack features (set
+                              to zero, which adds nothing): the LM runs on the embedding rows alone, so
+                              a Qwen3-VL answer must then differ from ``generate()``'s (the test that
+                              shows the features are carried and used).
 
-Each fault fires once per process. Several combine with commas
+Each step fault fires once per process. Several combine with commas
 (``forward-raises-after=20,freeze-step-ms=5000``).
 """
 
@@ -29,6 +33,7 @@ from services.common.fault_spec import parse_fault_spec
 
 log = logging.getLogger(__name__)
 
+_SWITCHES = {"drop-deepstack": "drop_deepstack"}
 _INT_FIELDS = {
     "forward-raises-after": "forward_raises_after",
     "freeze-step-ms": "freeze_step_ms",
@@ -47,6 +52,7 @@ class PdFaults:
     forward_raises_after: int | None = None  # index of the step whose forward raises
     freeze_step_ms: int = 0  # how long the frozen step stalls (0 = no freeze)
     freeze_after: int | None = None  # index of the step that freezes (None = 0)
+    drop_deepstack: bool = False  # zero the DeepStack rows of every embedding received
 
     def __post_init__(self) -> None:
         for name in ("forward_raises_after", "freeze_after"):
@@ -61,7 +67,7 @@ class PdFaults:
     @classmethod
     def parse(cls, spec: str) -> PdFaults:
         """``"forward-raises-after=3,freeze-step-ms=500"`` -> ``PdFaults``; ValueError names the bad part."""
-        return cls(**parse_fault_spec(spec, integers=_INT_FIELDS))
+        return cls(**parse_fault_spec(spec, switches=_SWITCHES, integers=_INT_FIELDS))
 
     @property
     def enabled(self) -> bool:
@@ -76,6 +82,8 @@ class PdFaults:
             parts.append(f"freeze-step-ms={self.freeze_step_ms}")
         if self.freeze_after is not None:
             parts.append(f"freeze-after={self.freeze_after}")
+        if self.drop_deepstack:
+            parts.append("drop-deepstack")
         return ",".join(parts)
 
 
@@ -111,7 +119,11 @@ class FaultyRunner:
         return self.inner.execute(scheduler_output, embeddings)
 
     def prepare_embedding(self, embedding: Any) -> Any:
-        return self.inner.prepare_embedding(embedding)
+        prepared = self.inner.prepare_embedding(embedding)
+        if self.faults.drop_deepstack and prepared.dim() == 3:
+            prepared = prepared.clone()
+            prepared[:, 1:] = 0  # added to the hidden states, zero rows change nothing
+        return prepared
 
     def __getattr__(self, name: str) -> Any:
         """Everything not faulted is the wrapped runner's: the KV hand-off's ``read_kv_blocks``,

@@ -250,7 +250,13 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         default=262144,
         help="prompt tokens of all queued requests before Generate is refused",
     )
-    add(parser, "--embedding-cache-tokens", type=int, default=65536, help="image embedding cache capacity, in tokens")
+    add(
+        parser,
+        "--embedding-cache-tokens",
+        type=int,
+        default=65536,
+        help="image embedding cache capacity, in tokens (rows; a Qwen3-VL row also holds its DeepStack features)",
+    )
     add(parser, "--default-lease-ms", type=int, default=30_000, help="how long a reservation waits for its push")
     add(
         parser,
@@ -433,7 +439,8 @@ def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="TEST ONLY: inject step-loop faults, comma-separated, each once, steps counted after warm-up: "
         "forward-raises-after=N (the forward of step N raises), freeze-step-ms=M (a step stalls M ms), "
-        "freeze-after=N (which step stalls; default 0); '' = none",
+        "freeze-after=N (which step stalls; default 0), drop-deepstack (zero the DeepStack features of every "
+        "embedding received: a Qwen3-VL answer then differs); '' = none",
     )
 
 

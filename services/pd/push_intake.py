@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from services.common import tensors
+from services.common.models.vision_io import embedding_shape
 from services.common.pb import epd_pb2
 from services.common.push_wire import data_of
 from services.pd import convert
@@ -157,8 +158,10 @@ class PushIntake:
         *,
         max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
         max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER,
+        num_deepstack_levels: int = 0,
     ) -> None:
         self._hidden_size = hidden_size
+        self._num_deepstack_levels = num_deepstack_levels
         self._idle_timeout_s = idle_timeout_s
         self._check_push = check_push
         self._slots = PushSlots(max_buffer_bytes, max_pushes_per_peer)
@@ -198,7 +201,14 @@ class PushIntake:
             raise _invalid("unsupported embedding dtype") from None
         if dtype not in PUSH_DTYPES:
             raise _invalid("embedding dtype must be float32, float16 or bfloat16")
-        if len(header.shape) != 2 or header.shape[1] != self._hidden_size or header.shape[0] == 0:
-            raise _invalid(f"embedding shape must be [num_tokens, {self._hidden_size}]")
+        levels = self._num_deepstack_levels
+        want = list(embedding_shape(int(header.shape[0]) if header.shape else 0, self._hidden_size, levels))
+        if header.num_deepstack_levels != levels:
+            raise _invalid(f"this model's embeddings carry {levels} DeepStack levels")
+        if list(header.shape) != want or not want[0]:
+            shown = (
+                f"[num_tokens, {1 + levels}, {self._hidden_size}]" if levels else f"[num_tokens, {self._hidden_size}]"
+            )
+            raise _invalid(f"embedding shape must be {shown}")
         if header.num_bytes != tensors.expected_num_bytes(dtype, list(header.shape)):
             raise _invalid("num_bytes does not match dtype and shape")

@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -218,7 +219,9 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         preallocation_limits=PreallocationLimits(config.max_preallocations, config.max_preallocations_per_peer),
         role=Role(config.role),
         reservation_limits=ReservationLimits(config.max_kv_reservation_share),
+        num_deepstack_levels=adapter.num_deepstack_levels,
     )
+    _log_embedding_cache(config, adapter, dtype)
     # The engine thread runs the model with the thread count chosen here.
     engine = EngineBridge(core, thread_init=functools.partial(torch.set_num_threads, torch.get_num_threads()))
     facts = {
@@ -246,6 +249,18 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
         ),
     }
     return engine, facts
+
+
+def _log_embedding_cache(config: PdConfig, adapter: Any, dtype: torch.dtype) -> None:
+    """The embedding cache's size in bytes: rows of ``hidden_size``, times ``1 + levels`` with DeepStack features."""
+    row_bytes = (1 + adapter.num_deepstack_levels) * adapter.hidden_size * torch.empty((), dtype=dtype).element_size()
+    log.info(
+        "embedding cache: %d rows of %d bytes (%d DeepStack levels) = %.1f MiB at most",
+        config.embedding_cache_tokens,
+        row_bytes,
+        adapter.num_deepstack_levels,
+        config.embedding_cache_tokens * row_bytes / (1 << 20),
+    )
 
 
 def _grammar_compiler(

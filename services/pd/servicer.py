@@ -122,6 +122,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             self._check_push,
             max_buffer_bytes=config.max_push_buffer_mb << 20,
             max_pushes_per_peer=config.max_pushes_per_peer,
+            num_deepstack_levels=engine.num_deepstack_levels,
         )
         self.role = Role(config.role)
         self.kv = KVTransfer(

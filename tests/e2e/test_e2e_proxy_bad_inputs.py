@@ -2,7 +2,8 @@
 
 Each one gets the expected 4xx OpenAI error, a bounded body that echoes
 none of the input, and costs the backends nothing; afterwards the cluster
-still serves and nothing is left reserved, pending or referenced.
+still serves and nothing is left reserved, pending or referenced. The table
+runs against LLaVA, Qwen2.5-VL and Qwen3-VL: the refusals are the same.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ CASES = [
     ("unimplemented_field", {"json": chat(SECRET, store=True)}, 400, "unsupported_parameter"),
     ("min_tokens_above_max_tokens", {"json": chat(SECRET, min_tokens=5)}, 400, "invalid_request"),
     ("min_tokens_negative", {"json": chat(SECRET, min_tokens=-1)}, 400, "invalid_request"),
-    ("image_token_in_text", {"json": chat(f"<image> {SECRET}")}, 400, "invalid_image_placeholder"),
+    ("image_token_in_text", {"json": chat(f"{{image_token}} {SECRET}")}, 400, "invalid_image_placeholder"),
     ("prompt_too_long", {"json": chat("cat " * 3000 + SECRET)}, 400, "context_length_exceeded"),
     ("prompt_plus_max_tokens_too_long", {"json": chat(SECRET, max_tokens=2047)}, 400, "context_length_exceeded"),
     ("oversize_body", {"json": chat(SECRET + "x" * 300_000)}, 413, "request_too_large"),
@@ -226,10 +227,14 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+# The model's own image placeholder: text that contains it is refused whatever the family.
+IMAGE_TOKENS = {"tiny": "<image>", "qwen2.5-vl-tiny": "<|image_pad|>", "qwen3-vl-tiny": "<|image_pad|>"}
+
+
+@pytest.fixture(scope="module", params=list(IMAGE_TOKENS))
+def cluster(request, build_model):
     cluster = InProcessCluster(
-        str(tiny_model_dir),
+        str(build_model(request.param)),
         proxy={
             "max_body_bytes": 256 * 1024,
             "max_images_per_request": 4,
@@ -238,6 +243,7 @@ def cluster(tiny_model_dir):
             "allowed_media_domains": ALLOWED,
         },
     ).start()
+    cluster.image_token = IMAGE_TOKENS[request.param]  # type: ignore[attr-defined]
     yield cluster
     cluster.stop()
 
@@ -248,11 +254,22 @@ def client(cluster):
         yield client
 
 
-def send(client: httpx.Client, request: dict) -> httpx.Response:
+def _with_image_token(value: object, image_token: str) -> object:
+    """``value`` with ``{image_token}`` in its strings replaced by the served model's placeholder."""
+    if isinstance(value, str):
+        return value.replace("{image_token}", image_token)
+    if isinstance(value, list):
+        return [_with_image_token(item, image_token) for item in value]
+    if isinstance(value, dict):
+        return {key: _with_image_token(item, image_token) for key, item in value.items()}
+    return value
+
+
+def send(client: httpx.Client, request: dict, image_token: str = "<image>") -> httpx.Response:
     headers = {"content-type": "application/json", **request.get("headers", {})}
     path = request.get("path", "/chat/completions")
     if "json" in request:
-        return client.post(path, json=request["json"], headers=headers)
+        return client.post(path, json=_with_image_token(request["json"], image_token), headers=headers)
     return client.post(path, content=request["content"], headers=headers)
 
 
@@ -266,9 +283,9 @@ def test_at_least_thirty_cases():
 
 
 @pytest.mark.parametrize(("request_spec", "status", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_a_bounded_openai_error(client, request_spec, status, code):
+def test_bad_input_is_a_bounded_openai_error(cluster, client, request_spec, status, code):
     before = backend_calls(client)
-    reply = send(client, request_spec)
+    reply = send(client, request_spec, cluster.image_token)
     assert reply.status_code == status, reply.text
     assert len(reply.content) <= MAX_ERROR_BYTES
     error = reply.json()["error"]

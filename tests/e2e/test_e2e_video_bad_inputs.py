@@ -4,7 +4,8 @@ Truncated and corrupt files, a non-video media type, an image posing as a
 video, one video over each limit, too few frames to sample, a frame size
 over the cap, bad sampling options, and a video sent to a LLaVA model. After
 each, the cluster still serves a good video and nothing is left reserved,
-pending or referenced.
+pending or referenced. The table runs against Qwen2.5-VL and Qwen3-VL (its
+own frame sampling and timestamps): the refusals are the same.
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(build_model):
-    cluster = InProcessCluster(str(build_model("qwen2.5-vl-tiny")), proxy=LIMITS).start()
+@pytest.fixture(scope="module", params=["qwen2.5-vl-tiny", "qwen3-vl-tiny"])
+def cluster(request, build_model):
+    cluster = InProcessCluster(str(build_model(request.param)), proxy=LIMITS).start()
     yield cluster
     cluster.stop()
 

@@ -3,7 +3,8 @@
 Every service codes against ``load_adapter(path_or_hub_id)`` (see ``ModelAdapter``);
 the proxy against its torch-free half, ``load_processing`` (see ``ModelProcessing``).
 ``build_checkpoint``/``ensure_model`` make the random-weight demo checkpoints.
-Families: LLaVA (``llava.py``), Qwen2-VL and Qwen2.5-VL (``qwen_vl.py``).
+Families: LLaVA (``llava.py``), Qwen2-VL and Qwen2.5-VL (``qwen_vl.py``), Qwen3-VL
+and Qwen3-VL-MoE (``qwen3_vl.py``).
 
 Importing this package imports neither torch nor transformers (which imports
 torch whenever it is installed): names from modules that do are loaded on
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from .families import ADAPTERS, load_adapter
     from .llava import LlavaAdapter
     from .loading import MissingWeightsError, Part, split_checkpoint_key, split_qwen_key
+    from .qwen3_vl import Qwen3VLAdapter
     from .qwen_vl import QwenVLAdapter
     from .supported import PROCESSING, check_supported, load_processing
     from .vision import VisionEncoder
@@ -48,6 +50,7 @@ _LAZY_NAMES = {
     "ModelAdapter": ".adapter",
     "Part": ".loading",
     "PROCESSING": ".supported",
+    "Qwen3VLAdapter": ".qwen3_vl",
     "QwenVLAdapter": ".qwen_vl",
     "split_checkpoint_key": ".loading",
     "split_qwen_key": ".loading",
@@ -74,6 +77,7 @@ __all__ = [
     "PixelLayout",
     "Preset",
     "ProcessedImage",
+    "Qwen3VLAdapter",
     "QwenVLAdapter",
     "UnsupportedImageError",
     "UnsupportedModelError",

@@ -5,8 +5,10 @@ The output is an ordinary Hugging Face directory: ``config.json``,
 chat template, and ``generation_config.json``. ``AutoProcessor`` and
 ``AutoModelForImageTextToText.from_pretrained`` load it like any hub
 checkpoint of its family (LLaVA here; Qwen2-VL / Qwen2.5-VL in
-``builder_qwen.py``), with its tensors named as the family's published
-checkpoints name them (``key_layout.py``), so other engines load it unchanged. The same preset and seed always give byte-identical weights.
+``builder_qwen.py``, Qwen3-VL in ``builder_qwen3.py``), with its tensors named
+as the family's published checkpoints name them (``key_layout.py``), so other
+engines load it unchanged. The same preset and seed always give byte-identical
+weights.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transformers import (
 )
 
 from .builder_qwen import write_qwen_checkpoint
+from .builder_qwen3 import write_qwen3_checkpoint
 from .cache import is_built, resolve_model
 from .chat_template import LLAVA_CHAT_TEMPLATE
 from .configs import text_config_of
@@ -156,6 +159,8 @@ def llava_processor(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> Llava
 def _write_checkpoint(preset: Preset, out_dir: Path, seed: int, progress: Callable[[str], None]) -> None:
     if preset.family == "llava":
         _write_llava_checkpoint(preset, out_dir, seed, progress)
+    elif preset.family.startswith("qwen3"):
+        write_qwen3_checkpoint(preset, out_dir, seed, progress)
     else:
         write_qwen_checkpoint(preset, out_dir, seed, progress)
 

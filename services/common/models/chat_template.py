@@ -1,4 +1,4 @@
-"""Chat formats as Jinja templates for the built checkpoints: llava-1.5's and Qwen2-VL's.
+"""Chat formats as Jinja templates for the built checkpoints: llava-1.5's, Qwen2-VL's and Qwen3-VL's.
 
 Renders ``SYSTEM USER: <image>\\nquestion ASSISTANT: answer</s>USER: ... ASSISTANT:``.
 Content may be a plain string or an OpenAI-style list of parts; image parts
@@ -52,4 +52,12 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{{ '<|im_end|>\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+# Qwen3-VL's ChatML: as Qwen2-VL's, without the default system turn (Qwen3-VL's
+# template writes a system turn only when the conversation has one).
+QWEN3_VL_CHAT_TEMPLATE = QWEN_VL_CHAT_TEMPLATE.removeprefix(
+    "{%- if messages and messages[0]['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif -%}"
 )

@@ -14,13 +14,20 @@ from typing import Any
 from .adapter import ModelAdapter
 from .configs import load_config
 from .llava import LlavaAdapter
+from .qwen3_vl import Qwen3VLAdapter
 from .qwen_vl import QwenVLAdapter
 from .source import CheckpointSource
 from .supported import check_supported
 
 # Families by config ``model_type``, the same keys as ``supported.PROCESSING``; read-only.
 ADAPTERS: MappingProxyType[str, Callable[[CheckpointSource, Any], ModelAdapter]] = MappingProxyType(
-    {"llava": LlavaAdapter, "qwen2_vl": QwenVLAdapter, "qwen2_5_vl": QwenVLAdapter}
+    {
+        "llava": LlavaAdapter,
+        "qwen2_vl": QwenVLAdapter,
+        "qwen2_5_vl": QwenVLAdapter,
+        "qwen3_vl": Qwen3VLAdapter,
+        "qwen3_vl_moe": Qwen3VLAdapter,
+    }
 )
 __all__ = ["ADAPTERS", "check_supported", "load_adapter"]
 

@@ -58,7 +58,8 @@ def _init_tensor(name: str, tensor: torch.Tensor, generator: torch.Generator, lm
     elif "class_embedding" in name or "position_embedding" in name:
         tensor.normal_(0.0, _SMALL_STD, generator=generator)
     else:
-        fan_in = math.prod(tensor.shape[1:])
+        # Fused experts (``[experts, out, in]``) are one linear layer per expert.
+        fan_in = tensor.shape[-1] if ".experts." in name else math.prod(tensor.shape[1:])
         gain = lm_gain if "language_model" in name else 1.0
         tensor.normal_(0.0, gain / math.sqrt(fan_in), generator=generator)
 

@@ -10,7 +10,7 @@ import torch
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
 from services.common.encode_items import VIDEO_LIMITS, ProcessFile, file_processor
 from services.common.models.pixel_layout import Grid, PixelLayout
-from services.common.models.vision_io import batch_key, encode_images
+from services.common.models.vision_io import batch_key, embedding_shape, encode_images
 from services.common.video_files import VideoLimits
 
 WARMUP_IMAGE_SIZE = 64
@@ -34,6 +34,7 @@ class LoadedVision:
     sample_grid: Grid | None = None  # sample_pixels' patch grid (dynamic-resolution towers)
     layout: PixelLayout = PixelLayout()  # what pixel tensors the module takes
     process_file: ProcessFile | None = None  # image files (EncodeItem.image_file) -> pixels
+    num_deepstack_levels: int = 0  # DeepStack feature rows per token after its embedding row (Qwen3-VL)
 
     @classmethod
     def load(cls, model: str, device: str, dtype: str, video_limits: VideoLimits = VIDEO_LIMITS) -> LoadedVision:
@@ -64,10 +65,12 @@ class LoadedVision:
             sample_grid=sample.patch_grid,
             layout=adapter.pixel_layout(),
             process_file=file_processor(adapter, image_processor, video_limits),
+            num_deepstack_levels=adapter.num_deepstack_levels,
         )
 
     def encode(self, images: Sequence[tuple[torch.Tensor, Grid | None]]) -> list[torch.Tensor]:
-        """One forward over (pixels, grid) pairs that share a ``batch_key``: ``[num_tokens, hidden]`` each."""
+        """One forward over (pixels, grid) pairs that share a ``batch_key``: one embedding each
+        (``embedding_shape``: ``[num_tokens, hidden]``, or with DeepStack levels ``[num_tokens, 1 + levels, hidden]``)."""
         return encode_images(self.module, images, self.device, self.dtype)
 
     def batch_key(self, pixels: torch.Tensor, grid: Grid | None) -> tuple:
@@ -81,7 +84,7 @@ class LoadedVision:
         real batch meets no cold kernel or allocator path.
         """
         batch_sizes = {1, max_batch_images} if self.device.type == "cuda" else {1}
-        want = (self.num_tokens, self.hidden_size)
+        want = embedding_shape(self.num_tokens, self.hidden_size, self.num_deepstack_levels)
         for batch_size in sorted(batch_sizes):
             for out in self.encode([(self.sample_pixels, self.sample_grid)] * batch_size):
                 if tuple(out.shape) != want:
@@ -91,7 +94,7 @@ class LoadedVision:
 
 
 def embeddings_to_host(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One batch's per-image ``[num_tokens, hidden]`` embeddings as contiguous CPU tensors, one per image.
+    """One batch's per-image embeddings (``embedding_shape``) as contiguous CPU tensors, one per image.
 
     On CUDA the batch is read back once, into page-locked memory (one
     asynchronous copy and one wait, instead of a synchronous copy per image),

@@ -25,6 +25,11 @@ vision tower + merger  ``model.visual.<v>``                  ``visual.<v>``
 LM decoder             ``model.language_model.*``            ``model.*``
 LM head                ``lm_head.*``                         ``lm_head.*``
 =====================  ====================================  ===========================
+
+Qwen3-VL's published checkpoints use the transformers 5 column (the merger and
+the DeepStack mergers are part of ``model.visual``); its MoE checkpoints hold
+each layer's experts fused, the last two dimensions of ``QWEN3_MOE_EXPERT_TENSORS``
+transposed against transformers' modules (``load_part``'s ``fit`` turns them).
 """
 
 from __future__ import annotations
@@ -97,6 +102,12 @@ def split_qwen_key(key: str) -> tuple[Part, str] | None:
 
 
 KeySplitter = Callable[[str], "tuple[Part, str] | None"]
+TensorFit = Callable[[str, torch.Tensor, torch.Size], torch.Tensor]
+"""``fit(module name, tensor read, the module's shape)`` -> the tensor the module takes."""
+
+QWEN3_MOE_EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""Qwen3-VL-MoE's fused expert tensors: ``[experts, hidden, 2 * moe_intermediate]`` and ``[experts,
+moe_intermediate, hidden]`` in the published checkpoints, the last two dimensions swapped in the modules."""
 
 
 class SafetensorsCheckpoint:
@@ -164,16 +175,19 @@ def load_part(
     dtype: torch.dtype,
     derive: Callable[[set[str]], dict[str, str]] | None = None,
     splitter: KeySplitter = split_checkpoint_key,
+    fit: TensorFit | None = None,
 ) -> None:
     """Fill ``module`` (built on meta) from the checkpoint, strictly.
 
     ``parts`` maps a submodule prefix (``""`` for the whole module) to the
     checkpoint part that holds its tensors. ``derive`` may name, for missing
     module names, another module name to share (tied embeddings).
-    ``splitter`` maps the family's checkpoint keys to parts.
+    ``splitter`` maps the family's checkpoint keys to parts; ``fit`` may turn a
+    tensor stored in another layout into the module's (``TensorFit``).
     Raises ``MissingWeightsError`` listing every tensor that could not be found.
     """
-    state_names = set(module.state_dict().keys())
+    shapes = {name: tensor.shape for name, tensor in module.state_dict().items()}
+    state_names = set(shapes)
     sources: dict[str, str] = {}  # module name -> checkpoint key
     for prefix, part in parts.items():
         dot = f"{prefix}." if prefix else ""
@@ -187,6 +201,8 @@ def load_part(
         raise MissingWeightsError(checkpoint.directory, missing)
     tensors = checkpoint.read(sources.values(), device, dtype)
     state = {name: tensors[key] for name, key in sources.items()}
+    if fit is not None:
+        state = {name: fit(name, tensor, shapes[name]) for name, tensor in state.items()}
     state.update({name: state[alias] for name, alias in aliases.items()})
     module.load_state_dict(state, strict=True, assign=True)
     module.to(device)  # only the non-persistent buffers (RoPE, position ids) still live on CPU

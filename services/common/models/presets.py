@@ -4,7 +4,9 @@
 ViT-B/16 and ~125M-parameter-LM shapes so that timings mean something.
 ``llava-siglip-tiny`` is ``tiny`` with a SigLIP vision tower. The ``qwen2.5-vl-*``
 and ``qwen2-vl-tiny`` presets are Qwen2.5-VL / Qwen2-VL checkpoints (dynamic
-resolution, multimodal RoPE) of the same two sizes.
+resolution, multimodal RoPE) of the same two sizes; ``qwen3-vl-*`` are
+Qwen3-VL ones (16-pixel patches, DeepStack features, interleaved M-RoPE),
+``qwen3-vl-moe-tiny`` its mixture-of-experts variant.
 ``llava-1.5-7b-random`` has LLaVA-1.5-7B's shapes (CLIP ViT-L/14-336, a
 32-layer 4096-wide Llama, llava-hf's 32064-row vocabulary; 7.06B parameters)
 for GPU measurements; it is built on CUDA in bfloat16 (about 14 GB) and never
@@ -42,7 +44,10 @@ class QwenVisionShape:
     An image is resized (aspect ratio kept) to a multiple of ``patch_size *
     merge_size`` with between ``min_pixels`` and ``max_pixels`` pixels; each
     ``merge_size``x``merge_size`` block of patches becomes one LM token.
-    ``window_size`` and ``full_attention_layers`` are Qwen2.5-VL's window attention.
+    ``window_size`` and ``full_attention_layers`` are Qwen2.5-VL's window attention;
+    ``deepstack_layers`` (Qwen3-VL) the tower layers whose merged outputs are
+    added to the LM's hidden states after its layers 0, 1, ...; and
+    ``num_position_embeddings`` Qwen3-VL's learned position grid (a square).
     """
 
     hidden_size: int
@@ -56,6 +61,8 @@ class QwenVisionShape:
     temporal_patch_size: int = 2
     window_size: int = 0
     full_attention_layers: tuple[int, ...] = ()
+    deepstack_layers: tuple[int, ...] = ()
+    num_position_embeddings: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,11 @@ class TextShape:
     max_position_embeddings: int
     rope_theta: float = 10000.0
     mrope_section: tuple[int, ...] = ()  # Qwen's multimodal RoPE: rotary pairs per axis (t, h, w)
+    head_dim: int = 0  # 0 = hidden_size // num_heads
+    # Mixture of experts (qwen3_vl_moe): every layer's MLP is num_experts experts, num_experts_per_tok a token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ class Preset:
     # Gain of the LM's attention/MLP weights: how strongly context can overrule the
     # bigram backbone (see init_weights.py). Measured, per shape, by the greedy test.
     context_strength: float
-    family: str = "llava"  # config model_type: "llava", "qwen2_vl" or "qwen2_5_vl"
+    family: str = "llava"  # config model_type: "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe"
     # LM vocabulary rows; 0 = the tokenizer's size. Rows past the tokenizer's are never sampled.
     lm_vocab_size: int = 0
     # Where the weights are made: "cpu" in float32 (byte-identical for a seed), or
@@ -205,6 +217,65 @@ QWEN2_5_VL_BENCH = Preset(
     family="qwen2_5_vl",
 )
 
+# Qwen3-VL: 16-pixel patches as the published towers have, three DeepStack
+# levels (one per tower layer) injected after the LM's first three layers, and
+# the fast-rotating RoPE of the Qwen2.5-VL tiny. Images become 4 to 64 tokens.
+_QWEN3_TINY_VISION = QwenVisionShape(
+    hidden_size=32,
+    num_layers=3,
+    num_heads=2,
+    intermediate_size=64,
+    patch_size=16,
+    min_pixels=32 * 32 * 4,
+    max_pixels=32 * 32 * 64,
+    deepstack_layers=(0, 1, 2),
+    num_position_embeddings=256,
+)
+_QWEN3_TINY_TEXT = replace(_QWEN_TINY_TEXT, num_layers=3, head_dim=16)
+
+QWEN3_VL_TINY = Preset(
+    name="qwen3-vl-tiny",
+    vision=_QWEN3_TINY_VISION,
+    text=_QWEN3_TINY_TEXT,
+    tokenizer_vocab_size=1000,
+    corpus_lines=3000,
+    context_strength=1.25,
+    family="qwen3_vl",
+)
+
+# The same with every MLP a mixture of 8 experts, 2 a token. Its expert width
+# (48) differs from the hidden size and from half of it, so the published
+# layout's transposed expert tensors can never be read untransposed.
+QWEN3_VL_MOE_TINY = replace(
+    QWEN3_VL_TINY,
+    name="qwen3-vl-moe-tiny",
+    family="qwen3_vl_moe",
+    text=replace(_QWEN3_TINY_TEXT, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48),
+)
+
+QWEN3_VL_BENCH = Preset(
+    name="qwen3-vl-bench",
+    # ViT-B-sized tower with Qwen3-VL's 16-pixel patches and three DeepStack
+    # levels (layers 3, 7, 11, as the 2B model takes 5, 11, 17 of 24): a
+    # 336x336 image is resized to 320x320, 100 tokens (10x10 after the 2x2 merge), at most 256.
+    vision=QwenVisionShape(
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        intermediate_size=3072,
+        patch_size=16,
+        min_pixels=64 * 64,
+        max_pixels=32 * 32 * 256,
+        deepstack_layers=(3, 7, 11),
+        num_position_embeddings=2304,
+    ),
+    text=replace(BENCH.text, rope_theta=5000000.0, mrope_section=(12, 10, 10), head_dim=64),
+    tokenizer_vocab_size=8192,
+    corpus_lines=20000,
+    context_strength=1.2,
+    family="qwen3_vl",
+)
+
 LLAVA_15_7B = Preset(
     name="llava-1.5-7b-random",
     vision=VisionShape(
@@ -227,7 +298,21 @@ LLAVA_15_7B = Preset(
 
 # Read-only view: presets are looked up, never registered at runtime.
 PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
-    {p.name: p for p in (TINY, BENCH, LLAVA_SIGLIP_TINY, QWEN2_5_VL_TINY, QWEN2_VL_TINY, QWEN2_5_VL_BENCH, LLAVA_15_7B)}
+    {
+        p.name: p
+        for p in (
+            TINY,
+            BENCH,
+            LLAVA_SIGLIP_TINY,
+            QWEN2_5_VL_TINY,
+            QWEN2_VL_TINY,
+            QWEN2_5_VL_BENCH,
+            QWEN3_VL_TINY,
+            QWEN3_VL_MOE_TINY,
+            QWEN3_VL_BENCH,
+            LLAVA_15_7B,
+        )
+    }
 )
 
 

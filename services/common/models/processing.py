@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,10 @@ class UnsupportedModelError(ValueError):
 
 class UnsupportedImageError(ValueError):
     """An image the model's processor cannot take (e.g. an extreme aspect ratio)."""
+
+
+class TooFewFramesError(UnsupportedImageError):
+    """A video with fewer sampled frames than the model's processor takes (Qwen3-VL: one temporal patch)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,9 @@ class ModelProcessing(ABC):
     multimodal rotary positions; items then carry grids), ``supports_video``
     (Qwen2-VL family: ``video_token_id``, ``video_shape``, ``process_video``),
     ``tokens_per_second`` (Qwen2.5-VL's temporal position rate; None = one per
-    temporal patch).
+    temporal patch), ``num_deepstack_levels`` (Qwen3-VL: DeepStack feature rows
+    an embedding carries per token besides its own), ``video_sampling_rule``
+    (how frames are picked: ``video_files.Sampling.rule``).
     """
 
     family: str
@@ -99,6 +106,8 @@ class ModelProcessing(ABC):
     supports_video: bool = False
     video_token_id: int | None = None
     tokens_per_second: float | None = None
+    num_deepstack_levels: int = 0
+    video_sampling_rule: str = "qwen2_vl"
 
     @property
     @abstractmethod
@@ -117,6 +126,11 @@ class ModelProcessing(ABC):
         """Tokens and grids of an image of this size, without its pixels (the proxy's count);
         ``UnsupportedImageError`` if the processor cannot take it. Grids: dynamic-resolution models only."""
         return ImageShape(self.num_image_tokens(height, width))
+
+    def video_frame_texts(self, indices: Sequence[int], fps: float) -> tuple[tuple[str, str], ...]:
+        """Text around each temporal patch's placeholder run of a video sampled at source frames
+        ``indices`` of a ``fps`` source; empty (the default) when a video's placeholders are one run."""
+        return ()
 
     @abstractmethod
     def pixel_layout(self) -> PixelLayout:

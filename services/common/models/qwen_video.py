@@ -57,12 +57,21 @@ def video_grid(num_frames: int, height: int, width: int, bounds: VideoBounds, pr
 def video_patches(processor: Any, frames: Sequence[Any], bounds: VideoBounds) -> tuple[np.ndarray, Grid]:
     """Sampled RGB frames (PIL, one size) -> float32 patches ``[t*h*w, C*T*P*P]`` and their grid."""
     size = {"shortest_edge": bounds.min_pixels, "longest_edge": bounds.max_pixels}
-    out = processor(images=list(frames), size=size, return_tensors="np")
+    return _patches(processor, processor(images=list(frames), size=size, return_tensors="np"), len(frames))
+
+
+def resized_patches(processor: Any, frames: Sequence[Any]) -> tuple[np.ndarray, Grid]:
+    """``video_patches`` of frames already resized to a multiple of ``patch_size * merge_size``."""
+    return _patches(processor, processor(images=list(frames), do_resize=False, return_tensors="np"), len(frames))
+
+
+def _patches(processor: Any, out: Any, num_frames: int) -> tuple[np.ndarray, Grid]:
+    """The image processor's output for each frame -> the video's patches, as ``video_patches`` lays them out."""
     _, h, w = (int(n) for n in out["image_grid_thw"][0])
     temporal, patch = processor.temporal_patch_size, processor.patch_size
     # The image processor repeats each frame over the temporal axis; keep one copy of each.
-    per_frame = out["pixel_values"].reshape(len(frames), h * w, -1, temporal, patch, patch)[:, :, :, 0]
-    if pad := -len(frames) % temporal:
+    per_frame = out["pixel_values"].reshape(num_frames, h * w, -1, temporal, patch, patch)[:, :, :, 0]
+    if pad := -num_frames % temporal:
         per_frame = np.concatenate([per_frame, np.repeat(per_frame[-1:], pad, axis=0)])
     t = per_frame.shape[0] // temporal
     # [t, T, hw, C, P, P] -> [t, hw, C, T, P, P]: a patch holds T consecutive frames, channel-major.

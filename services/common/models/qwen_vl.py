@@ -29,6 +29,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VLPreTrainedModel,
     Qwen2VLTextModel,
 )
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel  # the Qwen3-VL LMs share _TextCausalLM
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel
 
 from .adapter import ModelAdapter, tied_head
 from .loading import Part, SafetensorsCheckpoint, load_part, split_qwen_key
@@ -45,7 +47,7 @@ class _TextCausalLM:
 
     uses_mrope = True
     # Set by the concrete classes' __init__ (declared here for the methods below).
-    model: Qwen2VLTextModel | Qwen2_5_VLTextModel
+    model: Qwen2VLTextModel | Qwen2_5_VLTextModel | Qwen3VLTextModel | Qwen3VLMoeTextModel
     lm_head: nn.Linear
 
     def get_input_embeddings(self) -> nn.Module:

@@ -31,7 +31,7 @@ from .source import CONFIG_PATTERNS, PROCESSOR_PATTERNS, CheckpointSource
 
 # The patch count a tower accepts, relative to what the processor's max_pixels
 # allows: smart_resize may exceed max_pixels for very elongated images.
-_MAX_PATCHES_SLACK = 4
+MAX_PATCHES_SLACK = 4
 
 _SHAPE_REFUSED = "The image's aspect ratio is too extreme for this model (at most 200:1)."
 
@@ -161,7 +161,7 @@ class QwenVLProcessing(ModelProcessing):
         return PixelLayout(
             patch_dim=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
             merge_size=self.merge_size,
-            max_patches=_MAX_PATCHES_SLACK * max_pixels // image_processor.patch_size**2,
+            max_patches=MAX_PATCHES_SLACK * max_pixels // image_processor.patch_size**2,
         )
 
     def processor_settings(self) -> dict[str, Any]:

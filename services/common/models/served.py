@@ -11,7 +11,7 @@ from __future__ import annotations
 from .processing import UnsupportedModelError, read_json
 from .source import CONFIG_PATTERNS, CheckpointSource
 
-MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl")
+MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """The config ``model_type`` of every family served."""
 
 

@@ -13,13 +13,20 @@ from typing import Any
 from .configs import load_config
 from .llava_processing import LlavaProcessing
 from .processing import ModelProcessing
+from .qwen3_vl_processing import Qwen3VLProcessing
 from .qwen_vl_processing import QwenVLProcessing
 from .served import check_supported
 from .source import CheckpointSource
 
 # The torch-free half of each family, by config ``model_type`` (``served.MODEL_TYPES``); read-only.
 PROCESSING: MappingProxyType[str, Callable[[CheckpointSource, Any], ModelProcessing]] = MappingProxyType(
-    {"llava": LlavaProcessing, "qwen2_vl": QwenVLProcessing, "qwen2_5_vl": QwenVLProcessing}
+    {
+        "llava": LlavaProcessing,
+        "qwen2_vl": QwenVLProcessing,
+        "qwen2_5_vl": QwenVLProcessing,
+        "qwen3_vl": Qwen3VLProcessing,
+        "qwen3_vl_moe": Qwen3VLProcessing,
+    }
 )
 
 

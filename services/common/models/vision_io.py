@@ -10,7 +10,9 @@ Two kinds of vision modules exist:
   image through its own ``cu_seqlens``).
 
 ``encode_images`` hides the difference: a list of (pixels, grid) in, one
-``[num_tokens, hidden]`` embedding per image out.
+``[num_tokens, hidden]`` embedding per image out; ``[num_tokens, 1 + levels,
+hidden]`` for towers with DeepStack features (Qwen3-VL: ``num_deepstack_levels``
+feature rows per token after its embedding row).
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ import torch
 from .pixel_layout import Grid, PixelLayout
 
 # PixelLayout lives in the torch-free pixel_layout module (the proxy uses it); kept importable from here.
-__all__ = ["Grid", "PixelLayout", "batch_key", "encode_images", "packs_grids"]
+__all__ = ["Grid", "PixelLayout", "batch_key", "embedding_shape", "encode_images", "packs_grids"]
 
 
 def packs_grids(module: torch.nn.Module) -> bool:
     """True for dynamic-resolution towers (one packed forward over any grids)."""
     return bool(getattr(module, "packs_grids", False))
+
+
+def embedding_shape(num_tokens: int, hidden_size: int, num_deepstack_levels: int = 0) -> tuple[int, ...]:
+    """The shape of one image's embedding: ``[num_tokens, hidden]``, with DeepStack levels
+    ``[num_tokens, 1 + levels, hidden]`` (token-major: a run of tokens is one contiguous block)."""
+    if num_deepstack_levels:
+        return (num_tokens, 1 + num_deepstack_levels, hidden_size)
+    return (num_tokens, hidden_size)
 
 
 def batch_key(module: torch.nn.Module, pixels: torch.Tensor, grid: Grid | None) -> tuple:
@@ -44,7 +54,8 @@ def encode_images(
     device: torch.device,
     dtype: torch.dtype,
 ) -> list[torch.Tensor]:
-    """One forward over ``images`` (pixels, grid); returns ``[num_tokens, hidden]`` per image.
+    """One forward over ``images`` (pixels, grid); returns ``[num_tokens, hidden]`` (with DeepStack
+    features ``[num_tokens, 1 + levels, hidden]``) per image.
 
     The results are views of one output tensor. Raises RuntimeError when the
     module's output does not have the shape the images call for.
@@ -53,12 +64,13 @@ def encode_images(
         if packs_grids(module):
             pixels = torch.cat([p for p, _ in images]).to(device=device, dtype=dtype)
             grids = _grids(images)
-            out = module(pixels, torch.tensor(grids, dtype=torch.long, device=device))  # [sum tokens, hidden]
+            # [sum tokens, hidden] or [sum tokens, 1 + levels, hidden]
+            out = module(pixels, torch.tensor(grids, dtype=torch.long, device=device))
             merge = cast(
                 int, module.spatial_merge_size
             )  # an int attribute; nn.Module's __getattr__ is typed for tensors
             sizes = [t * h * w // (merge * merge) for t, h, w in grids]
-            if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != sum(sizes):
+            if not isinstance(out, torch.Tensor) or out.dim() not in (2, 3) or out.shape[0] != sum(sizes):
                 raise RuntimeError("vision module returned an unexpected output shape")
             return list(out.split(sizes))
         pixels = torch.stack([p for p, _ in images]).to(device=device, dtype=dtype)  # [N, 3, H, W]

@@ -50,18 +50,20 @@ class ImageGrid(_message.Message):
     def __init__(self, t: _Optional[int] = ..., h: _Optional[int] = ..., w: _Optional[int] = ...) -> None: ...
 
 class MultiModalItem(_message.Message):
-    __slots__ = ("mm_hash", "offset", "num_tokens", "grid", "second_per_grid_t")
+    __slots__ = ("mm_hash", "offset", "num_tokens", "grid", "second_per_grid_t", "frame_offsets")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_FIELD_NUMBER: _ClassVar[int]
     SECOND_PER_GRID_T_FIELD_NUMBER: _ClassVar[int]
+    FRAME_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     offset: int
     num_tokens: int
     grid: ImageGrid
     second_per_grid_t: float
-    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ..., second_per_grid_t: _Optional[float] = ...) -> None: ...
+    frame_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid: _Optional[_Union[ImageGrid, _Mapping]] = ..., second_per_grid_t: _Optional[float] = ..., frame_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PreallocateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "items", "lease_ms", "cache_salt")
@@ -253,20 +255,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class EmbeddingHeader(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "mm_hash", "dtype", "shape", "num_bytes")
+    __slots__ = ("request_id", "reservation_id", "mm_hash", "dtype", "shape", "num_bytes", "num_deepstack_levels")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEEPSTACK_LEVELS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     mm_hash: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., mm_hash: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    num_deepstack_levels: int
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., mm_hash: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., num_deepstack_levels: _Optional[int] = ...) -> None: ...
 
 class PushEmbeddingChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _EMBEDDING_GONE = "an image embedding of this request is no longer cached on this server"
 _NOT_DELIVERED = "an image embedding was not delivered before its lease expired"
+_SERVED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)  # finished with its answer
 
 
 class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
@@ -68,7 +69,9 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
     use). ``role``: which side of a KV hand-off it serves (``handoff_core.py``);
     ``reservation_limits`` bound what one caller's KV reservations hold. ``step_budget`` sizes
     each step's prefill (default: off, the whole step budget);
-    ``timer`` measures steps. Errors are ``EngineError``s whose messages never echo input.
+    ``timer`` measures steps. ``num_deepstack_levels``: DeepStack feature rows a pushed embedding
+    carries per token besides its own (Qwen3-VL; 0 = ``[num_tokens, hidden_size]`` embeddings).
+    Errors are ``EngineError``s whose messages never echo input.
     """
 
     def __init__(
@@ -86,12 +89,14 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
         role: Role = Role.BOTH,
         export_lease_s: float = 30.0,
         reservation_limits: ReservationLimits | None = None,
+        num_deepstack_levels: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
         self.embedding_cache = scheduler.embedding_cache
         self.runner = runner
         self.hidden_size = hidden_size
+        self.num_deepstack_levels = num_deepstack_levels
         self.sweep_interval_s = lease_sweep_interval_s
         self._clock = clock
         self._embeddings: dict[str, Any] = {}  # mm_hash -> tensor of each READY entry
@@ -180,7 +185,8 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
         self.kv_cache.unpin(request_id)
         self._preallocated.pop(request_id)
         self._preallocated.let_go(request_id)
-        self.embedding_cache.cancel_request(request_id)
+        served = request is not None and request.status in _SERVED
+        self.embedding_cache.cancel_request(request_id, served=served)
         self._release_handoff(request_id)
 
     def sweep(self) -> None:

@@ -230,8 +230,12 @@ class EmbeddingCache:
         self._touch(entry)
 
     # -------------------------------------------------------- cancel / expire
-    def cancel_request(self, request_id: str) -> list[str]:
+    def cancel_request(self, request_id: str, served: bool = False) -> list[str]:
         """Drop a finished request's reservations and pins; returns the hashes removed.
+
+        ``served``: the request finished with its answer (its prompt's KV came from the
+        prefix cache, so a push it reserved never had to land): a late push to it is then
+        taken and dropped, as a repeat is, rather than refused (its encoder call succeeds).
 
         Call after releasing the request's own references. RESERVED entries
         nobody else needs go away (room freed). The last pending push of an
@@ -253,9 +257,15 @@ class EmbeddingCache:
                 reservation.end_on_fill = True
                 continue
             # A request that took its reservation over and ends with the entry READY was served by
-            # another request's push: its own push, arriving now, carries nothing new and is no failure.
-            served = reservation.end_on_fill and entry.state is EntryState.READY
-            self._remove_reservation(reservation, "served" if served else "cancelled")
+            # another request's push; one that finished with its answer never needed its push. Either
+            # way the push, arriving now, carries nothing new and is no failure.
+            if reservation.end_on_fill and entry.state is EntryState.READY:
+                why = "served"
+            elif served and reservation.kind is ReservationKind.PUSH and not reservation.filled:
+                why = "not needed"
+            else:
+                why = "cancelled"
+            self._remove_reservation(reservation, why)
             if self._drop_if_orphaned(entry):
                 removed.append(entry.mm_hash)
         return removed
@@ -307,8 +317,8 @@ class EmbeddingCache:
             tombstone = self._tombstones.get(reservation_id)
             if tombstone is None:
                 raise ReservationNotFound("unknown reservation")
-            served = tombstone.filled or tombstone.why == "served"
-            if served and (tombstone.request_id, tombstone.mm_hash) == (request_id, mm_hash):
+            moot = tombstone.filled or tombstone.why in ("served", "not needed")
+            if moot and (tombstone.request_id, tombstone.mm_hash) == (request_id, mm_hash):
                 raise AlreadyFilled(tombstone.num_tokens)
             if tombstone.why == "lease expired":
                 raise LeaseExpired("reservation lease expired")

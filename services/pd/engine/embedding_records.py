@@ -81,7 +81,8 @@ class CacheEntry:
 class Tombstone(NamedTuple):
     """What is remembered of a removed reservation, to answer a late push precisely."""
 
-    why: str  # "lease expired", "cancelled", "served" (by another push), "taken over", "already filled"
+    why: str  # "lease expired", "cancelled", "served" (by another push), "not needed" (its request was served),
+    # "taken over", "already filled"
     request_id: str
     mm_hash: str
     num_tokens: int

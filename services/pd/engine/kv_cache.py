@@ -350,9 +350,16 @@ class KVCacheManager:
             while first < len(spans) and spans[first].end <= start:
                 first += 1
             extras, j = [], first
-            while j < len(spans) and spans[j].offset < end:  # ``mm_hash@offset[/t,h,w]``, offset relative to the block
+            while (
+                j < len(spans) and spans[j].offset < end
+            ):  # ``mm_hash@offset[/t,h,w][+frames]``, offset relative to the block
                 grid = spans[j].grid  # M-RoPE: the grid decides the image tokens' positions, so their K/V
-                extras.append(f"{spans[j].mm_hash}@{spans[j].offset - start}" + (f"/{grid}" if grid else ""))
+                frames = spans[j].frame_offsets  # where a video's runs are, relative to its offset
+                extras.append(
+                    f"{spans[j].mm_hash}@{spans[j].offset - start}"
+                    + (f"/{grid}" if grid else "")
+                    + (f"+{[f - spans[j].offset for f in frames]}" if frames else "")
+                )
                 j += 1
             # The first block's key is seeded by the tenant's salt (vLLM's cache_salt): the chain carries it on.
             prev = keys[-1] if keys else request.cache_salt.encode()

@@ -13,6 +13,9 @@ per token (temporal, height, width) instead of one. The rule, the one
   span's ``time_step`` (Qwen2.5-VL: ``tokens_per_second * second_per_grid_t``;
   1 otherwise): ``s + int(ti * time_step)``, in float32 as transformers
   computes it; the text after it still continues at ``s + max(h, w)``;
+- a video whose temporal patches text separates (``frame_offsets``: Qwen3-VL's
+  timestamps) is, patch by patch, an image of grid ``(1, h, w)``: Qwen3-VL's
+  ``get_rope_index`` splits its grid the same way;
 - every token after the prompt (generated ones) sits at its index plus the
   request's rope delta: it continues from the last prompt token's position
   (transformers' ``generate()`` adds 1 per step to it), which for a prompt
@@ -51,6 +54,8 @@ class GridSpan(Protocol):
     def grid(self) -> tuple[int, int, int] | None: ...
     @property
     def time_step(self) -> float: ...
+    @property
+    def frame_offsets(self) -> tuple[int, ...]: ...
 
 
 def _float32(value: float) -> float:
@@ -137,9 +142,15 @@ def build_plan(spans: Sequence[GridSpan], num_prompt_tokens: int) -> MRopePlan |
         t, h, w = span.grid
         if t * h * w != span.num_tokens or min(t, h, w) <= 0:
             raise ValueError("an image's grid does not match its token count")
-        start = span.offset + shift
-        shift = start + max(h, w) - span.end
-        placed.append(_PlacedImage(span.offset, span.end, (t, h, w), start, shift, span.time_step))
+        if span.frame_offsets and len(span.frame_offsets) != t:
+            raise ValueError("a video needs one frame offset per temporal patch")
+        # Each run of a video whose frames text separates is an image of one frame.
+        runs = [(offset, 1) for offset in span.frame_offsets] or [(span.offset, t)]
+        for offset, frames in runs:
+            end = offset + frames * h * w
+            start = offset + shift
+            shift = start + max(h, w) - end
+            placed.append(_PlacedImage(offset, end, (frames, h, w), start, shift, span.time_step))
     if not placed:
         return None
     # A prompt that ends in text continues from its last position (generate()'s rule); text before an image

@@ -31,6 +31,14 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+class Run(NamedTuple):
+    """Consecutive prompt positions that take consecutive rows of one embedding."""
+
+    offset: int  # prompt index of the first position
+    row: int  # the embedding row it takes
+    length: int
+
+
 @dataclass(frozen=True)
 class MultiModalSpan:
     """An image in the prompt: ``num_tokens`` positions from ``offset`` take its embedding rows.
@@ -39,6 +47,10 @@ class MultiModalSpan:
     num_tokens``) for models with multimodal RoPE (Qwen2-VL family), which
     gives its tokens 3-D rotary positions (``positions.py``); None otherwise.
     ``time_step`` spaces a video's temporal positions (1 for images).
+    ``frame_offsets`` (Qwen3-VL videos, whose frames text separates): where
+    each of the grid's ``t`` temporal patches starts, ``num_tokens / t`` rows
+    each (``runs``); empty when the rows are one run from ``offset``. The span
+    covers ``[offset, end)``, the text between its runs included.
     """
 
     mm_hash: str
@@ -46,10 +58,20 @@ class MultiModalSpan:
     num_tokens: int
     grid: tuple[int, int, int] | None = None
     time_step: float = 1.0
+    frame_offsets: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
+        if self.frame_offsets:
+            return self.frame_offsets[-1] + self.num_tokens // len(self.frame_offsets)
         return self.offset + self.num_tokens
+
+    def runs(self) -> list[Run]:
+        """Where its rows go: one run, or one per temporal patch (``frame_offsets``)."""
+        if not self.frame_offsets:
+            return [Run(self.offset, 0, self.num_tokens)]
+        length = self.num_tokens // len(self.frame_offsets)
+        return [Run(offset, k * length, length) for k, offset in enumerate(self.frame_offsets)]
 
 
 @dataclass(frozen=True)

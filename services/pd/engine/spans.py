@@ -33,12 +33,17 @@ def token_slice(request: Request, start: int, end: int) -> list[int]:
 
 
 def image_slices(spans: list[MultiModalSpan], start: int, end: int) -> list[ImageSlice]:
-    """The parts of image spans inside positions ``[start, end)``, chunk-local."""
+    """The parts of image spans inside positions ``[start, end)``, chunk-local (a video whose frames
+    text separates gives a slice per run)."""
     slices = []
     for span in spans:
-        lo, hi = max(start, span.offset), min(end, span.end)
-        if lo < hi:
-            slices.append(ImageSlice(span.mm_hash, src_start=lo - span.offset, dst_start=lo - start, length=hi - lo))
+        if span.end <= start or span.offset >= end:
+            continue
+        for run in span.runs():
+            lo, hi = max(start, run.offset), min(end, run.offset + run.length)
+            if lo < hi:
+                src_start = run.row + lo - run.offset
+                slices.append(ImageSlice(span.mm_hash, src_start=src_start, dst_start=lo - start, length=hi - lo))
     return slices
 
 

@@ -11,6 +11,10 @@ two paths:
   of batch sizes, inputs written in place into buffers allocated once, the
   forward replayed from a CUDA graph (``decode_graphs.py``).
 
+Images' rows are spliced into the packed batch (``_embed``); a model with
+DeepStack features (Qwen3-VL) also gets each image slice's feature rows, added
+after its first layers (``deepstack.py``). Decode-only steps hold no image.
+
 Both paths get their rotary positions from ``step_position_ids``, the one
 place they are made. Models with multimodal RoPE (``uses_mrope``: the Qwen2-VL
 family) get three rows (t, h, w) from each chunk's plan (``positions.py``), on
@@ -48,6 +52,7 @@ from services.pd.runner.decode_graphs import (
     plan_static_decode,
     start_static_decoder,
 )
+from services.pd.runner.deepstack import DeepstackRows
 from services.pd.runner.flex_decode import flex_available
 from services.pd.runner.grammar import BitmaskFiller
 from services.pd.runner.sampler import Sampler
@@ -139,6 +144,8 @@ class ModelRunner:
             raise ValueError("model does not support a custom attention implementation")
         self.model = model.eval()
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        # DeepStack feature rows per image token (Qwen3-VL; its adapter sets it): embeddings are then 3-D.
+        self.num_deepstack_levels = int(getattr(model, "num_deepstack_levels", 0))
         self.device = torch.device(device)
         self.dtype = dtype
         # See attention.py: on CPU the C kernel where it builds (float32), else
@@ -254,7 +261,8 @@ class ModelRunner:
 
     # -------------------------------------------------------------------- steps
     def prepare_embedding(self, embedding: torch.Tensor) -> torch.Tensor:
-        """A received ``[num_tokens, hidden]`` embedding on this runner's device, in its dtype.
+        """A received embedding (``[num_tokens, hidden]``, with DeepStack features ``[num_tokens, 1 +
+        levels, hidden]``) on this runner's device, in its dtype.
 
         On CUDA the host tensor is staged in page-locked memory first
         (``to_device``): the copy is queued behind the running step instead
@@ -271,7 +279,8 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """Run one step; return a token for every chunk with ``sample``.
 
-        ``embeddings[mm_hash]`` is ``[num_image_tokens, hidden]`` for every
+        ``embeddings[mm_hash]`` is ``[num_image_tokens, hidden]`` (``[num_image_tokens,
+        1 + levels, hidden]`` for a model with DeepStack features) for every
         image sliced into this step's chunks.
         """
         if scheduler_output.is_empty:
@@ -317,11 +326,16 @@ class ModelRunner:
                 logits = self.static_decoder.logits(chunks, rows)  # [len(chunks), vocab]
                 return logits if len(sampling_rows) == len(chunks) else logits[self._index(sampling_rows)]
             meta = self._metadata(chunks)
-            inputs_embeds = self._embed(chunks, embeddings)
+            num_tokens = len(positions[0])
+            deepstack = (
+                DeepstackRows(self.num_deepstack_levels, num_tokens, self.device) if self.num_deepstack_levels else None
+            )
+            inputs_embeds = self._embed(chunks, embeddings, deepstack)
             position_ids = self._index(positions)  # [1, T] or [3, T]
             if self.uses_mrope:
                 position_ids = position_ids[:, None, :]  # [3, 1, T]
-            hidden = self._hidden(inputs_embeds, position_ids, meta)  # [T, hidden]
+            extra = deepstack.forward_kwargs(inputs_embeds.dtype) if deepstack is not None else {}
+            hidden = self._hidden(inputs_embeds, position_ids, meta, **extra)  # [T, hidden]
             return self.model.lm_head(hidden[self._index(sampling_rows)])
 
     def _forward_tokens(
@@ -333,12 +347,13 @@ class ModelRunner:
         return self.model.lm_head(self._hidden(inputs_embeds, position_ids[..., None, :], meta))
 
     def _hidden(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, meta: PagedAttentionMetadata
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, meta: PagedAttentionMetadata, **extra: object
     ) -> torch.Tensor:
         """The decoder's last hidden states, ``[T, hidden]``, for ``inputs_embeds [1, T, hidden]``
-        at ``position_ids`` (``[1, T]``, or ``[3, 1, T]`` for multimodal RoPE)."""
+        at ``position_ids`` (``[1, T]``, or ``[3, 1, T]`` for multimodal RoPE); ``extra``: the step's
+        DeepStack features (``DeepstackRows.forward_kwargs``)."""
         return self.model.model(
-            inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, **{METADATA_KWARG: meta}
+            inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, **{METADATA_KWARG: meta}, **extra
         ).last_hidden_state[0]
 
     def _index(self, values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
@@ -357,8 +372,14 @@ class ModelRunner:
             num_blocks=self.num_blocks,
         )
 
-    def _embed(self, chunks: list[ScheduledChunk], embeddings: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Token embeddings of the packed batch with image rows spliced in: ``[1, T, hidden]``."""
+    def _embed(
+        self,
+        chunks: list[ScheduledChunk],
+        embeddings: Mapping[str, torch.Tensor],
+        deepstack: DeepstackRows | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings of the packed batch with image rows spliced in: ``[1, T, hidden]``;
+        each image slice's DeepStack rows go to ``deepstack`` (a model with DeepStack features)."""
         token_ids = [t for c in chunks for t in c.token_ids]
         embeds = self.model.get_input_embeddings()(self._index(token_ids))  # [T, hidden]
         row = 0
@@ -370,9 +391,13 @@ class ModelRunner:
                 if source is None:
                     raise KeyError("no embedding for an image scheduled in this step")
                 rows = source[image.src_start : image.src_start + image.length]
-                if image.src_start < 0 or rows.shape != (image.length, embeds.shape[1]):
+                shape_ok = rows.shape[0] == image.length and rows.shape[-1] == embeds.shape[1]
+                if image.src_start < 0 or not shape_ok or (rows.dim() == 3) != (deepstack is not None):
                     raise ValueError("image slice does not match its embedding's shape")
                 start = row + image.dst_start
+                if deepstack is not None:
+                    deepstack.add(start, rows[:, 1:])  # [length, levels, hidden]
+                    rows = rows[:, 0]
                 embeds[start : start + image.length] = rows.to(embeds.device, embeds.dtype, non_blocking=True)
             row += chunk.num_tokens
         return embeds[None]

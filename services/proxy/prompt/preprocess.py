@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from services.common.grids import grid_to_pb
 from services.common.hashing import hash_settings, mm_hash
@@ -56,6 +56,8 @@ class ImageItem:
     patch_grid: tuple[int, int, int] | None = None
     token_grid: tuple[int, int, int] | None = None
     video: ProcessedVideo | None = None  # set when the item is a video (image_file is then empty)
+    # A video whose temporal patches text separates (Qwen3-VL): where each patch's run starts (the first == offset).
+    frame_offsets: tuple[int, ...] = ()
 
     def encode_item_pb(self, reservation_id: str) -> epd_pb2.EncodeItem:
         """The encoder's item for this image or video."""
@@ -94,6 +96,7 @@ class Prompt:
                 num_tokens=i.num_tokens,
                 grid=grid_to_pb(i.token_grid),
                 second_per_grid_t=None if i.video is None else i.video.second_per_grid_t,
+                frame_offsets=list(i.frame_offsets),
             )
             for i in self.images
         ]
@@ -130,26 +133,49 @@ def expand_media(
 ) -> tuple[list[int], dict[int, list[int]]]:
     """``expand_placeholders`` for several placeholder ids at once (images and videos): each id's i-th
     occurrence becomes ``placeholders[id][i]`` copies; returns the ids and each placeholder's offsets."""
+    runs = {token: [[PlaceholderRun((), count, ())] for count in counts] for token, counts in placeholders.items()}
+    expanded, offsets = expand_runs(token_ids, runs)
+    return expanded, {token: [item[0] for item in items] for token, items in offsets.items()}
+
+
+class PlaceholderRun(NamedTuple):
+    """One run of a placeholder's expansion: token ids before it, how many copies of the placeholder, ids after."""
+
+    before: Sequence[int]
+    num_tokens: int
+    after: Sequence[int]
+
+
+def expand_runs(
+    token_ids: Sequence[int], placeholders: Mapping[int, Sequence[Sequence[PlaceholderRun]]]
+) -> tuple[list[int], dict[int, list[list[int]]]]:
+    """``expand_media`` where an item may expand to several runs of its placeholder with text around
+    each (a Qwen3-VL video: a timestamp and vision markers per temporal patch): each id's i-th occurrence
+    becomes ``placeholders[id][i]``'s runs in order; returns the ids and, per item, where its runs start."""
     found = [token for token in token_ids if token in placeholders]
-    for token, counts in placeholders.items():
-        if found.count(token) != len(counts):
+    for token, items in placeholders.items():
+        if found.count(token) != len(items):
             raise PlaceholderMismatchError(
-                f"The prompt has {found.count(token)} placeholders for {len(counts)} images or videos; "
+                f"The prompt has {found.count(token)} placeholders for {len(items)} images or videos; "
                 "text must not contain the image or video token.",
                 "messages",
             )
-    pending = {token: iter(counts) for token, counts in placeholders.items()}
-    offsets: dict[int, list[int]] = {token: [] for token in placeholders}
+    pending = {token: iter(items) for token, items in placeholders.items()}
+    offsets: dict[int, list[list[int]]] = {token: [] for token in placeholders}
     expanded: list[int] = []
     for token in token_ids:
         if token not in pending:
             expanded.append(token)
             continue
-        count = next(pending[token])
-        if count <= 0:
-            raise ValueError("every image must expand to at least one token")
-        offsets[token].append(len(expanded))
-        expanded.extend([token] * count)
+        starts = []
+        for run in next(pending[token]):
+            if run.num_tokens <= 0:
+                raise ValueError("every image must expand to at least one token")
+            expanded.extend(run.before)
+            starts.append(len(expanded))
+            expanded.extend([token] * run.num_tokens)
+            expanded.extend(run.after)
+        offsets[token].append(starts)
     return expanded, offsets
 
 
@@ -337,21 +363,44 @@ class Preprocessor:
         """Expands each image and video token of ``token_ids`` into its item's span; ``cache_salt`` must be
         the one the items were hashed with."""
         image_id, video_id = self.adapter.image_token_id, getattr(self.adapter, "video_token_id", None)
-        placeholders = {image_id: [image.num_tokens for image in images]}
+        placeholders = {image_id: [[PlaceholderRun((), image.num_tokens, ())] for image in images]}
         if video_id is not None:
-            placeholders[video_id] = [video.num_tokens for video in videos]
-        expanded, offsets = expand_media(token_ids, placeholders)
+            placeholders[video_id] = [self._video_runs(video) for video in videos]
+        expanded, offsets = expand_runs(token_ids, placeholders)
         items = [
-            ImageItem(image.mm_hash, offset, image.num_tokens, image.image_file, image.patch_grid, image.token_grid)
-            for image, offset in zip(images, offsets[image_id])
+            ImageItem(image.mm_hash, runs[0], image.num_tokens, image.image_file, image.patch_grid, image.token_grid)
+            for image, runs in zip(images, offsets[image_id])
         ]
         if video_id is not None:
             items += [
-                ImageItem(video.mm_hash, offset, video.num_tokens, b"", video.patch_grid, video.token_grid, video)
-                for video, offset in zip(videos, offsets[video_id])
+                ImageItem(
+                    video.mm_hash,
+                    runs[0],
+                    video.num_tokens,
+                    b"",
+                    video.patch_grid,
+                    video.token_grid,
+                    video,
+                    frame_offsets=tuple(runs) if video.frame_texts else (),
+                )
+                for video, runs in zip(videos, offsets[video_id])
             ]
         items.sort(key=lambda item: item.offset)
         return Prompt(token_ids=expanded, images=tuple(items), cache_salt=cache_salt)
+
+    def _video_runs(self, video: ProcessedVideo) -> list[PlaceholderRun]:
+        """A video's placeholders: one run, or one per temporal patch with its text (``frame_texts``)."""
+        if not video.frame_texts:
+            return [PlaceholderRun((), video.num_tokens, ())]
+        per_frame = video.num_tokens // len(video.frame_texts)
+        with self._tokenizer_lock:  # the text around each run, tokenized alone: special tokens bound it
+            return [
+                PlaceholderRun(self._text_ids(before), per_frame, self._text_ids(after))
+                for before, after in video.frame_texts
+            ]
+
+    def _text_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def render(self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The chat template applied to ``messages``: one image token per image, generation prompt added;

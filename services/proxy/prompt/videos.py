@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 
 from services.common import image_files, video_files, video_items
 from services.common.grids import grid_to_pb
-from services.common.models.processing import UnsupportedImageError
+from services.common.models.processing import TooFewFramesError, UnsupportedImageError
 from services.common.pb import epd_pb2
 from services.common.video_files import NO_BUDGET, DecodeBudget, Sampling, VideoLimits
 from services.proxy.errors import (
@@ -59,6 +60,8 @@ class ProcessedVideo:
     second_per_grid_t: float
     patch_grid: tuple[int, int, int]
     token_grid: tuple[int, int, int]
+    # Text before and after each temporal patch's placeholders (Qwen3-VL's timestamps); () = one run.
+    frame_texts: tuple[tuple[str, str], ...] = ()
 
     def encode_item_pb(self, reservation_id: str) -> epd_pb2.EncodeItem:
         """The encoder's item for this video: the file (or frames) and the sampling, to decode again."""
@@ -150,8 +153,9 @@ class VideoStage:
         cache_salt: str,
         budget: DecodeBudget = NO_BUDGET,
     ) -> tuple[ProcessedVideo, ...]:
-        """Every video's header limits first, then one video's frames alive at a time; ``DecodeStopped``
-        once ``budget`` ends (checked before every packet and frame)."""
+        """Every video's header limits first, then one video's frames alive at a time, picked by the model's
+        rule (``Sampling.rule``); ``DecodeStopped`` once ``budget`` ends (checked before every packet and frame)."""
+        sampling = dataclasses.replace(sampling, rule=self.adapter.video_sampling_rule)
         files = [self._files(source) for source in sources]
         for video_file, _ in files:
             if video_file:
@@ -198,7 +202,10 @@ class VideoStage:
                 second_per_grid_t=video.second_per_grid_t(sampling.temporal_patch_size),
                 patch_grid=shape.patch_grid,
                 token_grid=shape.token_grid,
+                frame_texts=self.adapter.video_frame_texts(video.indices, video.source_fps),
             )
+        except TooFewFramesError as error:
+            raise InvalidVideoDataError(str(error), "video_url") from None
         except UnsupportedImageError as error:
             raise VideoError(str(error), "video_url") from None
         finally:

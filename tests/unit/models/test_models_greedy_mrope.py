@@ -1,5 +1,8 @@
 """Greedy robustness of the built Qwen checkpoints, with the split halves and our M-RoPE positions.
 
+Qwen3-VL's halves add the DeepStack features at the image positions, and
+dropping them must change the greedy text too.
+
 As ``test_models_greedy.py`` does for LLaVA: random prompts with 0-3 images
 of different grids go through ``generate()`` on the full model, and through
 the split halves in one right-padded batch with 3-D positions from
@@ -22,6 +25,8 @@ from services.pd.engine.positions import build_plan
 from services.pd.engine.request import MultiModalSpan
 
 NUM_PROMPTS = 16
+# Qwen3-VL's presets share Qwen2.5-VL's LM shape and gain: half the prompts keep the suite's time.
+NUM_PROMPTS_BY_PRESET = {"qwen3-vl-tiny": 8, "qwen3-vl-moe-tiny": 8}
 NEW_TOKENS = 8
 CPU = torch.device("cpu")
 WORDS = [
@@ -44,10 +49,10 @@ WORDS = [
 ]
 
 
-def _cases(seed: int) -> list[tuple[list[dict], list]]:
+def _cases(seed: int, num_prompts: int = NUM_PROMPTS) -> list[tuple[list[dict], list]]:
     rng = random.Random(seed)
     cases = []
-    for i in range(NUM_PROMPTS):
+    for i in range(num_prompts):
         images = [
             make_image(100 + 3 * i + k, (rng.choice([32, 48, 64, 96]), rng.choice([24, 48, 80]))) for k in range(i % 4)
         ]
@@ -66,7 +71,9 @@ def _spans(sequence: torch.Tensor, image_token_id: int, token_grids: list[tuple[
     return spans
 
 
-def _split_half_logits(adapter, oracle, cases, sequences, mrope: bool) -> list[torch.Tensor]:
+def _split_half_logits(adapter, oracle, cases, sequences, mrope: bool, deepstack: bool = True) -> list[torch.Tensor]:
+    """Logits of the split halves over all prompts in one right-padded batch; Qwen3-VL's DeepStack
+    features added at the image positions unless ``deepstack`` is False."""
     lm = adapter.load_language_model(CPU, torch.float32)
     vision = adapter.load_vision(CPU, torch.float32)
     merge = adapter.merge_size
@@ -74,6 +81,8 @@ def _split_half_logits(adapter, oracle, cases, sequences, mrope: bool) -> list[t
     embeds = torch.zeros(len(sequences), length, adapter.hidden_size)
     mask = torch.zeros(len(sequences), length, dtype=torch.long)
     positions = torch.zeros(3, len(sequences), length, dtype=torch.long)
+    visual = torch.zeros(len(sequences), length, dtype=torch.bool)
+    features = []  # per image row, [levels, hidden], in (row, position) order
     with torch.no_grad():
         for row, ((messages, images), sequence) in enumerate(zip(cases, sequences)):
             rows = lm.model.embed_tokens(sequence)
@@ -82,9 +91,12 @@ def _split_half_logits(adapter, oracle, cases, sequences, mrope: bool) -> list[t
                 inputs = oracle.inputs(messages, images)
                 grids = [tuple(int(n) for n in g) for g in inputs["image_grid_thw"]]
                 pixels = inputs["pixel_values"].split([t * h * w for t, h, w in grids])
-                rows[sequence == adapter.image_token_id] = torch.cat(
-                    encode_images(vision, list(zip(pixels, grids)), CPU, torch.float32)
-                )
+                encoded = torch.cat(encode_images(vision, list(zip(pixels, grids)), CPU, torch.float32))
+                if encoded.dim() == 3:  # [tokens, 1 + levels, hidden]
+                    features.append(encoded[:, 1:])
+                    encoded = encoded[:, 0]
+                    visual[row, : len(sequence)] = sequence == adapter.image_token_id
+                rows[sequence == adapter.image_token_id] = encoded
                 token_grids = [(t, h // merge, w // merge) for t, h, w in grids]
             plan = build_plan(_spans(sequence, adapter.image_token_id, token_grids), len(sequence) - NEW_TOKENS)
             if plan is not None and mrope:
@@ -93,15 +105,19 @@ def _split_half_logits(adapter, oracle, cases, sequences, mrope: bool) -> list[t
                 positions[:, row, : len(sequence)] = torch.arange(len(sequence))
             embeds[row, : len(sequence)] = rows
             mask[row, : len(sequence)] = 1
-        logits = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits
+        extra = {}
+        if features and deepstack:
+            stacked = torch.cat(features)  # [visual tokens, levels, hidden]
+            extra = {"visual_pos_masks": visual, "deepstack_visual_embeds": list(stacked.unbind(1))}
+        logits = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **extra).logits
     return [logits[row, len(s) - 1 - NEW_TOKENS : len(s) - 1] for row, s in enumerate(sequences)]
 
 
-@pytest.mark.parametrize("preset", ["qwen2.5-vl-tiny", "qwen2-vl-tiny"])
+@pytest.mark.parametrize("preset", ["qwen2.5-vl-tiny", "qwen2-vl-tiny", "qwen3-vl-tiny", "qwen3-vl-moe-tiny"])
 def test_greedy_choices_survive_batching_and_depend_on_positions(build_model, oracle_for, preset):
     adapter = load_adapter(build_model(preset))
     oracle = oracle_for(preset)
-    cases = _cases(seed=7)
+    cases = _cases(seed=7, num_prompts=NUM_PROMPTS_BY_PRESET.get(preset, NUM_PROMPTS))
     reference = []
     for messages, images in cases:
         inputs = oracle.inputs(messages, images)
@@ -137,3 +153,13 @@ def test_greedy_choices_survive_batching_and_depend_on_positions(build_model, or
     )
     print(f"{preset}: image prompts whose greedy text changes under 1-D positions: {changed}")
     assert changed >= 3
+    if adapter.num_deepstack_levels:
+        # Qwen3-VL: without the DeepStack features the greedy text must change on some image prompts too.
+        bare = _split_half_logits(adapter, oracle, cases, sequences, mrope=True, deepstack=False)
+        changed = sum(
+            bool((f.argmax(-1) != logits.argmax(-1)).any())
+            for f, (_, logits), (_, images) in zip(bare, reference, cases)
+            if images
+        )
+        print(f"{preset}: image prompts whose greedy text changes without DeepStack features: {changed}")
+        assert changed >= 3

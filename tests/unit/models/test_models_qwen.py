@@ -131,7 +131,7 @@ def test_every_service_refuses_an_unsupported_family_in_one_line(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "unsupported model_type 'mamba'" in err[0]
-    assert "supported model families: llava, qwen2_5_vl, qwen2_vl" in err[0]
+    assert "supported model families: llava, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe" in err[0]
 
 
 @pytest.mark.e2e
@@ -148,6 +148,6 @@ def test_epd_up_refuses_an_unsupported_family_before_starting_anything(tmp_path)
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         f"epd: unsupported model_type 'mamba' in {tmp_path / 'mamba'}; "
-        "supported model families: llava, qwen2_5_vl, qwen2_vl"
+        "supported model families: llava, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe"
     ]
     assert "starting" not in done.stdout

@@ -45,3 +45,21 @@ def test_a_missing_attribute_is_still_an_attribute_error() -> None:
     runner = FaultyRunner(_Runner(), PdFaults(freeze_step_ms=1))
     assert not hasattr(runner, "no_such_method")
     assert copy.copy(runner).read_kv_blocks([1]) == "kv of [1]"  # a copy under construction does not recurse
+
+
+def test_drop_deepstack_zeroes_every_received_embeddings_features_and_nothing_else() -> None:
+    import torch
+
+    class _Preparing(_Runner):
+        def prepare_embedding(self, embedding):
+            return embedding.clone()
+
+    faults = PdFaults.parse("drop-deepstack")
+    assert faults.drop_deepstack and faults.enabled and faults.describe() == "drop-deepstack"
+    runner = FaultyRunner(_Preparing(), faults)
+    with_features = torch.ones(4, 4, 8)  # [tokens, 1 + 3 levels, hidden]
+    prepared = runner.prepare_embedding(with_features)
+    assert torch.equal(prepared[:, 0], with_features[:, 0]) and not prepared[:, 1:].any()
+    assert with_features.all()  # the received tensor is not written to
+    plain = torch.ones(4, 8)  # a model without DeepStack features: unchanged
+    assert torch.equal(runner.prepare_embedding(plain), plain)

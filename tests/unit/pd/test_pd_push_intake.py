@@ -125,3 +125,40 @@ def test_slots_let_one_push_over_the_byte_bound_in_alone():
     with strict.hold("res-3", "peer", "busy") as alone, pytest.raises(EngineError):
         alone.take_buffer(150)
     assert strict.buffered_bytes == 0 and strict.num_in_flight == 0
+
+
+def deepstack_header(shape: list[int], levels: int) -> epd_pb2.PushEmbeddingChunk:
+    chunk = header()
+    chunk.header.shape[:] = shape
+    chunk.header.num_deepstack_levels = levels
+    chunk.header.num_bytes = 4 * shape[0] * (shape[1] if len(shape) == 2 else shape[1] * shape[2])
+    return chunk
+
+
+async def test_an_embedding_with_deepstack_levels_is_received_whole():
+    levels = 3
+    payload = torch.arange(ROWS * (1 + levels) * HIDDEN, dtype=torch.float32).numpy().tobytes()
+    pushed = deepstack_header([ROWS, 1 + levels, HIDDEN], levels)
+    got, embedding = await intake(num_deepstack_levels=levels).receive(stream(pushed, data(payload)))
+    assert got.num_deepstack_levels == levels and embedding.shape == (ROWS, 1 + levels, HIDDEN)
+
+
+@pytest.mark.parametrize(
+    ("shape", "levels", "message"),
+    [
+        ([ROWS, HIDDEN], 0, "DeepStack levels"),  # an older sender: no features for a model that needs them
+        ([ROWS, 3, HIDDEN], 2, "DeepStack levels"),  # levels that are not the model's
+        ([ROWS, 2, HIDDEN], 3, r"\[num_tokens, 4, 8\]"),  # a shape that disagrees with its levels
+        ([0, 4, HIDDEN], 3, "shape"),
+    ],
+)
+async def test_a_push_without_the_models_deepstack_levels_is_refused(shape, levels, message):
+    with pytest.raises(EngineError, match=message) as raised:
+        await intake(num_deepstack_levels=3).receive(stream(deepstack_header(shape, levels)))
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+async def test_a_model_without_deepstack_refuses_pushes_that_carry_levels():
+    with pytest.raises(EngineError, match="0 DeepStack levels") as raised:
+        await intake().receive(stream(deepstack_header([ROWS, 4, HIDDEN], 3)))
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT

@@ -51,6 +51,7 @@ class InlineBridge:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.hidden_size = core.hidden_size
+        self.num_deepstack_levels = core.num_deepstack_levels
 
     async def check_push(self, request_id, reservation_id, mm_hash, num_tokens):
         return self.core.check_push(request_id, reservation_id, mm_hash, num_tokens)

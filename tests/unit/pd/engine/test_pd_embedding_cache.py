@@ -166,6 +166,19 @@ def test_cancel_frees_room_and_late_push_is_rejected(cache):
     assert cache.cancel_request("r1") == []
 
 
+def test_a_late_push_to_a_served_request_is_taken_as_a_repeat(cache):
+    # E+P+D's prefill half can finish from the prefix cache before the encoder's push lands.
+    _, rid = reserve(cache, "r1", "h1", 10)
+    assert cache.cancel_request("r1", served=True) == ["h1"]
+    assert cache.state("h1") is None and cache.stats().used_tokens == 0
+    with pytest.raises(AlreadyFilled):
+        cache.check_push("r1", rid, "h1", 10, now=1.0)  # not wanted: the push succeeds, its bytes are dropped
+    with pytest.raises(ReservationRejected, match="size"):
+        cache.check_push("r1", rid, "h1", 9, now=1.0)
+    with pytest.raises(ReservationRejected):
+        cache.check_push("r2", rid, "h1", 10, now=1.0)  # another request's push to it is still refused
+
+
 def test_cancel_keeps_the_last_push_others_wait_on(cache):
     _, rid = reserve(cache, "r1", "h1", 10)
     assert cache.acquire("h1")  # someone else waits on the pending entry

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from core_support import FakeClock, RunnerDouble, ended_ids, make_core
+from core_support import FakeClock, RunnerDouble, make_core
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -27,11 +27,15 @@ from reservation_push_support import PUSH_MODES, PushClient
 
 from services.pd.engine.embedding_cache import EntryState
 from services.pd.engine.errors import EngineError, ErrorKind
-from services.pd.engine.request import MultiModalSpan, Request, SamplingParams
+from services.pd.engine.outputs import Failed, Finished
+from services.pd.engine.request import MultiModalSpan, Request, RequestStatus, SamplingParams
 
 IMG, HIDDEN, LEASE_S, CAPACITY = 0, 4, 10.0, 24
 SIZES = {"img-a": 4, "img-b": 6, "img-c": 8, "img-d": 12}  # 30 rows > CAPACITY: eviction and refusals
 S = grpc.StatusCode
+
+
+SERVED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
 @dataclass
@@ -45,7 +49,7 @@ class ModelReservation:
     filled: bool = False
     ended: bool = False
     end_on_fill: bool = False
-    served: bool = False  # its request ended after another push made the entry READY: a late push is a repeat
+    served: bool = False  # ended unfilled, served by another push or its request answered: a late push is a repeat
 
 
 def prompt_of(images: list[str]) -> tuple[list[int], list[MultiModalSpan]]:
@@ -114,8 +118,9 @@ class ReservationMachine(RuleBasedStateMachine):
                     if r.mm_hash == mm_hash and r.kind == "push":
                         r.ended = True
 
-    def _model_cancel(self, request_id: str) -> None:
-        """The core's release of a request that ended: the last pending push of an entry others hold stays."""
+    def _model_cancel(self, request_id: str, served: bool = False) -> None:
+        """The core's release of a request that ended: the last pending push of an entry others hold stays;
+        ``served`` (it finished with its answer): its other unfilled pushes end, and a late one is taken as moot."""
         for r in self.reservations.values():
             if r.request_id != request_id or r.ended:
                 continue
@@ -133,7 +138,9 @@ class ReservationMachine(RuleBasedStateMachine):
             ):
                 r.end_on_fill = True
             else:
-                r.served = r.kind == "push" and not r.filled and r.end_on_fill and r.mm_hash in self.accepted
+                # served by another request's push (its entry READY), or its request finished with its answer
+                by_another = r.end_on_fill and r.mm_hash in self.accepted
+                r.served = r.kind == "push" and not r.filled and (by_another or served)
                 r.ended = True
         self._sync_dropped_entries()
 
@@ -201,7 +208,7 @@ class ReservationMachine(RuleBasedStateMachine):
         code = self.pusher.push(
             reservation.request_id, reservation_id, reservation.mm_hash, SIZES[reservation.mm_hash], mode, tag
         )
-        # a retried Encode pushing again, or a push that comes after its request was served by another push
+        # a retried Encode pushing again, or a push its request, already served, no longer needs
         repeat = reservation.kind == "push" and (reservation.filled or reservation.served)
         if mode == "unknown_id":
             assert code is S.NOT_FOUND
@@ -296,9 +303,12 @@ class ReservationMachine(RuleBasedStateMachine):
 
     def _step(self) -> None:
         self.sweep()  # a step sweeps leases first when a sweep is due; the clock moves in whole seconds
-        for request_id in ended_ids(self.core.step()):
+        for request_id, event in self.core.step().events:
+            if not isinstance(event, Finished | Failed):
+                continue
             self.generating.pop(request_id, None)
-            self._model_cancel(request_id)  # the core's release cancels what is left
+            served = isinstance(event, Finished) and event.status in SERVED
+            self._model_cancel(request_id, served)  # the core's release cancels what is left
 
     def _check_step(self, out, embeddings) -> None:
         for chunk in out.chunks:
