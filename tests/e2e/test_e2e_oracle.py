@@ -141,6 +141,12 @@ def test_repeated_image_is_served_again_identically(client, oracle):
     assert first == second == expected
 
 
+def _tower_layers(tower):
+    """A CLIP or SigLIP tower's transformer layers (transformers nests them one level down in some versions)."""
+    encoder = getattr(tower, "encoder", None) or tower.vision_model.encoder
+    return encoder.layers
+
+
 @pytest.mark.parametrize("cluster", ["llava", "qwen2.5"], indirect=True)
 def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
     from services.common.models import count_parameters
@@ -154,6 +160,11 @@ def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
     pd_model = cluster.pds[0].engine.core.runner.model
     encoder_module = cluster.encoders[0].vision.module
     assert count_parameters(pd_model) == lm_half
+    if not hasattr(full.model, "visual"):  # LLaVA: the tower's layers past the feature layer are not loaded
+        kept = len(_tower_layers(encoder_module.vision_tower))
+        full_layers = _tower_layers(full.model.vision_tower)
+        assert kept == len(full_layers) + full.config.vision_feature_layer + 1
+        vision_half -= sum(count_parameters(layer) for layer in full_layers[kept:])
     assert count_parameters(encoder_module) == vision_half
     pd_names = [name for name, _ in pd_model.named_parameters()]
     encoder_names = [name for name, _ in encoder_module.named_parameters()]
