@@ -273,3 +273,26 @@ def checked_client(cluster: InProcessCluster) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
         yield client
     assert cluster.leaks() == {}, "something was left reserved, held, pending or referenced"
+
+
+def chat(client: openai.OpenAI, content: list[dict], max_tokens: int, stream: bool = False, **extensions: Any):
+    """One greedy user turn of ``content``, answered whole or streamed: (the generated token ids, the usage).
+
+    ``extensions`` go into the request body beside ``return_token_ids``.
+    """
+    kwargs: dict[str, Any] = dict(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True, **extensions},
+    )
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        return reply.choices[0].model_extra["token_ids"], reply.usage
+    token_ids, usage = [], None
+    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            token_ids += (choice.model_extra or {}).get("token_ids") or []
+    return token_ids, usage

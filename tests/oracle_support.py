@@ -36,6 +36,35 @@ def user_message(text: str, images: list[Image.Image]) -> dict:
     return {"role": "user", "content": parts}
 
 
+def whole_and_halves(adapter, device: torch.device) -> tuple:
+    """The whole model and its vision and LM halves (float32), checked to hold exactly the whole's weights."""
+    from services.common.models import count_parameters
+
+    full = adapter.load_full_model(device, torch.float32)
+    vision = adapter.load_vision(device, torch.float32)
+    lm = adapter.load_language_model(device, torch.float32)
+    assert count_parameters(vision) == count_parameters(full.model.visual)
+    assert count_parameters(vision) + count_parameters(lm) == count_parameters(full)
+    return full, vision, lm
+
+
+def encode_three_grids(adapter, vision, full, device: torch.device) -> tuple:
+    """Three images of different grids through the vision half (one packed forward) and through the whole
+    model's ``get_image_features``: (the processed images, the half's rows per image, the whole's output)."""
+    from services.common.models import encode_images
+
+    image_processor = adapter.load_processor().image_processor
+    images = [
+        adapter.process_image(image_processor, make_image(k, size))
+        for k, size in enumerate([(96, 32), (32, 80), (64, 64)])
+    ]
+    pixels = [torch.from_numpy(i.pixel_values) for i in images]
+    ours = encode_images(vision, [(p, i.patch_grid) for p, i in zip(pixels, images)], device, torch.float32)
+    with torch.no_grad():
+        reference = full.model.get_image_features(torch.cat(pixels), torch.tensor([i.patch_grid for i in images]))
+    return images, ours, reference
+
+
 def _hf_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages in the chat template's form (image parts lose their URL)."""
     hf_messages = []

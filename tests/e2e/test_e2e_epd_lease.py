@@ -18,7 +18,7 @@ import time
 import httpx
 import openai
 import pytest
-from cluster_support import InProcessCluster, checked_client
+from cluster_support import InProcessCluster
 from oracle_support import user_message
 from test_e2e_oracle import _chat
 
@@ -45,11 +45,6 @@ def cluster(tiny_model_dir):
     finally:
         started.pds[0].engine.core.runner.thaw()  # a failed test must not leave the stop waiting on it
         started.stop()
-
-
-@pytest.fixture
-def client(cluster):
-    yield from checked_client(cluster)
 
 
 def _expired(cluster: InProcessCluster) -> float:

@@ -18,11 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from cluster_support import InProcessCluster, checked_client, serving_preset
+from cluster_support import InProcessCluster, chat, serving_preset
 from oracle_support import make_image, user_message
 from test_e2e_oracle import CASES, _chat
 from test_e2e_video import _case as video_case
-from test_e2e_video import chat as video_chat
 
 MAX_TOKENS = 16
 SETUPS = {"llava": "tiny", "qwen2.5": "qwen2.5-vl-tiny"}
@@ -32,16 +31,6 @@ RUNS = {"llava": ["text_only", "one_image", "three_images"], "qwen2.5": ["text_o
 @pytest.fixture(scope="module")
 def cluster(request, build_model):
     yield from serving_preset(build_model, SETUPS[request.param], num_pds=1, num_decodes=1)
-
-
-@pytest.fixture
-def oracle(cluster, oracle_for):
-    return oracle_for(cluster.preset)
-
-
-@pytest.fixture
-def client(cluster):
-    yield from checked_client(cluster)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
@@ -122,7 +111,7 @@ def test_video_greedy_tokens_equal_generate_through_prefill_and_decode(cluster, 
     content, videos, images, extensions = video_case(case, oracle.processor.image_processor)
     messages = [{"role": "user", "content": content}]
     expected = oracle.generate(messages, images, MAX_TOKENS, videos=videos)
-    token_ids, usage = video_chat(client, content, stream, **extensions)
+    token_ids, usage = chat(client, content, MAX_TOKENS, stream, **extensions)
     assert token_ids == expected
     merge = oracle.processor.image_processor.merge_size
     assert usage.model_extra["epd"]["video_tokens"] == sum(int(v.grid.prod()) // merge**2 for v in videos)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from cluster_support import InProcessCluster, checked_client, serving_preset
+from cluster_support import InProcessCluster, serving_preset
 from oracle_support import Oracle, make_image, user_message
 
 MAX_TOKENS = 24
@@ -36,17 +36,6 @@ SETUPS = {
 def cluster(request, build_model):
     preset, colocated = SETUPS[request.param]
     yield from serving_preset(build_model, preset, colocated=colocated)
-
-
-@pytest.fixture
-def oracle(cluster, oracle_for):
-    """The reference of the model the cluster serves."""
-    return oracle_for(cluster.preset)
-
-
-@pytest.fixture
-def client(cluster):
-    yield from checked_client(cluster)
 
 
 def _model(client) -> str:

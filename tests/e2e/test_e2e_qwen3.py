@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cluster_support import checked_client, serving_preset
+from cluster_support import chat, checked_client, serving_preset
 from oracle_support import data_url, make_image
 from video_support import make_video, reference_video_qwen3, video_part
 
@@ -79,16 +79,6 @@ def cluster(request, build_model):
     yield from serving_preset(build_model, preset, **options)
 
 
-@pytest.fixture
-def oracle(cluster, oracle_for):
-    return oracle_for(cluster.preset)
-
-
-@pytest.fixture
-def client(cluster):
-    yield from checked_client(cluster)
-
-
 def _wire(content: list[dict]) -> list[dict]:
     return [{k: v for k, v in part.items() if k != "_image"} for part in content]
 
@@ -117,22 +107,7 @@ def _expect(oracle, preset: str, name: str, content: list[dict]) -> list[int]:
 
 
 def _chat(client, content: list[dict], stream: bool = False) -> tuple[list[int], object]:
-    kwargs = dict(
-        model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": _wire(content)}],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-    )
-    if not stream:
-        reply = client.chat.completions.create(**kwargs)
-        return reply.choices[0].model_extra["token_ids"], reply.usage
-    token_ids, usage = [], None
-    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            token_ids += (choice.model_extra or {}).get("token_ids") or []
-    return token_ids, usage
+    return chat(client, _wire(content), MAX_TOKENS, stream)
 
 
 @pytest.mark.parametrize("cluster", list(SETUPS), indirect=True)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from cluster_support import InProcessCluster, checked_client, serving_preset
+from cluster_support import InProcessCluster, chat, serving_preset
 from oracle_support import data_url, make_image
 from video_support import make_video, reference_frames, reference_video, video_part
 
@@ -35,35 +35,6 @@ LONG = make_video(2, num_frames=24, size=(32, 48), fps=4, fmt="webm")  # 6 s: 12
 def cluster(request, build_model):
     preset, colocated = SETUPS[request.param]
     yield from serving_preset(build_model, preset, colocated=colocated)
-
-
-@pytest.fixture
-def oracle(cluster, oracle_for):
-    return oracle_for(cluster.preset)
-
-
-@pytest.fixture
-def client(cluster):
-    yield from checked_client(cluster)
-
-
-def chat(client, content: list[dict], stream: bool, **extensions):
-    kwargs = dict(
-        model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": content}],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"return_token_ids": True, **extensions},
-    )
-    if not stream:
-        reply = client.chat.completions.create(**kwargs)
-        return reply.choices[0].model_extra["token_ids"], reply.usage
-    token_ids, usage = [], None
-    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            token_ids += (choice.model_extra or {}).get("token_ids") or []
-    return token_ids, usage
 
 
 def _case(name: str, image_processor):
@@ -116,7 +87,7 @@ def test_video_greedy_tokens_equal_generate(client, oracle, case, stream):
     content, videos, images, extensions = _case(case, oracle.processor.image_processor)
     messages = [{"role": "user", "content": content}]
     expected = oracle.generate(messages, images, MAX_TOKENS, videos=videos)
-    token_ids, usage = chat(client, content, stream, **extensions)
+    token_ids, usage = chat(client, content, MAX_TOKENS, stream, **extensions)
     assert token_ids == expected
     merge = oracle.processor.image_processor.merge_size
     video_tokens = sum(int(video.grid.prod()) // merge**2 for video in videos)
@@ -134,8 +105,8 @@ def test_a_repeated_video_is_served_from_the_cache(client, oracle):
         MAX_TOKENS,
         videos=[reference_video(video, oracle.processor.image_processor)],
     )
-    first_ids, first = chat(client, content, stream=False)
-    again_ids, again = chat(client, content, stream=True)
+    first_ids, first = chat(client, content, MAX_TOKENS, stream=False)
+    again_ids, again = chat(client, content, MAX_TOKENS, stream=True)
     assert first_ids == again_ids == expected
     epd_first, epd_again = first.model_extra["epd"], again.model_extra["epd"]
     assert epd_first["num_images_ready"] == 0 and epd_first["num_encoder_cache_hits"] == 0
@@ -170,7 +141,9 @@ def test_eight_concurrent_mixed_text_image_video_requests(client, oracle):
         for i, content in enumerate(requests)
     ]
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda item: chat(client, item[1], stream=item[0] % 2 == 1), enumerate(requests)))
+        results = list(
+            pool.map(lambda item: chat(client, item[1], MAX_TOKENS, stream=item[0] % 2 == 1), enumerate(requests))
+        )
     assert [token_ids for token_ids, _ in results] == expected
 
 
@@ -215,7 +188,7 @@ def test_videos_through_chunked_prefill_and_preemption(build_model, oracle_for, 
     try:
         client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=300)
         with client, ThreadPoolExecutor(len(requests)) as pool:
-            got = list(pool.map(lambda r: chat(client, r[0], stream=False)[0], requests))
+            got = list(pool.map(lambda r: chat(client, r[0], MAX_TOKENS, stream=False)[0], requests))
         assert got == expected
         stats = cluster.run(cluster.pds[0].stats())
         if "num_kv_blocks" in pd:

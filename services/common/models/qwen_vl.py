@@ -33,7 +33,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel  # t
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel
 
 from .adapter import ModelAdapter, tied_head
-from .loading import Part, SafetensorsCheckpoint, load_part, split_qwen_key
+from .loading import Part, SafetensorsCheckpoint, TensorFit, load_part, split_qwen_key
 from .qwen_vl_processing import QwenVLProcessing
 from .source import PROCESSOR_PATTERNS, WEIGHT_PATTERNS
 
@@ -46,9 +46,16 @@ class _TextCausalLM:
     """
 
     uses_mrope = True
-    # Set by the concrete classes' __init__ (declared here for the methods below).
+    # The family's text decoder, named by each concrete class; __init__ builds it as ``model``.
+    text_model_class: type[Qwen2VLTextModel | Qwen2_5_VLTextModel | Qwen3VLTextModel | Qwen3VLMoeTextModel]
     model: Qwen2VLTextModel | Qwen2_5_VLTextModel | Qwen3VLTextModel | Qwen3VLMoeTextModel
     lm_head: nn.Linear
+
+    def __init__(self, config):
+        super().__init__(config)  # type: ignore[call-arg]  # the concrete classes' PreTrainedModel base takes it
+        self.model = self.text_model_class(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()  # type: ignore[attr-defined]
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -72,21 +79,13 @@ class _TextCausalLM:
 class Qwen2VLTextForCausalLM(_TextCausalLM, Qwen2VLPreTrainedModel):
     """Qwen2-VL's language model alone (see ``_TextCausalLM``)."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = Qwen2VLTextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+    text_model_class = Qwen2VLTextModel
 
 
 class Qwen2_5_VLTextForCausalLM(_TextCausalLM, Qwen2_5_VLPreTrainedModel):
     """Qwen2.5-VL's language model alone (see ``_TextCausalLM``)."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = Qwen2_5_VLTextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+    text_model_class = Qwen2_5_VLTextModel
 
 
 class QwenVisionEncoder(nn.Module):
@@ -112,6 +111,8 @@ class QwenVisionEncoder(nn.Module):
 class _Family:
     lm: type[PreTrainedModel]
     tower: type[PreTrainedModel]
+    encoder: type[QwenVisionEncoder] = QwenVisionEncoder
+    fit: TensorFit | None = None  # a stored LM tensor's layout into the module's, where a family stores another
 
 
 _FAMILIES = {
@@ -123,16 +124,18 @@ _FAMILIES = {
 class QwenVLAdapter(QwenVLProcessing, ModelAdapter):
     """Qwen2-VL / Qwen2.5-VL: ``QwenVLProcessing`` plus the split weights."""
 
+    _families: dict[str, _Family] = _FAMILIES
+
     @property
     def _parts(self) -> _Family:
-        return _FAMILIES[self.family]
+        return self._families[self.family]
 
     def _weights(self) -> SafetensorsCheckpoint:
         return SafetensorsCheckpoint(self.source.directory(WEIGHT_PATTERNS))
 
     def load_vision(self, device: torch.device, dtype: torch.dtype) -> QwenVisionEncoder:
         with init_empty_weights():
-            encoder = QwenVisionEncoder(self._parts.tower, copy.deepcopy(self.config.vision_config))
+            encoder = self._parts.encoder(self._parts.tower, copy.deepcopy(self.config.vision_config))
         load_part(
             encoder,
             self._weights(),
@@ -156,6 +159,7 @@ class QwenVLAdapter(QwenVLProcessing, ModelAdapter):
             dtype,
             derive=functools.partial(tied_head, tied=tied),
             splitter=split_qwen_key,
+            fit=self._parts.fit,
         )
         return model.eval().requires_grad_(False)
 

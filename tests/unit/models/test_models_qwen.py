@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle_support import make_image
+from oracle_support import encode_three_grids, make_image, whole_and_halves
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from services.cli import main
@@ -18,8 +18,6 @@ from services.common.models import (
     Part,
     QwenVLAdapter,
     UnsupportedImageError,
-    count_parameters,
-    encode_images,
     load_adapter,
     split_qwen_key,
 )
@@ -82,24 +80,10 @@ def test_token_counts_follow_the_processor_resize_rule(build_model, preset):
 @pytest.mark.parametrize("preset", QWEN_PRESETS)
 def test_halves_hold_exactly_their_weights_and_compute_what_the_whole_does(build_model, preset):
     adapter = load_adapter(build_model(preset))
-    full = adapter.load_full_model(CPU, torch.float32)
-    vision = adapter.load_vision(CPU, torch.float32)
-    lm = adapter.load_language_model(CPU, torch.float32)
-    assert count_parameters(vision) == count_parameters(full.model.visual)
-    assert count_parameters(vision) + count_parameters(lm) == count_parameters(full)
-    image_processor = adapter.load_processor().image_processor
-    images = [
-        adapter.process_image(image_processor, make_image(k, size))
-        for k, size in enumerate([(96, 32), (32, 80), (64, 64)])
-    ]
+    full, vision, lm = whole_and_halves(adapter, CPU)
     # One packed forward over three grids equals transformers' image features.
-    pixels = [torch.from_numpy(i.pixel_values) for i in images]
-    ours = encode_images(vision, [(p, i.patch_grid) for p, i in zip(pixels, images)], CPU, torch.float32)
-    with torch.no_grad():
-        reference = full.model.get_image_features(
-            torch.cat(pixels), torch.tensor([i.patch_grid for i in images])
-        ).pooler_output
-    for got, want in zip(ours, reference):
+    _, ours, reference = encode_three_grids(adapter, vision, full, CPU)
+    for got, want in zip(ours, reference.pooler_output):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():

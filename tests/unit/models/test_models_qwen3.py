@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from oracle_support import make_image
+from oracle_support import encode_three_grids, whole_and_halves
 from safetensors import safe_open
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
@@ -16,7 +16,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as reference_smart_resize
 from transformers.video_utils import VideoMetadata
 
-from services.common.models import Qwen3VLAdapter, count_parameters, encode_images, load_adapter
+from services.common.models import Qwen3VLAdapter, load_adapter
 from services.common.models.qwen3_video import frame_timestamps, smart_resize
 from services.common.models.vision_io import embedding_shape
 from services.common.video_files import Sampling, sample_indices
@@ -66,21 +66,9 @@ def test_checkpoint_has_the_published_layout_and_loads_in_transformers(build_mod
 def test_halves_hold_exactly_their_weights_and_compute_what_the_whole_does(build_model, preset):
     adapter = load_adapter(build_model(preset))
     assert isinstance(adapter, Qwen3VLAdapter) and adapter.num_deepstack_levels == 3
-    full = adapter.load_full_model(CPU, torch.float32)
-    vision = adapter.load_vision(CPU, torch.float32)
-    lm = adapter.load_language_model(CPU, torch.float32)
-    assert count_parameters(vision) == count_parameters(full.model.visual)
-    assert count_parameters(vision) + count_parameters(lm) == count_parameters(full)
+    full, vision, lm = whole_and_halves(adapter, CPU)
     assert lm.num_deepstack_levels == 3
-    image_processor = adapter.load_processor().image_processor
-    images = [
-        adapter.process_image(image_processor, make_image(k, size))
-        for k, size in enumerate([(96, 32), (32, 80), (64, 64)])
-    ]
-    pixels = [torch.from_numpy(i.pixel_values) for i in images]
-    ours = encode_images(vision, [(p, i.patch_grid) for p, i in zip(pixels, images)], CPU, torch.float32)
-    with torch.no_grad():
-        reference = full.model.get_image_features(torch.cat(pixels), torch.tensor([i.patch_grid for i in images]))
+    images, ours, reference = encode_three_grids(adapter, vision, full, CPU)
     for k, (got, image) in enumerate(zip(ours, images)):
         assert tuple(got.shape) == embedding_shape(image.num_tokens, adapter.hidden_size, 3)
         torch.testing.assert_close(got[:, 0], reference.pooler_output[k], rtol=1e-5, atol=1e-5)
