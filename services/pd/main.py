@@ -17,6 +17,7 @@ from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_PD_PORT
 from services.pd.config import (
     DEFAULT_MAX_BUFFER_BYTES,
+    DEFAULT_MAX_CACHE_SUBSCRIBERS,
     DEFAULT_MAX_PUSHES_PER_PEER,
     DEFAULT_METRICS_PORT,
     PdConfig,
@@ -71,6 +72,7 @@ HELP_GROUPS = (
             "--max-push-buffer-mb",
             "--max-pushes-per-peer",
             "--push-idle-timeout-s",
+            "--max-cache-subscribers",
         ),
     ),
     ("role and embeddings", ("--role", "--decode-allow", "--encoder", "--accept-pixel-values")),
@@ -267,6 +269,14 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--max-cache-subscribers",
+        type=int,
+        default=DEFAULT_MAX_CACHE_SUBSCRIBERS,
+        help="SubscribeCacheEvents streams open at once (the proxies' cache-aware routing follows this PD's "
+        "caches on one each); more: RESOURCE_EXHAUSTED",
+    )
+    add(
+        parser,
         "--max-push-buffer-mb",
         type=int,
         default=DEFAULT_MAX_BUFFER_BYTES >> 20,
@@ -384,6 +394,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_push_buffer_mb=args.max_push_buffer_mb,
         max_pushes_per_peer=args.max_pushes_per_peer,
         max_requests_per_peer=args.max_requests_per_peer,
+        max_cache_subscribers=args.max_cache_subscribers,
         push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,

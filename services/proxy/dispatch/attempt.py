@@ -40,6 +40,8 @@ class Attempt:
         self.outcome = Outcome.NEUTRAL
         self.status = "CANCELLED"  # for metrics: OK, a gRPC code name, or CANCELLED
         self.probe = pd.begin()  # the breaker's half-open probe: settled at the first message
+        self.num_prompt_tokens = len(job.prompt.token_ids)
+        pd.hold_tokens(self.num_prompt_tokens)  # the cache-aware policy's load, in tokens
         self.settled = False
         self.pd_is_innocent = False  # set when an error was another instance's doing
 
@@ -145,4 +147,5 @@ class Attempt:
         for task in self.encode_tasks:
             task.cancel()
         self.pd.end(self.outcome, probe=self.probe, settled=self.settled)
+        self.pd.release_tokens(self.num_prompt_tokens)
         return self.encode_tasks

@@ -35,6 +35,7 @@ class HandoffAttempt(Attempt):
         super().__init__(calls, job, pd, request_id)
         self.decode = decode
         self.decode_probe = decode.begin()
+        decode.hold_tokens(self.num_prompt_tokens)
         self.decode_outcome = Outcome.NEUTRAL
         self.prefill_call: grpc.aio.UnaryStreamCall | None = None
         self.prefill_status: str | None = None  # P's final status once its part is done (``status``: D's then)
@@ -117,6 +118,7 @@ class HandoffAttempt(Attempt):
         if self.prefill_call is not None:
             self.prefill_call.cancel()
         self.decode.end(self.decode_outcome, probe=self.decode_probe)
+        self.decode.release_tokens(self.num_prompt_tokens)
         return super().stop()
 
 
@@ -125,9 +127,10 @@ class HandoffPipeline(Pipeline):
 
     def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> Attempt:
         tried = job.decodes_tried
-        candidates = self.backends.decode_candidates(exclude=tried)
+        candidates = self.backends.decode_candidates(exclude=tried, prompt=job.route)
         if not candidates:  # every decode instance failed this job once: try them again in rank order
-            candidates = self.backends.decode_candidates()
+            candidates = self.backends.decode_candidates(prompt=job.route)
+        job.route.decision = None  # the decode instance's: only the prefill instance's is counted
         if not candidates:
             raise no_backend("decode")
         return HandoffAttempt(self.calls, job, pd, request_id, candidates[0])

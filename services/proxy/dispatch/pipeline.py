@@ -182,10 +182,11 @@ class Pipeline:
         """Starts the job on the best PD not tried yet, failing over on refusals and outages."""
         last: BackendError | None = None
         while job.trace.num_pd_attempts < self.pd_attempts:
-            candidates = self.backends.pd_candidates(exclude=tried)
+            candidates = self.backends.pd_candidates(exclude=tried, prompt=job.route)
             if not candidates:
                 break
             pd = candidates[0]
+            self._note_route(job, pd)
             tried.add(pd.address)
             attempt = self.new_attempt(job, pd, job.attempt_id(job.trace.num_pd_attempts))
             job.trace.num_pd_attempts += 1
@@ -223,6 +224,27 @@ class Pipeline:
         if last is None:
             raise no_backend("PD")
         raise self._to_api_error(last.error, job.request_id)
+
+    def _note_route(self, job: Job, pd: PdClient) -> None:
+        """Counts the cache-aware policy's decision for ``pd`` (none from the other policies)."""
+        decision = job.route.decision
+        job.route.decision = None
+        if decision is None or decision.address != pd.address:
+            return
+        job.trace.route_reason, job.trace.route_hit_tokens = decision.reason, decision.hit_tokens
+        self.metrics.route_decisions.labels(decision.reason).inc()
+        self.metrics.route_prompt_tokens.inc(job.route.num_tokens)
+        self.metrics.route_hit_tokens.inc(decision.hit_tokens)
+        log.debug(
+            "request %s: pd %s (%s): holds %d of %d prompt tokens (best %d), load %d tokens",
+            job.request_id,
+            pd.address,
+            decision.reason,
+            decision.hit_tokens,
+            job.route.num_tokens,
+            decision.best_hit_tokens,
+            decision.load_tokens,
+        )
 
     def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> Attempt:
         """One try of ``job`` on ``pd`` (E+P+D's pipeline tries a prefill and a decode instance)."""
