@@ -264,8 +264,9 @@ class PdClient(Instance):
     def __init__(self, address: str, channel: grpc.aio.Channel, **kwargs) -> None:
         super().__init__(address, channel, **kwargs)
         self.stub = epd_pb2_grpc.PrefillDecodeStub(channel)
-        # Prompt tokens of this proxy's calls in flight here, and their sum when the last GetLoad answered:
-        # the cache-aware policy's load is in tokens (``estimated_tokens``).
+        # Uncached tokens of this proxy's calls in flight here (prompt tokens not in its cache when routed, then
+        # output tokens as they come), and their sum when the last GetLoad answered: the cache-aware policy's
+        # load (``estimated_tokens``).
         self.outstanding_tokens = 0
         self.tokens_baseline = 0
 
@@ -278,20 +279,21 @@ class PdClient(Instance):
         self.tokens_baseline = self.outstanding_tokens
 
     def hold_tokens(self, num_tokens: int) -> None:
-        """A call with a prompt of ``num_tokens`` starts here (pair with ``release_tokens``)."""
+        """``num_tokens`` more uncached tokens of a call in flight here (give them back with ``release_tokens``)."""
         self.outstanding_tokens += num_tokens
 
     def release_tokens(self, num_tokens: int) -> None:
         self.outstanding_tokens -= num_tokens
 
     def reported_tokens(self) -> int:
-        """Tokens of the requests running and waiting here at the last GetLoad (0 before it, or from a PD
-        that does not report them)."""
+        """Uncached tokens of the requests running and waiting here at the last GetLoad (0 before it, or from
+        a PD that does not report them)."""
         load = self.load
         return 0 if load is None else int(load.num_running_tokens + load.num_waiting_tokens)
 
     def estimated_tokens(self) -> int:
-        """Tokens of the requests here: this proxy's now plus the others' as last reported (ours subtracted)."""
+        """Uncached tokens of the requests here: this proxy's now plus the others' as last reported (ours
+        subtracted): the work in flight, in the unit of the cache-aware policy's cost."""
         return self.outstanding_tokens + max(0, self.reported_tokens() - self.tokens_baseline)
 
     def kv_usage(self) -> float:

@@ -87,8 +87,10 @@ class CacheAwarePdPolicy:
 
         cost = cache_weight * (prompt tokens - hit) + load
 
-    where ``load`` is the tokens of the requests on the PD (``PdClient.estimated_tokens``: this proxy's in
-    flight now plus the others' from GetLoad). Lowest cost first; PDs that recently answered
+    where ``load`` is the work in flight on the PD (``PdClient.estimated_tokens``): the uncached tokens of
+    the requests it serves, prompt tokens it had to compute plus output tokens so far (this proxy's now, the
+    others' from GetLoad). Both terms count tokens a PD computes; a cached token costs nothing in either, so
+    a shared system prompt neither attracts nor, once everywhere, weighs. Lowest cost first; PDs that recently answered
     RESOURCE_EXHAUSTED go last, then KV-cache usage and rotation break ties. ``cache_weight`` is the one
     knob: 0 routes by token load alone; larger keeps a conversation where its prefix is until the other PDs'
     load is lower by more than ``cache_weight`` times the tokens it would recompute there. Without a prompt
