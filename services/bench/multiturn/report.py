@@ -51,6 +51,7 @@ def summarize(runs: Sequence[RunResult]) -> dict[str, Any]:
         "ttft_follow_up_ms": {"p50": _ms(follow, 50), "p99": _ms(follow, 99), "n": len(follow)},
         "prompt_tokens": sum(t.record.prompt_tokens for t in ok),
         "computed_tokens": sum(t.computed_tokens for t in ok),
+        "prompt_tokens_follow_up": sum(t.record.prompt_tokens for t in ok if t.turn > 0),
         "computed_tokens_follow_up": sum(t.computed_tokens for t in ok if t.turn > 0),
         "encode_calls": sum(r.encode_calls for r in runs),
         "follow_ups_re_encoded": sum(1 for t in ok if t.turn > 0 and t.images_ready == 0),
@@ -73,6 +74,9 @@ def summarize_all(results: Sequence[RunResult]) -> dict[str, dict[str, dict[str,
                     "ttft_follow_up_p50": ratio(summary["ttft_follow_up_ms"]["p50"], base["ttft_follow_up_ms"]["p50"]),
                     "ttft_first_p50": ratio(summary["ttft_first_ms"]["p50"], base["ttft_first_ms"]["p50"]),
                     "computed_tokens": ratio(summary["computed_tokens"], base["computed_tokens"]),
+                    "computed_tokens_follow_up": ratio(
+                        summary["computed_tokens_follow_up"], base["computed_tokens_follow_up"]
+                    ),
                     "output_tokens_per_s": ratio(summary["output_tokens_per_s"], base["output_tokens_per_s"]),
                 }
         table[str(num_pds)] = row
@@ -111,7 +115,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "runs",
         "TTFT first p50 / p99 (ms)",
         "TTFT follow-up p50 / p99 (ms)",
-        "prompt tokens computed",
+        "prompt tokens computed: all / follow-ups",
         "Encode calls (follow-ups re-encoded)",
         "requests per PD (max / min)",
         "output tok/s",
@@ -128,7 +132,8 @@ def render_markdown(results: dict[str, Any]) -> str:
                     str(s["runs"]),
                     f"{_cell(s['ttft_first_ms']['p50'])} / {_cell(s['ttft_first_ms']['p99'])}",
                     f"{_cell(s['ttft_follow_up_ms']['p50'])} / {_cell(s['ttft_follow_up_ms']['p99'])}",
-                    f"{s['computed_tokens']} of {s['prompt_tokens']}",
+                    f"{s['computed_tokens']} of {s['prompt_tokens']} / "
+                    f"{s['computed_tokens_follow_up']} of {s['prompt_tokens_follow_up']}",
                     f"{_cell(s['encode_calls'])} ({s['follow_ups_re_encoded']})",
                     f"{per_pd} ({_cell(s['max_over_min_requests'])})",
                     _cell(s["output_tokens_per_s"]),
@@ -147,6 +152,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                         policy,
                         _cell(v["ttft_follow_up_p50"]),
                         _cell(v["computed_tokens"]),
+                        _cell(v["computed_tokens_follow_up"]),
                         _cell(v["ttft_first_p50"]),
                         _cell(v["output_tokens_per_s"]),
                     ]
@@ -154,7 +160,15 @@ def render_markdown(results: dict[str, Any]) -> str:
     if ratio_rows:
         lines += [f"Ratios to {BASELINE}:", ""]
         lines += markdown_table(
-            ["PDs", "policy", "follow-up TTFT p50", "prompt tokens computed", "first-turn TTFT p50", "output tok/s"],
+            [
+                "PDs",
+                "policy",
+                "follow-up TTFT p50",
+                "prompt tokens computed",
+                "of follow-ups",
+                "first-turn TTFT p50",
+                "output tok/s",
+            ],
             ratio_rows,
         )
     return "\n".join(lines)

@@ -33,6 +33,12 @@ from services.bench.serve.stats import RequestRecord
 from services.bench.serve.workload import RequestSpec
 
 
+SHARED_MACHINE_PD_ARGS = ("--stall-timeout-s", "0")
+"""On a shared machine a step can stall for a minute: PD must not report itself not ready for it."""
+SHARED_MACHINE_PROXY_ARGS = ("--inter-token-timeout-s", "0", "--request-timeout", "3600")
+"""... nor the proxy end the generation (the client's own timeout still bounds a turn)."""
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """How users pace their chats, and the cluster's bounds."""
@@ -185,7 +191,13 @@ def run_one(
     """Starts the cluster with ``policy``, runs the chats of ``run``, stops it."""
     result = RunResult(policy, num_pds, run)
     topo = topology(num_pds, cores)
-    args = ServiceArgs(**{**service.__dict__, "proxy_args": (*service.proxy_args, "--pd-policy", policy)})
+    args = ServiceArgs(
+        **{
+            **service.__dict__,
+            "pd_args": (*SHARED_MACHINE_PD_ARGS, *service.pd_args),
+            "proxy_args": (*SHARED_MACHINE_PROXY_ARGS, *service.proxy_args, "--pd-policy", policy),
+        }
+    )
     cluster = Cluster(topo, args, log_dir / f"{policy}-run{run}")
     _say(f"[{policy}, {num_pds} PDs, run {run + 1}] starting")
     try:
