@@ -32,7 +32,6 @@ from services.bench.serve.procs import Cluster, ServiceArgs
 from services.bench.serve.stats import RequestRecord
 from services.bench.serve.workload import RequestSpec
 
-
 SHARED_MACHINE_PD_ARGS = ("--stall-timeout-s", "0")
 """On a shared machine a step can stall for a minute: PD must not report itself not ready for it."""
 SHARED_MACHINE_PROXY_ARGS = ("--inter-token-timeout-s", "0", "--request-timeout", "3600")
