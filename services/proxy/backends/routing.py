@@ -19,7 +19,7 @@ from services.proxy.backends.cache_index import CacheIndex, RouteDecision, Route
 from services.proxy.backends.instances import EncoderClient, PdClient
 
 DEFAULT_PD_POLICY = "cache-aware"
-"""``--pd-policy``'s default (docs/benchmarks/multiturn.md: it halves follow-up TTFT against least-loaded)."""
+"""``--pd-policy``'s default (measured against least-loaded: docs/benchmarks/multiturn.md)."""
 DEFAULT_CACHE_WEIGHT = 2.0
 """``--pd-cache-weight``: a prompt token a PD would have to compute weighs this many tokens of its load."""
 
