@@ -2,8 +2,10 @@
 
 Each user has a chat: a system prompt all users share, an image in the first
 user turn, then follow-ups that resend the whole history (the answers
-included), as chat clients do. Users run at once, each sending its next turn
-shortly after the answer to the last. For every PD count (``--pds``) and run
+included), as chat clients do. Users run at once: starts and think times are
+drawn per user from the seed (exponential around --stagger-s and --think-s by
+default), so turns of different users interleave as real chats' do and every
+policy meets the same schedule. For every PD count (``--pds``) and run
 (``--runs``) a fresh cluster is started per policy (one encoder, the PDs, one
 proxy), policies interleaved run by run, every policy meeting the same chats.
 
@@ -25,6 +27,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from services.bench.multiturn.conversations import PACINGS
 from services.common import cli_args
 
 POLICIES = ("least-loaded", "cache-aware", "round-robin")
@@ -64,9 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(chats, "--system-words", type=int, default=300, help="words of the system prompt every chat shares")
     add(chats, "--question-words", type=int, default=24, help="words of each user message")
     add(chats, "--max-tokens", type=int, default=32, help="tokens of each answer (ignore_eos)")
-    add(chats, "--stagger-s", type=float, default=0.25, help="seconds between two users' first turns")
-    add(chats, "--think-s", type=float, default=0.5, help="seconds between an answer and the user's next turn")
-    add(chats, "--seed", type=int, default=0, help="seed of the texts and images")
+    add(chats, "--stagger-s", type=float, default=1.0, help="mean seconds between two users' first turns")
+    add(chats, "--think-s", type=float, default=2.0, help="mean seconds between an answer and the user's next turn")
+    add(
+        chats,
+        "--pacing",
+        default="exponential",
+        choices=list(PACINGS),
+        help="how start gaps and think times vary around their means (seeded; fixed = every user in lock step)",
+    )
+    add(chats, "--seed", type=int, default=0, help="seed of the texts, images, start gaps and think times")
     runs = parser.add_argument_group("runs")
     add(runs, "--policies", type=_names, default=("least-loaded", "cache-aware"), help="PD policies to compare")
     add(runs, "--pds", type=_counts, default=(2, 4), help="PD counts to run, comma-separated")
@@ -100,8 +110,17 @@ def run(args: argparse.Namespace) -> int:
     from services.bench.serve.command import _image_size, _model_dir
     from services.bench.serve.procs import ServiceArgs
 
-    if args.users < 1 or args.turns < 2 or args.runs < 1 or args.max_tokens < 2:
-        print("epd bench multiturn: --users, --runs >= 1, --turns and --max-tokens >= 2", file=sys.stderr)
+    if (
+        args.users < 1
+        or args.turns < 2
+        or args.runs < 1
+        or args.max_tokens < 2
+        or min(args.stagger_s, args.think_s) < 0
+    ):
+        print(
+            "epd bench multiturn: --users, --runs >= 1, --turns and --max-tokens >= 2, --stagger-s and --think-s >= 0",
+            file=sys.stderr,
+        )
         return 2
     cores = tuple(args.cores) or tuple(sorted(os.sched_getaffinity(0)))
     model_dir = _model_dir(args.model)
@@ -114,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
         image_size=_image_size(model_dir),
         seed=args.seed,
     )
-    settings = RunSettings(stagger_s=args.stagger_s, think_s=args.think_s, startup_timeout_s=args.startup_timeout)
+    settings = RunSettings(
+        stagger_s=args.stagger_s, think_s=args.think_s, pacing=args.pacing, startup_timeout_s=args.startup_timeout
+    )
     service = ServiceArgs(
         model_dir=model_dir,
         log_level=args.log_level,

@@ -6,6 +6,11 @@ message (text and the user's image), then ``k`` pairs of (answer, next
 question). Text and images are functions of (seed, run, user, turn) alone, so
 every policy of one run index meets the same chats; answers are the model's
 own (greedy, a fixed length), so they are the same too.
+
+The pacing (``pacing``) is seeded the same way: when each user starts and how
+long it thinks before each follow-up are drawn per (seed, run, user), so
+users' turns interleave as real chats' do, and every policy of one run index
+meets the same schedule.
 """
 
 from __future__ import annotations
@@ -52,6 +57,45 @@ def question(plan: ChatPlan, run: int, user: int, turn: int) -> str:
 def image_of(plan: ChatPlan, run: int, user: int) -> ImageRef:
     """The image of ``user``'s first message in ``run`` (distinct per user and run)."""
     return ImageRef((plan.seed, 3_000_000 + run, user), plan.image_size, plan.image_size)
+
+
+PACINGS = ("exponential", "uniform", "fixed")
+"""How think times and start gaps vary around their means: exponentially (a person's pauses: most short, some
+long), uniformly within 50% of the mean, or not at all (every user in lock step)."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """When one user sends its first turn (seconds after the run starts) and its pause before each follow-up."""
+
+    start_s: float
+    think_s: tuple[float, ...]  # one per follow-up (num_turns - 1)
+
+
+def _draw(rng: random.Random, mean: float, kind: str) -> float:
+    if mean <= 0 or kind == "fixed":
+        return max(mean, 0.0)
+    if kind == "uniform":
+        return rng.uniform(0.5 * mean, 1.5 * mean)
+    if kind == "exponential":
+        return min(rng.expovariate(1.0 / mean), 5.0 * mean)  # capped: one pause does not stall a whole run
+    raise ValueError(f"unknown pacing {kind!r}; expected one of {', '.join(PACINGS)}")
+
+
+def pacing(plan: ChatPlan, run: int, stagger_s: float, think_s: float, kind: str = "exponential") -> list[Pace]:
+    """Every user's pace in ``run``: gaps between consecutive users' starts average ``stagger_s``, think times
+    average ``think_s``, both drawn as ``kind`` says. A function of (seed, run, the arguments) alone."""
+    starts: list[float] = []
+    at = 0.0
+    for user in range(plan.num_users):
+        if user:
+            at += _draw(random.Random(f"epd-bench-multiturn:start:{plan.seed}:{run}:{user}"), stagger_s, kind)
+        starts.append(at)
+    paces = []
+    for user, start in enumerate(starts):
+        rng = random.Random(f"epd-bench-multiturn:think:{plan.seed}:{run}:{user}")
+        paces.append(Pace(start, tuple(_draw(rng, think_s, kind) for _ in range(plan.num_turns - 1))))
+    return paces
 
 
 def image_url(ref: ImageRef) -> str:

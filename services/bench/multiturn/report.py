@@ -105,7 +105,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"- Chats: {plan['num_users']} users, {plan['num_turns']} turns each (the first with a "
         f"{plan['image_size']} px image), a {plan['system_words']}-word system prompt shared by all, "
         f"{plan['question_words']}-word questions, {plan['max_tokens']}-token answers (greedy, ignore_eos); users "
-        f"start {settings['stagger_s']} s apart and send their next turn {settings['think_s']} s after an answer",
+        f"start {settings['stagger_s']} s apart and send their next turn {settings['think_s']} s after an answer "
+        f"(means; {settings.get('pacing', 'fixed')} draws, seeded)",
         f"- Order: {results['order']}",
         "",
     ]

@@ -3,12 +3,15 @@
 A run starts the cluster (one encoder, ``num_pds`` PDs, one proxy with the
 policy under test) as ``epd bench serve`` does (``serve.procs``), warms every
 PD up with the system prompt, then runs the users at once: each starts
-``stagger_s`` after the previous one and sends its turns one after another
-(the next when the answer is complete, after ``think_s``), as a person in a
-chat does. Every turn is timed by ``serve.client``; its usage says how many
-prompt tokens PD served from its prefix cache and whether the image was
-already on PD. The proxy's ``/metrics``, read before and after, give the
-requests each PD served and the Encode calls.
+on average ``stagger_s`` after the previous one and sends its turns one after
+another (the next when the answer is complete, after a think time averaging
+``think_s``), as a person in a chat does; starts and think times are drawn
+per user from the seed (``conversations.pacing``), so turns of different
+users interleave and every policy meets the same schedule. Every turn is
+timed by ``serve.client``; its usage says how many prompt tokens PD served
+from its prefix cache and whether the image was already on PD. The proxy's
+``/metrics``, read before and after, give the requests each PD served and
+the Encode calls.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.bench.multiturn.conversations import Chat, ChatPlan, image_of, image_url, warmup_bodies
+from services.bench.multiturn.conversations import Chat, ChatPlan, Pace, image_of, image_url, pacing, warmup_bodies
 from services.bench.serve.client import Targets, run_schedule, send_one
 from services.bench.serve.layout import ProcessSpec, Topology
 from services.bench.serve.procs import Cluster, ServiceArgs
@@ -42,8 +45,9 @@ SHARED_MACHINE_PROXY_ARGS = ("--inter-token-timeout-s", "0", "--request-timeout"
 class RunSettings:
     """How users pace their chats, and the cluster's bounds."""
 
-    stagger_s: float = 0.25  # between two users' first turns
-    think_s: float = 0.5  # between an answer and the user's next turn
+    stagger_s: float = 1.0  # mean gap between two users' first turns
+    think_s: float = 2.0  # mean pause between an answer and the user's next turn
+    pacing: str = "exponential"  # how gaps and pauses vary around their means (conversations.PACINGS)
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 900.0
 
@@ -124,11 +128,9 @@ class _Reply:
         self.usage.update(payload.get("usage") or {})
 
 
-async def _chat(
-    client: httpx.AsyncClient, targets: Targets, chat: Chat, settings: RunSettings, run_start: float
-) -> list[Turn]:
-    """One user's turns, one after another."""
-    await asyncio.sleep(chat.user * settings.stagger_s)
+async def _chat(client: httpx.AsyncClient, targets: Targets, chat: Chat, pace: Pace, run_start: float) -> list[Turn]:
+    """One user's turns, one after another, paced by ``pace``."""
+    await asyncio.sleep(pace.start_s)
     turns = []
     for number in range(chat.plan.num_turns):
         reply = _Reply()
@@ -149,18 +151,22 @@ async def _chat(
         if not record.ok:
             break  # the history is broken: the chat ends here
         chat.answer("".join(reply.text))
-        await asyncio.sleep(settings.think_s)
+        if number < len(pace.think_s):
+            await asyncio.sleep(pace.think_s[number])
     return turns
 
 
 async def run_chats(url: str, plan: ChatPlan, run: int, settings: RunSettings) -> list[Turn]:
     """Every user's chat at once (staggered starts); their turns in user, turn order."""
     chats = [Chat(plan, run, user, image_url(image_of(plan, run, user))) for user in range(plan.num_users)]
+    paces = pacing(plan, run, settings.stagger_s, settings.think_s, settings.pacing)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=plan.num_users)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         targets, run_start = Targets([url]), time.perf_counter()
-        done = await asyncio.gather(*(_chat(client, targets, chat, settings, run_start) for chat in chats))
+        done = await asyncio.gather(
+            *(_chat(client, targets, chat, pace, run_start) for chat, pace in zip(chats, paces, strict=True))
+        )
     return [turn for turns in done for turn in turns]
 
 
