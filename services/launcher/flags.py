@@ -102,9 +102,10 @@ def _add_topology_flags(parser: argparse.ArgumentParser) -> None:
     add(
         parser,
         "--pd-policy",
-        default="least-loaded",
-        choices=["least-loaded", "round-robin"],
-        help="proxy: how a PD is chosen (other proxy flags: set their EPD_* variables)",
+        default="cache-aware",
+        choices=["cache-aware", "least-loaded", "round-robin"],
+        help="proxy: how a PD is chosen; cache-aware = where the prompt's prefix and images are cached, weighed "
+        "against load (other proxy flags, --pd-cache-weight among them: set their EPD_* variables)",
     )
     add(
         parser,

@@ -46,6 +46,7 @@ class EngineBridge:
         self.last_step_time = time.monotonic()
         self._has_work = False
         self._shared_stats: asyncio.Future[EngineStats] | None = None  # the read callers share
+        self._loop_hooks: list[Callable[[], None]] = []  # run on the engine thread after every iteration
 
     @property
     def hidden_size(self) -> int:
@@ -81,6 +82,12 @@ class EngineBridge:
         if not self._has_work and self._inbox.empty():
             return 0.0
         return max(0.0, (time.monotonic() if now is None else now) - self.last_step_time)
+
+    def add_loop_hook(self, hook: Callable[[], None]) -> None:
+        """Runs ``hook()`` on the engine thread after every loop iteration (commands and a step), before
+        the thread waits again; it must be quick (the cache-event feed takes its batch there). Call
+        before ``start``."""
+        self._loop_hooks.append(hook)
 
     # ------------------------------------------------------------ asyncio side
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -202,6 +209,7 @@ class EngineBridge:
             self._has_work = self.core.has_work()  # a step hung after idling is a stall
             result = self.core.step()
             self._dispatch(result.events)
+            self._run_loop_hooks()
             idle = not result.executed
             self._has_work = self.core.has_work()
             self.last_step_time = time.monotonic()
@@ -220,6 +228,13 @@ class EngineBridge:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _run_loop_hooks(self) -> None:
+        for hook in self._loop_hooks:
+            try:
+                hook()
+            except Exception:  # a hook must never end the loop
+                log.exception("an engine-loop hook failed")
 
     def _abort(self, request_id: str) -> None:
         # Nobody awaits an abort: a failure in it is logged here, never allowed to end the loop.

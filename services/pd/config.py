@@ -25,6 +25,8 @@ DEFAULT_MAX_BUFFER_BYTES = 1 << 30
 """Payload bytes of all embedding pushes in flight together (``--max-push-buffer-mb``; ``push_intake.py``)."""
 DEFAULT_MAX_PUSHES_PER_PEER = 64
 """Embedding pushes in flight from one caller address (``--max-pushes-per-peer``; ``push_intake.py``)."""
+DEFAULT_MAX_CACHE_SUBSCRIBERS = 16
+"""SubscribeCacheEvents streams open at once (``--max-cache-subscribers``; ``cache_feed.py``)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class PdConfig:
     grammar_cache_mb: int = DEFAULT_CACHE_MB
     # Generate calls in progress per caller address (waiting and running); 0 = only the queue's own bounds.
     max_requests_per_peer: int = 0
+    # SubscribeCacheEvents streams open at once (services/pd/cache_feed.py): the proxies' cache-aware routing.
+    max_cache_subscribers: int = DEFAULT_MAX_CACHE_SUBSCRIBERS
     push_idle_timeout_s: float = 10.0  # a PushEmbedding stream that sends nothing this long is ended
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
@@ -154,6 +158,8 @@ class PdConfig:
             raise ValueError(
                 "grammar_compile_timeout_s, max_pending_grammar_compiles and grammar_cache_mb must be positive"
             )
+        if self.max_cache_subscribers <= 0:
+            raise ValueError("max_cache_subscribers must be positive")
         if self.max_requests_per_peer < 0:
             raise ValueError("max_requests_per_peer must be >= 0 (0 = off)")
         if self.max_preallocations <= 0 or self.max_preallocations_per_peer <= 0:

@@ -386,6 +386,8 @@ def load_to_pb(stats: EngineStats) -> epd_pb2.PdLoad:
         embedding_tokens_ready=stats.ready_tokens,
         embedding_tokens_capacity=stats.capacity_tokens,
         num_reservations=stats.num_reservations,
+        num_running_tokens=stats.num_running_tokens,
+        num_waiting_tokens=stats.num_waiting_tokens,
     )
 
 

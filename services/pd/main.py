@@ -18,6 +18,7 @@ from services.common.ports import DEFAULT_PD_PORT
 from services.common.video_files import VideoLimits
 from services.pd.config import (
     DEFAULT_MAX_BUFFER_BYTES,
+    DEFAULT_MAX_CACHE_SUBSCRIBERS,
     DEFAULT_MAX_KV_BUFFER_MB,
     DEFAULT_MAX_PUSHES_PER_PEER,
     DEFAULT_METRICS_PORT,
@@ -77,6 +78,7 @@ HELP_GROUPS = (
             "--push-idle-timeout-s",
             "--max-kv-push-buffer-mb",
             "--max-kv-reservation-share",
+            "--max-cache-subscribers",
         ),
     ),
     ("structured outputs", ("--grammar-compile-timeout-s", "--max-pending-grammar-compiles", "--grammar-cache-mb")),
@@ -291,6 +293,14 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         parser,
+        "--max-cache-subscribers",
+        type=int,
+        default=DEFAULT_MAX_CACHE_SUBSCRIBERS,
+        help="SubscribeCacheEvents streams open at once (the proxies' cache-aware routing follows this PD's "
+        "caches on one each); more: RESOURCE_EXHAUSTED",
+    )
+    add(
+        parser,
         "--max-push-buffer-mb",
         type=int,
         default=DEFAULT_MAX_BUFFER_BYTES >> 20,
@@ -481,6 +491,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         max_pending_grammar_compiles=args.max_pending_grammar_compiles,
         grammar_cache_mb=args.grammar_cache_mb,
         max_requests_per_peer=args.max_requests_per_peer,
+        max_cache_subscribers=args.max_cache_subscribers,
         push_idle_timeout_s=args.push_idle_timeout_s,
         default_lease_ms=args.default_lease_ms,
         warmup=args.warmup,

@@ -20,6 +20,7 @@ from services.common.models import ensure_model, load_adapter
 from services.common.watchdog import Probe, set_alive, watch_engine
 from services.pd import faults
 from services.pd.bridge import EngineBridge
+from services.pd.cache_feed import CacheFeed
 from services.pd.colocated import Colocated
 from services.pd.config import PdConfig
 from services.pd.engine.core import EngineCore
@@ -89,6 +90,8 @@ class PdServer:
         await self.grpc.set_ready(False)
         if self.servicer is not None:
             self.servicer.draining = True
+            if self.servicer.cache_feed is not None:
+                self.servicer.cache_feed.close()  # its streams never end by themselves
         if grace > 0:
             await self._wait_idle(deadline)
         await self.grpc.stop(max(0.0, deadline - time.monotonic()))
@@ -312,6 +315,7 @@ async def start_pd(config: PdConfig) -> PdServer:
     engine, facts = await asyncio.to_thread(build_engine, config)
     # Colocated mode: the vision half too, loaded before the engine thread starts.
     colocated = await Colocated.load(config, engine) if config.encoder == "local" else None
+    cache_feed = CacheFeed(engine, max_subscribers=config.max_cache_subscribers)  # hooks the loop: before start
     engine.start()
     servicer = PrefillDecodeServicer(
         engine,
@@ -322,6 +326,7 @@ async def start_pd(config: PdConfig) -> PdServer:
         uses_grids=facts["uses_mrope"],
         grammars=facts["grammars"],
         tokens_per_second=facts["tokens_per_second"],
+        cache_feed=cache_feed,
     )
 
     def register(grpc_server) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -22,6 +23,7 @@ from services.common.logs import AccessLine
 from services.common.pb import epd_pb2, epd_pb2_grpc
 from services.pd import convert
 from services.pd.bridge import EngineBridge
+from services.pd.cache_feed import CacheFeed
 from services.pd.config import PdConfig
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.kv_handoff import Role
@@ -100,12 +102,14 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         uses_grids: bool | None = None,
         grammars: GrammarCompiler | None = None,
         tokens_per_second: float | None = None,
+        cache_feed: CacheFeed | None = None,
     ):
         """``uses_grids``: the model's multimodal RoPE needs every image item's grid (True), takes
         none (False); None accepts either (servers without a model, such as the transfer bench).
         ``grammars`` compiles structured-output constraints; None refuses them (FAILED_PRECONDITION;
         with the ``epd-missing-extra`` trailer where xgrammar is not installed).
-        ``tokens_per_second``: the model's temporal rate for video positions (Qwen2.5-VL); None = 1 a patch."""
+        ``tokens_per_second``: the model's temporal rate for video positions (Qwen2.5-VL); None = 1 a patch.
+        ``cache_feed`` serves SubscribeCacheEvents; None refuses it (UNIMPLEMENTED)."""
         self.engine = engine
         self.grammars = grammars
         self.uses_grids = uses_grids
@@ -125,6 +129,7 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             num_deepstack_levels=engine.num_deepstack_levels,
         )
         self.role = Role(config.role)
+        self.cache_feed = cache_feed
         self.kv = KVTransfer(
             engine,
             config,
@@ -338,6 +343,18 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
             except ValueError as error:
                 await abort_with(context, EngineError(ErrorKind.INVALID_ARGUMENT, str(error)), line)
             return epd_pb2.PushKVResponse(num_bytes=num_bytes)
+
+    async def SubscribeCacheEvents(self, request, context):
+        feed = self.cache_feed
+        if feed is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server publishes no cache events")
+            return
+        try:
+            async with contextlib.aclosing(feed.stream()) as messages:
+                async for message in messages:
+                    yield message
+        except EngineError as error:
+            await abort_with(context, error)
 
     async def Abort(self, request, context):
         self.engine.abort(request.request_id)

@@ -309,6 +309,8 @@ def _note_choice(line: AccessLine, trace: Trace, num_tokens: int, outcome: str, 
     line.add("completion_tokens", num_tokens)
     line.add("pd_attempts", trace.num_pd_attempts)
     line.update(pd=trace.pd_address)
+    if trace.route_reason is not None:  # the cache-aware policy's
+        line.update(pd_route=trace.route_reason, pd_cache_hit_tokens=trace.route_hit_tokens)
     if line.fields.get("ttft_ms") is None and trace.first_token_ms is not None:
         line.update(ttft_ms=trace.first_token_ms)
     if line.fields.get("outcome") == "ok" and outcome != "ok":

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.common.security import NO_SECURITY, InternalSecurity
 from services.common.video_files import VideoLimits
+from services.proxy.backends.cache_index import DEFAULT_MAX_BYTES
 from services.proxy.backends.discovery import parse_target
-from services.proxy.backends.routing import ENCODER_POLICIES, PD_POLICIES
+from services.proxy.backends.routing import DEFAULT_CACHE_WEIGHT, DEFAULT_PD_POLICY, ENCODER_POLICIES, PD_POLICIES
 from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.faults import NO_FAULTS, ProxyFaults
 
@@ -77,7 +78,9 @@ class ProxyConfig:
     # which requests may share cache entries: a per-tenant salt in every cache key (cache_isolation.py)
     cache_isolation: CacheIsolation = CacheIsolation.SHARED
     # routing and failure handling
-    pd_policy: str = "least-loaded"  # see routing.PD_POLICIES
+    pd_policy: str = DEFAULT_PD_POLICY  # see routing.PD_POLICIES
+    pd_cache_weight: float = DEFAULT_CACHE_WEIGHT  # cache-aware: a token to compute weighs this many of load
+    pd_cache_index_mb: int = DEFAULT_MAX_BYTES // MIB  # cache-aware: memory bound of the index of PD caches
     encoder_policy: str = "rendezvous"  # see routing.ENCODER_POLICIES
     encoder_saturation: int = 16  # images in flight beyond which an encoder's affinity yields
     pd_attempts: int = 3  # PDs one request may try (before its first byte)
@@ -185,6 +188,8 @@ class ProxyConfig:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         if self.lease_ms < 0 or self.load_poll_s < 0 or self.max_model_len < 0:
             raise ValueError("lease_ms, load_poll_s and max_model_len must be >= 0")
+        if not self.pd_cache_weight >= 0 or self.pd_cache_index_mb <= 0:
+            raise ValueError("pd_cache_weight must be >= 0 and pd_cache_index_mb > 0")
         if self.pd_policy not in PD_POLICIES:
             raise ValueError(f"pd_policy must be one of {', '.join(PD_POLICIES)}")
         if self.encoder_policy not in ENCODER_POLICIES:

@@ -16,12 +16,13 @@ from typing import Any
 from fastapi import FastAPI
 
 from services.common import grpc_utils
+from services.proxy.backends.cache_index import CacheIndex
 from services.proxy.backends.discovery import Pool, Resolver, system_resolver
 from services.proxy.backends.instances import CircuitBreaker, EncoderClient, Instance, PdClient
 from services.proxy.backends.monitor import Monitor
 from services.proxy.backends.pools import Backends
 from services.proxy.backends.routing import make_encoder_policy, make_pd_policy
-from services.proxy.config import ProxyConfig
+from services.proxy.config import MIB, ProxyConfig
 from services.proxy.dispatch.handoff import HandoffPipeline
 from services.proxy.dispatch.pipeline import Pipeline, StallLimits
 from services.proxy.metrics import ProxyMetrics
@@ -65,9 +66,21 @@ async def _load_preprocessor(config: ProxyConfig) -> tuple[Any, Preprocessor, in
     return adapter, preprocessor, max_model_len
 
 
-def connect_backends(config: ProxyConfig, *, resolver: Resolver = system_resolver) -> Backends:
-    """Pools for ``config``'s targets with health watching and load polling (nothing connects yet)."""
-    monitor = Monitor(load_interval_s=config.load_poll_s)
+def connect_backends(
+    config: ProxyConfig, *, resolver: Resolver = system_resolver, metrics: ProxyMetrics | None = None
+) -> Backends:
+    """Pools for ``config``'s targets with health watching, load polling and, for the cache-aware policy, the
+    PDs' cache events (nothing connects yet)."""
+    index = None
+    if config.pd_policy == "cache-aware":
+        index = CacheIndex(
+            config.pd_cache_index_mb * MIB, on_lag=metrics.cache_event_lag.observe if metrics is not None else None
+        )
+    monitor = Monitor(
+        load_interval_s=config.load_poll_s,
+        cache_index=index,
+        on_resync=(lambda reason: metrics.cache_event_resyncs.labels(reason).inc()) if metrics is not None else None,
+    )
 
     def breaker() -> CircuitBreaker:
         return CircuitBreaker(config.breaker_failures, config.breaker_open_s, max(config.breaker_open_s, 30.0))
@@ -94,7 +107,7 @@ def connect_backends(config: ProxyConfig, *, resolver: Resolver = system_resolve
     return Backends(
         pool("pd", config.pd_addresses, PdClient),
         pool("encoder", config.encoder_addresses, EncoderClient),
-        pd_policy=make_pd_policy(config.pd_policy),
+        pd_policy=make_pd_policy(config.pd_policy, cache_index=index, cache_weight=config.pd_cache_weight),
         encoder_policy=make_encoder_policy(config.encoder_policy, saturation=config.encoder_saturation),
         monitor=monitor,
         dns_refresh_s=config.dns_refresh_s,
@@ -141,9 +154,10 @@ def proxy_lifespan(config: ProxyConfig, backends: Backends | None, fetcher: Medi
         if config.faults.enabled:
             log.warning("FAULT INJECTION ENABLED (test only): %s", config.faults.describe())
         owned = backends is None
-        pool = backends or connect_backends(config)
+        pool = backends or connect_backends(config, metrics=metrics)
         await pool.start()
         metrics.watch_instances(lambda: [*pool.pds, *pool.encoders, *pool.decodes])
+        metrics.watch_cache_index(pool.monitor.cache_index if pool.monitor is not None else None)
         pipeline = _new_pipeline(config, pool, metrics)
         media = fetcher if fetcher is not None else _media_fetcher(config)
         text_pool = WorkPool("text", config.preprocess_threads, config.text_queue)

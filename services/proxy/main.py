@@ -9,7 +9,8 @@ from typing import Any
 from services.common import cli_args, security
 from services.common.logs import setup_logging
 from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
-from services.proxy.backends.routing import ENCODER_POLICIES, PD_POLICIES
+from services.proxy.backends.cache_index import DEFAULT_MAX_BYTES
+from services.proxy.backends.routing import DEFAULT_CACHE_WEIGHT, DEFAULT_PD_POLICY, ENCODER_POLICIES, PD_POLICIES
 from services.proxy.cache_isolation import CacheIsolation
 from services.proxy.config import MIB, ProxyConfig
 from services.proxy.faults import ProxyFaults
@@ -22,6 +23,8 @@ HELP_GROUPS = (
         "routing and retries",
         (
             "--pd-policy",
+            "--pd-cache-weight",
+            "--pd-cache-index-mb",
             "--encoder-policy",
             "--encoder-saturation",
             "--pd-attempts",
@@ -333,7 +336,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="token bucket per client over requested work (prompt tokens + max_tokens × n, charged at admission, "
         "unused completion tokens refunded at the end); beyond it 429 with Retry-After (0 = off)",
     )
-    add(parser, "--pd-policy", default="least-loaded", choices=list(PD_POLICIES), help="how a PD is chosen")
+    add(
+        parser,
+        "--pd-policy",
+        default=DEFAULT_PD_POLICY,
+        choices=list(PD_POLICIES),
+        help="how a PD is chosen: cache-aware = where the prompt's prefix and images are cached, weighed against "
+        "load (docs: Routing); least-loaded; round-robin",
+    )
+    add(
+        parser,
+        "--pd-cache-weight",
+        type=float,
+        default=DEFAULT_CACHE_WEIGHT,
+        help="cache-aware: a prompt token a PD would have to compute weighs this many tokens of its load "
+        "(0 = token load alone; larger = conversations stay where their prefix is under more imbalance)",
+    )
+    add(
+        parser,
+        "--pd-cache-index-mb",
+        type=int,
+        default=DEFAULT_MAX_BYTES // MIB,
+        help="cache-aware: memory bound of the index of what each PD's caches hold (least recent entries go first)",
+    )
     add(
         parser,
         "--encoder-policy",
@@ -447,6 +472,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         hide_cache_details=args.hide_cache_details,
         cache_isolation=CacheIsolation(args.cache_isolation),
         pd_policy=args.pd_policy,
+        pd_cache_weight=args.pd_cache_weight,
+        pd_cache_index_mb=args.pd_cache_index_mb,
         encoder_policy=args.encoder_policy,
         encoder_saturation=args.encoder_saturation,
         pd_attempts=args.pd_attempts,

@@ -14,6 +14,7 @@ from services.common.metrics_http import MetricDoc, MetricsHttpServer
 from services.proxy.backends.instances import Readiness
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -84,6 +85,50 @@ METRICS = (
         "circuit breaker: 0 closed, 1 half-open, 2 open",
     ),
     MetricDoc("epd_proxy_instance_outstanding", "gauge", ("kind", "address"), "this proxy's calls in flight"),
+    MetricDoc(
+        "epd_proxy_pd_route_decisions_total",
+        "counter",
+        ("reason",),
+        "PDs chosen by the cache-aware policy, by why: cache (it held the longest prefix), load (no PD held "
+        "more than another), load_over_cache (another held more, but its load outweighed it)",
+    ),
+    MetricDoc(
+        "epd_proxy_pd_route_prompt_tokens_total",
+        "counter",
+        (),
+        "prompt tokens of the requests the cache-aware policy routed",
+    ),
+    MetricDoc(
+        "epd_proxy_pd_route_hit_tokens_total",
+        "counter",
+        (),
+        "of those, the tokens the chosen PD held (cached prefix, and images past it held as embeddings)",
+    ),
+    MetricDoc(
+        "epd_proxy_cache_index_entries",
+        "gauge",
+        ("address",),
+        "block keys and image hashes the cache index holds for a PD (from its cache events)",
+    ),
+    MetricDoc(
+        "epd_proxy_cache_index_bytes",
+        "gauge",
+        (),
+        "the cache index's memory estimate, kept under --pd-cache-index-mb",
+    ),
+    MetricDoc(
+        "epd_proxy_cache_event_lag_seconds",
+        "histogram",
+        (),
+        "age of a PD's cache-event batch when the proxy applied it (PD's wall clock to the proxy's)",
+    ),
+    MetricDoc(
+        "epd_proxy_cache_event_resyncs_total",
+        "counter",
+        ("reason",),
+        "cache-event streams ended and resubscribed (a fresh snapshot): gap (a sequence number skipped), "
+        "fell_behind (PD dropped a slow subscriber), ended (PD closed it: draining or gone), error (any other)",
+    ),
 )
 """Everything ``ProxyMetrics`` exports; ``endpoint`` is /v1/chat/completions or /v1/completions."""
 
@@ -139,6 +184,24 @@ class ProxyMetrics:
         self.image_sources = Counter(
             "epd_proxy_image_sources", "Where image embeddings came from", ["source"], registry=self.registry
         )
+        self.route_decisions = Counter(
+            "epd_proxy_pd_route_decisions", "Cache-aware PD choices by reason", ["reason"], registry=self.registry
+        )
+        self.route_prompt_tokens = Counter(
+            "epd_proxy_pd_route_prompt_tokens", "Prompt tokens routed by the cache-aware policy", registry=self.registry
+        )
+        self.route_hit_tokens = Counter(
+            "epd_proxy_pd_route_hit_tokens", "Prompt tokens the chosen PD held", registry=self.registry
+        )
+        self.cache_event_lag = Histogram(
+            "epd_proxy_cache_event_lag_seconds",
+            "Age of a PD cache-event batch when applied",
+            buckets=_LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.cache_event_resyncs = Counter(
+            "epd_proxy_cache_event_resyncs", "Cache-event streams resubscribed", ["reason"], registry=self.registry
+        )
 
     def token_gaps(self, endpoint: str, *, enabled: bool = True) -> TokenGaps:
         """A timer for one response's inter-token latency (``enabled=False``: observes nothing)."""
@@ -147,6 +210,10 @@ class ProxyMetrics:
     def watch_instances(self, instances: Callable[[], Iterable[Any]]) -> None:
         """Exports the state of ``instances()`` (PD and encoder clients) at every scrape."""
         self.registry.register(_InstanceCollector(instances))
+
+    def watch_cache_index(self, index: Any | None) -> None:
+        """Exports the size of ``index`` (the cache-aware policy's ``CacheIndex``; None: empty) at every scrape."""
+        self.registry.register(_CacheIndexCollector(index))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -201,3 +268,22 @@ class _InstanceCollector:
             breaker.add_metric(key, float(instance.breaker.state))
             outstanding.add_metric(key, float(instance.num_outstanding))
         return [ready, breaker, outstanding]
+
+
+class _CacheIndexCollector:
+    """Scrape-time gauges of the cache-aware policy's index."""
+
+    def __init__(self, index: Any | None) -> None:
+        self._index = index
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        entries = GaugeMetricFamily("epd_proxy_cache_index_entries", "Cache index entries of a PD", labels=["address"])
+        index = self._index
+        for address, count in (index.sizes() if index is not None else {}).items():
+            entries.add_metric([address], float(count))
+        size = GaugeMetricFamily("epd_proxy_cache_index_bytes", "Cache index memory estimate")
+        size.add_metric([], float(index.num_bytes if index is not None else 0))
+        return [entries, size]

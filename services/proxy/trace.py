@@ -31,3 +31,6 @@ class Trace:
     num_pd_attempts: int = 0
     num_encoder_retries: int = 0
     pd_address: str | None = None
+    # The cache-aware policy's decision for the PD chosen (``RouteDecision``): why, and the prompt tokens it held.
+    route_reason: str | None = None
+    route_hit_tokens: int | None = None

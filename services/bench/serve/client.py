@@ -53,9 +53,16 @@ def _error_of(payload: dict) -> str:
 
 
 async def send_one(
-    client: httpx.AsyncClient, targets: Targets, body: bytes, record: RequestRecord, run_start: float
+    client: httpx.AsyncClient,
+    targets: Targets,
+    body: bytes,
+    record: RequestRecord,
+    run_start: float,
+    on_chunk: Callable[[dict], None] | None = None,
 ) -> RequestRecord:
-    """Sends one request and fills ``record`` as its stream arrives; never raises for request failures."""
+    """Sends one request and fills ``record`` as its stream arrives; never raises for request failures.
+
+    ``on_chunk`` sees every parsed chunk (``epd bench multiturn`` keeps the answer's text and the usage)."""
     url = targets.acquire()
     record.target = url
     sent = time.perf_counter()
@@ -80,6 +87,8 @@ async def send_one(
                 if "error" in payload:
                     record.error = _error_of(payload)
                     break
+                if on_chunk is not None:
+                    on_chunk(payload)
                 for choice in payload.get("choices") or ():
                     # Tokens of one chunk arrived together: they share its time.
                     record.token_times_s.extend([now] * len(choice.get("token_ids") or ()))

@@ -301,7 +301,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PdLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "embedding_tokens_reserved", "embedding_tokens_ready", "embedding_tokens_capacity", "num_reservations")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "embedding_tokens_reserved", "embedding_tokens_ready", "embedding_tokens_capacity", "num_reservations", "num_running_tokens", "num_waiting_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,8 @@ class PdLoad(_message.Message):
     EMBEDDING_TOKENS_READY_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_TOKENS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_used: int
@@ -318,7 +320,43 @@ class PdLoad(_message.Message):
     embedding_tokens_ready: int
     embedding_tokens_capacity: int
     num_reservations: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., embedding_tokens_reserved: _Optional[int] = ..., embedding_tokens_ready: _Optional[int] = ..., embedding_tokens_capacity: _Optional[int] = ..., num_reservations: _Optional[int] = ...) -> None: ...
+    num_running_tokens: int
+    num_waiting_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., embedding_tokens_reserved: _Optional[int] = ..., embedding_tokens_ready: _Optional[int] = ..., embedding_tokens_capacity: _Optional[int] = ..., num_reservations: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ...) -> None: ...
+
+class SubscribeCacheEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CachedEmbedding(_message.Message):
+    __slots__ = ("mm_hash", "num_tokens")
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    mm_hash: str
+    num_tokens: int
+    def __init__(self, mm_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class CacheEvents(_message.Message):
+    __slots__ = ("instance_id", "block_size", "sequence", "snapshot", "blocks_stored", "blocks_removed", "embeddings_stored", "embeddings_removed", "unix_time_ms")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_STORED_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    block_size: int
+    sequence: int
+    snapshot: bool
+    blocks_stored: _containers.RepeatedScalarFieldContainer[bytes]
+    blocks_removed: _containers.RepeatedScalarFieldContainer[bytes]
+    embeddings_stored: _containers.RepeatedCompositeFieldContainer[CachedEmbedding]
+    embeddings_removed: _containers.RepeatedScalarFieldContainer[str]
+    unix_time_ms: int
+    def __init__(self, instance_id: _Optional[str] = ..., block_size: _Optional[int] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., blocks_stored: _Optional[_Iterable[bytes]] = ..., blocks_removed: _Optional[_Iterable[bytes]] = ..., embeddings_stored: _Optional[_Iterable[_Union[CachedEmbedding, _Mapping]]] = ..., embeddings_removed: _Optional[_Iterable[str]] = ..., unix_time_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveKVRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "items", "lease_ms", "cache_salt")

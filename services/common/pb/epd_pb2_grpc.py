@@ -73,6 +73,11 @@ class PrefillDecodeStub:
                 request_serializer=epd_dot_v1_dot_epd__pb2.PushKVChunk.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_epd__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.SubscribeCacheEvents = channel.unary_stream(
+                '/epd.v1.PrefillDecode/SubscribeCacheEvents',
+                request_serializer=epd_dot_v1_dot_epd__pb2.SubscribeCacheEventsRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_epd__pb2.CacheEvents.FromString,
+                _registered_method=True)
 
 
 class PrefillDecodeServicer:
@@ -137,6 +142,19 @@ class PrefillDecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeCacheEvents(self, request, context):
+        """What this instance's prefix cache and embedding cache hold, for
+        cache-aware routing: a snapshot (one or more messages), then one message
+        per engine-loop iteration that changed them. A subscriber that falls
+        behind is ended with RESOURCE_EXHAUSTED and resubscribes (a new
+        snapshot); so does one that sees a gap in `sequence`. RESOURCE_EXHAUSTED
+        at once when --max-cache-subscribers streams are open; the stream ends OK
+        when the instance starts draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillDecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +192,11 @@ def add_PrefillDecodeServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=epd_dot_v1_dot_epd__pb2.PushKVChunk.FromString,
                     response_serializer=epd_dot_v1_dot_epd__pb2.PushKVResponse.SerializeToString,
+            ),
+            'SubscribeCacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeCacheEvents,
+                    request_deserializer=epd_dot_v1_dot_epd__pb2.SubscribeCacheEventsRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_epd__pb2.CacheEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,6 +392,33 @@ class PrefillDecode:
             '/epd.v1.PrefillDecode/PushKV',
             epd_dot_v1_dot_epd__pb2.PushKVChunk.SerializeToString,
             epd_dot_v1_dot_epd__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeCacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/epd.v1.PrefillDecode/SubscribeCacheEvents',
+            epd_dot_v1_dot_epd__pb2.SubscribeCacheEventsRequest.SerializeToString,
+            epd_dot_v1_dot_epd__pb2.CacheEvents.FromString,
             options,
             channel_credentials,
             insecure,

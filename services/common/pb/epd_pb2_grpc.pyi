@@ -75,6 +75,15 @@ class PrefillDecodeStub:
     """KV hand-off: the prefill instance fills a reservation: a KVHeader (with
     the first sampled token), then raw chunks (<= 1 MiB each).
     """
+    SubscribeCacheEvents: _grpc.UnaryStreamMultiCallable[_epd_pb2.SubscribeCacheEventsRequest, _epd_pb2.CacheEvents]
+    """What this instance's prefix cache and embedding cache hold, for
+    cache-aware routing: a snapshot (one or more messages), then one message
+    per engine-loop iteration that changed them. A subscriber that falls
+    behind is ended with RESOURCE_EXHAUSTED and resubscribes (a new
+    snapshot); so does one that sees a gap in `sequence`. RESOURCE_EXHAUSTED
+    at once when --max-cache-subscribers streams are open; the stream ends OK
+    when the instance starts draining.
+    """
 
 @_typing.type_check_only
 class PrefillDecodeAsyncStub(PrefillDecodeStub):
@@ -108,6 +117,15 @@ class PrefillDecodeAsyncStub(PrefillDecodeStub):
     PushKV: _aio.StreamUnaryMultiCallable[_epd_pb2.PushKVChunk, _epd_pb2.PushKVResponse]  # type: ignore[assignment]
     """KV hand-off: the prefill instance fills a reservation: a KVHeader (with
     the first sampled token), then raw chunks (<= 1 MiB each).
+    """
+    SubscribeCacheEvents: _aio.UnaryStreamMultiCallable[_epd_pb2.SubscribeCacheEventsRequest, _epd_pb2.CacheEvents]  # type: ignore[assignment]
+    """What this instance's prefix cache and embedding cache hold, for
+    cache-aware routing: a snapshot (one or more messages), then one message
+    per engine-loop iteration that changed them. A subscriber that falls
+    behind is ended with RESOURCE_EXHAUSTED and resubscribes (a new
+    snapshot); so does one that sees a gap in `sequence`. RESOURCE_EXHAUSTED
+    at once when --max-cache-subscribers streams are open; the stream ends OK
+    when the instance starts draining.
     """
 
 class PrefillDecodeServicer(metaclass=_abc_1.ABCMeta):
@@ -181,6 +199,21 @@ class PrefillDecodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_epd_pb2.PushKVResponse, _abc.Awaitable[_epd_pb2.PushKVResponse]]:
         """KV hand-off: the prefill instance fills a reservation: a KVHeader (with
         the first sampled token), then raw chunks (<= 1 MiB each).
+        """
+
+    @_abc_1.abstractmethod
+    def SubscribeCacheEvents(
+        self,
+        request: _epd_pb2.SubscribeCacheEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_epd_pb2.CacheEvents], _abc.AsyncIterator[_epd_pb2.CacheEvents]]:
+        """What this instance's prefix cache and embedding cache hold, for
+        cache-aware routing: a snapshot (one or more messages), then one message
+        per engine-loop iteration that changed them. A subscriber that falls
+        behind is ended with RESOURCE_EXHAUSTED and resubscribes (a new
+        snapshot); so does one that sees a gap in `sequence`. RESOURCE_EXHAUSTED
+        at once when --max-cache-subscribers streams are open; the stream ends OK
+        when the instance starts draining.
         """
 
 def add_PrefillDecodeServicer_to_server(servicer: PrefillDecodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.pd.engine import image_refs
+from services.pd.engine.cache_events import CacheChanges, CacheSnapshot
 from services.pd.engine.embedding_intake import EmbeddingIntakeMixin
 from services.pd.engine.engine_stats import EngineStats
 from services.pd.engine.errors import EngineError, ErrorKind
@@ -108,6 +109,9 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
         self.step_budget = step_budget or StepBudget.off(scheduler.config.max_num_batched_tokens)
         self._timer = timer
         self._init_handoff(role, export_lease_s, reservation_limits)
+        # One recorder for both caches: a batch carries the blocks and embeddings of one loop iteration.
+        self.cache_events = self.kv_cache.events
+        self.embedding_cache.events = self.cache_events
 
     # ---------------------------------------------------------------- Generate
     def add_request(self, request: Request) -> None:
@@ -315,6 +319,18 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
                 EngineError(ErrorKind.INTERNAL, request.error or "the step failed") if failed else None,
             )
 
+    # ------------------------------------------------------------ cache events
+    def cache_snapshot(self) -> CacheSnapshot:
+        """What both caches hold now; changes are recorded from here on (``take_cache_changes``)."""
+        self.cache_events.enable()
+        return CacheSnapshot(
+            self.kv_cache.block_size, tuple(self.kv_cache.cached_keys()), tuple(self.embedding_cache.ready_entries())
+        )
+
+    def take_cache_changes(self) -> CacheChanges | None:
+        """The caches' net changes since the last call (None: none, or nobody asked for a snapshot yet)."""
+        return self.cache_events.take()
+
     # ------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         """Everything the core reports about itself, at this moment."""
@@ -329,6 +345,8 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
             num_kv_leases=self._preallocated.num_kv_leases,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_running_tokens=sum(r.num_tokens - r.num_cached_tokens for r in self.scheduler.running),
+            num_waiting_tokens=sum(r.num_tokens - r.num_cached_tokens for r in self.scheduler.waiting),
             **dataclasses.asdict(embedding),
             num_embeddings_stored=len(self._embeddings),
             num_expired_leases=self._num_expired_leases,

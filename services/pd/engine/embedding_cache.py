@@ -24,6 +24,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from services.pd.engine.cache_events import CacheEventRecorder
 from services.pd.engine.embedding_records import (
     AlreadyFilled,
     CacheEntry,
@@ -49,7 +50,10 @@ _MAX_TOMBSTONES = 4096  # remembered removed reservation ids, to tell "late" fro
 class EmbeddingCache:
     """Token-bounded cache of image embeddings keyed by ``mm_hash`` (bookkeeping only)."""
 
-    def __init__(self, capacity_tokens: int, retry_after_s: float = 1.0):
+    def __init__(
+        self, capacity_tokens: int, retry_after_s: float = 1.0, events: CacheEventRecorder | None = None
+    ) -> None:
+        """``events`` hears of every entry that becomes READY or is evicted (the proxies' cache-aware routing)."""
         if capacity_tokens <= 0:
             raise ValueError("capacity_tokens must be positive")
         self.capacity_tokens = capacity_tokens
@@ -65,6 +69,7 @@ class EmbeddingCache:
         # A per-instance prefix: ids from before a restart never match new ones.
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
+        self.events = events or CacheEventRecorder()
 
     # ------------------------------------------------------------------ queries
     def is_ready(self, mm_hash: str) -> bool:
@@ -85,6 +90,10 @@ class EmbeddingCache:
         """References held on the entry (0 when absent)."""
         entry = self._entries.get(mm_hash)
         return 0 if entry is None else entry.ref_count
+
+    def ready_entries(self) -> list[tuple[str, int]]:
+        """``(mm_hash, rows)`` of every READY entry (a cache-event snapshot)."""
+        return [(h, e.num_tokens) for h, e in self._entries.items() if e.state is EntryState.READY]
 
     def has_reservations(self, request_id: str) -> bool:
         """Whether ``request_id`` holds any open reservation."""
@@ -178,6 +187,8 @@ class EmbeddingCache:
         reservation.filled = True
         became_ready = entry.state is EntryState.RESERVED
         entry.state = EntryState.READY
+        if became_ready:
+            self.events.embedding_stored(mm_hash, entry.num_tokens)
         if reservation.end_on_fill:
             self._remove_reservation(reservation, "already filled")
         self._touch(entry)
@@ -345,6 +356,7 @@ class EmbeddingCache:
             self._evictable_tokens -= entry.num_tokens
             self._used_tokens -= entry.num_tokens
             evicted.append(mm_hash)
+            self.events.embedding_removed(mm_hash)
         return evicted
 
     def _add_reservation(

@@ -44,6 +44,10 @@ class EngineStats:
     num_kv_reservations: int = 0  # decode side: live reservations waiting for a push or their Generate
     num_kv_exports: int = 0  # prefill side: finished prefills whose K/V is held for a push
     num_expired_kv_reservations: int = 0  # reservations whose lease ran out
+    # Uncached tokens of the requests running / waiting: prompt tokens not served by the prefix cache, plus
+    # output tokens so far (the cache-aware routing's load, ``EngineCore.stats``)
+    num_running_tokens: int = 0
+    num_waiting_tokens: int = 0
 
     @property
     def referenced_tokens(self) -> int:

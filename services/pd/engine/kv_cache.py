@@ -5,7 +5,8 @@ ordered block table (``request.block_ids``); block ``i`` holds the K/V of token
 positions ``[i * block_size, (i + 1) * block_size)``.
 
 Prefix caching: once a block is full and computed, it is registered under a
-chained key ``H(previous key, token ids, images overlapping the block)``. Image
+chained key ``H(previous key, token ids, images overlapping the block)``
+(``services/common/prefix_keys.py``, shared with the proxy's routing). Image
 placeholder tokens are identical for every image, so the key also carries the
 ``mm_hash`` of each overlapping image, where the image starts relative to the
 block and, for models with multimodal RoPE, the image's grid (it decides the
@@ -41,12 +42,12 @@ Not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
-import bisect
-import hashlib
-from array import array
+import functools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from services.common.prefix_keys import extend_block_keys
+from services.pd.engine.cache_events import CacheEventRecorder
 from services.pd.engine.invariants import check
 from services.pd.engine.request import CachedPrefix, Request
 from services.pd.engine.spans import token_slice
@@ -64,7 +65,14 @@ class KVCacheManager:
     carries that key.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: CacheEventRecorder | None = None,
+    ):
+        """``events`` hears of every key registered or evicted (the proxies' cache-aware routing)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -78,6 +86,7 @@ class KVCacheManager:
         # request_id -> number of leading blocks already registered in the key map.
         self._num_registered: dict[str, int] = {}
         self._pins: dict[str, list[int]] = {}  # owner -> pinned block ids
+        self.events = events or CacheEventRecorder()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -99,6 +108,10 @@ class KVCacheManager:
     def num_pinned_blocks(self) -> int:
         """Block references held by pins (a block pinned twice counts twice)."""
         return sum(len(ids) for ids in self._pins.values())
+
+    def cached_keys(self) -> list[bytes]:
+        """Every key in the prefix cache, oldest registration first (a cache-event snapshot)."""
+        return list(self._key_to_block)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -201,6 +214,7 @@ class KVCacheManager:
                 # this one then stays anonymous and is reused first once freed.
                 self._block_keys[block_id] = key
                 self._key_to_block[key] = block_id
+                self.events.block_stored(key)
         self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -256,6 +270,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached key (blocks in use keep their contents)."""
+        for key in self._key_to_block:
+            self.events.block_removed(key)
         self._key_to_block.clear()
         self._block_keys = [None] * self.num_blocks
 
@@ -331,53 +347,20 @@ class KVCacheManager:
             # Evict: the block's old contents are about to be overwritten.
             del self._key_to_block[key]
             self._block_keys[block_id] = None
+            self.events.block_removed(key)
         self._ref_counts[block_id] = 1
         return block_id
 
     def _block_keys_of(self, request: Request, num_blocks: int) -> list[bytes]:
-        """Keys of the first ``num_blocks`` full blocks, memoised on the request.
-
-        One pass over the blocks and the (sorted, disjoint) image spans
-        together: linear in blocks + images, however many images a prompt has.
-        """
-        keys = request.block_hashes
-        if len(keys) >= num_blocks:
-            return keys
-        size, spans = self.block_size, request.mm_spans
-        first = bisect.bisect_right([s.end for s in spans], len(keys) * size)  # first span ending after
-        for i in range(len(keys), num_blocks):
-            start, end = i * size, (i + 1) * size
-            while first < len(spans) and spans[first].end <= start:
-                first += 1
-            extras, j = [], first
-            while (
-                j < len(spans) and spans[j].offset < end
-            ):  # ``mm_hash@offset[/t,h,w][+frames]``, offset relative to the block
-                grid = spans[j].grid  # M-RoPE: the grid decides the image tokens' positions, so their K/V
-                frames = spans[j].frame_offsets  # where a video's runs are, relative to its offset
-                extras.append(
-                    f"{spans[j].mm_hash}@{spans[j].offset - start}"
-                    + (f"/{grid}" if grid else "")
-                    + (f"+{[f - spans[j].offset for f in frames]}" if frames else "")
-                )
-                j += 1
-            # The first block's key is seeded by the tenant's salt (vLLM's cache_salt): the chain carries it on.
-            prev = keys[-1] if keys else request.cache_salt.encode()
-            if request.private_kv_salt and i == request.private_kv_from:
-                prev = hashlib.sha256(prev + request.private_kv_salt).digest()  # this request's own from here
-            keys.append(block_key(prev, token_slice(request, start, end), extras))
-        return keys
-
-
-def block_key(prev_key: bytes, token_ids: Sequence[int], extras: Sequence[str] = ()) -> bytes:
-    """Chained, collision-resistant key of one full block.
-
-    ``extras`` name what else decides the block's K/V (images overlapping it).
-    Token ids are fixed-width, so the byte stream is unambiguous.
-    """
-    digest = hashlib.sha256(prev_key)
-    digest.update(array("q", token_ids).tobytes())
-    for extra in extras:
-        digest.update(extra.encode())
-        digest.update(b"\x00")
-    return digest.digest()
+        """Keys of the first ``num_blocks`` full blocks, memoised on the request (``services/common/prefix_keys.py``:
+        the proxy keys a prompt the same way to route it where its prefix is cached)."""
+        return extend_block_keys(
+            request.block_hashes,
+            num_blocks,
+            self.block_size,
+            functools.partial(token_slice, request),
+            request.mm_spans,
+            request.cache_salt,
+            request.private_kv_salt,
+            request.private_kv_from,
+        )

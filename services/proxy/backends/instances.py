@@ -264,10 +264,37 @@ class PdClient(Instance):
     def __init__(self, address: str, channel: grpc.aio.Channel, **kwargs) -> None:
         super().__init__(address, channel, **kwargs)
         self.stub = epd_pb2_grpc.PrefillDecodeStub(channel)
+        # Uncached tokens of this proxy's calls in flight here (prompt tokens not in its cache when routed, then
+        # output tokens as they come), and their sum when the last GetLoad answered: the cache-aware policy's
+        # load (``estimated_tokens``).
+        self.outstanding_tokens = 0
+        self.tokens_baseline = 0
 
     def reported_load(self) -> int:
         load = self.load
         return 0 if load is None else int(load.num_running + load.num_waiting)
+
+    def set_load(self, load: object) -> None:
+        super().set_load(load)
+        self.tokens_baseline = self.outstanding_tokens
+
+    def hold_tokens(self, num_tokens: int) -> None:
+        """``num_tokens`` more uncached tokens of a call in flight here (give them back with ``release_tokens``)."""
+        self.outstanding_tokens += num_tokens
+
+    def release_tokens(self, num_tokens: int) -> None:
+        self.outstanding_tokens -= num_tokens
+
+    def reported_tokens(self) -> int:
+        """Uncached tokens of the requests running and waiting here at the last GetLoad (0 before it, or from
+        a PD that does not report them)."""
+        load = self.load
+        return 0 if load is None else int(load.num_running_tokens + load.num_waiting_tokens)
+
+    def estimated_tokens(self) -> int:
+        """Uncached tokens of the requests here: this proxy's now plus the others' as last reported (ours
+        subtracted): the work in flight, in the unit of the cache-aware policy's cost."""
+        return self.outstanding_tokens + max(0, self.reported_tokens() - self.tokens_baseline)
 
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use at the last poll (0 when unknown)."""
@@ -291,6 +318,12 @@ class PdClient(Instance):
     ) -> grpc.aio.UnaryStreamCall[epd_pb2.GenerateRequest, epd_pb2.GenerateResponse]:
         """Starts the Generate stream; read it with ``call.read()``, stop it with ``call.cancel()``."""
         return self.stub.Generate(request, timeout=timeout, metadata=_metadata(request.request_id))
+
+    def subscribe_cache_events(
+        self,
+    ) -> grpc.aio.UnaryStreamCall[epd_pb2.SubscribeCacheEventsRequest, epd_pb2.CacheEvents]:
+        """Opens the stream of what this PD's caches hold (no deadline: it lasts as long as the PD)."""
+        return self.stub.SubscribeCacheEvents(epd_pb2.SubscribeCacheEventsRequest())
 
     async def abort(self, request_id: str) -> None:
         """Idempotent cancel on PD; failures are swallowed (the lease sweep is the backstop)."""

@@ -12,6 +12,14 @@ instance's port is never ready, so no call with the token goes to it.
 
 Load comes from polling ``GetLoad`` on ready instances every
 ``load_interval_s`` (0 = off; routing then uses this proxy's own counts).
+
+With a ``CacheIndex`` (the cache-aware PD policy), each PD's cache events
+are followed too: once the PD is ready (its launch key proven: the stream
+carries the token), a ``SubscribeCacheEvents`` stream feeds the index. When
+the stream ends, breaks, falls behind or skips a sequence number, the PD's
+entries are dropped at once and the stream is reopened with capped backoff,
+starting from a fresh snapshot. A killed PD's stream ends when its
+connection does, so its entries leave with it.
 """
 
 from __future__ import annotations
@@ -19,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from services.common import grpc_utils
-from services.proxy.backends.instances import Instance, Readiness, serving
+from services.proxy.backends.cache_index import CacheIndex
+from services.proxy.backends.instances import Instance, PdClient, Readiness, serving
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +49,31 @@ class Monitor:
         retry_s: float = 0.2,
         max_retry_s: float = 2.0,
         rpc_timeout_s: float = 2.0,
+        cache_index: CacheIndex | None = None,
+        on_resync: Callable[[str], None] | None = None,
     ) -> None:
+        """``cache_index``: follow every PD's cache events into it; ``on_resync(reason)`` hears each
+        stream that ended and is reopened (gap, fell_behind, ended, error)."""
         self.load_interval_s = load_interval_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.cache_index = cache_index
+        self._on_resync = on_resync or (lambda reason: None)
         self._tasks: dict[int, list[asyncio.Task]] = {}
 
     def watch(self, instance: Instance) -> None:
         tasks = [asyncio.create_task(self._watch_health(instance), name=f"health {instance.address}")]
         if self.load_interval_s > 0:
             tasks.append(asyncio.create_task(self._poll_load(instance), name=f"load {instance.address}"))
+        if self.cache_index is not None and isinstance(instance, PdClient):
+            tasks.append(asyncio.create_task(self._follow_cache(instance), name=f"cache events {instance.address}"))
         self._tasks[id(instance)] = tasks
 
     async def unwatch(self, instance: Instance) -> None:
         await _cancel(self._tasks.pop(id(instance), []))
+        if self.cache_index is not None:
+            self.cache_index.drop(instance.address)
 
     async def close(self) -> None:
         tasks = [t for group in self._tasks.values() for t in group]
@@ -109,6 +129,39 @@ class Monitor:
                 instance.set_load(await instance.get_load(self.rpc_timeout_s))
             except grpc.aio.AioRpcError as error:
                 log.debug("%s %s: GetLoad failed (%s)", instance.kind, instance.address, error.code().name)
+
+    async def _follow_cache(self, instance: PdClient) -> None:
+        """Feeds ``instance``'s cache events into the index for as long as it is watched."""
+        index = self.cache_index
+        assert index is not None
+        backoff = self.retry_s
+        while True:
+            if instance.readiness is not Readiness.READY:  # not before it proved its launch key
+                await asyncio.sleep(self.retry_s)
+                continue
+            reason = "ended"
+            call = instance.subscribe_cache_events()
+            index.begin(instance.address)
+            try:
+                async for message in call:
+                    if not index.apply(instance.address, message):
+                        reason = "gap"
+                        break
+                    backoff = self.retry_s
+            except grpc.aio.AioRpcError as error:
+                code = error.code()
+                reason = "fell_behind" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error"
+                if code == grpc.StatusCode.UNIMPLEMENTED:  # a PD without the RPC: routing sees no cache there
+                    backoff = self.max_retry_s
+                log.debug("pd %s: cache events ended (%s)", instance.address, code.name)
+            finally:
+                call.cancel()
+                index.drop(instance.address)
+            self._on_resync(reason)
+            if reason == "gap":
+                log.info("pd %s: cache events skipped a sequence number; resubscribing", instance.address)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.max_retry_s)
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import Collection
 
+from services.proxy.backends.cache_index import RoutedPrompt
 from services.proxy.backends.discovery import Pool
 from services.proxy.backends.instances import EncoderClient, PdClient
 from services.proxy.backends.monitor import Monitor, wait_known
@@ -101,24 +102,29 @@ class Backends:
         """E+P+D's decode instances (none otherwise)."""
         return self.decode_pool.instances if self.decode_pool is not None else []  # type: ignore[return-value]
 
-    def decode_candidates(self, exclude: Collection[str] = ()) -> list[PdClient]:
-        """Routable decode instances not in ``exclude``, best first (the PD policy), then probing ones."""
+    def decode_candidates(self, exclude: Collection[str] = (), prompt: RoutedPrompt | None = None) -> list[PdClient]:
+        """Routable decode instances not in ``exclude``, best first for ``prompt`` (the PD policy), then probing ones."""
         decodes = [d for d in self.decodes if d.address not in exclude]
-        return self.pd_policy.rank([d for d in decodes if d.routable()]) + self.pd_policy.rank(
-            [d for d in decodes if not d.routable() and d.last_resort()]
-        )
+        return self._rank_pds(decodes, prompt)
+
+    def _rank_pds(self, pds: list[PdClient], prompt: RoutedPrompt | None) -> list[PdClient]:
+        """The routable ones ranked by the PD policy, then the probing ones (ranked only when no other is)."""
+        routable = [p for p in pds if p.routable()]
+        last_resort = [p for p in pds if not p.routable() and p.last_resort()]
+        if not routable:
+            return self.pd_policy.rank(last_resort, prompt)
+        return self.pd_policy.rank(routable, prompt) + (self.pd_policy.rank(last_resort) if last_resort else [])
 
     @property
     def has_encoders(self) -> bool:
         """Encoders are configured (whether or not any is up right now)."""
         return bool(self.encoder_pool.targets)
 
-    def pd_candidates(self, exclude: Collection[str] = ()) -> list[PdClient]:
-        """Routable PDs not in ``exclude``, best first, then those probing (``last_resort``); may be empty."""
+    def pd_candidates(self, exclude: Collection[str] = (), prompt: RoutedPrompt | None = None) -> list[PdClient]:
+        """Routable PDs not in ``exclude``, best first for ``prompt``, then those probing (``last_resort``);
+        may be empty."""
         pds = [p for p in self.pds if p.address not in exclude]
-        return self.pd_policy.rank([p for p in pds if p.routable()]) + self.pd_policy.rank(
-            [p for p in pds if not p.routable() and p.last_resort()]
-        )
+        return self._rank_pds(pds, prompt)
 
     def encoder_candidates(
         self, mm_hash: str, exclude: Collection[str] = (), pd_address: str | None = None

@@ -3,7 +3,9 @@
 A policy ranks the *routable* instances (``Backends`` filters out not-ready,
 breaker-open and retired ones first), best first; the pipeline tries them in
 that order. Policies are chosen once at start-up by name (``--pd-policy``,
-``--encoder-policy``), never per request.
+``--encoder-policy``), never per request. A PD policy is also given the
+request's prompt (``RoutedPrompt``): the cache-aware one ranks by what each
+PD's caches already hold of it (``cache_index.py``); the others ignore it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,19 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from services.proxy.backends.cache_index import CacheIndex, RouteDecision, RoutedPrompt
 from services.proxy.backends.instances import EncoderClient, PdClient
+
+DEFAULT_PD_POLICY = "cache-aware"
+"""``--pd-policy``'s default (measured against least-loaded: docs/benchmarks/multiturn.md)."""
+DEFAULT_CACHE_WEIGHT = 2.0
+"""``--pd-cache-weight``: a prompt token a PD would have to compute weighs this many tokens of its load."""
 
 
 class PdPolicy(Protocol):
-    def rank(self, instances: Sequence[PdClient]) -> list[PdClient]: ...
+    def rank(self, instances: Sequence[PdClient], prompt: RoutedPrompt | None = None) -> list[PdClient]:
+        """``instances`` best first for ``prompt`` (None: a request whose prompt does not matter)."""
+        ...
 
 
 class EncoderPolicy(Protocol):
@@ -47,7 +57,7 @@ class LeastLoadedPdPolicy:
     def __init__(self) -> None:
         self._rotation = _Rotation()
 
-    def rank(self, instances: Sequence[PdClient]) -> list[PdClient]:
+    def rank(self, instances: Sequence[PdClient], prompt: RoutedPrompt | None = None) -> list[PdClient]:
         offsets = self._rotation.offsets(len(instances))
         order = sorted(
             range(len(instances)),
@@ -62,9 +72,55 @@ class RoundRobinPdPolicy:
     def __init__(self) -> None:
         self._rotation = _Rotation()
 
-    def rank(self, instances: Sequence[PdClient]) -> list[PdClient]:
+    def rank(self, instances: Sequence[PdClient], prompt: RoutedPrompt | None = None) -> list[PdClient]:
         offsets = self._rotation.offsets(len(instances))
         order = sorted(range(len(instances)), key=lambda i: (instances[i].is_busy(), offsets[i]))
+        return [instances[i] for i in order]
+
+
+class CacheAwarePdPolicy:
+    """PD: where the request costs least, counting the prompt tokens each PD would compute against its load.
+
+    For each PD, ``hit`` is what its caches hold of the prompt (``CacheIndex.hit``: the longest run of the
+    prompt's blocks in its prefix cache, plus the images past that run whose embeddings it holds, at
+    their token length), and
+
+        cost = cache_weight * (prompt tokens - hit) + load
+
+    where ``load`` is the work in flight on the PD (``PdClient.estimated_tokens``): the uncached tokens of
+    the requests it serves, prompt tokens it had to compute plus output tokens so far (this proxy's now, the
+    others' from GetLoad). Both terms count tokens a PD computes; a cached token costs nothing in either, so
+    a shared system prompt neither attracts nor, once everywhere, weighs. Lowest cost first; PDs that recently answered
+    RESOURCE_EXHAUSTED go last, then KV-cache usage and rotation break ties. ``cache_weight`` is the one
+    knob: 0 routes by token load alone; larger keeps a conversation where its prefix is until the other PDs'
+    load is lower by more than ``cache_weight`` times the tokens it would recompute there. Without a prompt
+    (or without events) every hit is 0 and the order is by load.
+
+    Sets ``prompt.decision`` (why the first PD is first) for metrics and logs.
+    """
+
+    def __init__(self, index: CacheIndex | None = None, cache_weight: float = DEFAULT_CACHE_WEIGHT) -> None:
+        if not cache_weight >= 0:
+            raise ValueError("cache_weight must be >= 0")
+        self.index = index if index is not None else CacheIndex()
+        self.cache_weight = cache_weight
+        self._rotation = _Rotation()
+
+    def rank(self, instances: Sequence[PdClient], prompt: RoutedPrompt | None = None) -> list[PdClient]:
+        if not instances:
+            return []
+        offsets = self._rotation.offsets(len(instances))
+        hits = [0 if prompt is None else self.index.hit(pd.address, prompt).tokens for pd in instances]
+        loads = [pd.estimated_tokens() for pd in instances]
+        num_tokens = 0 if prompt is None else prompt.num_tokens
+        costs = [self.cache_weight * (num_tokens - hit) + load for hit, load in zip(hits, loads)]
+        order = sorted(
+            range(len(instances)), key=lambda i: (instances[i].is_busy(), costs[i], instances[i].kv_usage(), offsets[i])
+        )
+        if prompt is not None:
+            best, first = max(hits), order[0]
+            reason = "load" if best == min(hits) else "cache" if hits[first] == best else "load_over_cache"
+            prompt.decision = RouteDecision(instances[first].address, reason, hits[first], best, loads[first])
         return [instances[i] for i in order]
 
 
@@ -128,6 +184,7 @@ class RoundRobinEncoderPolicy:
 
 
 PD_POLICIES: dict[str, Callable[[], PdPolicy]] = {
+    "cache-aware": CacheAwarePdPolicy,
     "least-loaded": LeastLoadedPdPolicy,
     "round-robin": RoundRobinPdPolicy,
 }
@@ -138,7 +195,12 @@ ENCODER_POLICIES = {
 }
 
 
-def make_pd_policy(name: str) -> PdPolicy:
+def make_pd_policy(
+    name: str, *, cache_index: CacheIndex | None = None, cache_weight: float = DEFAULT_CACHE_WEIGHT
+) -> PdPolicy:
+    """The policy ``name``; ``cache_index`` and ``cache_weight`` are the cache-aware policy's."""
+    if name == "cache-aware":
+        return CacheAwarePdPolicy(cache_index, cache_weight)
     return PD_POLICIES[name]()
 
 

@@ -26,7 +26,8 @@ from services.proxy.prompt.preprocess import ImageItem
 class Attempt:
     """One try of a job on one PD: its Preallocate, Generate stream and Encode tasks."""
 
-    def __init__(self, calls: Calls, job: Job, pd: PdClient, request_id: str) -> None:
+    def __init__(self, calls: Calls, job: Job, pd: PdClient, request_id: str, cached_tokens: int = 0) -> None:
+        """``cached_tokens``: prompt tokens the routing found in ``pd``'s caches (the rest is work for it)."""
         self.calls = calls
         self.job = job
         self.pd = pd
@@ -40,6 +41,9 @@ class Attempt:
         self.outcome = Outcome.NEUTRAL
         self.status = "CANCELLED"  # for metrics: OK, a gRPC code name, or CANCELLED
         self.probe = pd.begin()  # the breaker's half-open probe: settled at the first message
+        self._held: dict[PdClient, int] = {}  # uncached tokens counted on each PD while this attempt runs
+        self.streaming = pd  # the PD whose tokens ``next`` reads (E+P+D: the decode instance after the prefill)
+        self.hold(pd, len(job.prompt.token_ids) - cached_tokens)
         self.settled = False
         self.pd_is_innocent = False  # set when an error was another instance's doing
 
@@ -126,6 +130,7 @@ class Attempt:
                 read.cancel()
         if not isinstance(message, epd_pb2.GenerateResponse):  # grpc.aio.EOF (read() is typed object | T)
             return None
+        self.hold(self.streaming, len(message.token_ids))
         if message.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished = True
             self.status = "OK"
@@ -151,4 +156,13 @@ class Attempt:
         for task in self.encode_tasks:
             task.cancel()
         self.pd.end(self.outcome, probe=self.probe, settled=self.settled)
+        for pd, num_tokens in self._held.items():
+            pd.release_tokens(num_tokens)
+        self._held.clear()
         return self.encode_tasks
+
+    def hold(self, pd: PdClient, num_tokens: int) -> None:
+        """Counts ``num_tokens`` of work of this attempt on ``pd`` (its load, for the cache-aware policy) until
+        the attempt stops."""
+        pd.hold_tokens(num_tokens)
+        self._held[pd] = self._held.get(pd, 0) + num_tokens

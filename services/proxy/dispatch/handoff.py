@@ -31,8 +31,10 @@ _DECODE_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RE
 class HandoffAttempt(Attempt):
     """One try of a job on a prefill instance (``pd``) and a decode instance (``decode``)."""
 
-    def __init__(self, calls: Calls, job: Job, pd: PdClient, request_id: str, decode: PdClient) -> None:
-        super().__init__(calls, job, pd, request_id)
+    def __init__(
+        self, calls: Calls, job: Job, pd: PdClient, request_id: str, decode: PdClient, cached_tokens: int = 0
+    ) -> None:
+        super().__init__(calls, job, pd, request_id, cached_tokens)
         self.decode = decode
         self.decode_probe = decode.begin()
         self.decode_outcome = Outcome.NEUTRAL
@@ -77,6 +79,7 @@ class HandoffAttempt(Attempt):
 
     async def _start_decode(self, reservation_id: str) -> epd_pb2.GenerateResponse:
         job = self.job
+        self.streaming = self.decode  # its output tokens are the decode instance's work
         self.call = self.decode.generate(
             job.generate_request(self.request_id, kv_reservation_id=reservation_id),
             timeout=self.calls.remaining(job),
@@ -123,11 +126,12 @@ class HandoffAttempt(Attempt):
 class HandoffPipeline(Pipeline):
     """The pipeline of an E+P+D cluster: ``backends.pds`` are prefill instances, ``backends.decodes`` decode ones."""
 
-    def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> Attempt:
+    def new_attempt(self, job: Job, pd: PdClient, request_id: str, cached_tokens: int = 0) -> Attempt:
         tried = job.decodes_tried
-        candidates = self.backends.decode_candidates(exclude=tried)
+        candidates = self.backends.decode_candidates(exclude=tried, prompt=job.route)
         if not candidates:  # every decode instance failed this job once: try them again in rank order
-            candidates = self.backends.decode_candidates()
+            candidates = self.backends.decode_candidates(prompt=job.route)
+        job.route.decision = None  # the decode instance's: only the prefill instance's is counted
         if not candidates:
             raise no_backend("decode")
-        return HandoffAttempt(self.calls, job, pd, request_id, candidates[0])
+        return HandoffAttempt(self.calls, job, pd, request_id, candidates[0], cached_tokens)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from services.common.pb import epd_pb2
+from services.proxy.backends.cache_index import PromptImage, RoutedPrompt
 from services.proxy.prompt.preprocess import Prompt
 from services.proxy.trace import Trace
 
@@ -30,6 +32,13 @@ class Job:
             cache_salt=self.prompt.cache_salt,
             **handoff,  # type: ignore[arg-type]
         )
+
+    @functools.cached_property
+    def route(self) -> RoutedPrompt:
+        """The prompt as PD routing sees it (the cache-aware policy hashes its blocks once, on demand)."""
+        prompt = self.prompt
+        images = tuple(PromptImage(i.mm_hash, i.offset, i.num_tokens, i.token_grid) for i in prompt.images)
+        return RoutedPrompt(prompt.token_ids, images, prompt.cache_salt)
 
     def attempt_id(self, number: int) -> str:
         """PD request id of attempt ``number``: a retry never reuses an id."""

@@ -182,12 +182,13 @@ class Pipeline:
         """Starts the job on the best PD not tried yet, failing over on refusals and outages."""
         last: BackendError | None = None
         while job.trace.num_pd_attempts < self.pd_attempts:
-            candidates = self.backends.pd_candidates(exclude=tried)
+            candidates = self.backends.pd_candidates(exclude=tried, prompt=job.route)
             if not candidates:
                 break
             pd = candidates[0]
+            cached_tokens = self._note_route(job, pd)
             tried.add(pd.address)
-            attempt = self.new_attempt(job, pd, job.attempt_id(job.trace.num_pd_attempts))
+            attempt = self.new_attempt(job, pd, job.attempt_id(job.trace.num_pd_attempts), cached_tokens)
             job.trace.num_pd_attempts += 1
             job.trace.pd_address = pd.address
             try:
@@ -224,9 +225,33 @@ class Pipeline:
             raise no_backend("PD")
         raise self._to_api_error(last.error, job.request_id)
 
-    def new_attempt(self, job: Job, pd: PdClient, request_id: str) -> Attempt:
-        """One try of ``job`` on ``pd`` (E+P+D's pipeline tries a prefill and a decode instance)."""
-        return Attempt(self.calls, job, pd, request_id)
+    def _note_route(self, job: Job, pd: PdClient) -> int:
+        """Counts the cache-aware policy's decision for ``pd`` (none from the other policies); returns the
+        prompt tokens it found in ``pd``'s caches (0 without a decision)."""
+        decision = job.route.decision
+        job.route.decision = None
+        if decision is None or decision.address != pd.address:
+            return 0
+        job.trace.route_reason, job.trace.route_hit_tokens = decision.reason, decision.hit_tokens
+        self.metrics.route_decisions.labels(decision.reason).inc()
+        self.metrics.route_prompt_tokens.inc(job.route.num_tokens)
+        self.metrics.route_hit_tokens.inc(decision.hit_tokens)
+        log.debug(
+            "request %s: pd %s (%s): holds %d of %d prompt tokens (best %d), load %d tokens",
+            job.request_id,
+            pd.address,
+            decision.reason,
+            decision.hit_tokens,
+            job.route.num_tokens,
+            decision.best_hit_tokens,
+            decision.load_tokens,
+        )
+        return decision.hit_tokens
+
+    def new_attempt(self, job: Job, pd: PdClient, request_id: str, cached_tokens: int = 0) -> Attempt:
+        """One try of ``job`` on ``pd`` (E+P+D's pipeline tries a prefill and a decode instance);
+        ``cached_tokens``: what the routing found of its prompt in ``pd``'s caches."""
+        return Attempt(self.calls, job, pd, request_id, cached_tokens)
 
     def _to_api_error(self, error: grpc.aio.AioRpcError, request_id: str, what: str = "pd") -> ApiError:
         code = error.code()

@@ -105,11 +105,14 @@ async def test_unavailable_at_admission_retries_with_a_fresh_id(cluster_factory)
     assert 'epd_proxy_retries_total{code="UNAVAILABLE",kind="pd"} 1.0' in metrics
 
 
-async def test_get_load_steers_requests_away_from_a_busy_pd(cluster_factory):
-    cluster = await cluster_factory(num_pds=2)
+@pytest.mark.parametrize("policy", ["cache-aware", "least-loaded"])
+async def test_get_load_steers_requests_away_from_a_busy_pd(cluster_factory, policy):
+    cluster = await cluster_factory(num_pds=2, pd_policy=policy)
     pd0, pd1 = cluster.pds
-    pd0.load = epd_pb2.PdLoad(num_running=10, num_waiting=5)  # another proxy's work
+    # Another proxy's work: least-loaded counts its requests, cache-aware its uncached tokens.
+    pd0.load = epd_pb2.PdLoad(num_running=10, num_waiting=5, num_running_tokens=12_000, num_waiting_tokens=3_000)
     await wait_until(lambda: instance(cluster, pd0.address).others_load() == 15)
+    await wait_until(lambda: instance(cluster, pd0.address).estimated_tokens() == 15_000)
     for _ in range(6):
         assert (await post(cluster)).status_code == 200
     assert pd0.generates == [] and len(pd1.generates) == 6
