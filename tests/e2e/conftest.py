@@ -7,9 +7,11 @@ from cluster_support import checked_client
 
 
 @pytest.fixture
-def oracle(cluster, oracle_for):
-    """The reference of the model the module's cluster serves."""
-    return oracle_for(cluster.preset)
+def oracle(request, oracle_for):
+    """The reference of the model the module's cluster serves ("tiny" where a test has no cluster with a
+    ``preset``)."""
+    cluster = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    return oracle_for(getattr(cluster, "preset", "tiny"))
 
 
 @pytest.fixture

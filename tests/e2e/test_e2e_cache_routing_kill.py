@@ -1,7 +1,7 @@
-"""SIGKILL the PD holding a conversation under the default (cache-aware) PD policy.
+"""SIGKILL the PD holding a conversation under the cache-aware PD policy.
 
 The victim is a real process (``python -m services.cli pd``); a surviving PD,
-the encoder and the proxy (default flags, so ``--pd-policy cache-aware``) run
+the encoder and the proxy (default flags but ``--pd-policy cache-aware``) run
 in this process. A chat (system prompt, an image, follow-ups resending the
 history) is steered to the victim by the policy itself: its follow-up stays
 there, the image not sent to an encoder again. Then the victim is killed.
@@ -75,8 +75,9 @@ def test_a_killed_pds_entries_leave_the_index_within_a_health_interval_and_its_c
     survivors = proxy = None
     try:
         survivors = InProcessCluster(model_dir, with_proxy=False).start()
-        proxy = ProxyOnly(model_dir, [victim.address, *survivors.pd_addresses], survivors.encoder_addresses).start()
-        assert proxy.app.state.proxy.config.pd_policy == "cache-aware"  # the default
+        proxy = ProxyOnly(
+            model_dir, [victim.address, *survivors.pd_addresses], survivors.encoder_addresses, pd_policy="cache-aware"
+        ).start()
         index = proxy.app.state.proxy.backends.monitor.cache_index
         view = ProxyView(f"http://127.0.0.1:{proxy.port}")
         victim.wait_ready()

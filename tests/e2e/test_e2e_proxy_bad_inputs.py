@@ -241,6 +241,9 @@ def cluster(request, build_model):
             "max_image_pixels": 512 * 512,
             "api_key": API_KEY,
             "allowed_media_domains": ALLOWED,
+            # strict, so that the unknown-field cases check the refusal echoes nothing (served by default:
+            # tests/integration/proxy/test_proxy_request_fields.py)
+            "ignore_unknown_fields": False,
         },
     ).start()
     cluster.image_token = IMAGE_TOKENS[request.param]  # type: ignore[attr-defined]

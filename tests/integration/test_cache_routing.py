@@ -92,7 +92,9 @@ def decisions(cluster: InProcessCluster, reason: str) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    started = InProcessCluster(str(tiny_model_dir), num_encoders=1, num_pds=2, proxy={"load_poll_s": 0.05}).start()
+    started = InProcessCluster(
+        str(tiny_model_dir), num_encoders=1, num_pds=2, proxy={"load_poll_s": 0.05, "pd_policy": "cache-aware"}
+    ).start()
     try:
         yield started
     finally:
@@ -108,7 +110,7 @@ def client(cluster):
 
 def test_every_follow_up_goes_where_its_conversation_is(cluster, client):
     model = client.models.list().data[0].id
-    assert cluster.app.state.proxy.config.pd_policy == "cache-aware"  # the default
+    assert cluster.app.state.proxy.config.pd_policy == "cache-aware"
     wait_synced(cluster, cluster.pds)
     for seed in (1, 2, 3, 4):
         encodes_before = encode_calls(cluster)
@@ -145,7 +147,9 @@ def test_load_outweighs_the_cache_and_the_conversation_then_stays_where_it_went(
 
 
 def test_a_pd_that_leaves_takes_its_entries_and_its_conversations_go_on(tiny_model_dir):
-    cluster = InProcessCluster(str(tiny_model_dir), num_encoders=1, num_pds=2, proxy={"load_poll_s": 0.05}).start()
+    cluster = InProcessCluster(
+        str(tiny_model_dir), num_encoders=1, num_pds=2, proxy={"load_poll_s": 0.05, "pd_policy": "cache-aware"}
+    ).start()
     try:
         with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:
             model = client.models.list().data[0].id
@@ -179,7 +183,11 @@ def test_a_pd_that_leaves_takes_its_entries_and_its_conversations_go_on(tiny_mod
 
 def test_epd_chooses_the_prefill_instance_by_cache_too(tiny_model_dir):
     cluster = InProcessCluster(
-        str(tiny_model_dir), num_encoders=1, num_pds=2, num_decodes=1, proxy={"load_poll_s": 0.05}
+        str(tiny_model_dir),
+        num_encoders=1,
+        num_pds=2,
+        num_decodes=1,
+        proxy={"load_poll_s": 0.05, "pd_policy": "cache-aware"},
     ).start()
     try:
         with openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=120) as client:

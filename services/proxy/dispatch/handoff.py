@@ -40,6 +40,7 @@ class HandoffAttempt(Attempt):
         self.decode_outcome = Outcome.NEUTRAL
         self.prefill_call: grpc.aio.UnaryStreamCall | None = None
         self.prefill_status: str | None = None  # P's final status once its part is done (``status``: D's then)
+        self.prefill_cached_tokens = 0  # P's prefix-cache hit: D keys pushed K/V for its request alone
 
     async def start(self, handoff: epd_pb2.KVHandoff | None = None) -> epd_pb2.GenerateResponse:
         job, calls = self.job, self.calls
@@ -94,6 +95,18 @@ class HandoffAttempt(Attempt):
         self.first = first
         self.decode_outcome = Outcome.SUCCESS
         return first
+
+    async def next(self) -> epd_pb2.GenerateResponse | None:
+        """The next message; D's usage reports the prompt tokens P found cached (the computing it saved):
+        D's own cache never holds pushed K/V for another request, so its count misses them."""
+        message = await super().next()
+        if message is None or not message.HasField("usage"):
+            return message
+        if self.prefill_status is None:
+            self.prefill_cached_tokens = max(self.prefill_cached_tokens, message.usage.cached_tokens)
+        elif message.usage.cached_tokens < self.prefill_cached_tokens:
+            message.usage.cached_tokens = self.prefill_cached_tokens
+        return message
 
     def _blame_decode(self, error: grpc.aio.AioRpcError) -> None:
         self.decode_outcome = outcome_of(error.code())
