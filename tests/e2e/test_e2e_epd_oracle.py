@@ -97,9 +97,10 @@ def test_a_repeated_prompt_is_pushed_whole_again(cluster, client, oracle):
         assert token_ids == expected
         pushed.append(transfer.stats.sent.num_bytes - before)
     # K/V that arrived by push is never another request's prefix on D (whoever holds the internal
-    # token could push any): the second request's K/V comes from its own prefill, all of it.
+    # token could push any): the second request's K/V is pushed whole again. P found the prompt in its
+    # own prefix cache, which is what usage reports as cached (the computing it saved).
     assert pushed[1] == pushed[0] > 0
-    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
