@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -119,10 +120,24 @@ def test_every_service_refuses_an_unsupported_family_in_one_line(tmp_path, capsy
 
 
 @pytest.mark.e2e
+def _free_ports_flags() -> list[str]:
+    """Ports no other process holds (the port check runs before the model's), metrics off."""
+    with socket.socket() as first, socket.socket() as second, socket.socket() as third:
+        for sock in (first, second, third):
+            sock.bind(("127.0.0.1", 0))
+        proxy, encoder, pd = (sock.getsockname()[1] for sock in (first, second, third))
+    return [
+        "--port", str(proxy), "--encoder-base-port", str(encoder), "--pd-base-port", str(pd),
+        "--proxy-metrics-port", "-1", "--encoder-metrics-base-port", "-1", "--pd-metrics-base-port", "-1",
+        "--launcher-metrics-port", "-1",
+    ]  # fmt: skip
+
+
 def test_epd_up_refuses_an_unsupported_family_before_starting_anything(tmp_path):
     env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(_unsupported_checkpoint(tmp_path))],
+        [sys.executable, "-m", "services.cli", "up", "--model", str(_unsupported_checkpoint(tmp_path))]
+        + _free_ports_flags(),
         env=env,
         capture_output=True,
         text=True,
