@@ -14,10 +14,10 @@ at the next frame, or never starts when it was still queued.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+from services.common.bounded_pool import BoundedPool, PoolFull
 
 T = TypeVar("T")
 RETRY_AFTER_MS = 500
@@ -28,41 +28,16 @@ class DecodesFull(Exception):
     """Every decode thread and queue slot is taken (RESOURCE_EXHAUSTED, retry after ``RETRY_AFTER_MS``)."""
 
 
-class VideoDecodes:
+class VideoDecodes(BoundedPool):
     """``threads`` decode threads and at most ``max_queued`` calls waiting for one."""
 
     def __init__(self, threads: int, max_queued: int) -> None:
-        if threads < 1 or max_queued < 0:
-            raise ValueError("threads >= 1 and max_queued >= 0 are required")
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="video-decode")
-        self._capacity = threads + max_queued
-        self._lock = threading.Lock()
-        self._num_admitted = 0  # queued + running, released when the job's future is done
-
-    @property
-    def num_admitted(self) -> int:
-        """Decodes queued or running (0 when idle: leak checks)."""
-        with self._lock:
-            return self._num_admitted
+        super().__init__(threads, max_queued, thread_name_prefix="video-decode")
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` on a decode thread; ``DecodesFull`` when every thread and queue slot is taken."""
-        with self._lock:
-            if self._num_admitted >= self._capacity:
-                raise DecodesFull("too many videos waiting to be decoded")
-            self._num_admitted += 1
         try:
-            future = self._executor.submit(fn)
-        except BaseException:
-            self._release(None)
-            raise
-        future.add_done_callback(self._release)  # also when cancelled before it started
+            future = self.submit(fn)
+        except PoolFull:
+            raise DecodesFull("too many videos waiting to be decoded") from None
         return await asyncio.wrap_future(future)  # cancelling this cancels a job that has not started
-
-    def _release(self, _future: object) -> None:
-        with self._lock:
-            self._num_admitted -= 1
-
-    def shutdown(self) -> None:
-        """Drops queued decodes; running ones stop at their next frame once their calls cancel them."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
