@@ -38,6 +38,8 @@ class KeySpan(Protocol):
     def num_tokens(self) -> int: ...
     @property
     def grid(self) -> tuple[int, int, int] | None: ...
+    @property
+    def frame_offsets(self) -> tuple[int, ...]: ...
 
 
 def block_key(prev_key: bytes, token_ids: Sequence[int], extras: Sequence[str] = ()) -> bytes:
@@ -84,7 +86,7 @@ def extend_block_keys(
         while j < len(spans) and spans[j].offset < end:  # ``mm_hash@offset[/(t, h, w)]``, offset relative to the block
             span = spans[j]
             grid = None if span.grid is None else tuple(span.grid)  # M-RoPE: the grid decides the tokens' positions
-            frames = getattr(span, "frame_offsets", ())  # where a video's runs are, relative to its offset
+            frames = span.frame_offsets  # where a video's runs are (Qwen3-VL), relative to its offset
             extras.append(
                 f"{span.mm_hash}@{span.offset - start}"
                 + (f"/{grid}" if grid else "")

@@ -48,6 +48,7 @@ class PromptImage:
     offset: int
     num_tokens: int
     grid: tuple[int, int, int] | None = None
+    frame_offsets: tuple[int, ...] = ()  # a video's runs, when text separates its frames (Qwen3-VL)
 
 
 @dataclass(frozen=True)

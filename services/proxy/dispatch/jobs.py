@@ -37,7 +37,9 @@ class Job:
     def route(self) -> RoutedPrompt:
         """The prompt as PD routing sees it (the cache-aware policy hashes its blocks once, on demand)."""
         prompt = self.prompt
-        images = tuple(PromptImage(i.mm_hash, i.offset, i.num_tokens, i.token_grid) for i in prompt.images)
+        images = tuple(
+            PromptImage(i.mm_hash, i.offset, i.num_tokens, i.token_grid, i.frame_offsets) for i in prompt.images
+        )
         return RoutedPrompt(prompt.token_ids, images, prompt.cache_salt)
 
     def attempt_id(self, number: int) -> str:

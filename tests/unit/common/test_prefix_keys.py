@@ -23,10 +23,11 @@ def _pd_keys(token_ids, spans, block_size, cache_salt=""):
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("cache_salt", ["", SALT])
 @pytest.mark.parametrize("grid", [None, (1, 2, 3)])
-def test_proxy_and_pd_key_a_prompt_alike(block_size, cache_salt, grid):
+@pytest.mark.parametrize("frames", [(), (30, 34)], ids=["one_run", "video_runs"])
+def test_proxy_and_pd_key_a_prompt_alike(block_size, cache_salt, grid, frames):
     token_ids = [(7 * i) % 101 for i in range(70)]
-    spans = [MultiModalSpan("a" * 64, 5, 6, grid), MultiModalSpan("b" * 64, 30, 6, grid)]
-    images = tuple(PromptImage(s.mm_hash, s.offset, s.num_tokens, s.grid) for s in spans)
+    spans = [MultiModalSpan("a" * 64, 5, 6, grid), MultiModalSpan("b" * 64, 30, 6, grid, frame_offsets=frames)]
+    images = tuple(PromptImage(s.mm_hash, s.offset, s.num_tokens, s.grid, s.frame_offsets) for s in spans)
     expected = _pd_keys(token_ids, spans, block_size, cache_salt)
     assert RoutedPrompt(token_ids, images, cache_salt).keys(block_size) == expected
     assert prompt_block_keys(token_ids, spans, block_size, cache_salt) == expected
