@@ -31,7 +31,7 @@ DEFAULT_MAX_CACHE_SUBSCRIBERS = 16
 
 @dataclass(frozen=True)
 class PdConfig:
-    """Everything a PD process needs; see ``services/pd/main.py`` for the flags."""
+    """Everything a PD process needs; see ``services/pd/flags.py`` for the flags."""
 
     model: str
     device: str = "auto"

@@ -1,6 +1,7 @@
 """The proxy service: the OpenAI-compatible HTTP front of an EPD cluster.
 
 A thin shell around five wings. The shell: ``main`` (``epd proxy``: flags -> ``ProxyConfig``, uvicorn),
+``flags`` and ``request_flags`` (the flags and their ``--help`` groups, importing nothing heavy),
 ``app`` (the routes and the generation handlers), ``intake`` (a body from the wire to a checked request),
 ``info_endpoints`` (models, health, metrics), ``lifespan`` (builds ``ProxyState`` and tears it down),
 ``state`` (``ProxyState``: what handlers share) and ``config`` (``ProxyConfig``). The wings, one package
@@ -20,7 +21,7 @@ Layers, highest first: a module imports only from its own layer's module or from
 modules of one layer (``|``) are independent of each other. pyproject.toml's import-linter contracts
 enforce this and that no import circle exists anywhere in the proxy:
 
-    main > app > intake | lifespan | info_endpoints > state > config
+    main > app | flags > intake | lifespan | info_endpoints | request_flags > state > config
       > dispatch | web > openai | prompt > metrics > backends
       > errors | trace | faults | cache_isolation
 """
