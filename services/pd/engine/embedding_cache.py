@@ -14,13 +14,14 @@ first. A RESERVED entry always has at least one unfilled PUSH reservation: when
 its last one goes away unfilled (lease, cancel), the entry is dropped and
 whoever waits on it must be failed (``expire`` reports the hashes).
 
+The reservations themselves, their leases and the tombstones of removed ones
+are kept by a ``ReservationBook`` (``embedding_reservations.py``).
+
 Not thread-safe: the engine thread owns it.
 """
 
 from __future__ import annotations
 
-import itertools
-import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -32,19 +33,14 @@ from services.pd.engine.embedding_records import (
     EmbeddingCacheStats,
     EntryState,
     ExpiryResult,
-    LeaseExpired,
     Preallocation,
     Reservation,
     ReservationKind,
-    ReservationNotFound,
     ReservationRejected,
-    Tombstone,
     item_sizes,
 )
+from services.pd.engine.embedding_reservations import ReservationBook
 from services.pd.engine.invariants import check
-from services.pd.engine.leases import LeaseQueue
-
-_MAX_TOMBSTONES = 4096  # remembered removed reservation ids, to tell "late" from "unknown"
 
 
 class EmbeddingCache:
@@ -62,13 +58,7 @@ class EmbeddingCache:
         self._evictable: OrderedDict[str, None] = OrderedDict()  # READY, unreferenced; LRU first
         self._evictable_tokens = 0
         self._used_tokens = 0
-        self._reservations: dict[str, Reservation] = {}
-        self._by_request: dict[str, dict[str, None]] = {}  # request -> ids, in order
-        self._leases = LeaseQueue()  # of reservation ids: expiry pops only what ended
-        self._tombstones: OrderedDict[str, Tombstone] = OrderedDict()  # removed reservations
-        # A per-instance prefix: ids from before a restart never match new ones.
-        self._id_prefix = uuid.uuid4().hex[:12]
-        self._ids = itertools.count(1)
+        self._reservations = ReservationBook()
         self.events = events or CacheEventRecorder()
 
     # ------------------------------------------------------------------ queries
@@ -97,7 +87,7 @@ class EmbeddingCache:
 
     def has_reservations(self, request_id: str) -> bool:
         """Whether ``request_id`` holds any open reservation."""
-        return request_id in self._by_request
+        return self._reservations.has_request(request_id)
 
     def stats(self) -> EmbeddingCacheStats:
         """Row counts by state, entries and open reservations, at this moment."""
@@ -166,7 +156,7 @@ class EmbeddingCache:
         cancelled, pinned or mismatched one.
         """
         try:
-            reservation = self._live_push(request_id, reservation_id, mm_hash, now)
+            reservation = self._reservations.live_push(request_id, reservation_id, mm_hash, now)
         except AlreadyFilled as repeat:
             if num_tokens != repeat.num_tokens:
                 raise ReservationRejected("embedding size does not match the reservation") from None
@@ -182,7 +172,7 @@ class EmbeddingCache:
         it was already READY (duplicate push; the engine drops the tensor).
         Raises like ``check_push``.
         """
-        reservation = self._live_push(request_id, reservation_id, mm_hash, now)
+        reservation = self._reservations.live_push(request_id, reservation_id, mm_hash, now)
         entry = self._entries[mm_hash]
         reservation.filled = True
         became_ready = entry.state is EntryState.RESERVED
@@ -203,7 +193,7 @@ class EmbeddingCache:
         filled or expired (the entry keeps waiting for that push).
         """
         taken: list[str] = []
-        for reservation in self._reservations_of(request_id):
+        for reservation in self._reservations.of_request(request_id):
             if reservation.end_on_fill:
                 continue  # already taken over (or orphaned): no second reference
             entry = self._entries[reservation.mm_hash]
@@ -256,7 +246,7 @@ class EmbeddingCache:
         push (its entry READY) is answered like a repeat (``AlreadyFilled``).
         """
         removed: list[str] = []
-        for reservation in self._reservations_of(request_id):
+        for reservation in self._reservations.of_request(request_id):
             entry = self._entries[reservation.mm_hash]
             if (
                 entry.state is EntryState.RESERVED
@@ -288,8 +278,7 @@ class EmbeddingCache:
         referenced: its hash is in ``dropped_hashes`` and the requests waiting
         on it must be failed.
         """
-        live = self._leases.pop_ended(now, lambda rid, _deadline: rid in self._reservations)
-        expired = [self._reservations[rid] for rid in live]
+        expired = self._reservations.ended(now)
         dropped: list[str] = []
         for reservation in expired:
             self._remove_reservation(reservation, "lease expired")
@@ -316,34 +305,9 @@ class EmbeddingCache:
                 check(self._num_pushes(entry) > 0, "RESERVED entry without a pending push")
         for rid, reservation in self._reservations.items():
             check(rid in self._entries[reservation.mm_hash].reservation_ids, "entry index")
-            check(rid in self._by_request.get(reservation.request_id, ()), "request index")
-        check(
-            sum(len(ids) for ids in self._by_request.values()) == len(self._reservations), "request index has stale ids"
-        )
+        self._reservations.check_integrity()
 
     # ---------------------------------------------------------------- helpers
-    def _live_push(self, request_id: str, reservation_id: str, mm_hash: str, now: float) -> Reservation:
-        reservation = self._reservations.get(reservation_id)
-        if reservation is None:
-            tombstone = self._tombstones.get(reservation_id)
-            if tombstone is None:
-                raise ReservationNotFound("unknown reservation")
-            moot = tombstone.filled or tombstone.why in ("served", "not needed")
-            if moot and (tombstone.request_id, tombstone.mm_hash) == (request_id, mm_hash):
-                raise AlreadyFilled(tombstone.num_tokens)
-            if tombstone.why == "lease expired":
-                raise LeaseExpired("reservation lease expired")
-            raise ReservationRejected(f"reservation {tombstone.why}")
-        if reservation.request_id != request_id or reservation.mm_hash != mm_hash:
-            raise ReservationRejected("request id or mm_hash does not match the reservation")
-        if reservation.kind is not ReservationKind.PUSH:
-            raise ReservationRejected("reservation is a pin, not a push target")
-        if reservation.filled:
-            raise AlreadyFilled(reservation.num_tokens)
-        if now > reservation.lease_deadline:
-            raise LeaseExpired("reservation lease expired")
-        return reservation
-
     def _num_available_tokens(self) -> int:
         return self.capacity_tokens - self._used_tokens + self._evictable_tokens
 
@@ -362,35 +326,17 @@ class EmbeddingCache:
     def _add_reservation(
         self, request_id: str, entry: CacheEntry, kind: ReservationKind, lease_deadline: float
     ) -> tuple[str, EntryState, str]:
-        reservation_id = f"{self._id_prefix}-{next(self._ids)}"
-        self._reservations[reservation_id] = Reservation(
-            reservation_id, request_id, entry.mm_hash, lease_deadline, kind, entry.num_tokens
-        )
+        reservation_id = self._reservations.add(request_id, entry.mm_hash, kind, lease_deadline, entry.num_tokens)
         entry.reservation_ids.add(reservation_id)
-        self._by_request.setdefault(request_id, {})[reservation_id] = None
-        self._leases.push(lease_deadline, reservation_id)
         self._touch(entry)
         return entry.mm_hash, entry.state, reservation_id
 
     def _remove_reservation(self, reservation: Reservation, why: str) -> None:
-        rid = reservation.reservation_id
-        del self._reservations[rid]
-        ids = self._by_request[reservation.request_id]
-        del ids[rid]
-        if not ids:
-            del self._by_request[reservation.request_id]
+        self._reservations.remove(reservation, why)
         entry = self._entries.get(reservation.mm_hash)
         if entry is not None:
-            entry.reservation_ids.discard(rid)
+            entry.reservation_ids.discard(reservation.reservation_id)
             self._touch(entry)
-        self._tombstones[rid] = Tombstone(
-            why, reservation.request_id, reservation.mm_hash, reservation.num_tokens, reservation.filled
-        )
-        if len(self._tombstones) > _MAX_TOMBSTONES:
-            self._tombstones.popitem(last=False)
-
-    def _reservations_of(self, request_id: str) -> list[Reservation]:
-        return [self._reservations[rid] for rid in self._by_request.get(request_id, ())]
 
     def _num_pushes(self, entry: CacheEntry) -> int:
         return sum(

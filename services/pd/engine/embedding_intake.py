@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from services.pd.engine.embedding_cache import (
+from services.pd.engine.embedding_cache import EmbeddingCache
+from services.pd.engine.embedding_records import (
     AlreadyFilled,
-    EmbeddingCache,
     EmbeddingCacheFull,
     EntryState,
     LeaseExpired,

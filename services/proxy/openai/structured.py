@@ -19,7 +19,7 @@ from services.common.pb import epd_pb2
 from services.proxy.errors import RequestError
 from services.proxy.openai.schemas import ChatCompletionRequest, StructuredOutputs, _SamplingFields
 
-MAX_CONSTRAINT_BYTES = 64 * 1024  # PD's bound too (convert.MAX_CONSTRAINT_BYTES)
+MAX_CONSTRAINT_BYTES = 64 * 1024  # PD's bound too (sampling_convert.MAX_CONSTRAINT_BYTES)
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 32  # nesting of objects and arrays in a schema document
 JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})

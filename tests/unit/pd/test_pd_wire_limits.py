@@ -7,7 +7,7 @@ import pytest
 from services.common import grpc_utils
 from services.common.pb import epd_pb2
 from services.encoder.config import EncoderConfig
-from services.pd import convert
+from services.pd import convert, sampling_convert
 from services.pd.config import PdConfig
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.server import max_receive_bytes
@@ -26,11 +26,11 @@ def test_plain_request_ids_pass(request_id):
 
 
 def test_stop_token_ids_are_bounded():
-    params = epd_pb2.SamplingParams(max_tokens=4, stop_token_ids=list(range(convert.MAX_STOP_TOKEN_IDS)))
-    assert len(convert.sampling_from_pb(params, 16).stop_token_ids) == convert.MAX_STOP_TOKEN_IDS
+    params = epd_pb2.SamplingParams(max_tokens=4, stop_token_ids=list(range(sampling_convert.MAX_STOP_TOKEN_IDS)))
+    assert len(sampling_convert.sampling_from_pb(params, 16).stop_token_ids) == sampling_convert.MAX_STOP_TOKEN_IDS
     params.stop_token_ids.append(7)
     with pytest.raises(EngineError) as raised:
-        convert.sampling_from_pb(params, 16)
+        sampling_convert.sampling_from_pb(params, 16)
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
 
 

@@ -27,7 +27,8 @@ from services.proxy.backends.routing import (
 from services.proxy.dispatch.jobs import Job
 from services.proxy.dispatch.pipeline import Pipeline
 from services.proxy.errors import ApiError, PlaceholderMismatchError
-from services.proxy.prompt.preprocess import Prompt, expand_placeholders
+from services.proxy.prompt.placeholders import expand_placeholders
+from services.proxy.prompt.preprocess import Prompt
 from services.proxy.trace import new_request_id
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.pd.engine.embedding_cache import (
+from services.pd.engine.embedding_cache import EmbeddingCache
+from services.pd.engine.embedding_records import (
     AlreadyFilled,
-    EmbeddingCache,
     EmbeddingCacheFull,
     EntryState,
     ReservationNotFound,

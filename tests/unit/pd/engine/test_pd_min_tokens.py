@@ -6,7 +6,7 @@ import pytest
 from scheduler_harness import EOS, EOS_IDS, OTHER_EOS, TOKEN, chunk_of
 
 from services.common.pb import epd_pb2
-from services.pd import convert
+from services.pd import convert, sampling_convert
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.request import Request, RequestStatus, SamplingParams
 
@@ -23,7 +23,7 @@ def _from_pb(message: epd_pb2.GenerateRequest, max_model_len: int = 64) -> Reque
 def test_the_wire_carries_min_tokens_and_unset_means_none():
     assert _from_pb(_generate(5)).sampling.min_tokens == 5
     assert _from_pb(_generate(8)).sampling.min_tokens == 8
-    assert convert.sampling_from_pb(epd_pb2.SamplingParams(max_tokens=4), 16).min_tokens == 0
+    assert sampling_convert.sampling_from_pb(epd_pb2.SamplingParams(max_tokens=4), 16).min_tokens == 0
 
 
 def test_min_tokens_is_capped_by_the_room_left_in_the_context():

@@ -7,13 +7,13 @@ import pytest
 from scheduler_harness import TOKEN, chunk_of
 
 from services.common.pb import epd_pb2
-from services.pd import convert
+from services.pd import convert, sampling_convert
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.request import Request, SamplingParams
 
 
 def _sampling(**fields) -> SamplingParams:
-    return convert.sampling_from_pb(epd_pb2.SamplingParams(max_tokens=4, **fields), 16)
+    return sampling_convert.sampling_from_pb(epd_pb2.SamplingParams(max_tokens=4, **fields), 16)
 
 
 def test_the_wire_carries_the_penalties_and_unset_means_off():
@@ -76,7 +76,7 @@ def test_the_wire_carries_logit_bias_sorted_by_id():
         {1: 100.5},
         {1: float("-inf")},
         {1: float("nan")},
-        {i: 1.0 for i in range(convert.MAX_LOGIT_BIAS_ENTRIES + 1)},
+        {i: 1.0 for i in range(sampling_convert.MAX_LOGIT_BIAS_ENTRIES + 1)},
     ],
     ids=["id_outside_vocab", "above_100", "minus_inf", "nan", "too_many"],
 )

@@ -8,7 +8,7 @@ import random
 import pytest
 from scheduler_harness import EOS, IMAGES, IMG, LEASE, TOKEN, Harness, refusal
 
-from services.pd.engine.embedding_cache import EntryState
+from services.pd.engine.embedding_records import EntryState
 from services.pd.engine.errors import ErrorKind
 from services.pd.engine.outputs import ModelRunnerOutput, SampledToken
 from services.pd.engine.request import MultiModalSpan, Request, RequestStatus, SamplingParams

@@ -9,7 +9,7 @@ import pytest
 from scheduler_harness import EOS, EOS_IDS, TOKEN, chunk_of, force_preempt
 
 from services.common.pb import epd_pb2
-from services.pd import convert
+from services.pd import convert, sampling_convert
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.outputs import Failed, TokenDelta
 from services.pd.engine.request import RequestStatus, StructuredOutputSpec
@@ -138,8 +138,8 @@ def _sampling(constraint: epd_pb2.StructuredOutput, **fields) -> epd_pb2.Samplin
     ids=["json_schema", "json_object", "regex", "choice", "grammar"],
 )
 def test_the_wire_carries_each_constraint(constraint, spec):
-    assert convert.sampling_from_pb(_sampling(constraint), 16).structured_output == spec
-    assert convert.sampling_from_pb(epd_pb2.SamplingParams(max_tokens=8), 16).structured_output is None
+    assert sampling_convert.sampling_from_pb(_sampling(constraint), 16).structured_output == spec
+    assert sampling_convert.sampling_from_pb(epd_pb2.SamplingParams(max_tokens=8), 16).structured_output is None
 
 
 @pytest.mark.parametrize(
@@ -149,14 +149,14 @@ def test_the_wire_carries_each_constraint(constraint, spec):
         _sampling(epd_pb2.StructuredOutput(json_object=False)),
         _sampling(epd_pb2.StructuredOutput(choice=epd_pb2.ChoiceList())),
         _sampling(epd_pb2.StructuredOutput(choice=epd_pb2.ChoiceList(choices=["x"] * 257))),
-        _sampling(epd_pb2.StructuredOutput(regex="a" * (convert.MAX_CONSTRAINT_BYTES + 1))),
+        _sampling(epd_pb2.StructuredOutput(regex="a" * (sampling_convert.MAX_CONSTRAINT_BYTES + 1))),
         _sampling(epd_pb2.StructuredOutput(json_object=True), min_tokens=2),
     ],
     ids=["no_constraint", "json_object_false", "no_choices", "too_many_choices", "too_large", "with_min_tokens"],
 )
 def test_the_wire_refuses_a_malformed_constraint(params):
     with pytest.raises(EngineError) as refused:
-        convert.sampling_from_pb(params, 16)
+        sampling_convert.sampling_from_pb(params, 16)
     assert refused.value.kind is ErrorKind.INVALID_ARGUMENT
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from reservation_push_support import PUSH_MODES, PushClient
 
-from services.pd.engine.embedding_cache import EntryState
+from services.pd.engine.embedding_records import EntryState
 from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.outputs import Failed, Finished
 from services.pd.engine.request import MultiModalSpan, Request, RequestStatus, SamplingParams
