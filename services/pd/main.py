@@ -160,7 +160,7 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory for the KV cache when --num-kv-blocks is 0 (0 = 1024 on CPU; on CUDA, what "
         "--gpu-memory-utilization leaves); start-up is refused when it cannot hold one --max-model-len request",
     )
-    # GPU engine: services/pd/runner/kv_sizing.py, services/pd/runner/decode_graphs.py
+    # GPU engine: services/pd/runner/kv_sizing.py, services/pd/runner/decode_plan.py
     add(
         parser,
         "--gpu-memory-utilization",
@@ -513,7 +513,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
 def run(args: argparse.Namespace) -> int:
     # Imported here, not for --help: the server imports torch and transformers.
     from services.common.models.startup import refuse_unservable_model
-    from services.pd.runner.decode_graphs import DecodePathRefused
+    from services.pd.runner.decode_plan import DecodePathRefused
     from services.pd.runner.kv_sizing import KvCacheTooSmall
     from services.pd.server import start_pd
 

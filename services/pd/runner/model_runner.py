@@ -42,16 +42,8 @@ from services.pd.runner.attention_metadata import (
 )
 from services.pd.runner.cpu_kernels import load_paged_decode
 from services.pd.runner.cpu_linear import resolve_backend, use_onednn_linear
-from services.pd.runner.decode_graphs import (
-    DecodeBuffers,
-    FlexTables,
-    RaggedTables,
-    StaticDecodeConfig,
-    StaticDecoder,
-    batch_ladder,
-    plan_static_decode,
-    start_static_decoder,
-)
+from services.pd.runner.decode_graphs import DecodeBuffers, FlexTables, RaggedTables, StaticDecoder, batch_ladder
+from services.pd.runner.decode_plan import StaticDecodeConfig, plan_static_decode, start_static_decoder
 from services.pd.runner.deepstack import DeepstackRows
 from services.pd.runner.flex_decode import flex_available
 from services.pd.runner.grammar import BitmaskFiller
@@ -115,7 +107,7 @@ class ModelRunner:
     ``linear_backend`` picks who runs the linear layers (``cpu_linear.py``);
     ``"auto"`` = oneDNN for fp32 on CPU when it passes its self-check, else
     PyTorch's own. ``static_decode`` says how decode-only steps run
-    (``decode_graphs.py``); on CUDA its graphs are captured here.
+    (``decode_plan.py``, ``decode_graphs.py``); on CUDA its graphs are captured here.
     The runner keeps no per-request state (seeded sampling derives its RNG
     from the seed and the output length; a grammar's matcher rides on its
     request), so finished requests need no cleanup.
