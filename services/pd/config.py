@@ -49,10 +49,10 @@ class PdConfig:
     num_kv_blocks: int = 0  # 0 = size from memory (services/pd/runner/kv_sizing.py)
     kv_cache_memory_mb: int = 0  # 0 = 1024 on CPU; on CUDA, what gpu_memory_utilization leaves
     enable_prefix_caching: bool = True
-    # GPU engine (services/pd/runner/kv_sizing.py, services/pd/runner/decode_graphs.py)
+    # GPU engine (services/pd/runner/kv_sizing.py, services/pd/runner/decode_plan.py)
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device this PD may fill (weights, activations, KV)
     # CUDA: capture no graphs; decode-only steps run eagerly. Without it a failed kernel compile or
-    # capture refuses start-up (services/pd/runner/decode_graphs.py, plan_static_decode).
+    # capture refuses start-up (services/pd/runner/decode_plan.py, plan_static_decode).
     enforce_eager: bool = False
     # scheduling
     max_num_batched_tokens: int = 2048  # hard cap of one step's tokens

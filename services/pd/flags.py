@@ -146,7 +146,7 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory for the KV cache when --num-kv-blocks is 0 (0 = 1024 on CPU; on CUDA, what "
         "--gpu-memory-utilization leaves); start-up is refused when it cannot hold one --max-model-len request",
     )
-    # GPU engine: services/pd/runner/kv_sizing.py, services/pd/runner/decode_graphs.py
+    # GPU engine: services/pd/runner/kv_sizing.py, services/pd/runner/decode_plan.py
     add(
         parser,
         "--gpu-memory-utilization",

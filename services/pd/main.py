@@ -81,7 +81,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
 def run(args: argparse.Namespace) -> int:
     # Imported here, not for --help: the server imports torch and transformers.
     from services.common.models.startup import refuse_unservable_model
-    from services.pd.runner.decode_graphs import DecodePathRefused
+    from services.pd.runner.decode_plan import DecodePathRefused
     from services.pd.runner.kv_sizing import KvCacheTooSmall
     from services.pd.server import start_pd
 

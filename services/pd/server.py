@@ -34,7 +34,7 @@ from services.pd.engine.request import Request, SamplingParams
 from services.pd.engine.scheduler import Scheduler, SchedulerConfig
 from services.pd.engine.step_budget import BudgetConfig, StepBudget
 from services.pd.metrics import PdMetrics
-from services.pd.runner.decode_graphs import StaticDecodeConfig
+from services.pd.runner.decode_plan import StaticDecodeConfig
 from services.pd.runner.grammar import (
     MISSING_EXTRA_MESSAGE,
     CompileLimits,

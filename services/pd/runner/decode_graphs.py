@@ -9,7 +9,9 @@ size. On CUDA the LM forward of every ladder size is captured once at
 start-up as a CUDA graph (a warm-up run first, one memory pool shared by all
 sizes) and replayed: one launch instead of a few hundred kernel launches per
 step, which is where a GPU decode step's time went. Elsewhere, or with
-``--enforce-eager``, the same static step runs eagerly.
+``--enforce-eager``, the same static step runs eagerly. When the path is on,
+and whether a failure to build or capture it refuses start-up, is
+``decode_plan``'s business.
 
 Padded rows cannot touch real state: each has a context of one token in the
 runner's padding block, a block outside the KV manager's range, so its K/V
@@ -40,104 +42,6 @@ from services.pd.runner.attention_metadata import (
 from services.pd.runner.flex_decode import compile_flex, flex_decode_group
 
 log = logging.getLogger(__name__)
-
-KERNELS = ("flex", "ragged")
-
-# The smallest KV block the flex kernel compiles for on CUDA: inductor's Triton
-# template tiles the KV axis by the block mask's block size and needs a power
-# of two of at least 16 (its smallest tile). The CPU template takes any size.
-MIN_FLEX_BLOCK_SIZE = 16
-
-
-class DecodePathRefused(RuntimeError):
-    """The static decode path cannot run as configured, and the PD must not start without it.
-
-    Its message is one line naming the flag that changes the outcome.
-    """
-
-
-@dataclass(frozen=True)
-class StaticDecodeConfig:
-    """How a runner serves decode-only steps (see the module docstring)."""
-
-    enabled: bool | None = None  # None = on CUDA (when flex_attention is available), off elsewhere
-    kernel: str = "auto"  # flex | ragged | auto (= flex on CUDA, ragged on CPU)
-    cuda_graphs: bool = True  # capture and replay on CUDA; False is --enforce-eager
-    max_num_seqs: int = 64  # largest decode batch: the top of the ladder
-    max_model_len: int = 2048  # longest context: the width of the block tables
-
-    def __post_init__(self) -> None:
-        if self.kernel not in ("auto", *KERNELS):
-            raise ValueError(f"static decode kernel must be 'auto' or one of {KERNELS}")
-        if self.max_num_seqs <= 0 or self.max_model_len <= 0:
-            raise ValueError("max_num_seqs and max_model_len must be positive")
-
-
-@dataclass(frozen=True)
-class StaticDecodePlan:
-    """What start-up does for the static decode path on one device (see ``plan_static_decode``)."""
-
-    kernel: str  # flex | ragged
-    warm_up: bool  # run every ladder size once before ready (compiles the kernel)
-    capture: bool  # capture every ladder size as a CUDA graph
-    required: bool  # a failure refuses start-up (DecodePathRefused) instead of falling back to packed steps
-
-
-def plan_static_decode(config: StaticDecodeConfig, device: torch.device, block_size: int) -> StaticDecodePlan | None:
-    """The start-up plan of the static decode path for ``device``, or None when it is off.
-
-    On CUDA it is required unless ``--enforce-eager`` (``cuda_graphs=False``):
-    then nothing is captured, and a kernel that fails to build only logs a
-    warning and decode steps take the packed path. Asking for it explicitly
-    (``enabled=True``) always makes it required. Raises ``DecodePathRefused``
-    for a block size the flex kernel cannot compile for.
-    """
-    on_cuda = device.type == "cuda"
-    enabled = on_cuda if config.enabled is None else config.enabled
-    if not enabled:
-        return None
-    kernel = config.kernel if config.kernel != "auto" else ("flex" if on_cuda else "ragged")
-    if kernel == "flex" and on_cuda:
-        check_flex_block_size(block_size)
-    capture = on_cuda and config.cuda_graphs
-    return StaticDecodePlan(kernel=kernel, warm_up=on_cuda, capture=capture, required=capture or bool(config.enabled))
-
-
-def check_flex_block_size(block_size: int) -> None:
-    """Refuses a KV block size the CUDA flex kernel cannot compile for (below 16, or not a power of two)."""
-    if block_size < MIN_FLEX_BLOCK_SIZE or block_size & (block_size - 1):
-        raise DecodePathRefused(
-            f"--block-size {block_size} does not work with the CUDA flex_attention decode kernel: it needs a "
-            f"power of two >= {MIN_FLEX_BLOCK_SIZE} (e.g. --block-size 16)"
-        )
-
-
-def start_static_decoder(build: Callable[[str], StaticDecoder], plan: StaticDecodePlan) -> StaticDecoder | None:
-    """Builds the static decoder with ``build(kernel)``, then warms it up and captures it as ``plan`` says.
-
-    A failure of a required path raises ``DecodePathRefused`` naming the stage
-    that failed; otherwise it logs a warning and returns None (packed steps).
-    """
-    stage = "building"
-    try:
-        decoder = build(plan.kernel)
-        if plan.warm_up:
-            stage = "compiling (warm-up)"
-            decoder.warm_up()
-        if plan.capture:
-            stage = "capturing CUDA graphs for"
-            decoder.capture()
-    except Exception as error:
-        if not plan.required:
-            log.warning("static decode path unavailable; decode steps take the packed path", exc_info=True)
-            return None
-        detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line
-        raise DecodePathRefused(
-            f"{stage} the {plan.kernel} static decode path failed ({detail}); refusing to start rather than "
-            "decode without it: fix the cause, or pass --enforce-eager to run decode steps eagerly"
-        ) from error
-    return decoder
-
 
 # (token ids [B], positions [B] or [rope_axes, B], metadata) -> logits [B, vocab]
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]

@@ -21,7 +21,7 @@ import torch
 
 
 class DeepstackRows:
-    """Collects a packed step's DeepStack rows slice by slice (``ModelRunner._embed``), then builds
+    """Collects a packed step's DeepStack rows slice by slice (``step_inputs.splice_image_rows``), then builds
     the keyword arguments of the LM's forward (``forward_kwargs``)."""
 
     def __init__(self, num_levels: int, num_tokens: int, device: torch.device) -> None:

@@ -11,15 +11,15 @@ two paths:
   of batch sizes, inputs written in place into buffers allocated once, the
   forward replayed from a CUDA graph (``decode_graphs.py``).
 
-Images' rows are spliced into the packed batch (``_embed``); a model with
-DeepStack features (Qwen3-VL) also gets each image slice's feature rows, added
-after its first layers (``deepstack.py``). Decode-only steps hold no image.
+Images' rows are spliced into the packed batch (``step_inputs.py``); a model
+with DeepStack features (Qwen3-VL) also gets each image slice's feature rows,
+added after its first layers (``deepstack.py``). Decode-only steps hold no image.
 
-Both paths get their rotary positions from ``step_position_ids``, the one
-place they are made. Models with multimodal RoPE (``uses_mrope``: the Qwen2-VL
-family) get three rows (t, h, w) from each chunk's plan (``positions.py``), on
-either path (the static buffers hold three position rows for them); KV slots
-stay the absolute token indices.
+Both paths get their rotary positions from ``step_position_ids``
+(``step_inputs.py``), the one place they are made. Models with multimodal
+RoPE (``uses_mrope``: the Qwen2-VL family) get three rows (t, h, w) from each
+chunk's plan (``positions.py``), on either path (the static buffers hold
+three position rows for them); KV slots stay the absolute token indices.
 """
 
 from __future__ import annotations
@@ -42,20 +42,13 @@ from services.pd.runner.attention_metadata import (
 )
 from services.pd.runner.cpu_kernels import load_paged_decode
 from services.pd.runner.cpu_linear import resolve_backend, use_onednn_linear
-from services.pd.runner.decode_graphs import (
-    DecodeBuffers,
-    FlexTables,
-    RaggedTables,
-    StaticDecodeConfig,
-    StaticDecoder,
-    batch_ladder,
-    plan_static_decode,
-    start_static_decoder,
-)
+from services.pd.runner.decode_graphs import DecodeBuffers, FlexTables, RaggedTables, StaticDecoder, batch_ladder
+from services.pd.runner.decode_plan import StaticDecodeConfig, plan_static_decode, start_static_decoder
 from services.pd.runner.deepstack import DeepstackRows
 from services.pd.runner.flex_decode import flex_available
 from services.pd.runner.grammar import BitmaskFiller
 from services.pd.runner.sampler import Sampler
+from services.pd.runner.step_inputs import splice_image_rows, step_position_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -73,26 +66,6 @@ def kv_cache_shape(config, num_blocks: int, block_size: int) -> tuple[int, int, 
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return (config.num_hidden_layers, num_kv_heads, num_blocks, block_size, head_dim)
-
-
-def step_position_ids(chunks: Sequence[ScheduledChunk], mrope: bool = False) -> list[list[int]]:
-    """The rotary positions of every token of a step, in packed order: one row, or three (t, h, w).
-
-    The one place position ids are made: a chunk's tokens sit at
-    ``start_pos, start_pos + 1, ...``; with multimodal RoPE a chunk with a
-    plan (``positions.py``) takes its three rows from it, text-only chunks
-    repeat the token index on every axis. (KV slots follow ``start_pos``
-    too, but are the attention metadata's business, not the model's.)
-    """
-    if not mrope:
-        return [[p for chunk in chunks for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens)]]
-    axes: list[list[int]] = [[], [], []]
-    for chunk in chunks:
-        start, end = chunk.start_pos, chunk.start_pos + chunk.num_tokens
-        rows = [range(start, end)] * 3 if chunk.rope is None else chunk.rope.positions(start, end)
-        for axis, ids in zip(axes, rows):
-            axis.extend(ids)
-    return axes
 
 
 def default_decode_path(device: torch.device, dtype: torch.dtype) -> str:
@@ -115,7 +88,7 @@ class ModelRunner:
     ``linear_backend`` picks who runs the linear layers (``cpu_linear.py``);
     ``"auto"`` = oneDNN for fp32 on CPU when it passes its self-check, else
     PyTorch's own. ``static_decode`` says how decode-only steps run
-    (``decode_graphs.py``); on CUDA its graphs are captured here.
+    (``decode_plan.py``, ``decode_graphs.py``); on CUDA its graphs are captured here.
     The runner keeps no per-request state (seeded sampling derives its RNG
     from the seed and the output length; a grammar's matcher rides on its
     request), so finished requests need no cleanup.
@@ -330,7 +303,9 @@ class ModelRunner:
             deepstack = (
                 DeepstackRows(self.num_deepstack_levels, num_tokens, self.device) if self.num_deepstack_levels else None
             )
-            inputs_embeds = self._embed(chunks, embeddings, deepstack)
+            token_ids = self._index([t for c in chunks for t in c.token_ids])
+            embeds = self.model.get_input_embeddings()(token_ids)  # [T, hidden]
+            inputs_embeds = splice_image_rows(embeds, chunks, embeddings, deepstack)  # [1, T, hidden]
             position_ids = self._index(positions)  # [1, T] or [3, T]
             if self.uses_mrope:
                 position_ids = position_ids[:, None, :]  # [3, 1, T]
@@ -371,33 +346,3 @@ class ModelRunner:
             decode_path=self.decode_path,
             num_blocks=self.num_blocks,
         )
-
-    def _embed(
-        self,
-        chunks: list[ScheduledChunk],
-        embeddings: Mapping[str, torch.Tensor],
-        deepstack: DeepstackRows | None = None,
-    ) -> torch.Tensor:
-        """Token embeddings of the packed batch with image rows spliced in: ``[1, T, hidden]``;
-        each image slice's DeepStack rows go to ``deepstack`` (a model with DeepStack features)."""
-        token_ids = [t for c in chunks for t in c.token_ids]
-        embeds = self.model.get_input_embeddings()(self._index(token_ids))  # [T, hidden]
-        row = 0
-        for chunk in chunks:
-            for image in chunk.image_slices:
-                if image.dst_start < 0 or image.dst_start + image.length > chunk.num_tokens:
-                    raise ValueError("image slice falls outside its chunk")
-                source = embeddings.get(image.mm_hash)
-                if source is None:
-                    raise KeyError("no embedding for an image scheduled in this step")
-                rows = source[image.src_start : image.src_start + image.length]
-                shape_ok = rows.shape[0] == image.length and rows.shape[-1] == embeds.shape[1]
-                if image.src_start < 0 or not shape_ok or (rows.dim() == 3) != (deepstack is not None):
-                    raise ValueError("image slice does not match its embedding's shape")
-                start = row + image.dst_start
-                if deepstack is not None:
-                    deepstack.add(start, rows[:, 1:])  # [length, levels, hidden]
-                    rows = rows[:, 0]
-                embeds[start : start + image.length] = rows.to(embeds.device, embeds.dtype, non_blocking=True)
-            row += chunk.num_tokens
-        return embeds[None]

@@ -17,8 +17,8 @@ import torch
 
 from services.pd import main as pd_main
 from services.pd.config import PdConfig
-from services.pd.runner import decode_graphs, model_runner
-from services.pd.runner.decode_graphs import (
+from services.pd.runner import decode_graphs, decode_plan, model_runner
+from services.pd.runner.decode_plan import (
     DecodePathRefused,
     StaticDecodeConfig,
     StaticDecodePlan,
@@ -94,7 +94,7 @@ def test_a_required_path_that_fails_refuses_in_one_line_naming_the_stage_and_the
 def test_an_optional_path_that_fails_falls_back_to_packed_steps_with_a_warning(caplog):
     decoder = StaticDecoderDouble("warm_up")
     eager = dataclasses.replace(CUDA_PLAN, capture=False, required=False)
-    with caplog.at_level(logging.WARNING, logger=decoder_graphs_logger()):
+    with caplog.at_level(logging.WARNING, logger=decode_plan_logger()):
         assert start_static_decoder(lambda kernel: decoder, eager) is None  # type: ignore[arg-type,return-value]
     assert "packed path" in caplog.text and decoder.calls == ["warm_up"]
     working = StaticDecoderDouble()
@@ -102,8 +102,8 @@ def test_an_optional_path_that_fails_falls_back_to_packed_steps_with_a_warning(c
     assert working.calls == ["warm_up"]  # nothing captured
 
 
-def decoder_graphs_logger() -> str:
-    return decode_graphs.log.name
+def decode_plan_logger() -> str:
+    return decode_plan.log.name
 
 
 # -- the real runner on CPU, with the CUDA plan and a capture double -------------------------------

@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.pd.engine.outputs import ImageSlice, ScheduledChunk, SchedulerOutput
 from services.pd.engine.request import SamplingParams
-from services.pd.runner.decode_graphs import DecodeBuffers, StaticDecodeConfig, batch_ladder
+from services.pd.runner.decode_graphs import DecodeBuffers, batch_ladder
+from services.pd.runner.decode_plan import StaticDecodeConfig
 from services.pd.runner.model_runner import ModelRunner
 
 VOCAB = 512

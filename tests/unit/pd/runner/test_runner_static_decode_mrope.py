@@ -17,7 +17,8 @@ from services.common.models import load_adapter
 from services.pd.engine.outputs import ImageSlice, ScheduledChunk, SchedulerOutput
 from services.pd.engine.positions import build_plan
 from services.pd.engine.request import MultiModalSpan, SamplingParams
-from services.pd.runner.decode_graphs import DecodeBuffers, StaticDecodeConfig
+from services.pd.runner.decode_graphs import DecodeBuffers
+from services.pd.runner.decode_plan import StaticDecodeConfig
 from services.pd.runner.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
