@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import av
 from PIL import Image
 
 from services.common.video_files import (
@@ -46,6 +46,9 @@ from services.common.video_files import (
     sample_indices,
     video_stream,
 )
+
+if TYPE_CHECKING:
+    import av
 
 SEEK_MIN_FRAMES = 16
 """Frames a jump to a keyframe must save before the decoder seeks rather than reads on."""
@@ -82,6 +85,8 @@ class _TimelineMismatch(Exception):
 def _decode(
     data: bytes, limits: VideoLimits, info: VideoInfo, indices: list[int], budget: DecodeBudget, *, by_timestamp: bool
 ) -> list[Image.Image]:
+    import av  # here, not at import: FFmpeg's libraries load with the first video
+
     frames: list[Image.Image] = []
     try:
         with open_container(data) as container:

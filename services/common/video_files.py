@@ -18,9 +18,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
+
+if TYPE_CHECKING:
+    import av  # imported where a video is opened: FFmpeg's libraries load with the first video
 
 ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
 """Video codecs decoded; anything else in an allowed container is refused before decoding. Not MJPEG (nor any
@@ -225,6 +228,8 @@ class open_container:
     as ``VideoFileError``."""
 
     def __init__(self, data: bytes) -> None:
+        import av
+
         kind = sniff(data)
         try:
             self.container = av.open(io.BytesIO(data), mode="r", format=_CONTAINERS[kind])
@@ -252,6 +257,8 @@ def video_stream(container: av.container.InputContainer, limits: VideoLimits) ->
         raise VideoLimitError(
             f"The video's frames have {width * height} pixels; the limit is {limits.max_frame_pixels}."
         )
+    import av
+
     seconds = container.duration / av.time_base if container.duration else 0.0
     if seconds > limits.max_seconds:
         raise VideoLimitError(f"The video is longer than {limits.max_seconds:g} seconds.")
@@ -261,6 +268,8 @@ def video_stream(container: av.container.InputContainer, limits: VideoLimits) ->
 def _count_frames(
     container: av.container.InputContainer, stream: av.VideoStream, limits: VideoLimits, budget: DecodeBudget
 ) -> VideoInfo:
+    import av
+
     rate = stream.average_rate or stream.guessed_rate
     fps = float(rate) if rate else 0.0
     if not fps > 0:

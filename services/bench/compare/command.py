@@ -185,7 +185,9 @@ def _measure(args, target, model_dir: str, plans: dict, run_index: int, runs: di
 
     with servers.serving(target, model_dir, ready_timeout_s=args.ready_timeout, log_dir=args.out) as url:
         model = servers.model_id(url)
-        _warm_up(url, model, args)
+        for record in _warm_up(url, model, args):
+            entry = {"server": target.name, "run": run_index, "workload": "first-after-ready", **record.to_json()}
+            log.write(json.dumps(entry) + "\n")
         for name, requests in plans.items():
             servers.say(f"run {run_index + 1}: {target.name}: {name} ({len(requests)} requests)")
             records = asyncio.run(_schedule(url, requests, workloads.encode(requests, model), args.request_timeout))
@@ -198,17 +200,20 @@ def _measure(args, target, model_dir: str, plans: dict, run_index: int, runs: di
                 log.write(json.dumps(entry) + "\n")
 
 
-def _warm_up(url: str, model: str, args: argparse.Namespace) -> None:
+def _warm_up(url: str, model: str, args: argparse.Namespace) -> list:
     """One text and one image request, repeated until both succeed: first-call costs stay out of the
-    measurement, and a server that serves text before images (an encoder still starting) is waited for."""
+    measurement, and a server that serves text before images (an encoder still starting) is waited for.
+    Returns the first attempt's records (the first requests after ready)."""
     from services.bench.compare import workloads
 
     warm = workloads.warmup(args.seed)
     deadline = time.monotonic() + args.ready_timeout
+    first = None
     while True:
         records = asyncio.run(_schedule(url, warm, workloads.encode(warm, model), args.request_timeout))
+        first = first or records
         if all(r.ok for r in records):
-            return
+            return first
         if time.monotonic() > deadline:
             raise RuntimeError(f"warm-up requests failed for {args.ready_timeout:.0f} s: {records[-1].error}")
         time.sleep(2.0)

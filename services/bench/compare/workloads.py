@@ -41,6 +41,20 @@ WORKLOADS = {
     "image-burst": Workload(
         "image-burst", "16 concurrent requests, one 224x224 PNG each, 32 tokens out", 32, 12, burst_image=16
     ),
+    # Device-sized bursts (a GPU PD serves 64 at once): text alone, and one request in four with an image.
+    **{
+        f"burst-{n}{suffix}": Workload(
+            f"burst-{n}{suffix}",
+            f"{n} concurrent requests, ~100-token prompts, 128 tokens out"
+            + (f", {n // 4} of them with one 224x224 PNG" if images else ", text only"),
+            128,
+            40,
+            burst_text=n - n // 4 if images else n,
+            burst_image=n // 4 if images else 0,
+        )
+        for n in (16, 64)
+        for images, suffix in ((False, ""), (True, "-images"))
+    },
     "mixed": Workload(
         "mixed",
         "open loop for 60 s: text at 1 req/s beside one-image requests at 0.25 req/s, 64 tokens out",

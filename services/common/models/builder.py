@@ -200,10 +200,15 @@ def build_device(preset: Preset) -> tuple[torch.device, torch.dtype]:
     if preset.build_device == "cpu":
         return torch.device("cpu"), torch.float32
     if not torch.cuda.is_available():
+        # Counted on the meta device for LLaVA; the Qwen configs need the trained tokenizer first.
+        size = (
+            f"{num_parameters(preset) / 1e9:.2f}B parameters, about {2 * num_parameters(preset) / 1e9:.0f} GB"
+            if preset.family == "llava"
+            else "billions of parameters"
+        )
         raise ValueError(
-            f"the {preset.name} preset is built on a CUDA device in bfloat16 ({num_parameters(preset) / 1e9:.2f}B "
-            f"parameters, about {2 * num_parameters(preset) / 1e9:.0f} GB; in float32 they do not fit a CPU "
-            "machine's memory), and this machine has no CUDA device: build it on a GPU machine"
+            f"the {preset.name} preset is built on a CUDA device in bfloat16 ({size}; in float32 they do not fit "
+            "a CPU machine's memory), and this machine has no CUDA device: build it on a GPU machine"
         )
     return torch.device("cuda"), torch.bfloat16
 

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from .chat_template import QWEN_VL_CHAT_TEMPLATE
+from .configs import text_config_of
 from .init_weights import initialise_vlm
 from .presets import CLIP_MEAN, CLIP_STD, Preset, QwenVisionShape
 from .tokenizer import (
@@ -107,7 +108,7 @@ def vl_config(
     text = preset.text
     ids = {token: token_id(tokenizer, token) for token in QWEN_SPECIAL_TOKENS}
     text_config = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=max(len(tokenizer), preset.lm_vocab_size),
         hidden_size=text.hidden_size,
         intermediate_size=text.intermediate_size,
         num_hidden_layers=text.num_layers,
@@ -174,11 +175,17 @@ def write_weights(
     progress(f"training tokenizer ({preset.tokenizer_vocab_size} tokens)")
     tokenizer = build_qwen_tokenizer(preset.tokenizer_vocab_size, preset.corpus_lines, seed)
     config = config_of(preset, tokenizer)
-    progress("initialising weights")
+    from .builder import build_device  # here: builder imports this module
+
+    device, dtype = build_device(preset)
+    progress(f"initialising weights on {device} in {str(dtype).removeprefix('torch.')}")
     with torch.device("meta"):
-        model = model_class(config)
-    model = model.to_empty(device="cpu")  # every parameter is written below; buffers are not saved
-    special_ids = token_ids(tokenizer, list(QWEN_SPECIAL_TOKENS))
+        # float32 is the default; naming it would add a "dtype" entry to config.json.
+        model = model_class(config) if dtype == torch.float32 else model_class._from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)  # every parameter is written below; buffers are not saved
+    # Rows past the tokenizer's (a padded vocabulary) count as special: never sampled.
+    vocab_size = text_config_of(config).vocab_size
+    special_ids = [*token_ids(tokenizer, list(QWEN_SPECIAL_TOKENS)), *range(len(tokenizer), vocab_size)]
     initialise_vlm(model, special_ids, seed, preset.context_strength)
     eos = token_ids(tokenizer, [IM_END, ENDOFTEXT])
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1])

@@ -21,14 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model shapes: tiny (tests, seconds) or bench (ViT-B/16 + ~125M LM) LLaVA; "
         "llava-siglip-tiny (SigLIP tower); qwen2.5-vl-tiny, qwen2-vl-tiny (tests) or "
         "qwen2.5-vl-bench (bench-sized Qwen2.5-VL); llava-1.5-7b-random (LLaVA-1.5-7B shapes, "
-        "7.06B parameters; built with --device cuda in bfloat16, ~14 GB)",
+        "7.06B parameters) and qwen2.5-vl-7b-random (Qwen2.5-VL-7B shapes): built with --device cuda in "
+        "bfloat16, ~14 and ~17 GB",
     )
     cli_args.add_flag(
         parser,
         "--device",
         default="",
-        help="where the weights are made: cpu for every preset but llava-1.5-7b-random (float32, "
-        "byte-identical per seed), cuda for it (bfloat16); '' = the preset's",
+        help="where the weights are made: cpu for every preset but the *-7b-random ones (float32, "
+        "byte-identical per seed), cuda for those (bfloat16); '' = the preset's",
     )
     cli_args.add_flag(
         parser,

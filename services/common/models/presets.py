@@ -9,8 +9,8 @@ Qwen3-VL ones (16-pixel patches, DeepStack features, interleaved M-RoPE),
 ``qwen3-vl-moe-tiny`` its mixture-of-experts variant.
 ``llava-1.5-7b-random`` has LLaVA-1.5-7B's shapes (CLIP ViT-L/14-336, a
 32-layer 4096-wide Llama, llava-hf's 32064-row vocabulary; 7.06B parameters)
-for GPU measurements; it is built on CUDA in bfloat16 (about 14 GB) and never
-in CI.
+for GPU measurements, and ``qwen2.5-vl-7b-random`` Qwen2.5-VL-7B's; both are
+built on CUDA in bfloat16 (about 14 and 17 GB) and never in CI.
 """
 
 from __future__ import annotations
@@ -296,6 +296,41 @@ LLAVA_15_7B = Preset(
     build_device="cuda",
 )
 
+# Qwen2.5-VL-7B-Instruct's shapes (its config.json): a 32-layer 1280-wide tower
+# with 112-pixel windows and full attention at layers 7, 15, 23, 31; a 28-layer
+# 3584-wide LM with 4 KV heads and a 152064-row vocabulary. Built on CUDA in
+# bfloat16 (about 17 GB), never in CI.
+QWEN2_5_VL_7B = Preset(
+    name="qwen2.5-vl-7b-random",
+    vision=QwenVisionShape(
+        hidden_size=1280,
+        num_layers=32,
+        num_heads=16,
+        intermediate_size=3420,
+        patch_size=14,
+        min_pixels=56 * 56,
+        max_pixels=28 * 28 * 16384,
+        window_size=112,
+        full_attention_layers=(7, 15, 23, 31),
+    ),
+    text=TextShape(
+        hidden_size=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        intermediate_size=18944,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        mrope_section=(16, 24, 24),
+    ),
+    tokenizer_vocab_size=8192,
+    corpus_lines=20000,
+    context_strength=1.2,
+    lm_vocab_size=152064,
+    family="qwen2_5_vl",
+    build_device="cuda",
+)
+
 # Read-only view: presets are looked up, never registered at runtime.
 PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
     {
@@ -311,6 +346,7 @@ PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
             QWEN3_VL_MOE_TINY,
             QWEN3_VL_BENCH,
             LLAVA_15_7B,
+            QWEN2_5_VL_7B,
         )
     }
 )

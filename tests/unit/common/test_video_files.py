@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import av
 import numpy as np
@@ -409,3 +410,13 @@ def test_the_frame_cap_trusts_no_frame_rate_above_60():
     clip = vp8_static(61, size=(64, 48), fps=1000)  # 0.06 s by its own account
     with pytest.raises(VideoLimitError, match="more than 60 frames"):
         probe(clip, VideoLimits(max_seconds=1.0))
+
+
+def test_ffmpeg_loads_with_the_first_video_not_when_a_service_starts():
+    # A cluster that serves text and images never maps FFmpeg's libraries; a service image may leave PyAV out.
+    code = (
+        "import sys, services.proxy.main, services.encoder.main, services.pd.main, services.common.video_decode\n"
+        "assert 'av' not in sys.modules, 'imported at start-up'\n"
+        "from services.common.video_files import probe, VideoLimits\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=Path(__file__).resolve().parents[3])

@@ -165,6 +165,23 @@ def test_llava_15_7b_preset_has_llava_15_7b_shapes():
     assert build_device(get_preset("tiny")) == (torch.device("cpu"), torch.float32)
 
 
+def test_qwen2_5_vl_7b_preset_has_qwen2_5_vl_7b_shapes():
+    # Counted on the meta device with a small tokenizer: the padded vocabulary is the LM's 152064 rows either way.
+    from services.common.models.builder import build_device
+    from services.common.models.builder_qwen import _FAMILIES, qwen_config
+    from services.common.models.tokenizer import build_qwen_tokenizer
+
+    preset = get_preset("qwen2.5-vl-7b-random")
+    config = qwen_config(preset, build_qwen_tokenizer(1000, 3000, 0))
+    with torch.device("meta"):
+        model = _FAMILIES[preset.family][1](config)
+    assert sum(p.numel() for p in model.parameters()) == 8_292_166_656  # Qwen2.5-VL-7B-Instruct's 8.29B
+    assert config.text_config.vocab_size == 152064
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            build_device(preset)
+
+
 def test_llava_checkpoint_keys_are_in_llava_hf_layout_and_load_unchanged(models_tiny_dir: Path):
     """Other engines (vLLM, SGLang) read llava-hf's names: the vision tower sits under ``vision_model``."""
     import torch
