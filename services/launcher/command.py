@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
 import secrets
 import signal
@@ -50,6 +51,10 @@ from services.launcher.flags import add_arguments, health_policy, restart_policy
 from services.launcher.metrics import LauncherMetrics
 from services.launcher.specs import ServiceSpec, pd_roles, service_specs
 from services.launcher.supervisor import StartupFailed, Supervisor
+
+ROUTES_TO_ALL_TIMEOUT_S = 10.0
+"""How long ``cluster ready`` waits, after every service's own ready line, for the proxy to see them all: its
+health watch retries a service that was not up yet with backoff (at most 2 s between tries)."""
 
 
 def launcher_security(
@@ -76,8 +81,8 @@ def launcher_security(
     return transport, env
 
 
-def _http_health(address: str, launch_key: str, timeout_s: float) -> int | None:
-    """The status of the proxy's ``/health`` when the listener proved ``launch_key``, else None.
+def _http_health(address: str, launch_key: str, timeout_s: float) -> tuple[int, bytes] | None:
+    """The status and body of the proxy's ``/health`` when the listener proved ``launch_key``, else None.
 
     The challenge travels as a request header and the proof as a response header, as on gRPC
     (``services/common/launch_proof.py``); any status counts, a 503 included.
@@ -88,23 +93,53 @@ def _http_health(address: str, launch_key: str, timeout_s: float) -> int | None:
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-            status, headers = reply.status, reply.headers
+            status, headers, body = reply.status, reply.headers, reply.read(1 << 20)
     except urllib.error.HTTPError as error:
-        status, headers = error.code, error.headers
+        status, headers, body = error.code, error.headers, b""
     except OSError:
         return None
     if not launch_proof.verify(launch_key, challenge, list(headers.items())):
         return None
-    return status
+    return status, body
 
 
 def _http_ready(address: str, launch_key: str) -> bool:
-    return _http_health(address, launch_key, 2.0) == 200
+    answer = _http_health(address, launch_key, 2.0)
+    return answer is not None and answer[0] == 200
 
 
 def _http_answers(address: str, launch_key: str, timeout_s: float) -> bool:
     """Whether the proxy answers ``/health`` at all: a 503 (no PD ready) is still a live proxy."""
     return _http_health(address, launch_key, timeout_s) is not None
+
+
+def _http_routes_to_all(address: str, launch_key: str) -> bool:
+    """Whether the proxy's ``/health`` reports every encoder and PD it knows as ready (routable)."""
+    answer = _http_health(address, launch_key, 2.0)
+    if answer is None or answer[0] != 200:
+        return False
+    try:
+        report = json.loads(answer[1])
+        return all(all(ready.values()) for kind, ready in report.items() if kind != "status")
+    except (ValueError, AttributeError):
+        return False
+
+
+async def _wait_proxy_routes_to_all(supervisor: Supervisor, timeout_s: float, stop: asyncio.Event) -> bool:
+    """Until the proxy routes to every instance (its health watch notices a newly ready one within a few
+    seconds of its own ready line), so that ``cluster ready`` means what it says; False after ``timeout_s``."""
+    proxies = [c for c in supervisor.children if c.spec.kind == "proxy"]
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        answers = await asyncio.gather(
+            *(asyncio.to_thread(_http_routes_to_all, c.spec.address, c.launch_key) for c in proxies)
+        )
+        if all(answers):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return False
 
 
 def _alive_check(transport: security.InternalSecurity, timeout_s: float):
@@ -177,6 +212,8 @@ async def _supervise(
     try:
         supervisor.start_all()
         await supervisor.wait_ready(args.startup_timeout, stop)
+        if not await _wait_proxy_routes_to_all(supervisor, ROUTES_TO_ALL_TIMEOUT_S, stop) and not stop.is_set():
+            print("epd: the proxy does not see every service ready yet; it routes to those it sees", flush=True)
         if stop.is_set():
             return 130
         took = time.monotonic() - started

@@ -137,8 +137,12 @@ class Attempt:
         return message
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:
-        """Records a PD error for the breaker and metrics."""
-        self.outcome = outcome_of(error.code())
+        """Records a PD error for the breaker and metrics. An error another instance caused
+        (``pd_is_innocent``: E+P+D's decode instance) is not held against this PD's breaker: a dead decode
+        instance would otherwise open the breakers of the prefill instances that tried it, and with them
+        every route."""
+        if not self.pd_is_innocent:
+            self.outcome = outcome_of(error.code())
         self.status = error.code().name
 
     def count(self, metrics: ProxyMetrics) -> None:

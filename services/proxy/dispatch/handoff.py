@@ -108,14 +108,19 @@ class HandoffAttempt(Attempt):
             message.usage.cached_tokens = self.prefill_cached_tokens
         return message
 
-    def _blame_decode(self, error: grpc.aio.AioRpcError) -> None:
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        if self.prefill_status is not None:  # P's part ended well: the stream that broke is D's
+            self._blame_decode(error, retry=False)  # the pipeline notes the retry, if it makes one
+        super().fail(error)
+
+    def _blame_decode(self, error: grpc.aio.AioRpcError, *, retry: bool = True) -> None:
         self.decode_outcome = outcome_of(error.code())
         self.pd_is_innocent = True
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.decode.mark_busy(1.0)
-        # The decode instance failed the job before its first token: the job's next try avoids it.
+        # The decode instance failed the job: the job's next try avoids it.
         self.job.decodes_tried.add(self.decode.address)
-        if error.code() in _DECODE_RETRY_CODES:
+        if retry and error.code() in _DECODE_RETRY_CODES:
             note_retry(self.calls.metrics, self.decode, error.code(), self.job.request_id)
 
     def count(self, metrics: ProxyMetrics) -> None:

@@ -167,7 +167,9 @@ class Pipeline:
             except grpc.aio.AioRpcError as error:
                 attempt.fail(error)
                 if buffered and error.code() == S.UNAVAILABLE and job.trace.num_pd_attempts < self.pd_attempts:
-                    note_retry(self.metrics, attempt.pd, error.code(), attempt.request_id)
+                    note_retry(self.metrics, attempt.streaming, error.code(), attempt.request_id)
+                    if attempt.pd_is_innocent:  # E+P+D: the decode instance's stream broke, not the prefill's
+                        tried.discard(attempt.pd.address)
                     continue  # (the finally below releases this attempt first)
                 raise self._to_api_error(error, attempt.request_id) from None
             except BackendError as failure:

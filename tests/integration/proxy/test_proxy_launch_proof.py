@@ -104,3 +104,21 @@ async def test_the_proxy_proves_its_launch_key_on_http_health(cluster_factory):
     assert not await asyncio.to_thread(up._http_ready, address, launch_proof.new_launch_key())
     reply = await cluster.client.get("/health")  # no challenge, no proof
     assert reply.status_code == 200 and launch_proof.PROOF_METADATA_KEY not in reply.headers
+
+
+async def test_cluster_ready_waits_until_the_proxy_routes_to_every_instance(cluster_factory):
+    """``epd up`` says ``cluster ready`` once the proxy's health watch sees every service, not just one PD."""
+    key = launch_proof.new_launch_key()
+    cluster = await cluster_factory(num_pds=2, http=True, security=InternalSecurity(launch_key=key))
+    address = cluster.base_url.removeprefix("http://")
+    await asyncio.wait_for(_until(up._http_routes_to_all, address, key), 10)
+    await cluster.servers[1].set_ready(False)  # the second PD: NOT_SERVING
+    await asyncio.wait_for(_until(lambda *a: not up._http_routes_to_all(*a), address, key), 10)
+    assert await asyncio.to_thread(up._http_ready, address, key)  # one PD is enough for /health's 200
+    await cluster.servers[1].set_ready(True)
+    await asyncio.wait_for(_until(up._http_routes_to_all, address, key), 10)
+
+
+async def _until(check, *args) -> None:
+    while not await asyncio.to_thread(check, *args):
+        await asyncio.sleep(0.05)
