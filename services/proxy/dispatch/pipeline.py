@@ -207,7 +207,8 @@ class Pipeline:
                     pd.mark_busy(retry_after_s(error))
                 if error.code() not in _PD_RETRY_CODES:
                     raise self._to_api_error(error, attempt.request_id) from None
-                note_retry(self.metrics, pd, error.code(), attempt.request_id)
+                if not attempt.pd_is_innocent:  # (the instance at fault counted its own retry)
+                    note_retry(self.metrics, pd, error.code(), attempt.request_id)
                 last = BackendError(error, pd)
             except BackendError as failure:
                 if failure.pd_push:  # PD's hop failed: PD answers for it
