@@ -28,7 +28,7 @@ COMMANDS = {
     "make-model": ("services.common.models.cli", "build a random-weight checkpoint (LLaVA or Qwen-VL) offline"),
     "bench": (
         "services.bench.main",
-        "side-by-side benchmarks: compare, engine, grammar, linear, multiturn, photos, serve, slo, soak, transfer",
+        "side-by-side benchmarks: compare, engine, grammar, linear, multiturn, photos, serve, slo, soak, step-profile, transfer",
     ),
     "health": ("services.common.healthcheck", "check a service's readiness (gRPC health or HTTP); exit 0 when ready"),
 }
