@@ -171,34 +171,36 @@ def _mixed(core, device, batch: int, args, vocab: int, out: Path) -> dict[str, A
 
 
 def _encoder(args, out: Path) -> dict[str, Any]:
+    """The vision tower + projector as the encoder runs them (``vision_io.encode_images``), loaded once."""
     import numpy as np
     import torch
     from PIL import Image
 
-    from services.common.models.loaded_vision import LoadedVision
-
-    vision = LoadedVision.load(args.model, args.device, args.dtype)
-    adapter_image = Image.fromarray(
-        np.random.default_rng(0).integers(0, 256, size=(args.image_size, args.image_size, 3), dtype=np.uint8)
-    )
+    from services.common.devices import exact_float32, resolve_device, resolve_dtype
     from services.common.models.builder import ensure_model
     from services.common.models.families import load_adapter
+    from services.common.models.vision_io import encode_images
 
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    exact_float32(device, dtype)
     adapter = load_adapter(str(ensure_model(args.model)))
-    sample = adapter.process_image(adapter.load_processor().image_processor, adapter_image)
+    module = adapter.load_vision(device, dtype).eval()
+    pixels_rgb = np.random.default_rng(0).integers(0, 256, size=(args.image_size, args.image_size, 3), dtype=np.uint8)
+    sample = adapter.process_image(adapter.load_processor().image_processor, Image.fromarray(pixels_rgb))
     pixels = torch.from_numpy(sample.pixel_values)
     result: dict[str, Any] = {"image_size": args.image_size, "tokens_per_image": sample.num_tokens}
     with torch.inference_mode():
         for batch in sorted({1, args.encoder_batch}):
             items = [(pixels, sample.patch_grid)] * batch
             for _ in range(2):
-                vision.encode(items)
-            _sync(vision.device)
+                encode_images(module, items, device, dtype)
+            _sync(device)
             rounds = 5
             started = time.perf_counter()
             for _ in range(rounds):
-                vision.encode(items)
-            _sync(vision.device)
+                encode_images(module, items, device, dtype)
+            _sync(device)
             seconds = (time.perf_counter() - started) / rounds
             result[f"batch{batch}"] = {"ms": round(seconds * 1000, 2), "images_s": round(batch / seconds, 1)}
     return result
