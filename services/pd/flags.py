@@ -19,6 +19,7 @@ from services.pd.engine.step_budget import (
     AUTO_TARGET_MULTIPLE,
     AUTO_TTFT_MULTIPLE,
     DEFAULT_MIN_PREFILL_TOKENS,
+    HEAD_STEP_MULTIPLE,
     TYPICAL_PROMPT_TOKENS,
 )
 from services.pd.limit_flags import add_limit_arguments
@@ -207,8 +208,9 @@ def _add_slo_arguments(parser: argparse.ArgumentParser) -> None:
         help="inter-token latency PD keeps for decoding streams: while anything decodes, each step's prefill "
         "chunk is sized from an online model of step time (fitted to the steps PD runs, seeded by the warm-up) "
         "so that the step, plus engine-thread work since the last one (colocated: the vision forward), stays "
-        "within it, unless waiting prompts need more (see --slo-ttft-ms); with nothing decoding prefill gets "
-        f"the whole --max-num-batched-tokens. auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step "
+        "within it, unless waiting prompts need more: the prompt first in line may take a step of up to "
+        f"{HEAD_STEP_MULTIPLE:g} targets, so it starts in one step; see also --slo-ttft-ms. With nothing "
+        f"decoding prefill gets the whole --max-num-batched-tokens. auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step "
         "at the current batch; a number = that many ms; 0 = off: every step may prefill up to "
         "--max-num-batched-tokens whatever decodes. --target-itl-ms is an alias kept for older deployments "
         "[env EPD_SLO_ITL_MS, or EPD_TARGET_ITL_MS; default: auto]",

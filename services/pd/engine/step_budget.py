@@ -14,13 +14,14 @@ step it ran (which the ``StepTimeModel`` learns from). The rule:
   share** is the prefill chunk predicted to keep that wait within the ITL
   target: ``since_last_step + predicted(decode rows, prefill tokens) <=
   target``, using the online ``StepTimeModel``;
-- waiting prompts may claim more (``slo.py``): the **deadline share**, the
-  least chunk per step that lets every prompt still able to meet its TTFT
+- waiting prompts may claim more (``slo.py``): the **head share**, the
+  prompt first in line whole if the step stays within ``HEAD_STEP_MULTIPLE``
+  ITL targets (else what fits); the **deadline share**, the least chunk per step that lets every prompt still able to meet its TTFT
   deadline meet it (an approaching deadline wins over the ITL target; a lost
   one does not), and the **queue share** (a burst, many prompts waiting
   beside few streams, is prefilled in one step, or in whole-cap steps until
   what it had queued is computed; a few waiting prompts get one ITL share
-  each). The step takes the largest of the three;
+  each). The step takes the largest of the four;
 - the ITL target is ``--slo-itl-ms``, or with ``auto`` ``AUTO_TARGET_MULTIPLE``
   times the predicted decode-only step of the current batch; the TTFT target
   is ``--slo-ttft-ms``, or with ``auto`` ``AUTO_TTFT_MULTIPLE`` times the
@@ -70,6 +71,13 @@ AUTO_TTFT_MULTIPLE = 4.0
 (at least that of a ``TYPICAL_PROMPT_TOKENS`` prompt): room to queue behind a few others."""
 TYPICAL_PROMPT_TOKENS = 256
 """The prompt length whose lone prefill sets the shortest auto TTFT target (the one metrics show)."""
+HEAD_STEP_MULTIPLE = 8.0
+"""The longest step the prompt at the head of the queue may make, in ITL targets (``slo.head_share``).
+
+With ``auto``, ten decode-only steps: on the bench checkpoint on two CPU
+cores 250-700 prompt tokens beside 1-30 decoding streams, so a typical
+prompt, an image's included, starts in one step, while a prompt of thousands
+of tokens is still split and no stream waits many seconds for one step."""
 DEFAULT_MIN_PREFILL_TOKENS = 16
 """Prefill tokens every step may take whatever the target (one KV block with the default block size)."""
 PREDICTION_RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
@@ -193,8 +201,10 @@ class StepBudget:
             self._target_s = self.target_s(base_s)
             itl_share = self._fit(self._target_s - since_last_step_s - base_s)
             per_token_s = self.model.prefill_seconds_per_token
+            head_fits = self._fit(HEAD_STEP_MULTIPLE * self._target_s - since_last_step_s - base_s)
             budget = max(
                 itl_share,
+                slo.head_share(queue, head_fits),
                 slo.queue_share(queue, itl_share, cap, decoding.num_decode_rows),
                 slo.deadline_share(queue, base_s, per_token_s, cap, since_last_step_s),
                 min(cap, self._owed_to_burst(queue, decoding.num_decode_rows)),

@@ -58,9 +58,9 @@ def test_a_burst_larger_than_the_cap_is_finished_in_whole_cap_steps():
     busy = StepShape(29, 0, 5000)
     assert b.prefill_budget(busy, queue=tail) == 652
     b.after_step(_prefill_step(652), started=2.0, ended=2.3)
-    # Paid off: the next prompts behind the busy batch get one ITL share each again.
+    # Paid off: of the next prompts behind the busy batch, the first in line goes whole; the rest wait their turn.
     later = [PendingPrompt(500, 1e6)] * 3
-    assert b.prefill_budget(busy, queue=later) == 3 * b.prefill_budget(busy)
+    assert b.prefill_budget(busy, queue=later) == 500
 
 
 def test_what_a_burst_is_owed_never_exceeds_what_is_queued():
@@ -70,19 +70,26 @@ def test_what_a_burst_is_owed_never_exceeds_what_is_queued():
     # Its prompts were aborted: one short prompt is left, and it gets only what it needs (not the cap).
     assert alone < 100 and b.prefill_budget(busy, queue=[PendingPrompt(100, 1e6)]) == 100
     b.after_step(_prefill_step(100), started=1.0, ended=1.2)
-    # A prompt arriving later is not owed the rest of the old burst.
-    assert b.prefill_budget(busy, queue=[PendingPrompt(800, 1e6)]) == b.prefill_budget(busy) < 100
+    # Prompts arriving later are not owed the rest of the old burst (1600 here): the first in line goes whole.
+    assert b.prefill_budget(busy, queue=[PendingPrompt(800, 1e6)] * 2) == 800
 
 
 def _prefill_step(num_tokens: int) -> SchedulerOutput:
     return SchedulerOutput(chunks=[ScheduledChunk("p", [1] * num_tokens, 0, [0])])
 
 
-def test_a_few_prompts_behind_many_streams_get_one_itl_share_each():
+def head_fits(b: StepBudget, shape: StepShape) -> int:
+    """The head share of a prompt too long for one step (no deadline, alone in the queue)."""
+    return b.prefill_budget(shape, queue=[PendingPrompt(10**6, 1e6)])
+
+
+def test_a_few_prompts_behind_many_streams_start_one_per_step():
     b = budget()
-    busy = StepShape(16, 0, 4000)
+    busy = StepShape(16, 0, 4000)  # 82 ms decode-only: 102.5 ms target; 8 targets = 820 ms
     alone = b.prefill_budget(busy)
-    assert b.prefill_budget(busy, queue=[PendingPrompt(500, 1e6)] * 3) == 3 * alone
+    assert b.prefill_budget(busy, queue=[PendingPrompt(500, 1e6)] * 3) == 500  # the first in line, whole
+    # Prompts too long for one step: the first gets what fits in 8 targets, more than an ITL share each.
+    assert 3 * alone < b.prefill_budget(busy, queue=[PendingPrompt(3000, 1e6)] * 3) == head_fits(b, busy) < 3000
 
 
 def test_a_burst_at_an_idle_engine_gets_the_whole_cap():
@@ -90,31 +97,39 @@ def test_a_burst_at_an_idle_engine_gets_the_whole_cap():
     assert b.prefill_budget(StepShape(0, 0, 0), queue=[PendingPrompt(100, 5.0)] * 32) == CAP
 
 
-def test_one_prompt_behind_a_busy_batch_advances_at_the_itl_share():
+def test_one_prompt_behind_a_busy_batch_starts_in_one_step_if_it_fits():
     b = budget()
-    alone = itl_share(b)
-    assert b.prefill_budget(DECODING, queue=[PendingPrompt(800, 100.0)]) == alone
+    target = b.target_s(law(DECODING))  # 57.5 ms
+    assert b.prefill_budget(DECODING, queue=[PendingPrompt(800, 100.0)]) == 800
+    # Too long for one step of 8 targets: as much of it as fits, and the step stays within them.
+    tokens = b.prefill_budget(DECODING, queue=[PendingPrompt(5000, 100.0)])
+    assert itl_share(b) < tokens < 5000
+    assert law(StepShape(8, tokens, 2000)) <= 8 * target + 1e-9 < law(StepShape(8, tokens + 2, 2000))
+    # Time the engine thread already spent since the last step comes off it.
+    assert b.prefill_budget(DECODING, 0.1, queue=[PendingPrompt(5000, 100.0)]) == tokens - 200
 
 
 def test_an_approaching_deadline_wins_over_the_itl_target():
     b = budget(itl_s=0.050)  # 4 ms of prefill room: 8 tokens, i.e. the 16-token minimum
     assert itl_share(b) == 16
-    # 600 tokens due in 1 s: at most (1 - 0.3) / 0.046 = 15 steps, so 40 tokens a step.
-    tokens = b.prefill_budget(DECODING, queue=[PendingPrompt(600, 1.0)])
-    steps = math.ceil(600 / tokens)
-    assert tokens > 16
-    assert steps * law(DECODING) + 600 * PER_TOKEN_S <= 1.0 + 0.01  # it makes the deadline
-    # Closer deadlines ask for more, up to the whole prompt in one step.
-    closer = b.prefill_budget(DECODING, queue=[PendingPrompt(600, 0.4)])
-    assert closer > tokens and closer <= 600
-    distant = b.prefill_budget(DECODING, queue=[PendingPrompt(600, 60.0)])
-    assert distant == 16  # a distant deadline asks for nothing
+    head = head_fits(b, DECODING)  # (8 * 50 - 46) ms of prefill: 708 tokens
+    assert head == 708
+    # 3000 tokens due in 2.5 s: at most (2.5 - 1.5) / 0.046 = 21 steps, so 143 tokens a step: the head share is more.
+    assert b.prefill_budget(DECODING, queue=[PendingPrompt(3000, 2.5)]) == head
+    # Due in 1.6 s: two steps of 1500, more than the head share.
+    tokens = b.prefill_budget(DECODING, queue=[PendingPrompt(3000, 1.6)])
+    assert tokens == 1500 and 2 * law(DECODING) + 3000 * PER_TOKEN_S <= 1.6  # it makes the deadline
+    # Behind a prompt with no deadline left, a short one due soon still gets what it needs.
+    queue = [PendingPrompt(100, 1e6), PendingPrompt(1900, 1.1)]
+    assert b.prefill_budget(DECODING, queue=queue) == 1000
+    distant = b.prefill_budget(DECODING, queue=[PendingPrompt(3000, 60.0)])
+    assert distant == head  # a distant deadline asks for nothing
 
 
-def test_a_lost_deadline_does_not_override_the_itl_target():
+def test_a_lost_deadline_asks_for_no_more_than_the_head_share():
     b = budget(itl_s=0.050)
-    # 4000 tokens cannot be computed in 0.5 s even in whole-cap steps: the streams keep their target.
-    assert b.prefill_budget(DECODING, queue=[PendingPrompt(4000, 0.5)]) == 16
+    # 4000 tokens cannot be computed in 0.5 s even in whole-cap steps: no deadline share, not the cap.
+    assert b.prefill_budget(DECODING, queue=[PendingPrompt(4000, 0.5)]) == head_fits(b, DECODING) < CAP
     # ... but a prompt behind it that can still make its own deadline gets what it needs.
     queue = [PendingPrompt(300, -2.0), PendingPrompt(50, 0.5)]
     tokens = b.prefill_budget(DECODING, queue=queue)
@@ -128,10 +143,11 @@ def test_a_decode_flood_still_lets_prompts_advance():
     assert b.prefill_budget(flood, queue=[PendingPrompt(500, -1.0)]) == 16
 
 
-def test_the_ttft_target_off_leaves_only_the_itl_and_queue_shares():
+def test_the_ttft_target_off_leaves_the_itl_head_and_queue_shares():
     b = budget(itl_s=0.050, ttft_s=0.0)
     assert b.ttft_target_s(100) == math.inf
-    assert b.prefill_budget(DECODING, queue=slo_queue(b, [(600, 0.0)], now=0.5)) == 16
+    assert b.prefill_budget(DECODING, queue=slo_queue(b, [(600, 0.0)], now=0.5)) == 600
+    assert b.prefill_budget(DECODING, queue=slo_queue(b, [(3000, 0.0)], now=0.5)) == head_fits(b, DECODING)
 
 
 def slo_queue(b: StepBudget, prompts: list[tuple[int, float]], now: float) -> list[PendingPrompt]:
@@ -289,3 +305,9 @@ def test_the_deadline_share_walks_the_queue_in_the_order_it_is_served():
     assert deadline_share(fcfs, base_s, per_token_s, CAP) == deadline_share(fcfs[:1], base_s, per_token_s, CAP)
     saved = deadline_share(edf[:1], base_s, per_token_s, CAP)
     assert saved > 0 and share >= deadline_share(edf, base_s, per_token_s, CAP) >= saved
+
+
+def test_head_share_is_the_first_prompt_whole_or_what_fits():
+    assert slo.head_share([], 100) == 0
+    assert slo.head_share([PendingPrompt(50, 1.0), PendingPrompt(500, 1.0)], 100) == 50
+    assert slo.head_share([PendingPrompt(500, -1.0)], 100) == 100

@@ -11,7 +11,7 @@ import pytest
 from core_support import FakeClock, FakeTimer, RunnerDouble, make_core
 
 from services.pd.engine.request import Request, SamplingParams
-from services.pd.engine.step_budget import AUTO_TARGET_MULTIPLE, BudgetConfig, StepBudget
+from services.pd.engine.step_budget import AUTO_TARGET_MULTIPLE, HEAD_STEP_MULTIPLE, BudgetConfig, StepBudget
 from services.pd.engine.step_time_model import StepShape
 from services.pd.step_calibration import NUM_OUTPUT_TOKENS, SHORT_PROMPT, CalibrationPlan, calibration_prompt
 
@@ -29,18 +29,20 @@ def law(shape: StepShape) -> float:
 class Engine:
     """The core with a real ``StepBudget``, whose steps take ``law`` seconds of a fake timer."""
 
-    def __init__(self, target_itl_s: float | None) -> None:
+    def __init__(self, target_itl_s: float | None, cap: int = CAP) -> None:
         self.timer = FakeTimer(100.0)
         runner = RunnerDouble()
         runner.on_step = lambda out, embeddings: self.timer.advance(law(StepShape.of_output(out)))
-        self.budget = StepBudget(BudgetConfig(CAP, target_itl_s, MIN_PREFILL))
+        self.cap = cap
+        self.budget = StepBudget(BudgetConfig(cap, target_itl_s, MIN_PREFILL))
         self.core = make_core(
             clock=FakeClock(),
             runner=runner,
             step_budget=self.budget,
             timer=self.timer,
-            num_blocks=256,
-            max_num_batched_tokens=CAP,
+            num_blocks=512,
+            max_num_batched_tokens=cap,
+            max_model_len=1024,
             max_num_seqs=16,
         )
         self._next_id = 0
@@ -59,7 +61,7 @@ class Engine:
     def step(self) -> list[tuple[str, int]]:
         self.core.step()
         out = self.core.scheduler.last_output
-        assert out.num_batched_tokens <= CAP
+        assert out.num_batched_tokens <= self.cap
         self.core.check_integrity()
         return [(c.request_id, c.num_tokens) for c in out.chunks]
 
@@ -120,15 +122,15 @@ def test_target_zero_prefills_the_whole_budget_while_decoding():
     engine.run()
 
 
-def test_auto_target_sizes_prefill_to_one_more_decode_step():
-    engine = Engine(target_itl_s=None)
+def test_auto_target_bounds_the_step_of_the_prompt_first_in_line():
+    engine = Engine(target_itl_s=None, cap=2048)
     engine.warm_up()
     decoders = [engine.add(8, max_tokens=30) for _ in range(6)]
     for _ in range(5):
         engine.step()
-    prompt = engine.add(200, max_tokens=2)
+    prompt = engine.add(1000, max_tokens=2)  # too long for one step of HEAD_STEP_MULTIPLE targets
     decoding = StepShape.decoding(engine.core.scheduler.running)
-    expected = (AUTO_TARGET_MULTIPLE - 1) * law(decoding) / 0.0005
+    expected = (HEAD_STEP_MULTIPLE * AUTO_TARGET_MULTIPLE - 1) * law(decoding) / 0.0005
     chunks = engine.step()
     assert engine.prefill_of(chunks, prompt) == pytest.approx(expected, abs=3)
     assert engine.budget.snapshot().itl_target_s == pytest.approx(AUTO_TARGET_MULTIPLE * law(decoding), rel=0.05)
