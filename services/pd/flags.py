@@ -210,8 +210,8 @@ def _add_slo_arguments(parser: argparse.ArgumentParser) -> None:
         "so that the step, plus engine-thread work since the last one (colocated: the vision forward), stays "
         "within it, unless waiting prompts need more: the prompt first in line may take a step of up to "
         f"{HEAD_STEP_MULTIPLE:g} targets, so it starts in one step; see also --slo-ttft-ms. With nothing "
-        f"decoding prefill gets the whole --max-num-batched-tokens. auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step "
-        "at the current batch; a number = that many ms; 0 = off: every step may prefill up to "
+        "decoding prefill gets the whole --max-num-batched-tokens. "
+        f"auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step at the current batch; a number = that many ms; 0 = off: every step may prefill up to "
         "--max-num-batched-tokens whatever decodes. --target-itl-ms is an alias kept for older deployments "
         "[env EPD_SLO_ITL_MS, or EPD_TARGET_ITL_MS; default: auto]",
     )

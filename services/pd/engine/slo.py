@@ -2,7 +2,7 @@
 
 The step budget (``step_budget.py``) keeps decoding streams within their
 inter-token latency (ITL) target. This module says when, and by how much,
-waiting prompts override it, by three rules:
+waiting prompts override it, by these rules:
 
 - **Earliest deadline first.** Prefill is served in TTFT-deadline order,
   running prefills and waiting prompts alike (``prefill_key``): a short prompt
@@ -61,9 +61,9 @@ waiting prompts override it, by three rules:
   is computed (``StepBudget`` keeps the count), and each step takes what is
   still owed, up to the cap.
 
-The step takes the largest of the ITL, head, deadline and queue shares, never more
-than ``--max-num-batched-tokens`` (the hard cap) and never less than the
-starvation guard (``--min-prefill-tokens``).
+The step takes the largest of the ITL, head, deadline and queue shares,
+never more than ``--max-num-batched-tokens`` (the hard cap) and never less
+than the starvation guard (``--min-prefill-tokens``).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ step it ran (which the ``StepTimeModel`` learns from). The rule:
   target``, using the online ``StepTimeModel``;
 - waiting prompts may claim more (``slo.py``): the **head share**, the
   prompt first in line whole if the step stays within ``HEAD_STEP_MULTIPLE``
-  ITL targets (else what fits); the **deadline share**, the least chunk per step that lets every prompt still able to meet its TTFT
-  deadline meet it (an approaching deadline wins over the ITL target; a lost
-  one does not), and the **queue share** (a burst, many prompts waiting
+  ITL targets (else what fits); the **deadline share**, the least chunk per
+  step that lets every prompt still able to meet its TTFT deadline meet it
+  (an approaching deadline wins over the ITL target; a lost one does not);
+  and the **queue share** (a burst, many prompts waiting
   beside few streams, is prefilled in one step, or in whole-cap steps until
   what it had queued is computed; a few waiting prompts get one ITL share
   each). The step takes the largest of the four;
