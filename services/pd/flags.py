@@ -211,7 +211,8 @@ def _add_slo_arguments(parser: argparse.ArgumentParser) -> None:
         "within it, unless waiting prompts need more: the prompt first in line may take a step of up to "
         f"{HEAD_STEP_MULTIPLE:g} targets, so it starts in one step; see also --slo-ttft-ms. With nothing "
         "decoding prefill gets the whole --max-num-batched-tokens. "
-        f"auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step at the current batch; a number = that many ms; 0 = off: every step may prefill up to "
+        f"auto = {AUTO_TARGET_MULTIPLE:g}x the predicted decode-only step at the current batch; "
+        "a number = that many ms; 0 = off: every step may prefill up to "
         "--max-num-batched-tokens whatever decodes. --target-itl-ms is an alias kept for older deployments "
         "[env EPD_SLO_ITL_MS, or EPD_TARGET_ITL_MS; default: auto]",
     )
@@ -222,10 +223,11 @@ def _add_slo_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="time to first token PD aims at for each prompt, counted from its arrival at PD less the time it "
         "waited for its images: a prompt whose deadline approaches gets the prefill it needs even if that "
-        "step exceeds --slo-itl-ms (a prompt that can no longer make it does not); several waiting prompts "
-        f"get one ITL share each. auto = {AUTO_TTFT_MULTIPLE:g}x the predicted lone prefill of the prompt, "
-        f"at least of a {TYPICAL_PROMPT_TOKENS}-token prompt (predictions seeded by the warm-up's measured "
-        "steps); a number = that many ms for every prompt; 0 = off (no deadline share)",
+        "step exceeds --slo-itl-ms (a prompt that can no longer make it does not); beside the prompt first "
+        "in line, several waiting prompts get one ITL share each. "
+        f"auto = {AUTO_TTFT_MULTIPLE:g}x the predicted lone prefill of the prompt, at least of a "
+        f"{TYPICAL_PROMPT_TOKENS}-token prompt (predictions seeded by the warm-up's measured steps); "
+        "a number = that many ms for every prompt; 0 = off (no deadline share)",
     )
 
 

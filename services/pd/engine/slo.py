@@ -50,8 +50,8 @@ waiting prompts override it, by these rules:
   once and the decode batch fills, which is what a burst's throughput needs.
   With fewer waiting prompts a long step would stretch many streams' gaps
   for few prompts, so each waiting prompt gets the ITL share one prompt
-  alone would get (``W`` times it in all): one prompt behind a busy batch,
-  such as a long image prompt, advances at the ITL pace.
+  alone would get (``W`` times it in all), beside the head share that
+  starts the first of them.
 - **A burst is finished as a burst.** A burst larger than the cap takes
   several steps, and after the first its own prompts are decoding streams:
   its last few prompts are then few beside many and would get one ITL share
