@@ -1,4 +1,4 @@
-"""Linear layers under serving-like batch sizes: torch against oneDNN, raw and row-bucketed.
+"""Linear layers under serving-like batch sizes: torch against oneDNN (raw and row-bucketed) and the kernel.
 
 ``epd bench linear`` runs the bench checkpoint's language-model linear
 shapes (q/k/v, o, gate/up, down, lm_head) on random row counts, the way a
@@ -11,7 +11,13 @@ growth in between; plus each backend's time relative to torch.
 - ``torch``: ``F.linear`` (MKL sgemm), the PD's ``--linear-backend torch``;
 - ``onednn-raw``: oneDNN's matmul on the raw row count (one primitive per
   shape it has ever seen);
-- ``onednn``: the PD's default, rows padded with ``padded_rows``.
+- ``onednn``: rows padded with ``padded_rows``, the PD's fallback;
+- ``kernel``: the PD's default, the C kernel over weights packed once
+  (``cpu_kernels/linear.c``).
+
+The weights of one batch fit in a large last-level cache, so this measures
+the arithmetic and the per-shape memory more than the memory reads a real
+model's decode step is bound by (``epd bench step-profile`` times those).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from services.bench.serve.report import markdown_table
 from services.bench.soak.report import rss_bytes
 from services.common import cli_args
 
-BACKENDS = ("torch", "onednn-raw", "onednn")
+BACKENDS = ("torch", "onednn-raw", "onednn", "kernel")
 SHAPES = ((768, 768), (3072, 768), (768, 3072), (8192, 768))
 """(out, in) of the bench LM's linears: q/k/v/o, gate/up, down, lm_head."""
 
@@ -57,12 +63,18 @@ def _child(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
+    from services.pd.runner.cpu_kernels import load_linear
     from services.pd.runner.cpu_linear import onednn_linear
 
     torch.set_num_threads(args.threads)
     backend = args.child
     generator = torch.Generator().manual_seed(args.seed)
     weights = [torch.randn(out, inp, generator=generator) for out, inp in SHAPES]
+    kernel = load_linear() if backend == "kernel" else None
+    if backend == "kernel" and kernel is None:
+        print("the CPU linear kernel could not be built here", file=sys.stderr)
+        return 1
+    packed = [kernel.pack(weight) for weight in weights] if kernel is not None else []
     rng = random.Random(args.seed)
     rss_warm, start = 0.0, 0.0
     with torch.inference_mode():
@@ -70,10 +82,12 @@ def _child(args: argparse.Namespace) -> int:
             if index == args.warmup:
                 rss_warm, start = _rss_mib(), time.perf_counter()
             rows = _rows(rng, args.max_rows)
-            for weight in weights:
+            for position, weight in enumerate(weights):
                 x = torch.randn(rows, weight.shape[1], generator=generator)
                 if backend == "torch":
                     F.linear(x, weight)
+                elif kernel is not None:
+                    kernel.linear(x, packed[position], weight.shape[0], None)
                 else:
                     onednn_linear(x, weight, None, bucketed=backend == "onednn")
     seconds = time.perf_counter() - start

@@ -43,7 +43,7 @@ class PdConfig:
     metrics_port: int = -1
     metrics_host: str = ""  # "" = host
     threads: int = 0
-    linear_backend: str = "auto"  # auto | torch | onednn (see services/pd/runner/cpu_linear.py)
+    linear_backend: str = "auto"  # auto | torch | onednn | kernel (see services/pd/runner/cpu_linear.py)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 = size from memory (services/pd/runner/kv_sizing.py)
@@ -136,8 +136,8 @@ class PdConfig:
             raise ValueError("role must be both, prefill or decode")
         if self.role == "decode" and self.encoder == "local":
             raise ValueError("a decode instance runs no prompt, so no vision tower (--encoder local)")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError("linear_backend must be auto, torch or onednn")
+        if self.linear_backend not in ("auto", "torch", "onednn", "kernel"):
+            raise ValueError("linear_backend must be auto, torch, onednn or kernel")
         if self.stall_timeout_s < 0 or self.liveness_timeout_s < 0:
             raise ValueError("stall_timeout_s and liveness_timeout_s must be >= 0 (0 = a dead engine thread only)")
         if not -1 <= self.metrics_port <= 65535:

@@ -113,10 +113,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "--linear-backend",
         default="auto",
-        choices=["auto", "torch", "onednn"],
-        help="who runs the LM's linear layers: torch, or oneDNN for float32 on CPU (about 2x faster there; "
-        "batch rows are padded to buckets so its per-shape primitives stay bounded, see "
-        "services/pd/runner/cpu_linear.py); auto = oneDNN for float32 on CPU when it works, else torch",
+        choices=["auto", "torch", "onednn", "kernel"],
+        help="who runs the LM's linear layers on CPU for float32: kernel (a C kernel over weights packed at "
+        "start, built with the C compiler; fastest at decode batch sizes), onednn (about 2x torch), or torch "
+        "(services/pd/runner/cpu_linear.py); auto = kernel where it builds, else onednn where it works, else "
+        "torch; torch on GPUs and for other dtypes",
     )
     _add_cache_arguments(parser)
     _add_step_arguments(parser)

@@ -1,16 +1,24 @@
-"""oneDNN matmuls for the language model's linear layers on CPU.
+"""Who runs the language model's linear layers on CPU: the packed kernel, oneDNN or torch.
 
-PyTorch runs fp32 ``nn.Linear`` on CPU through MKL's sgemm. On the bench
-machine (AMD EPYC, AVX-512) oneDNN's fp32 matmul, which PyTorch ships and uses
-for its compiled graphs, ran the LM's shapes 2-2.3x faster (single thread,
-[64..2048, 768] x [768, 3072]: 54-93 vs 131-203 GFLOPS), with the same fp32
-arithmetic (results within float rounding: max |diff| ~3e-6 relative).
-Linear layers are most of a step's time, so this is the largest single lever
-on CPU throughput.
+The default for float32 on CPU is ``kernel``: ``cpu_kernels/linear.c`` over
+each weight packed once into its layout. A decode step reads every weight
+once for a few rows, so its linears are bound by memory; measured out of
+cache on the bench LM's shapes (2 threads), the kernel ran 1-48 rows 1.2-2x
+faster than oneDNN and as fast from there to prefill sizes, and a whole
+decode step 2x faster at one stream, 1.5x at 8, 1.2x at 32-48. The packed
+copy replaces the dense weight (a tied weight stays with the module that
+shares it), so memory does not grow; the module's ``weight`` is then None.
+Where the kernel cannot be built, oneDNN (below), else torch.
 
-The switch keeps every parameter where it is (same tensors, same names): only
-the class of each ``nn.Linear`` changes, so the weights are neither copied nor
-repacked. It is picked once, at construction, and only after a self-check.
+``onednn``: PyTorch runs fp32 ``nn.Linear`` on CPU through MKL's sgemm; on
+the bench machine (AMD EPYC) oneDNN's fp32 matmul, which PyTorch ships and
+uses for its compiled graphs, ran the LM's shapes 2-2.3x faster (single
+thread, [64..2048, 768] x [768, 3072]: 54-93 vs 131-203 GFLOPS), with the same
+fp32 arithmetic (results within float rounding: max |diff| ~3e-6 relative).
+This switch keeps every parameter where it is (same tensors, same names):
+only the class of each ``nn.Linear`` changes, so the weights are neither
+copied nor repacked. A backend is picked once, at construction, and only
+after a self-check.
 
 oneDNN builds (and caches) a primitive per input shape, and a serving batch
 has a new row count almost every step: fed raw row counts, a PD's resident
@@ -18,8 +26,9 @@ memory grew without bound (~70 MiB per 30 s under a soak of varied
 requests). So the rows are padded up to a bucket (``padded_rows``: at most
 7 rows or 12.5% extra, about eight buckets per doubling), which bounds the
 shapes oneDNN ever sees. Each output row depends only on its input row, so
-the padding rows are computed and dropped. ``epd bench linear`` measures
-time and resident memory of torch, raw and bucketed oneDNN side by side.
+the padding rows are computed and dropped (the kernel needs no buckets: it
+keeps nothing per shape). ``epd bench linear`` measures time and resident
+memory of torch, raw and bucketed oneDNN and the kernel side by side.
 """
 
 from __future__ import annotations
@@ -30,9 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.pd.runner.cpu_kernels import LinearKernel, load_linear
+
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "onednn")
+BACKENDS = ("auto", "torch", "onednn", "kernel")
 
 
 def padded_rows(rows: int) -> int:
@@ -78,14 +89,18 @@ def onednn_works() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` -> ``onednn`` for fp32 on CPU when it works, else ``torch``."""
+    """``auto`` -> ``kernel`` for float32 on CPU where it builds, else ``onednn`` where it works, else ``torch``."""
     if backend not in BACKENDS:
         raise ValueError(f"linear backend must be one of {BACKENDS}")
     fits = device.type == "cpu" and dtype == torch.float32
-    if backend == "onednn" and not fits:
-        raise ValueError("the onednn linear backend is for float32 on CPU")
+    if backend in ("onednn", "kernel") and not fits:
+        raise ValueError(f"the {backend} linear backend is for float32 on CPU")
     if backend == "torch" or (backend == "auto" and not fits):
         return "torch"
+    if backend in ("auto", "kernel") and load_linear() is not None:
+        return "kernel"
+    if backend == "kernel":
+        raise ValueError("the CPU linear kernel could not be built here (see the warning above)")
     if onednn_works():
         return "onednn"
     if backend == "onednn":
@@ -101,4 +116,38 @@ def use_onednn_linear(model: nn.Module) -> int:
             module.__class__ = OneDnnLinear
             switched += 1
     log.info("oneDNN linear for %d layers", switched)
+    return switched
+
+
+class KernelLinear(nn.Linear):
+    """``nn.Linear`` run by the CPU linear kernel over ``packed_weight``; ``weight`` is None (packed away)."""
+
+    kernel: LinearKernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.linear(x, self.packed_weight, self.out_features, self.bias)
+
+
+def use_kernel_linear(model: nn.Module, kernel: LinearKernel) -> int:
+    """Packs every plain float32 ``nn.Linear`` of ``model`` for ``kernel`` in place; returns how many.
+
+    Each dense weight is dropped once packed, except one that another module
+    shares (a tied LM head: the embedding keeps it)."""
+    modules = [module for module in model.modules() if type(module) is nn.Linear]
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            owners[id(parameter)] = owners.get(id(parameter), 0) + 1
+    switched = 0
+    with torch.no_grad():
+        for module in modules:
+            if module.weight.dtype != torch.float32 or module.weight.device.type != "cpu":
+                continue
+            module.register_buffer("packed_weight", kernel.pack(module.weight), persistent=False)
+            if owners[id(module.weight)] == 1:
+                module.weight = None
+            module.kernel = kernel
+            module.__class__ = KernelLinear
+            switched += 1
+    log.info("CPU linear kernel for %d layers", switched)
     return switched

@@ -40,8 +40,8 @@ from services.pd.runner.attention_metadata import (
     build_metadata,
     to_device,
 )
-from services.pd.runner.cpu_kernels import load_paged_decode
-from services.pd.runner.cpu_linear import resolve_backend, use_onednn_linear
+from services.pd.runner.cpu_kernels import load_linear, load_paged_decode
+from services.pd.runner.cpu_linear import resolve_backend, use_kernel_linear, use_onednn_linear
 from services.pd.runner.decode_graphs import DecodeBuffers, FlexTables, RaggedTables, StaticDecoder, batch_ladder
 from services.pd.runner.decode_plan import StaticDecodeConfig, plan_static_decode, start_static_decoder
 from services.pd.runner.deepstack import DeepstackRows
@@ -86,8 +86,8 @@ class ModelRunner:
     steps (``attention.py``); ``"auto"`` = the C kernel on CPU (ragged where
     it cannot be built), padded elsewhere.
     ``linear_backend`` picks who runs the linear layers (``cpu_linear.py``);
-    ``"auto"`` = oneDNN for fp32 on CPU when it passes its self-check, else
-    PyTorch's own. ``static_decode`` says how decode-only steps run
+    ``"auto"`` = for fp32 on CPU the packed C kernel where it builds, else
+    oneDNN when it passes its self-check; elsewhere PyTorch's own. ``static_decode`` says how decode-only steps run
     (``decode_plan.py``, ``decode_graphs.py``); on CUDA its graphs are captured here.
     The runner keeps no per-request state (seeded sampling derives its RNG
     from the seed and the output length; a grammar's matcher rides on its
@@ -131,6 +131,10 @@ class ModelRunner:
         self.linear_backend = resolve_backend(linear_backend, self.device, dtype)
         if self.linear_backend == "onednn":
             use_onednn_linear(model)
+        elif self.linear_backend == "kernel":
+            kernel = load_linear()
+            assert kernel is not None  # resolve_backend picked it
+            use_kernel_linear(model, kernel)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pad_block = num_blocks

@@ -6,13 +6,17 @@ step at 32 streams (bench model). ``paged_decode.c`` attends every decode
 row of a step in one call per layer, reading K/V in place through the block
 tables, spread over the OpenMP threads PyTorch itself uses.
 
-The build needs a C compiler with OpenMP (``$CC``, else ``cc``); it runs
-once per machine and source version, into ``$EPD_CACHE_DIR/kernels`` (a
+``linear.c`` runs the linear layers over weights packed once for it: at the
+row counts of decode steps the matmuls PyTorch offers (MKL, oneDNN) read the
+weights at half the memory bandwidth or less (see its header).
+
+Each source builds the same way. The build needs a C compiler with OpenMP
+(``$CC``, else ``cc``); it runs once per machine and source version, into ``$EPD_CACHE_DIR/kernels`` (a
 private temporary file, renamed into place, so concurrent builders never see
 half a library), with ``-march=native``: the cache key includes the CPU's
 feature flags. A missing compiler, a failed build or a failed self-check
-leaves the kernel out (``load_paged_decode`` returns None, with one warning
-saying why) and the runner falls back to its PyTorch path.
+leaves the kernel out (``load_paged_decode`` / ``load_linear`` return None,
+with one warning saying why) and the runner falls back to its PyTorch path.
 
 Imports nothing from the engine or the service shell.
 """
@@ -37,7 +41,8 @@ from services.common.models.cache import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-ABI_VERSION = 1  # epd_paged_decode_abi(): bumped with the C signature
+LINEAR_SOURCE = Path(__file__).with_name("linear.c")
+ABI_VERSION = 1  # epd_paged_decode_abi() and epd_linear_abi(): bumped with a C signature
 MAX_GROUP = 64  # query heads per KV head the kernel takes (EPD_MAX_GROUP in the source)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120.0
@@ -68,33 +73,36 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
-def library_path(compiler: str) -> Path:
-    """Where the library for this source, compiler and CPU lives in the cache."""
+def library_path(compiler: str, source: Path | None = None) -> Path:
+    """Where the library for ``source`` (default: the paged decode kernel), compiler and CPU lives in the cache."""
+    source = source or SOURCE
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags(), str(ABI_VERSION)]).encode()
+        "\0".join([source.read_text(), version, " ".join(FLAGS), _cpu_flags(), str(ABI_VERSION)]).encode()
     ).hexdigest()[:16]
-    return cache_root() / "kernels" / f"paged_decode-{key}.so"
+    return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
-def build(compiler: str, target: Path) -> Path:
-    """Compiles the source into ``target`` (atomically); KernelUnavailable with the compiler's first line."""
+def build(compiler: str, target: Path, source: Path | None = None) -> Path:
+    """Compiles ``source`` (default: the paged decode kernel) into ``target`` (atomically);
+    KernelUnavailable with the compiler's first line."""
+    source = source or SOURCE
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", staging, str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-o", staging, str(source), "-lm"],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
         )
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise KernelUnavailable(f"{Path(compiler).name} failed to build {SOURCE.name}: {first[:200]}")
+            raise KernelUnavailable(f"{Path(compiler).name} failed to build {source.name}: {first[:200]}")
         os.replace(staging, target)
     except subprocess.TimeoutExpired:
-        raise KernelUnavailable(f"building {SOURCE.name} took over {BUILD_TIMEOUT_S:.0f} s") from None
+        raise KernelUnavailable(f"building {source.name} took over {BUILD_TIMEOUT_S:.0f} s") from None
     finally:
         if os.path.exists(staging):
             os.unlink(staging)
@@ -186,18 +194,99 @@ def self_check(kernel: PagedDecode) -> None:
             raise KernelUnavailable("the built kernel disagrees with PyTorch's attention")
 
 
+def _built(source: Path, what: str) -> Path:
+    """The library of ``source`` in the cache, built first where it is not there yet."""
+    compiler = _compiler()
+    path = library_path(compiler, source)
+    if not path.is_file():
+        log.info("building the CPU %s kernel with %s (once per machine)", what, Path(compiler).name)
+        build(compiler, path, source)
+    return path
+
+
 @functools.cache
 def load_paged_decode() -> PagedDecode | None:
     """The paged decode kernel, built if needed and self-checked; None (logged once) where it is unavailable."""
     try:
-        compiler = _compiler()
-        path = library_path(compiler)
-        if not path.is_file():
-            log.info("building the CPU paged decode kernel with %s (once per machine)", Path(compiler).name)
-            build(compiler, path)
-        kernel = PagedDecode(path)
+        kernel = PagedDecode(_built(SOURCE, "paged decode"))
         self_check(kernel)
         return kernel
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
         log.warning("CPU paged decode kernel unavailable, decode attention stays in PyTorch: %s", error)
+        return None
+
+
+class LinearKernel:
+    """``linear.c`` loaded: ``pack`` a weight once, then ``linear`` any number of rows through it."""
+
+    def __init__(self, path: Path) -> None:
+        library = ctypes.CDLL(str(path))  # CDLL: the GIL is released for the call
+        if library.epd_linear_abi() != ABI_VERSION:
+            raise KernelUnavailable(f"{path.name} has another ABI version")
+        self.panel = int(library.epd_linear_panel())
+        self._fn = library.epd_linear_f32
+        self._fn.restype = None
+        self._fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` float32 as the kernel reads it: ``[ceil(N / panel), K, panel]``, columns past N zero."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("linear kernel: the weight must be a 2-D float32 CPU tensor")
+        out_features, in_features = weight.shape
+        padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % self.panel))
+        return padded.view(-1, self.panel, in_features).transpose(1, 2).contiguous()
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [..., K] @ W.T + bias`` for the ``W [out_features, K]`` that ``pack`` turned into ``packed``.
+
+        Inference only: the call is outside autograd, so with gradients enabled
+        an input that needs one is refused. Shapes and dtypes are checked here, since a wrong
+        one would read out of bounds in C."""
+        in_features = x.shape[-1]
+        panels = -(-out_features // self.panel)
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or packed.dtype != torch.float32
+            or packed.shape != (panels, in_features, self.panel)
+            or not packed.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)))
+        ):
+            raise ValueError("linear kernel: tensors of another dtype, shape or layout")
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            raise RuntimeError("linear kernel: inference only (run it under torch.no_grad or inference_mode)")
+        flat = x.reshape(-1, in_features).contiguous()
+        bias = bias.contiguous() if bias is not None else None
+        out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
+        if flat.shape[0]:
+            self._fn(
+                flat.data_ptr(), flat.shape[0], in_features, packed.data_ptr(), out_features,
+                bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+        return out.reshape(*x.shape[:-1], out_features)
+
+
+def self_check_linear(kernel: LinearKernel) -> None:
+    """Compares the kernel with ``F.linear``: odd sizes, a partial last panel, more rows than one pass, a bias."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, in_features, out_features, with_bias in ((1, 70, 40, True), (7, 300, 16, False), (300, 33, 17, True)):
+        x = torch.randn(rows, in_features, generator=generator)
+        weight = torch.randn(out_features, in_features, generator=generator)
+        bias = torch.randn(out_features, generator=generator) if with_bias else None
+        got = kernel.linear(x, kernel.pack(weight), out_features, bias)
+        if not torch.allclose(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4):
+            raise KernelUnavailable("the built linear kernel disagrees with PyTorch's linear")
+
+
+@functools.cache
+def load_linear() -> LinearKernel | None:
+    """The linear kernel, built if needed and self-checked; None (logged once) where it is unavailable."""
+    try:
+        kernel = LinearKernel(_built(LINEAR_SOURCE, "linear"))
+        self_check_linear(kernel)
+        return kernel
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
+        log.warning("CPU linear kernel unavailable, linear layers stay with oneDNN or torch: %s", error)
         return None

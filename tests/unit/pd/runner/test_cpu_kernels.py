@@ -1,4 +1,5 @@
-"""The CPU paged decode kernel (``cpu_kernels``) against PyTorch's attention, and its build's failure branches."""
+"""The CPU kernels (``cpu_kernels``): paged decode against PyTorch's attention, the linear kernel against
+``F.linear``, and the build's failure branches."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from services.pd.runner import cpu_kernels
-from services.pd.runner.cpu_kernels import KernelUnavailable, PagedDecode, load_paged_decode
+from services.pd.runner.cpu_kernels import KernelUnavailable, LinearKernel, PagedDecode, load_linear, load_paged_decode
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +110,68 @@ def test_the_build_lands_in_the_cache_and_is_reused(monkeypatch, tmp_path):
         assert load_paged_decode() is not None and path.stat().st_mtime_ns == stamp
     finally:
         load_paged_decode.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def linear_kernel() -> LinearKernel:
+    built = load_linear()
+    assert built is not None, "the test machine has a C compiler: the kernel must build"
+    return built
+
+
+@pytest.mark.parametrize(
+    ("shape", "out_features", "with_bias"),
+    [((1, 64), 48, True), ((3, 5, 100), 16, False), ((2, 300, 40), 33, True), ((0, 8), 24, True), ((6, 1), 7, False)],
+)
+def test_linear_kernel_matches_torch(linear_kernel, shape, out_features, with_bias):
+    """Row counts across one tile, several tiles and several passes (> 256 rows); partial last panels."""
+    generator = torch.Generator().manual_seed(out_features)
+    x = torch.randn(*shape, generator=generator)
+    weight = torch.randn(out_features, shape[-1], generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    got = linear_kernel.linear(x, linear_kernel.pack(weight), out_features, bias)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_kernel_takes_strided_rows(linear_kernel):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 2, 300, generator=generator)[:, 1, 10:290]  # neither rows nor columns contiguous
+    weight = torch.randn(20, 280, generator=generator)
+    got = linear_kernel.linear(x, linear_kernel.pack(weight), 20, None)
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_kernel_refuses_what_it_would_misread(linear_kernel):
+    weight = torch.randn(20, 8)
+    packed = linear_kernel.pack(weight)
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="layout"):
+        linear_kernel.linear(x.double(), packed, 20, None)
+    with pytest.raises(ValueError, match="layout"):
+        linear_kernel.linear(torch.randn(3, 9), packed, 20, None)  # another input width
+    with pytest.raises(ValueError, match="layout"):
+        linear_kernel.linear(x, packed, 40, None)  # more outputs than packed
+    with pytest.raises(ValueError, match="layout"):
+        linear_kernel.linear(x, packed, 20, torch.randn(19))
+    with pytest.raises(ValueError, match="2-D float32"):
+        linear_kernel.pack(weight.double())
+
+
+def test_linear_kernel_is_inference_only(linear_kernel):
+    packed = linear_kernel.pack(torch.randn(4, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inference only"):
+        linear_kernel.linear(x, packed, 4, None)
+    with torch.no_grad():
+        assert linear_kernel.linear(x, packed, 4, None).shape == (2, 4)
+
+
+def test_a_linear_kernel_that_disagrees_is_left_out(monkeypatch, caplog):
+    original = LinearKernel.pack
+    monkeypatch.setattr(LinearKernel, "pack", lambda self, weight: original(self, weight).mul_(2))  # a broken pack
+    load_linear.cache_clear()
+    try:
+        assert load_linear() is None
+        assert "disagrees with PyTorch's linear" in caplog.text
+    finally:
+        load_linear.cache_clear()

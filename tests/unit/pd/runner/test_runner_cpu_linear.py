@@ -1,4 +1,4 @@
-"""oneDNN linear layers: same parameters, same numbers, picked at construction."""
+"""The CPU linear backends (packed kernel, oneDNN): same numbers as torch, picked at construction."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.pd.engine.outputs import ScheduledChunk, SchedulerOutput
-from services.pd.runner.cpu_linear import OneDnnLinear, onednn_works, padded_rows, resolve_backend, use_onednn_linear
+from services.pd.runner import cpu_kernels
+from services.pd.runner.cpu_linear import (
+    KernelLinear,
+    OneDnnLinear,
+    onednn_works,
+    padded_rows,
+    resolve_backend,
+    use_kernel_linear,
+    use_onednn_linear,
+)
 from services.pd.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not onednn_works(), reason="this PyTorch build has no oneDNN linear")
@@ -66,14 +75,45 @@ def test_padded_rows_do_not_change_the_real_rows(shape):
 
 def test_backend_resolution():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_backend("auto", cpu, torch.float32) == "onednn"
+    assert resolve_backend("auto", cpu, torch.float32) == "kernel"  # the test machine has a C compiler
+    assert resolve_backend("onednn", cpu, torch.float32) == "onednn"
     assert resolve_backend("auto", cpu, torch.bfloat16) == "torch"
     assert resolve_backend("auto", cuda, torch.float32) == "torch"
     assert resolve_backend("torch", cpu, torch.float32) == "torch"
+    for backend in ("onednn", "kernel"):
+        with pytest.raises(ValueError):
+            resolve_backend(backend, cuda, torch.float32)
     with pytest.raises(ValueError):
-        resolve_backend("onednn", cuda, torch.float32)
+        resolve_backend("kernel", cpu, torch.bfloat16)
     with pytest.raises(ValueError):
         resolve_backend("blas", cpu, torch.float32)
+
+
+def test_without_a_compiler_auto_falls_back_to_onednn_and_kernel_is_refused(monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-anywhere")
+    cpu_kernels.load_linear.cache_clear()
+    try:
+        assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "onednn"
+        with pytest.raises(ValueError, match="could not be built"):
+            resolve_backend("kernel", torch.device("cpu"), torch.float32)
+    finally:
+        cpu_kernels.load_linear.cache_clear()
+
+
+def test_kernel_switch_packs_every_linear_and_drops_only_unshared_weights():
+    model = _model()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as many checkpoints are
+    x = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        expected = model(x).logits
+    kernel = cpu_kernels.load_linear()
+    assert kernel is not None
+    assert use_kernel_linear(model, kernel) == 2 * 7 + 1
+    assert all(type(m) is not nn.Linear for m in model.modules())
+    assert model.model.layers[0].self_attn.q_proj.weight is None  # packed away: memory does not double
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the embedding still needs it
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_runner_logits_agree_across_backends():
@@ -82,10 +122,16 @@ def test_runner_logits_agree_across_backends():
         backend: ModelRunner(
             copy.deepcopy(model), num_blocks=8, block_size=4, device="cpu", dtype=torch.float32, linear_backend=backend
         )
-        for backend in ("torch", "onednn")
+        for backend in ("torch", "onednn", "kernel")
     }
     assert type(runners["torch"].model.lm_head) is nn.Linear
     assert type(runners["onednn"].model.lm_head) is OneDnnLinear
+    assert type(runners["kernel"].model.lm_head) is KernelLinear
+    assert (
+        ModelRunner(copy.deepcopy(model), num_blocks=8, block_size=4, device="cpu", dtype=torch.float32).linear_backend
+        == "kernel"
+    )
     step = SchedulerOutput(chunks=[ScheduledChunk("r", list(range(1, 12)), 0, [0, 1, 2])])
     logits = {backend: runner.compute_logits(step, {}) for backend, runner in runners.items()}
     torch.testing.assert_close(logits["onednn"], logits["torch"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits["kernel"], logits["torch"], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,111 @@
+/* A linear layer, y = x W^T + b, float32, for the CPU, over a weight packed once.
+ *
+ * A decode step multiplies a few rows by every weight of the model: the
+ * weights stream from memory once per step and each is used by only as many
+ * rows as there are requests. General matmuls tune for the opposite (many
+ * rows, the weight re-used from cache) and, at 1-48 rows, ran the bench LM's
+ * shapes at half the memory bandwidth or less. Here the weight is packed
+ * into panels of PANEL output columns, each panel K-major and contiguous
+ * (packed[p][k][c] = W[p * PANEL + c][k], columns past N zero), so one pass
+ * over a panel is one sequential read; a tile of up to TILE rows by PANEL
+ * columns keeps its sums in registers while the panel streams by, and the
+ * rows are walked in blocks of KB inputs so that the panel's block stays in
+ * the first-level cache while every row tile uses it. Each output is summed
+ * in input order (k = 0 .. K-1), one fused multiply-add per input.
+ *
+ * Panels are spread over OpenMP threads (the process's libgomp, the one
+ * PyTorch loaded). GCC's vector extensions, not intrinsics: the build uses
+ * -march=native, and the same source vectorises for AVX2, AVX-512 or NEON.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16      /* output columns per panel: two 8-float vectors */
+#define TILE 6        /* rows per register tile: 12 accumulators, 2 weight vectors, 1 broadcast */
+#define KB 256        /* inputs per cache block of a panel (16 KiB) */
+#define MAX_ROWS 256  /* rows per pass; more rows are done in passes (the sums of one pass live on the stack) */
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+int epd_linear_abi(void) { return 1; }
+int epd_linear_panel(void) { return PANEL; }
+
+/* Sums of ROWS rows x PANEL columns over inputs [k0, k1), carried in `sums` between blocks. */
+#define DEFINE_TILE(ROWS)                                                                             \
+    static void tile_##ROWS(const float* x, int64_t x_stride, const float* panel, int64_t k0,         \
+                            int64_t k1, float* sums) {                                                \
+        v8 lo[ROWS], hi[ROWS];                                                                        \
+        for (int r = 0; r < ROWS; ++r) {                                                              \
+            lo[r] = *(const v8*)(sums + r * PANEL);                                                   \
+            hi[r] = *(const v8*)(sums + r * PANEL + 8);                                               \
+        }                                                                                             \
+        for (int64_t k = k0; k < k1; ++k) {                                                           \
+            const v8 w_lo = *(const v8*)(panel + k * PANEL);                                          \
+            const v8 w_hi = *(const v8*)(panel + k * PANEL + 8);                                      \
+            for (int r = 0; r < ROWS; ++r) {                                                          \
+                const float xs = x[r * x_stride + k];                                                 \
+                lo[r] += xs * w_lo;                                                                   \
+                hi[r] += xs * w_hi;                                                                   \
+            }                                                                                         \
+        }                                                                                             \
+        for (int r = 0; r < ROWS; ++r) {                                                              \
+            *(v8*)(sums + r * PANEL) = lo[r];                                                         \
+            *(v8*)(sums + r * PANEL + 8) = hi[r];                                                     \
+        }                                                                                             \
+    }
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(3)
+DEFINE_TILE(4)
+DEFINE_TILE(5)
+DEFINE_TILE(6)
+
+static void tile(int rows, const float* x, int64_t x_stride, const float* panel, int64_t k0, int64_t k1,
+                 float* sums) {
+    switch (rows) {
+        case 1: tile_1(x, x_stride, panel, k0, k1, sums); break;
+        case 2: tile_2(x, x_stride, panel, k0, k1, sums); break;
+        case 3: tile_3(x, x_stride, panel, k0, k1, sums); break;
+        case 4: tile_4(x, x_stride, panel, k0, k1, sums); break;
+        case 5: tile_5(x, x_stride, panel, k0, k1, sums); break;
+        default: tile_6(x, x_stride, panel, k0, k1, sums); break;
+    }
+}
+
+/* One pass: up to MAX_ROWS rows of x [rows, k] (contiguous) into out [rows, n] (row stride n). */
+static void linear_pass(const float* x, int64_t rows, int64_t k, const float* packed, int64_t n,
+                        const float* bias, float* out, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float sums[MAX_ROWS * PANEL];
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const float* panel = packed + p * k * PANEL;
+            const int64_t col0 = p * PANEL;
+            const int cols = n - col0 < PANEL ? (int)(n - col0) : PANEL;
+            memset(sums, 0, sizeof(float) * rows * PANEL);
+            for (int64_t k0 = 0; k0 < k; k0 += KB) {
+                const int64_t k1 = k0 + KB < k ? k0 + KB : k;
+                for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+                    const int tile_rows = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+                    tile(tile_rows, x + r0 * k, k, panel, k0, k1, sums + r0 * PANEL);
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                float* o = out + r * n + col0;
+                const float* s = sums + r * PANEL;
+                for (int c = 0; c < cols; ++c) o[c] = bias ? s[c] + bias[col0 + c] : s[c];
+            }
+        }
+    }
+}
+
+/* x [m, k] contiguous; packed as above for n outputs; bias [n] or NULL; out [m, n] contiguous. */
+void epd_linear_f32(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
+                    float* out, int num_threads) {
+    for (int64_t r = 0; r < m; r += MAX_ROWS) {
+        const int64_t rows = m - r < MAX_ROWS ? m - r : MAX_ROWS;
+        linear_pass(x + r * k, rows, k, packed, n, bias, out + r * n, num_threads);
+    }
+}
