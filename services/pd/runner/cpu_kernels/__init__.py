@@ -32,7 +32,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -204,16 +206,25 @@ def _built(source: Path, what: str) -> Path:
     return path
 
 
+K = TypeVar("K")
+
+
+def _load(source: Path, what: str, make: Callable[[Path], K], check: Callable[[K], None], fallback: str) -> K | None:
+    """``source``'s kernel, built if needed, loaded by ``make`` and passed through ``check``; None
+    (with one warning: why, and ``fallback``, what runs instead) where any of that fails."""
+    try:
+        kernel = make(_built(source, what))
+        check(kernel)
+        return kernel
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
+        log.warning("CPU %s kernel unavailable, %s: %s", what, fallback, error)
+        return None
+
+
 @functools.cache
 def load_paged_decode() -> PagedDecode | None:
     """The paged decode kernel, built if needed and self-checked; None (logged once) where it is unavailable."""
-    try:
-        kernel = PagedDecode(_built(SOURCE, "paged decode"))
-        self_check(kernel)
-        return kernel
-    except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
-        log.warning("CPU paged decode kernel unavailable, decode attention stays in PyTorch: %s", error)
-        return None
+    return _load(SOURCE, "paged decode", PagedDecode, self_check, "decode attention stays in PyTorch")
 
 
 class LinearKernel:
@@ -283,10 +294,4 @@ def self_check_linear(kernel: LinearKernel) -> None:
 @functools.cache
 def load_linear() -> LinearKernel | None:
     """The linear kernel, built if needed and self-checked; None (logged once) where it is unavailable."""
-    try:
-        kernel = LinearKernel(_built(LINEAR_SOURCE, "linear"))
-        self_check_linear(kernel)
-        return kernel
-    except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
-        log.warning("CPU linear kernel unavailable, linear layers stay with oneDNN or torch: %s", error)
-        return None
+    return _load(LINEAR_SOURCE, "linear", LinearKernel, self_check_linear, "linear layers stay with oneDNN or torch")
