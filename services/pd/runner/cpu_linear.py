@@ -34,6 +34,7 @@ memory of torch, raw and bucketed oneDNN and the kernel side by side.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,7 @@ class KernelLinear(nn.Linear):
     """``nn.Linear`` run by the CPU linear kernel over ``packed_weight``; ``weight`` is None (packed away)."""
 
     kernel: LinearKernel
+    packed_weight: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.linear(x, self.packed_weight, self.out_features, self.bias)
@@ -145,9 +147,9 @@ def use_kernel_linear(model: nn.Module, kernel: LinearKernel) -> int:
                 continue
             module.register_buffer("packed_weight", kernel.pack(module.weight), persistent=False)
             if owners[id(module.weight)] == 1:
-                module.weight = None
-            module.kernel = kernel
+                module.register_parameter("weight", None)
             module.__class__ = KernelLinear
+            cast(KernelLinear, module).kernel = kernel
             switched += 1
     log.info("CPU linear kernel for %d layers", switched)
     return switched
