@@ -11,12 +11,13 @@ row counts of decode steps the matmuls PyTorch offers (MKL, oneDNN) read the
 weights at half the memory bandwidth or less (see its header).
 
 Each source builds the same way. The build needs a C compiler with OpenMP
-(``$CC``, else ``cc``); it runs once per machine and source version, into ``$EPD_CACHE_DIR/kernels`` (a
-private temporary file, renamed into place, so concurrent builders never see
-half a library), with ``-march=native``: the cache key includes the CPU's
-feature flags. A missing compiler, a failed build or a failed self-check
-leaves the kernel out (``load_paged_decode`` / ``load_linear`` return None,
-with one warning saying why) and the runner falls back to its PyTorch path.
+(``$CC``, else ``cc``); it runs once per machine and source version, into
+``$EPD_CACHE_DIR/kernels`` (a private temporary file, renamed into place, so
+concurrent builders never see half a library), with ``-march=native``: the
+cache key includes the CPU's feature flags. A missing compiler, a failed
+build or a failed self-check leaves the kernel out (``load_paged_decode`` /
+``load_linear`` return None, with one warning saying why) and the runner
+falls back to its PyTorch path.
 
 Imports nothing from the engine or the service shell.
 """
@@ -252,9 +253,9 @@ class LinearKernel:
     ) -> torch.Tensor:
         """``x [..., K] @ W.T + bias`` for the ``W [out_features, K]`` that ``pack`` turned into ``packed``.
 
-        Inference only: the call is outside autograd, so with gradients enabled
-        an input that needs one is refused. Shapes and dtypes are checked here, since a wrong
-        one would read out of bounds in C."""
+        Inference only: the call is outside autograd, so with gradients
+        enabled an input that needs one is refused. Shapes and dtypes are
+        checked here, since a wrong one would read out of bounds in C."""
         in_features = x.shape[-1]
         panels = -(-out_features // self.panel)
         if (
