@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 from services.common import cli_args, grpc_utils, security
+from services.common.host_memory import keep_freed_memory
 from services.common.logs import setup_logging
 from services.encoder.config import DEFAULT_METRICS_PORT, MIB, EncoderConfig
 from services.encoder.faults import Faults
@@ -267,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(config.threads)
+    keep_freed_memory()  # the vision forward's activations stay mapped (host_memory.py)
 
     try:
         grpc_utils.run_until_signal(lambda stop: serve(config, stop))
