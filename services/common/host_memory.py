@@ -15,7 +15,8 @@ and unmapped), the trim threshold to :data:`TRIM_THRESHOLD_BYTES`. Resident
 memory then stays at the largest step's high-water mark, which the process
 needs again at its next step of that size anyway. It leaves malloc alone where
 the process already chose: any of glibc's ``MALLOC_*_`` tunables in the
-environment, or another allocator preloaded (tcmalloc, jemalloc).
+environment (or ``glibc.malloc`` ones in ``GLIBC_TUNABLES``), or another
+allocator preloaded (tcmalloc, jemalloc).
 """
 
 from __future__ import annotations
@@ -46,11 +47,15 @@ def keep_freed_memory() -> bool:
     """Sets glibc's malloc to keep freed memory for reuse; True when it did (idempotent).
 
     False, changing nothing, off glibc, when the environment sets one of
-    glibc's own malloc tunables, or when ``LD_PRELOAD`` brings another
-    allocator."""
+    glibc's own malloc tunables (``MALLOC_*_``, ``GLIBC_TUNABLES``), or when
+    ``LD_PRELOAD`` brings another allocator."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    if any(name in os.environ for name in _USER_CHOICES) or "malloc" in os.environ.get("LD_PRELOAD", ""):
+    if (
+        any(name in os.environ for name in _USER_CHOICES)
+        or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+        or "malloc" in os.environ.get("LD_PRELOAD", "")
+    ):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

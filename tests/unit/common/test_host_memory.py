@@ -15,7 +15,7 @@ ON_GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 @pytest.fixture
 def no_user_choice(monkeypatch):
-    for name in (*host_memory._USER_CHOICES, "LD_PRELOAD"):
+    for name in (*host_memory._USER_CHOICES, "GLIBC_TUNABLES", "LD_PRELOAD"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -46,7 +46,13 @@ def test_steps_reuse_their_memory(no_user_choice):
 
 
 @pytest.mark.parametrize(
-    "name, value", [("MALLOC_TRIM_THRESHOLD_", "0"), ("MALLOC_MMAP_MAX_", "0"), ("LD_PRELOAD", "libtcmalloc.so.4")]
+    "name, value",
+    [
+        ("MALLOC_TRIM_THRESHOLD_", "0"),
+        ("MALLOC_MMAP_MAX_", "0"),
+        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+        ("LD_PRELOAD", "libtcmalloc.so.4"),
+    ],
 )
 def test_the_environment_choice_wins(monkeypatch, no_user_choice, name, value):
     monkeypatch.setenv(name, value)
