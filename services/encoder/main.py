@@ -12,8 +12,7 @@ import argparse
 import asyncio
 import logging
 
-from services.common import cli_args, grpc_utils, security
-from services.common.host_memory import keep_freed_memory
+from services.common import cli_args, grpc_utils, host_memory, security
 from services.common.logs import setup_logging
 from services.encoder.config import DEFAULT_METRICS_PORT, MIB, EncoderConfig
 from services.encoder.faults import Faults
@@ -268,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(config.threads)
-    keep_freed_memory()  # the vision forward's activations stay mapped (host_memory.py)
+    host_memory.keep_freed_memory()  # the vision forward's activations stay mapped
 
     try:
         grpc_utils.run_until_signal(lambda stop: serve(config, stop))

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from services.common import grpc_utils, image_files, push_wire, tensors
+from services.common import grpc_utils, host_memory, image_files, push_wire, tensors
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
-from services.common.host_memory import keep_freed_memory
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
 from services.common.watchdog import Probe, set_alive, watch_engine
@@ -177,7 +176,7 @@ def build_engine(config: PdConfig) -> tuple[EngineBridge, dict]:
     dtype = resolve_dtype(config.dtype, device)
     if config.threads > 0:
         torch.set_num_threads(config.threads)
-    keep_freed_memory()  # a step's activations stay mapped for the next step (host_memory.py)
+    host_memory.keep_freed_memory()  # a step's activations stay mapped for the next step
     exact_float32(device, dtype)
     memory = CudaMemoryReader(device) if device.type == "cuda" else None  # before the weights: what others use
     model = adapter.load_language_model(device, dtype)
