@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from services.pd.engine import spans
 from services.pd.engine.embedding_cache import EmbeddingCache
 from services.pd.engine.embedding_records import (
     AlreadyFilled,
@@ -150,6 +151,7 @@ class EmbeddingIntakeMixin:
             raise EngineError(ErrorKind.INVALID_ARGUMENT, f"embedding rejected: {exc}") from None
         if self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock()):
             self._embeddings[mm_hash] = tensor
+            self._unblock(mm_hash)
 
     def fill_cached(self, request_id: str, reservation_id: str, mm_hash: str) -> bool:
         """Fills a reservation from the embedding already READY here; False when it is not."""
@@ -157,7 +159,19 @@ class EmbeddingIntakeMixin:
             return False
         if self.check_push(request_id, reservation_id, mm_hash, self.embedding_cache.num_tokens(mm_hash)):
             self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock())
+        self._unblock(mm_hash)
         return True
+
+    def _unblock(self, mm_hash: str) -> None:
+        """Ends the image wait of the requests that the embedding ``mm_hash``, now READY, lets go on.
+
+        From here on they wait for a step like any prompt, and the step budget
+        counts them as such (``slo.pending_prompts``): a burst of image prompts
+        whose embeddings arrived together is then prefilled as a burst, not one
+        prompt per step until the scheduler reaches each of them."""
+        now = self._clock()
+        for request in self.scheduler.requests_waiting_on(mm_hash):
+            spans.end_wait_if_computable(request, now, self.embedding_cache.is_ready)
 
     def _drop_embeddings(self, mm_hashes: Sequence[str]) -> None:
         """Frees the tensors of entries a cache call removed."""

@@ -60,6 +60,15 @@ def end_embedding_wait(request: Request, now: float) -> None:
         request.timings.embedding_wait_since = None
 
 
+def end_wait_if_computable(request: Request, now: float, is_ready: Callable[[str], bool]) -> None:
+    """Ends ``request``'s image wait when its next token can be computed (the image it waited for is ready)."""
+    if (
+        request.timings.embedding_wait_since is not None
+        and computable(request, request.num_computed_tokens, 1, is_ready)[0]
+    ):
+        end_embedding_wait(request, now)
+
+
 def computable(request: Request, start: int, budget: int, is_ready: Callable[[str], bool]) -> tuple[int, str | None]:
     """Tokens of ``request`` computable from ``start`` within ``budget``: up to the first image
     whose embedding is not ready (``is_ready``); with that image's mm_hash, if one cut it short."""

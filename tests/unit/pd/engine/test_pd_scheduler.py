@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import EOS, IMG, OTHER_EOS, TOKEN, chunk_of, force_preempt, refusal
 
+from services.pd.engine import slo
 from services.pd.engine.errors import ErrorKind
 from services.pd.engine.request import RequestStatus
 
@@ -110,6 +111,30 @@ def test_text_prefills_while_image_encodes_then_resumes(h):
     assert h.kv.num_pinned_blocks == h.kv.num_blocks_for(14)
     h.run()
     assert h.emb.is_ready("cat") and h.emb.ref_count("cat") == 0  # stays cached for reuse
+
+
+def test_an_arriving_image_ends_the_wait_of_the_prompts_it_blocked_at_once(h):
+    # Blocked prompts are not waiting prompts for the step budget (slo.pending_prompts);
+    # once their image is here they are, before the scheduler reaches them.
+    first = h.add("a", [IMG] * 8 + [1, 2], spans=[("cat", 0, 8)])
+    second = h.add("b", [IMG] * 8 + [3, 4], spans=[("cow", 0, 8)])
+    other = h.add("c", [5] + [IMG] * 8 + [6], spans=[("dog", 1, 8)])
+    h.clock.now = 1.0
+    out, _ = h.step()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("c", 1)]
+    h.clock.now = 2.0
+    assert h.step()[0].is_empty
+    assert all(r.timings.embedding_wait_since is not None for r in (first, second, other))
+    h.clock.now = 4.0
+    h.push("a", "cat")
+    h.push("b", "cow")
+    assert first.timings.embedding_wait_since is None and second.timings.embedding_wait_since is None
+    assert first.timings.embedding_wait_s == pytest.approx(3.0)
+    assert other.timings.embedding_wait_since == pytest.approx(2.0)  # still blocked on its own image
+    queue = slo.pending_prompts([first, second, other], 4.0, lambda _: 10.0)
+    assert [prompt.num_tokens for prompt in queue] == [10, 10]
+    h.push("c", "dog")
+    h.run()
 
 
 def test_image_first_request_waits_while_others_go_ahead(h):
