@@ -159,11 +159,11 @@ class EmbeddingIntakeMixin:
             return False
         if self.check_push(request_id, reservation_id, mm_hash, self.embedding_cache.num_tokens(mm_hash)):
             self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock())
-        self._unblock(mm_hash)
         return True
 
     def _unblock(self, mm_hash: str) -> None:
-        """Ends the image wait of the requests that the embedding ``mm_hash``, now READY, lets go on.
+        """Ends the image wait of the requests that the embedding ``mm_hash``, just READY, lets go on
+        (an entry becomes READY only in ``fill``: nothing can be blocked on one ``fill_cached`` finds).
 
         From here on they wait for a step like any prompt, and the step budget
         counts them as such (``slo.pending_prompts``): a burst of image prompts
