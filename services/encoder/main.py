@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from services.common import cli_args, grpc_utils, host_memory, security
 from services.common.logs import setup_logging
@@ -253,6 +254,9 @@ async def serve(config: EncoderConfig, stop: asyncio.Event) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the encoder until SIGTERM/SIGINT; returns the process exit code."""
+    # Its idle OpenMP workers sleep: a spinning one takes a core from the PD beside it
+    # (services/pd/shared_cores.py). Read when PyTorch loads, so before any import of it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from services.common.models.startup import refuse_unservable_model
 
     if (code := refuse_unservable_model(args.model, "epd encoder")) is not None:

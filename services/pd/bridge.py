@@ -47,6 +47,7 @@ class EngineBridge:
         self._has_work = False
         self._shared_stats: asyncio.Future[EngineStats] | None = None  # the read callers share
         self._loop_hooks: list[Callable[[], None]] = []  # run on the engine thread after every iteration
+        self._pre_step_hooks: list[Callable[[], None]] = []  # and these before its step
 
     @property
     def hidden_size(self) -> int:
@@ -83,11 +84,11 @@ class EngineBridge:
             return 0.0
         return max(0.0, (time.monotonic() if now is None else now) - self.last_step_time)
 
-    def add_loop_hook(self, hook: Callable[[], None]) -> None:
+    def add_loop_hook(self, hook: Callable[[], None], before_step: bool = False) -> None:
         """Runs ``hook()`` on the engine thread after every loop iteration (commands and a step), before
-        the thread waits again; it must be quick (the cache-event feed takes its batch there). Call
-        before ``start``."""
-        self._loop_hooks.append(hook)
+        the thread waits again, or with ``before_step`` between the commands and the step; it must be
+        quick (the cache-event feed takes its batch there). Call before ``start``."""
+        (self._pre_step_hooks if before_step else self._loop_hooks).append(hook)
 
     # ------------------------------------------------------------ asyncio side
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -207,9 +208,10 @@ class EngineBridge:
             if not self._drain_inbox(timeout=self.core.sweep_interval_s if idle else 0.0):
                 break
             self._has_work = self.core.has_work()  # a step hung after idling is a stall
+            self._run_hooks(self._pre_step_hooks)
             result = self.core.step()
             self._dispatch(result.events)
-            self._run_loop_hooks()
+            self._run_hooks(self._loop_hooks)
             idle = not result.executed
             self._has_work = self.core.has_work()
             self.last_step_time = time.monotonic()
@@ -229,8 +231,9 @@ class EngineBridge:
             except queue.Empty:
                 return True
 
-    def _run_loop_hooks(self) -> None:
-        for hook in self._loop_hooks:
+    @staticmethod
+    def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+        for hook in hooks:
             try:
                 hook()
             except Exception:  # a hook must never end the loop

@@ -38,7 +38,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2
 
-from services.common import grpc_utils, tensors
+from services.common import grpc_utils, openmp, tensors
 from services.common.encode_items import ProcessFile, has_video, item_pixels
 from services.common.logs import log_request
 from services.common.models.loaded_vision import LoadedVision
@@ -301,7 +301,7 @@ class Colocated:
     async def load(cls, config: PdConfig, engine: EngineBridge) -> Colocated:
         """Loads the vision half off the event loop; serve it with ``register`` + ``become_ready``."""
         vision = await asyncio.to_thread(
-            LoadedVision.load, config.model, config.device, config.dtype, config.video_limits()
+            openmp.then_end_team, LoadedVision.load, config.model, config.device, config.dtype, config.video_limits()
         )
         return cls(ColocatedEncoder(engine, vision), config.accept_pixel_values)
 

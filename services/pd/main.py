@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import logging
 
-from services.common import grpc_utils, security
+from services.common import grpc_utils, openmp, security
 from services.common.dial_allow import PdAllowSpec
 from services.common.logs import setup_logging
 from services.pd.config import PdConfig
@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main(stop: asyncio.Event) -> None:
         nonlocal failed
+        openmp.leave_teams_to_model_threads()  # the engine thread's team is the process's only one
         server = await start_pd(config)
         print(f"pd listening on {config.host}:{server.port}", flush=True)
         dead = asyncio.ensure_future(server.engine_dead.wait())

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from services.common import grpc_utils, host_memory, image_files, push_wire, tensors
+from services.common import grpc_utils, host_memory, image_files, openmp, push_wire, tensors
 from services.common.devices import exact_float32, resolve_device, resolve_dtype
 from services.common.metrics_http import MetricsHttpServer
 from services.common.models import ensure_model, load_adapter
@@ -44,6 +44,7 @@ from services.pd.runner.grammar import (
 from services.pd.runner.kv_sizing import CudaMemoryReader, size_kv_cache
 from services.pd.runner.model_runner import ModelRunner
 from services.pd.servicer import PrefillDecodeServicer
+from services.pd.shared_cores import sleep_while_images_are_encoded
 from services.pd.step_calibration import calibrate_step_time, generate
 
 log = logging.getLogger(__name__)
@@ -277,8 +278,7 @@ def _grammar_compiler(
     return GrammarCompiler(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids, limits=limits)
 
 
-# Two full 16-token KV blocks and a tail: its repeat is served from the prefix cache.
-_WARM_UP_PROMPT = tuple(range(1, 41))
+_WARM_UP_PROMPT = tuple(range(1, 41))  # two full 16-token KV blocks and a tail: its repeat hits the prefix cache
 
 
 async def warm_up(engine: EngineBridge, every_path: bool = False) -> None:
@@ -306,16 +306,16 @@ async def warm_up(engine: EngineBridge, every_path: bool = False) -> None:
     await calibrate_step_time(engine)
 
 
-def _warm_up_request(prompt: list[int], sampling: SamplingParams) -> Request:
-    # No EOS ids: warm-up requests ignore EOS and run to max_tokens.
+def _warm_up_request(prompt: list[int], sampling: SamplingParams) -> Request:  # no EOS ids: runs to max_tokens
     return Request(request_id=f"warmup-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling)
 
 
 async def start_pd(config: PdConfig) -> PdServer:
     """Loads the model, starts the engine and the gRPC server, warms up, then reports ready."""
-    engine, facts = await asyncio.to_thread(build_engine, config)
-    # Colocated mode: the vision half too, loaded before the engine thread starts.
-    colocated = await Colocated.load(config, engine) if config.encoder == "local" else None
+    engine, facts = await asyncio.to_thread(openmp.then_end_team, build_engine, config)
+    colocated = await Colocated.load(config, engine) if config.encoder == "local" else None  # before engine.start()
+    if colocated is None and engine.core.runner.device.type == "cpu":  # an encoder computes beside it
+        sleep_while_images_are_encoded(engine)
     cache_feed = CacheFeed(engine, max_subscribers=config.max_cache_subscribers)  # hooks the loop: before start
     engine.start()
     servicer = PrefillDecodeServicer(

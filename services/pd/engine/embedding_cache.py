@@ -85,6 +85,10 @@ class EmbeddingCache:
         """``(mm_hash, rows)`` of every READY entry (a cache-event snapshot)."""
         return [(h, e.num_tokens) for h, e in self._entries.items() if e.state is EntryState.READY]
 
+    def awaits_push(self) -> bool:
+        """Whether an entry is RESERVED: an encoder is, or will be, working on an image for this PD."""
+        return any(entry.state is EntryState.RESERVED for entry in self._entries.values())
+
     def has_reservations(self, request_id: str) -> bool:
         """Whether ``request_id`` holds any open reservation."""
         return self._reservations.has_request(request_id)
