@@ -15,8 +15,11 @@ loading thread's team alive and 24 ms without it, an 8-row step 42-43 against
 So a service ends the team of each thread that is not its model thread:
 after loading (:func:`then_end_team`), on the event loop's thread, and in the
 loop's helper threads (:func:`leave_teams_to_model_threads`); those threads'
-later parallel regions run on themselves alone. Under another OpenMP runtime
-(Intel's or LLVM's ``libomp``, with other wait policies) this does nothing.
+later parallel regions run on themselves alone. Spinning workers cost a
+process that shares its cores with another one computing at the same time;
+:class:`SleepingWorkers` switches them to sleeping while that lasts
+(``services/pd/shared_cores.py``). Under another OpenMP runtime (Intel's or
+LLVM's ``libomp``, with other wait policies) this does nothing.
 """
 
 from __future__ import annotations

@@ -72,6 +72,20 @@ def test_reserve_fill_take_over_release(cache):
     assert cache.ref_count("h1") == 0 and cache.stats().evictable_tokens == 10
 
 
+def test_awaits_push_while_an_entry_is_reserved(cache):
+    """What a PD beside an encoder asks before each step (services/pd/shared_cores.py)."""
+    assert not cache.awaits_push()
+    state, rid = reserve(cache, "r1", "h1")
+    assert cache.awaits_push()
+    assert cache.take_over("r1") == ["h1"]  # Generate came first: the push is still awaited
+    assert cache.awaits_push()
+    cache.fill("r1", rid, "h1", now=1.0)
+    assert not cache.awaits_push()
+    reserve(cache, "r2", "h2")
+    cache.cancel_request("r2")
+    assert not cache.awaits_push()
+
+
 def test_ready_entry_is_pinned_then_taken_over(cache, evicted):
     make_ready(cache, "r0", "h1")
     [(h, state, rid)] = cache.preallocate("r1", [("h1", 10)], LEASE, 0.0)
