@@ -123,7 +123,7 @@ def leave_teams_to_model_threads() -> None:
 
 
 class SleepingWorkers:
-    """Switches this process's idle OpenMP workers between spinning and sleeping, from any thread.
+    """Switches this process's idle OpenMP workers between spinning and sleeping (``set`` from one thread).
 
     libgomp lets idle workers spin only while the process holds no more
     OpenMP threads than it has CPUs. To make them sleep, and leave the cores
