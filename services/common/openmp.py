@@ -12,14 +12,15 @@ decode step of the bench model took 34-36 ms on the engine thread with the
 loading thread's team alive and 24 ms without it, an 8-row step 42-43 against
 33, a 256k-element ``mul`` 104-133 µs against 31-41.
 
-So a service ends the team of each thread that is not its model thread:
-after loading (:func:`then_end_team`), on the event loop's thread, and in the
-loop's helper threads (:func:`leave_teams_to_model_threads`); those threads'
-later parallel regions run on themselves alone. Spinning workers cost a
-process that shares its cores with another one computing at the same time;
-:class:`SleepingWorkers` switches them to sleeping while that lasts
-(``services/pd/shared_cores.py``). Under another OpenMP runtime (Intel's or
-LLVM's ``libomp``, with other wait policies) this does nothing.
+So a service loads its model on a thread of its own that ends when done
+(:func:`on_own_thread`): libgomp ends a thread's team when the thread ends.
+Its event loop's thread and the loop's helper threads never start one
+(:func:`leave_teams_to_model_threads`): their parallel regions run on
+themselves alone (a push's finiteness check on the loop thread, an image's
+preprocessing on a helper). Spinning workers cost a process that shares its cores with another one
+computing at the same time; :class:`SleepingWorkers` makes them sleep while
+that lasts (``services/pd/shared_cores.py``). Under another OpenMP runtime
+(Intel's or LLVM's ``libomp``, with other wait policies) both are harmless.
 """
 
 from __future__ import annotations
@@ -31,95 +32,83 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
-OMP_PAUSE_SOFT = 1
-"""``omp_pause_soft`` (OpenMP 5.0): the runtime frees its threads and may start them again when needed."""
-
-_team_threads: int | None = None
-
-
-def team_threads() -> int:
-    """The process's team size: PyTorch's thread count as read before any team here ended.
-
-    ``torch.get_num_threads()`` answers for the calling thread, which is 1 on
-    a thread whose team ended; this is the count to give a thread a team."""
-    global _team_threads
-    if _team_threads is None:
-        import torch
-
-        _team_threads = torch.get_num_threads()
-    return _team_threads
-
 
 @functools.cache
-def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process has loaded (PyTorch's), if it has one with ``omp_pause_resource_all``."""
-    import torch  # noqa: F401  (loads PyTorch's OpenMP runtime before the search)
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime PyTorch loaded into this process (libgomp, or LLVM's or Intel's libomp)."""
+    import torch  # noqa: F401  (loads it before the search)
 
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "/libgomp" in line})
+            paths = sorted(
+                {line.split()[-1] for line in maps if "/libgomp" in line or "omp5" in line or "/libomp" in line}
+            )
     except OSError:
         return None
     for path in paths:
         try:
             library = ctypes.CDLL(path)  # the loaded copy: the same soname is not loaded twice
-            library.omp_pause_resource_all.argtypes = (ctypes.c_int,)
+            library.omp_set_num_threads.argtypes = (ctypes.c_int,)
         except (OSError, AttributeError):
             continue
-        library.omp_set_num_threads.argtypes = (ctypes.c_int,)
         return library
     return None
 
 
-def end_team() -> bool:
-    """Ends the calling thread's team of OpenMP workers; its later parallel regions run on it alone.
+def run_alone() -> bool:
+    """The calling thread's parallel regions run on it alone from now on: it starts no OpenMP team.
 
-    False, changing nothing, without libgomp; also when called inside a
-    parallel region, where the runtime refuses."""
+    For a thread that has not started one yet; False, changing nothing, where
+    no OpenMP runtime is found."""
     import torch
 
-    library = _libgomp()
+    library = _openmp()
     if library is None:
         return False
-    team_threads()  # read before the first team ends
-    # PyTorch sets a thread's team size at the thread's first parallel loop; a loop
-    # now (64k elements: above its grain) keeps that from undoing the size set below.
-    torch.empty(1 << 16).fill_(0.0)
+    # PyTorch sizes a thread's team at the thread's first parallel loop, from its own
+    # count; a softmax takes that loop now without starting a team (one row: serial).
+    torch.ones(1, 1).softmax(-1)
     library.omp_set_num_threads(1)
-    return library.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
-
-
-def then_end_team(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """``fn(*args, **kwargs)`` with a whole team on the calling thread (loading a model, say), then :func:`end_team`."""
-    import torch
-
-    torch.set_num_threads(team_threads())
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        end_team()
+    return True
 
 
 def leave_teams_to_model_threads() -> None:
-    """For a service's event loop: ends the loop thread's team and gives the loop helper threads without one.
-
-    Sets PyTorch's thread count for new threads first (its default is read
-    per thread), so that the model thread, started later, gets a whole team."""
-    import torch
-
-    torch.set_num_threads(team_threads())
-    if not end_team():
-        log.debug("no libgomp with omp_pause_resource_all: OpenMP teams left as they are")
+    """For a service's event loop: its thread, and the helper threads of ``asyncio.to_thread``, run alone."""
+    if not run_alone():
+        log.debug("no OpenMP runtime found: the event loop's threads keep their teams")
         return
-    loop = asyncio.get_running_loop()
-    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="loop-helper", initializer=end_team))
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(thread_name_prefix="loop-helper", initializer=run_alone)
+    )
+
+
+def on_own_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args, **kwargs)`` on a new thread that ends when it returns, its OpenMP team with it.
+
+    Blocks the caller (from the event loop, through ``asyncio.to_thread``);
+    returns what ``fn`` returned and raises what it raised."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn(*args, **kwargs)))
+        except BaseException as error:  # handed to the caller below
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=run, name="model-loader")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 class SleepingWorkers:
@@ -128,46 +117,32 @@ class SleepingWorkers:
     libgomp lets idle workers spin only while the process holds no more
     OpenMP threads than it has CPUs. To make them sleep, and leave the cores
     to another process computing at the same time (an encoder beside a PD),
-    a thread of this object's own holds a spare team, whose workers sleep and
-    cost nothing; to let them spin again it ends that team. That thread starts
-    at the first request for sleep and ends, team and all, once ``owner_alive``
-    turns false (checked every ``poll_s``)."""
+    a thread of its own starts a spare team and waits, its workers asleep and
+    costing nothing; to let them spin again that thread ends, and its team
+    with it. It also ends once ``owner_alive`` turns false (checked every
+    ``poll_s``)."""
 
     def __init__(self, owner_alive: Callable[[], bool], poll_s: float = 1.0) -> None:
-        self._owner_alive = owner_alive
+        self.owner_alive = owner_alive
         self._poll_s = poll_s
-        self._wanted = False
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._release: threading.Event | None = None
+
+    @property
+    def sleeping(self) -> bool:
+        return self._release is not None
 
     def set(self, sleep: bool) -> None:
         """Asks for sleeping (True) or spinning (False) workers; takes effect within moments."""
-        if sleep == self._wanted:
-            return
-        with self._changed:
-            self._wanted = sleep
-            self._changed.notify()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="openmp-spare-team", daemon=True)
-            self._thread.start()
+        if sleep and self._release is None:
+            self._release = threading.Event()
+            threading.Thread(target=self._hold, args=(self._release,), name="openmp-spare-team", daemon=True).start()
+        elif not sleep and self._release is not None:
+            self._release.set()
+            self._release = None
 
-    def _run(self) -> None:
+    def _hold(self, release: threading.Event) -> None:
         import torch
 
-        library = _libgomp()
-        if library is None:
-            return
-        holding = False
-        while True:
-            with self._changed:
-                while self._wanted == holding and self._owner_alive():
-                    self._changed.wait(self._poll_s)
-                holding = self._wanted and self._owner_alive()
-            if not self._owner_alive():
-                end_team()
-                return
-            if holding:
-                library.omp_set_num_threads(team_threads())
-                torch.empty(1 << 16).fill_(0.0)  # a parallel region: the spare team starts and stays
-            else:
-                end_team()
+        torch.empty(1 << 16).fill_(0.0)  # a parallel region (64k elements: above PyTorch's grain): the team starts
+        while not release.wait(self._poll_s) and self.owner_alive():
+            pass

@@ -44,7 +44,7 @@ from services.pd.runner.grammar import (
 from services.pd.runner.kv_sizing import CudaMemoryReader, size_kv_cache
 from services.pd.runner.model_runner import ModelRunner
 from services.pd.servicer import PrefillDecodeServicer
-from services.pd.shared_cores import sleep_while_images_are_encoded
+from services.pd.shared_cores import yield_cores_to_encoder
 from services.pd.step_calibration import calibrate_step_time, generate
 
 log = logging.getLogger(__name__)
@@ -312,10 +312,10 @@ def _warm_up_request(prompt: list[int], sampling: SamplingParams) -> Request:  #
 
 async def start_pd(config: PdConfig) -> PdServer:
     """Loads the model, starts the engine and the gRPC server, warms up, then reports ready."""
-    engine, facts = await asyncio.to_thread(openmp.then_end_team, build_engine, config)
+    engine, facts = await asyncio.to_thread(openmp.on_own_thread, build_engine, config)
     colocated = await Colocated.load(config, engine) if config.encoder == "local" else None  # before engine.start()
     if colocated is None and engine.core.runner.device.type == "cpu":  # an encoder computes beside it
-        sleep_while_images_are_encoded(engine)
+        yield_cores_to_encoder(engine)
     cache_feed = CacheFeed(engine, max_subscribers=config.max_cache_subscribers)  # hooks the loop: before start
     engine.start()
     servicer = PrefillDecodeServicer(

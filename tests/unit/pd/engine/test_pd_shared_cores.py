@@ -1,5 +1,6 @@
 """A PD beside an encoder (services/pd/shared_cores.py): before each step the engine thread asks for sleeping
-OpenMP workers while an image it reserved room for is awaited, and for spinning ones otherwise."""
+OpenMP workers while an image it reserved room for is awaited, and for spinning ones otherwise; and it holds
+its steps meanwhile, running the commands that arrive."""
 
 from __future__ import annotations
 
@@ -28,11 +29,10 @@ async def _iterations(bridge: EngineBridge, count: int) -> None:
     await asyncio.sleep(0.05)
 
 
-async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(monkeypatch):
+def _recorded_bridge(monkeypatch, awaited: list[bool]) -> tuple[EngineBridge, list[str]]:
     monkeypatch.setattr(shared_cores.openmp, "SleepingWorkers", RecordingWorkers)
     bridge = EngineBridge(make_core(clock=FakeClock(), num_blocks=64, block_size=4))
     order: list[str] = []
-    awaited = [True]
 
     def awaits_push() -> bool:
         order.append("asked")
@@ -46,7 +46,13 @@ async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(m
 
     monkeypatch.setattr(bridge.core.scheduler.embedding_cache, "awaits_push", awaits_push)
     monkeypatch.setattr(bridge.core, "step", recorded_step)
-    workers = shared_cores.sleep_while_images_are_encoded(bridge)
+    return bridge, order
+
+
+async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(monkeypatch):
+    awaited = [True]
+    bridge, order = _recorded_bridge(monkeypatch, awaited)
+    workers = shared_cores.yield_cores_to_encoder(bridge, hold_s=0.0)
     bridge.start()
     try:
         assert workers.owner_alive()
@@ -59,3 +65,18 @@ async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(m
     finally:
         bridge.shutdown()
     assert not workers.owner_alive()  # the real switch ends its spare team and thread then
+
+
+async def test_steps_are_held_while_an_image_is_awaited_and_commands_still_run(monkeypatch):
+    awaited = [True]
+    bridge, order = _recorded_bridge(monkeypatch, awaited)
+    shared_cores.yield_cores_to_encoder(bridge, hold_s=30.0)
+    bridge.start()
+    try:
+        await _iterations(bridge, 3)  # each command is answered during the hold
+        assert "step" not in order
+        awaited[0] = False  # the image arrived
+        await _iterations(bridge, 1)
+        assert "step" in order
+    finally:
+        bridge.shutdown()
