@@ -1,6 +1,5 @@
 """A PD beside an encoder (services/pd/shared_cores.py): before each step the engine thread asks for sleeping
-OpenMP workers while an image it reserved room for is awaited, and for spinning ones otherwise; and it holds
-its steps meanwhile, running the commands that arrive."""
+OpenMP workers while an image it reserved room for is awaited, and for spinning ones otherwise."""
 
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ def _recorded_bridge(monkeypatch, awaited: list[bool]) -> tuple[EngineBridge, li
 async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(monkeypatch):
     awaited = [True]
     bridge, order = _recorded_bridge(monkeypatch, awaited)
-    workers = shared_cores.yield_cores_to_encoder(bridge, hold_s=0.0)
+    workers = shared_cores.yield_cores_to_encoder(bridge)
     bridge.start()
     try:
         assert workers.owner_alive()
@@ -65,18 +64,3 @@ async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(m
     finally:
         bridge.shutdown()
     assert not workers.owner_alive()  # the real switch ends its spare team and thread then
-
-
-async def test_steps_are_held_while_an_image_is_awaited_and_commands_still_run(monkeypatch):
-    awaited = [True]
-    bridge, order = _recorded_bridge(monkeypatch, awaited)
-    shared_cores.yield_cores_to_encoder(bridge, hold_s=30.0)
-    bridge.start()
-    try:
-        await _iterations(bridge, 3)  # each command is answered during the hold
-        assert "step" not in order
-        awaited[0] = False  # the image arrived
-        await _iterations(bridge, 1)
-        assert "step" in order
-    finally:
-        bridge.shutdown()
