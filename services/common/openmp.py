@@ -127,10 +127,6 @@ class SleepingWorkers:
         self._poll_s = poll_s
         self._release: threading.Event | None = None
 
-    @property
-    def sleeping(self) -> bool:
-        return self._release is not None
-
     def set(self, sleep: bool) -> None:
         """Asks for sleeping (True) or spinning (False) workers; takes effect within moments."""
         if sleep and self._release is None:
