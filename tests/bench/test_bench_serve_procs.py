@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from services.bench.serve import procs
 from services.bench.serve.layout import LayoutConfig, build_topologies
 from services.bench.serve.output import build_results, write_outputs
 from services.bench.serve.procs import Cluster, ServiceArgs, proxy_ready
@@ -138,3 +139,53 @@ def test_a_configuration_that_fails_is_reported_and_the_others_still_run(tmp_pat
     write_outputs(tmp_path, runner, context, plots=False)
     assert "**failed**" in (tmp_path / "results.md").read_text()
     assert json.loads((tmp_path / "results.json").read_text())["slo"]["ttft_ms"] == 100.0
+
+
+READY_PROXY = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Ready(BaseHTTPRequestHandler):
+    def do_GET(self):
+        data = json.dumps({"status": "ok", "pd": {"a": True}, "encoder": {"b": True}}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Ready).serve_forever()
+"""
+REFUSED = "import sys; print('epd: port 1 (--port) is taken', file=sys.stderr); sys.exit(2)"
+
+
+@pytest.fixture
+def up_commands(monkeypatch):
+    """``epd_up`` runs these scripts in turn (test doubles of ``epd up``), each on a fresh port."""
+    scripts: list[str] = []
+
+    def argv(model_dir, up_args):
+        port = procs.free_port()
+        return [sys.executable, "-c", scripts.pop(0), str(port)], f"http://127.0.0.1:{port}"
+
+    monkeypatch.setattr(procs, "_up_argv", argv)
+    return scripts
+
+
+def test_epd_up_tries_a_start_refused_for_its_ports_again(up_commands):
+    up_commands += [REFUSED, READY_PROXY]
+    with procs.epd_up("unused") as base_url:
+        assert proxy_ready(base_url)
+    assert up_commands == []
+
+
+def test_epd_up_gives_up_after_its_tries_with_the_last_line_of_stderr(up_commands):
+    up_commands += [REFUSED] * procs.START_TRIES
+    refused = r"refused to start 3 times: epd: port 1 \(--port\) is taken"
+    with pytest.raises(RuntimeError, match=refused), procs.epd_up("unused"):
+        pass
+
+
+def test_epd_up_reports_a_child_that_fails_otherwise_at_once(up_commands):
+    up_commands += ["import sys; print('epd: model not found', file=sys.stderr); sys.exit(1)", READY_PROXY]
+    failed = "exited with code 1 before it was ready: epd: model not found"
+    with pytest.raises(RuntimeError, match=failed), procs.epd_up("unused"):
+        pass
+    assert up_commands == [READY_PROXY]

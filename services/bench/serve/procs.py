@@ -21,13 +21,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from services.bench.serve.layout import ProcessSpec, Topology
 
@@ -272,35 +273,66 @@ def proxy_ready(base_url: str, timeout_s: float = 2.0) -> bool:
 
 
 READY_TIMEOUT_S = 300.0
+START_TRIES = 3
+"""``epd up`` exits 2, before any child starts, when a port it is given is taken. Ports picked by binding
+port 0 are ephemeral ports, which another process's outgoing connection can take before the child binds
+them, so a start refused that way is tried again on fresh ports."""
+
+
+def _up_argv(model_dir: str, up_args: Sequence[str]) -> tuple[list[str], str]:
+    """``epd up``'s command line on free loopback ports, metrics off, and the proxy's base URL."""
+    port = free_port()
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port)]
+    argv += ["--encoder-base-port", str(free_port()), "--pd-base-port", str(free_port())]
+    argv += ["--encoder-metrics-base-port", "-1", "--pd-metrics-base-port", "-1", "--launcher-metrics-port", "-1"]
+    argv += ["--proxy-metrics-port", "-1", *up_args]
+    return argv, f"http://127.0.0.1:{port}"
+
+
+def _last_line(log: IO[bytes]) -> str:
+    log.seek(0)
+    lines = log.read().decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else "(nothing on stderr)"
+
+
+def _stop_up(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGINT)
+    try:
+        child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
 
 
 @contextlib.contextmanager
 def epd_up(model_dir: str, up_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Iterator[str]:
     """``epd up`` on free loopback ports as a child process; yields the proxy's base URL once every
-    backend is ready, and stops it with SIGINT (Ctrl-C) on exit. Its output goes to /dev/null."""
-    port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port)]
-    argv += ["--encoder-base-port", str(free_port()), "--pd-base-port", str(free_port())]
-    argv += ["--encoder-metrics-base-port", "-1", "--pd-metrics-base-port", "-1", "--launcher-metrics-port", "-1"]
-    argv += ["--proxy-metrics-port", "-1"]
-    base_url = f"http://127.0.0.1:{port}"
-    with open(os.devnull, "wb") as log:
-        child = subprocess.Popen(
-            [*argv, *up_args], env={**os.environ, **(env or {})}, stdout=log, stderr=log, start_new_session=True
-        )
+    backend is ready, and stops it with SIGINT (Ctrl-C) on exit. A start refused for its ports is tried
+    again on others (``START_TRIES``); a child that exits before it is ready raises with its last stderr line."""
+    with tempfile.TemporaryFile() as log:
+        for _ in range(START_TRIES):
+            argv, base_url = _up_argv(model_dir, up_args)
+            log.seek(0)
+            log.truncate()
+            child = subprocess.Popen(
+                argv, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
+            )
+            try:
+                deadline = time.monotonic() + READY_TIMEOUT_S
+                while not proxy_ready(base_url) and child.poll() is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"epd up was not ready within {READY_TIMEOUT_S:.0f} s")
+                    time.sleep(0.5)
+            except BaseException:
+                _stop_up(child)
+                raise
+            if child.returncode is None:
+                break
+            if child.returncode != 2:
+                raise RuntimeError(f"epd up exited with code {child.returncode} before it was ready: {_last_line(log)}")
+        else:
+            raise RuntimeError(f"epd up refused to start {START_TRIES} times: {_last_line(log)}")
         try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while not proxy_ready(base_url):
-                if child.poll() is not None:
-                    raise RuntimeError(f"epd up exited with code {child.returncode} before it was ready")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"epd up was not ready within {READY_TIMEOUT_S:.0f} s")
-                time.sleep(0.5)
             yield base_url
         finally:
-            child.send_signal(signal.SIGINT)
-            try:
-                child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+            _stop_up(child)
