@@ -47,11 +47,11 @@ def oracle(model, oracle_for):
 
 @pytest.fixture
 def start_cluster(build_model, model):
-    """Starts a cluster with PD overrides; stops it (after a leak check) when the test ends."""
+    """Starts a cluster with PD overrides (and ``encoder``'s); stops it (after a leak check) when the test ends."""
     started: list[InProcessCluster] = []
 
-    def start(**pd_overrides) -> InProcessCluster:
-        started.append(InProcessCluster(str(build_model(model)), pd=pd_overrides).start())
+    def start(encoder: dict | None = None, **pd_overrides) -> InProcessCluster:
+        started.append(InProcessCluster(str(build_model(model)), pd=pd_overrides, encoder=encoder).start())
         return started[-1]
 
     yield start
@@ -126,7 +126,10 @@ def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, o
     longest = max(_num_prompt_tokens(oracle, messages, images) for messages, images in requests)
     block_size = 16
     num_blocks = -(-(longest + MAX_TOKENS) // block_size) + 1
-    cluster = start_cluster(num_kv_blocks=num_blocks, block_size=block_size)
+    # Every image in one batch of the encoder, so that their requests reach PD together and contend for the
+    # pool: encoded one by one, each could finish before the next one's embedding arrived.
+    one_batch = {"max_wait_ms": 3000.0, "max_batch_images": 16}
+    cluster = start_cluster(encoder=one_batch, num_kv_blocks=num_blocks, block_size=block_size)
     _check_concurrently(cluster, oracle, requests)
     assert _pd_stats(cluster).num_preemptions > 0, "the pool was meant to force preemption"
 

@@ -181,10 +181,15 @@ def test_videos_through_chunked_prefill_and_preemption(build_model, oracle_for, 
         oracle.generate([{"role": "user", "content": content}], images, MAX_TOKENS, videos=refs or None)
         for content, refs, images in requests
     ]
+    encoder = None
     if "num_kv_blocks" in pd:
         longest = max(len(oracle.prompt_ids([{"role": "user", "content": c}], i)) for c, _, i in requests)
         pd = {**pd, "num_kv_blocks": -(-(longest + 48 + MAX_TOKENS) // 16) + 1}  # + the tokens of the videos
-    cluster = InProcessCluster(str(build_model("qwen2.5-vl-tiny")), pd=pd, colocated=colocated).start()
+        # Every video in one batch of the encoder, so that their requests reach PD together and contend
+        # for the pool: encoded one by one, each could finish before the next one's embedding arrived.
+        encoder = {"max_wait_ms": 3000.0, "max_batch_images": 16}
+    model = str(build_model("qwen2.5-vl-tiny"))
+    cluster = InProcessCluster(model, pd=pd, encoder=encoder, colocated=colocated).start()
     try:
         client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=300)
         with client, ThreadPoolExecutor(len(requests)) as pool:
