@@ -23,7 +23,7 @@ def no_user_choice(monkeypatch):
 
 
 STEPS = """
-import resource, sys
+import resource
 import torch
 from services.common import host_memory
 
