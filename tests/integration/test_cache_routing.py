@@ -122,6 +122,8 @@ def test_every_follow_up_goes_where_its_conversation_is(cluster, client):
     assert decisions(cluster, "cache") >= 12
     assert registry.get_sample_value("epd_proxy_pd_route_hit_tokens_total") > 0
     assert registry.get_sample_value("epd_proxy_cache_event_lag_seconds_count") > 0
+    # The answered turns count as work that comes back to their PDs (a new conversation's placement).
+    assert sum(pd.returning_tokens() for pd in cluster.app.state.proxy.backends.pds) > 0
 
 
 def test_load_outweighs_the_cache_and_the_conversation_then_stays_where_it_went(cluster, client):

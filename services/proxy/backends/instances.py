@@ -30,6 +30,10 @@ ENCODER_SERVICE = "epd.v1.Encoder"
 ABORT_TIMEOUT_S = 5.0
 """Abort is cleanup: it gets its own short timeout, not the (maybe spent) request deadline."""
 
+RETURNING_HALF_LIFE_S = 30.0
+"""How fast ``PdClient.returning_tokens`` forgets a finished call: a user's next turn comes within seconds
+to minutes of the answer."""
+
 Clock = Callable[[], float]
 
 
@@ -269,6 +273,9 @@ class PdClient(Instance):
         # load (``estimated_tokens``).
         self.outstanding_tokens = 0
         self.tokens_baseline = 0
+        # Uncached tokens of this proxy's calls that finished here, decayed: what its conversations bring back.
+        self._returning_tokens = 0.0
+        self._returning_at = 0.0
 
     def reported_load(self) -> int:
         load = self.load
@@ -282,8 +289,21 @@ class PdClient(Instance):
         """``num_tokens`` more uncached tokens of a call in flight here (give them back with ``release_tokens``)."""
         self.outstanding_tokens += num_tokens
 
-    def release_tokens(self, num_tokens: int) -> None:
+    def release_tokens(self, num_tokens: int, *, finished: bool = False) -> None:
+        """Gives back what ``hold_tokens`` counted; ``finished``: the call ended with its answer, so its
+        tokens count into ``returning_tokens``."""
         self.outstanding_tokens -= num_tokens
+        if finished:
+            self._returning_tokens = self.returning_tokens() + num_tokens
+            self._returning_at = self._clock()
+
+    def returning_tokens(self) -> float:
+        """Uncached tokens of the calls that finished here, each halved every ``RETURNING_HALF_LIFE_S``: a
+        conversation's next turn goes where its history is cached, so the work a PD served recently is
+        work that comes back to it."""
+        if not self._returning_tokens:
+            return 0.0
+        return self._returning_tokens * 0.5 ** ((self._clock() - self._returning_at) / RETURNING_HALF_LIFE_S)
 
     def reported_tokens(self) -> int:
         """Uncached tokens of the requests running and waiting here at the last GetLoad (0 before it, or from

@@ -161,7 +161,7 @@ class Attempt:
             task.cancel()
         self.pd.end(self.outcome, probe=self.probe, settled=self.settled)
         for pd, num_tokens in self._held.items():
-            pd.release_tokens(num_tokens)
+            pd.release_tokens(num_tokens, finished=self.finished)
         self._held.clear()
         return self.encode_tasks
 

@@ -6,7 +6,7 @@ import pytest
 
 from services.common.pb import epd_pb2
 from services.proxy.backends.cache_index import CacheIndex, PromptImage, RouteDecision, RoutedPrompt
-from services.proxy.backends.instances import CircuitBreaker, PdClient
+from services.proxy.backends.instances import RETURNING_HALF_LIFE_S, CircuitBreaker, PdClient
 from services.proxy.backends.routing import CacheAwarePdPolicy, make_pd_policy
 from services.proxy.dispatch.jobs import Job
 from services.proxy.prompt.preprocess import ImageItem, Prompt
@@ -144,3 +144,30 @@ def test_the_policy_is_built_by_name_and_a_job_routes_its_prompt():
     assert route is job.route  # built once per job
     assert route.images == (PromptImage("c" * 64, 2, 4, (1, 2, 2)),) and route.cache_salt == "ab" * 32
     assert len(route.keys(BS)) == 2
+
+
+def test_a_new_conversation_counts_the_work_that_comes_back_to_each_pd():
+    index = CacheIndex()
+    clock = FakeClock()
+    instances = pds(2, clock)
+    policy = CacheAwarePdPolicy(index, cache_weight=2.0)
+    # pd0 answered a turn a moment ago (its user is thinking); pd1 serves a call now.
+    instances[0].hold_tokens(500)
+    instances[0].release_tokens(500, finished=True)
+    instances[1].hold_tokens(300)
+    new = RoutedPrompt(list(range(5000, 5100)))
+    assert firsts(policy, instances, new) == ["pd1:1"] * 4  # 300 in flight < 500 coming back
+    assert new.decision == RouteDecision("pd1:1", "load", 0, 0, 300)
+    clock.now += RETURNING_HALF_LIFE_S  # half of it is forgotten: 250 < 300
+    assert instances[0].returning_tokens() == pytest.approx(250)
+    assert firsts(policy, instances, new) == ["pd0:1"] * 4
+    # A call that failed or was cancelled is not a conversation that comes back.
+    instances[1].hold_tokens(1000)
+    instances[1].release_tokens(1000)
+    assert instances[1].returning_tokens() == 0
+    # A follow-up goes by its cache as before: pd0's returning work is not held against it.
+    clock.now -= RETURNING_HALF_LIFE_S
+    holding(index, "pd0:1", conversation(1))
+    follow_up = conversation(2)
+    assert firsts(policy, instances, follow_up) == ["pd0:1"] * 4
+    assert follow_up.decision == RouteDecision("pd0:1", "cache", 304, 304, 0)
