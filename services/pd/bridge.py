@@ -131,13 +131,10 @@ class EngineBridge:
             self.core.preallocate, request_id, list(spans), lease_s, list(prompt_token_ids), peer, cache_salt
         )
 
-    async def check_push(self, request_id: str, reservation_id: str, mm_hash: str, num_tokens: int) -> bool:
-        """``EngineCore.check_push``: rejects a push early, before its bytes arrive; False for a repeat."""
-        return await self.call(self.core.check_push, request_id, reservation_id, mm_hash, num_tokens)
-
-    async def push(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
-        """``EngineCore.fill`` with a received embedding (``[num_tokens, hidden]``, or ``[num_tokens, 1 + levels, hidden]``)."""
-        await self.call(self.core.fill, request_id, reservation_id, mm_hash, embedding)
+    async def push(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> bool:
+        """``EngineCore.fill`` with a received embedding (``[num_tokens, hidden]``, or ``[num_tokens, 1 + levels, hidden]``);
+        False for a repeat of a push that landed."""
+        return await self.call(self.core.fill, request_id, reservation_id, mm_hash, embedding)
 
     async def add_request(self, request: Request, kv_reservation_id: str = "") -> asyncio.Queue[Event]:
         """``EngineCore.add_request`` (``add_handed_off`` with a KV reservation); the request's events

@@ -1,18 +1,24 @@
 """Receiving one PushEmbedding stream: header first, then raw chunks, refused as early as possible.
 
 What is refused before any payload buffer exists: a stream that does not
-start with a well-formed header, a reservation that is not live (the engine
-core is asked), and a second push to a reservation that already has one in
-flight (each would otherwise hold a buffer of the full size). While bytes
-arrive: chunks over 1 MiB, more bytes than declared, and a stream that sends
-no bytes for ``idle_timeout_s`` (empty chunks are no progress: a stream that
-trickles them is ended too). Buffers are bounded: the bytes of every push in
-flight together, and the pushes in flight per caller address, so that many
-streams each holding a full-size buffer cannot exhaust memory (a refusal is
-RESOURCE_EXHAUSTED with a retry hint; the reservation stays open). Afterwards: a short payload and non-finite
-values (NaN or infinity must never reach the KV cache). A repeat of a push
-that already landed (a retried Encode) is read off and acknowledged without
-a buffer. Runs on the event loop; nothing here touches the engine's state.
+start with a well-formed header, and a second push to a reservation that
+already has one in flight (each would otherwise hold a buffer of the full
+size). While bytes arrive: chunks over 1 MiB, more bytes than declared, and a
+stream that sends no bytes for ``idle_timeout_s`` (empty chunks are no
+progress: a stream that trickles them is ended too). Buffers are bounded: the
+bytes of every push in flight together, and the pushes in flight per caller
+address, so that many streams each holding a full-size buffer cannot exhaust
+memory (a refusal is RESOURCE_EXHAUSTED with a retry hint; the reservation
+stays open). Afterwards: a short payload and non-finite values (NaN or
+infinity must never reach the KV cache). Runs on the event loop; nothing here
+touches the engine's state.
+
+Whether the reservation is live and wants these bytes (a repeat of a push
+that landed, from a retried Encode, is acknowledged and dropped) is the
+engine core's answer to the one call that stores the embedding, after the
+bytes are in. The core answers only between steps: asking it before the
+bytes as well made every push wait for two step ends, up to seconds under an
+image burst, where one is enough.
 
 ``PushSlots`` (one reservation's stream at a time, pushes per caller, buffer
 bytes) and ``read_payload`` (the idle timeout that only bytes move) are
@@ -24,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
@@ -148,13 +154,12 @@ async def read_payload(
 
 
 class PushIntake:
-    """Reads pushes for one PD; ``check_push(header) -> wanted`` asks the engine core."""
+    """Reads pushes for one PD; the caller hands each embedding to the engine core."""
 
     def __init__(
         self,
         hidden_size: int,
         idle_timeout_s: float,
-        check_push: Callable[[epd_pb2.EmbeddingHeader], Awaitable[bool]],
         *,
         max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
         max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER,
@@ -163,7 +168,6 @@ class PushIntake:
         self._hidden_size = hidden_size
         self._num_deepstack_levels = num_deepstack_levels
         self._idle_timeout_s = idle_timeout_s
-        self._check_push = check_push
         self._slots = PushSlots(max_buffer_bytes, max_pushes_per_peer)
 
     @property
@@ -172,8 +176,8 @@ class PushIntake:
 
     async def receive(
         self, request_iterator: AsyncIterator[Any], peer: str = ""
-    ) -> tuple[epd_pb2.EmbeddingHeader, Any | None]:
-        """The header and the embedding tensor, or None for a repeat of a push that landed."""
+    ) -> tuple[epd_pb2.EmbeddingHeader, torch.Tensor]:
+        """The header and the embedding tensor."""
         stream = aiter(request_iterator)
         first = await next_chunk(stream, time.monotonic() + self._idle_timeout_s, _STALLED)
         if first is None or data_of(first) is not None or first.WhichOneof("kind") != "header":
@@ -181,13 +185,9 @@ class PushIntake:
         header = first.header
         self.check_header(header)
         with self._slots.hold(header.reservation_id, peer, "a push to this reservation is already in progress") as slot:
-            wanted = await self._check_push(header)
-            if wanted:
-                slot.take_buffer(header.num_bytes)
-            payload = bytearray(header.num_bytes) if wanted else None
+            slot.take_buffer(header.num_bytes)
+            payload = bytearray(header.num_bytes)
             await read_payload(stream, header.num_bytes, payload, self._idle_timeout_s, _STALLED)
-        if payload is None:
-            return header, None
         embedding = tensors.tensor_from_bytes(payload, tensors.dtype_from_pb(header.dtype), list(header.shape))
         if not tensors.all_finite(embedding):
             raise _invalid("embedding has non-finite values")

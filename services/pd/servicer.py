@@ -123,7 +123,6 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         self.pushes = PushIntake(
             engine.hidden_size,
             config.push_idle_timeout_s,
-            self._check_push,
             max_buffer_bytes=config.max_push_buffer_mb << 20,
             max_pushes_per_peer=config.max_pushes_per_peer,
             num_deepstack_levels=engine.num_deepstack_levels,
@@ -308,17 +307,14 @@ class PrefillDecodeServicer(epd_pb2_grpc.PrefillDecodeServicer):
         with AccessLine(log, "push", level=logging.DEBUG, request_id=request_id_of(context)) as line:
             try:
                 header, embedding = await self.pushes.receive(request_iterator, peer_address(context))
-                line.update(num_bytes=header.num_bytes, repeat=embedding is None)
-                if embedding is not None:
-                    await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
+                line.update(num_bytes=header.num_bytes)
+                stored = await self.engine.push(header.request_id, header.reservation_id, header.mm_hash, embedding)
+                line.update(repeat=not stored)
             except EngineError as error:
                 await abort_with(context, error, line)
             except ValueError as error:
                 await abort_with(context, EngineError(ErrorKind.INVALID_ARGUMENT, str(error)), line)
             return epd_pb2.PushEmbeddingResponse(num_bytes=header.num_bytes)
-
-    async def _check_push(self, header: epd_pb2.EmbeddingHeader) -> bool:
-        return await self.engine.check_push(header.request_id, header.reservation_id, header.mm_hash, header.shape[0])
 
     async def ReserveKV(self, request, context):
         with AccessLine(log, "reserve_kv", level=logging.DEBUG, request_id=request_id_of(context)) as line:

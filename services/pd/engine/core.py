@@ -8,7 +8,7 @@ Read a request's life here, top to bottom, plus ``scheduler.py`` (1 and 2 live i
    inside it are READY at once (the blocks through them are pinned), the
    others are READY from the embedding cache or RESERVED for a push
    (``embedding_cache.py``), all under a lease.
-2. ``check_push`` / ``fill``: the encoder's PushEmbedding lands in a live
+2. ``fill`` (``check_push`` first): the encoder's PushEmbedding lands in a live
    reservation; the tensor goes into the core's embedding store.
 3. ``add_request`` (Generate): the request takes over what Preallocate left
    (the same cached prefix, one embedding reference per image span) and

@@ -141,10 +141,11 @@ class EmbeddingIntakeMixin:
             raise EngineError(ErrorKind.FAILED_PRECONDITION, f"push rejected: {exc}") from None
         return True
 
-    def fill(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> None:
-        """Stores a pushed ``[num_tokens, hidden]`` embedding in its reservation; a repeat changes nothing."""
+    def fill(self, request_id: str, reservation_id: str, mm_hash: str, embedding: Any) -> bool:
+        """Stores a pushed ``[num_tokens, hidden]`` embedding in its reservation; False for a repeat, which
+        changes nothing. Refuses as ``check_push`` does."""
         if not self.check_push(request_id, reservation_id, mm_hash, int(embedding.shape[0])):
-            return
+            return False
         try:
             tensor = self.runner.prepare_embedding(embedding)
         except ValueError as exc:
@@ -152,6 +153,7 @@ class EmbeddingIntakeMixin:
         if self.embedding_cache.fill(request_id, reservation_id, mm_hash, self._clock()):
             self._embeddings[mm_hash] = tensor
             self._unblock(mm_hash)
+        return True
 
     def fill_cached(self, request_id: str, reservation_id: str, mm_hash: str) -> bool:
         """Fills a reservation from the embedding already READY here; False when it is not."""

@@ -1,7 +1,7 @@
 """Finding 6: a push that trickles empty chunks never timed out, and every live push held a full-size buffer.
 
 ``PushIntake`` is driven with hand-made streams (async generators standing in
-for gRPC request iterators); the engine's ``check_push`` is a test double.
+for gRPC request iterators).
 """
 
 from __future__ import annotations
@@ -39,12 +39,8 @@ def data(payload: bytes) -> epd_pb2.PushEmbeddingChunk:
     return epd_pb2.PushEmbeddingChunk(data=payload)
 
 
-async def wanted(_header) -> bool:  # the engine core's answer, as a test double
-    return True
-
-
 def intake(**limits) -> PushIntake:
-    return PushIntake(HIDDEN, IDLE_S, wanted, **limits)
+    return PushIntake(HIDDEN, IDLE_S, **limits)
 
 
 async def stream(*chunks, pause_s: float = 0.0, then_wait: asyncio.Event | None = None):

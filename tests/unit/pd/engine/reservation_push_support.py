@@ -2,8 +2,8 @@
 
 ``PushClient`` builds a push the way the encoder's pusher does (a header,
 then raw chunks), optionally damaged, and runs the servicer on it inline:
-the servicer assembles and validates the payload, then calls the two
-engine methods it uses, which ``InlineBridge`` runs directly on the real
+the servicer assembles and validates the payload, then calls the engine
+method it uses, which ``InlineBridge`` runs directly on the real
 ``EngineCore`` (no engine thread). The result is the status the call ended with.
 """
 
@@ -46,18 +46,15 @@ class ContextDouble:
 
 
 class InlineBridge:
-    """Stands in for ``EngineBridge``: the two calls the push servicer makes, run inline on the core."""
+    """Stands in for ``EngineBridge``: the call the push servicer makes, run inline on the core."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.hidden_size = core.hidden_size
         self.num_deepstack_levels = core.num_deepstack_levels
 
-    async def check_push(self, request_id, reservation_id, mm_hash, num_tokens):
-        return self.core.check_push(request_id, reservation_id, mm_hash, num_tokens)
-
     async def push(self, request_id, reservation_id, mm_hash, embedding):
-        self.core.fill(request_id, reservation_id, mm_hash, embedding)
+        return self.core.fill(request_id, reservation_id, mm_hash, embedding)
 
 
 class PushClient:
