@@ -48,6 +48,7 @@ class EngineBridge:
         self._shared_stats: asyncio.Future[EngineStats] | None = None  # the read callers share
         self._loop_hooks: list[Callable[[], None]] = []  # run on the engine thread after every iteration
         self._pre_step_hooks: list[Callable[[], None]] = []  # and these before its step
+        self._step_delay: Callable[[], float] | None = None  # seconds to wait before the next step
 
     @property
     def hidden_size(self) -> int:
@@ -89,6 +90,11 @@ class EngineBridge:
         the thread waits again, or with ``before_step`` between the commands and the step; it must be
         quick (the cache-event feed takes its batch there). Call before ``start``."""
         (self._pre_step_hooks if before_step else self._loop_hooks).append(hook)
+
+    def set_step_delay(self, delay: Callable[[], float]) -> None:
+        """Before each step the engine thread asks ``delay()`` (quick, on that thread) how long to hold
+        the step; it runs the commands that arrive meanwhile and asks again. Call before ``start``."""
+        self._step_delay = delay
 
     # ------------------------------------------------------------ asyncio side
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -206,6 +212,11 @@ class EngineBridge:
                 break
             self._has_work = self.core.has_work()  # a step hung after idling is a stall
             self._run_hooks(self._pre_step_hooks)
+            if self._step_delay is not None and (delay := self._step_delay()) > 0:
+                if not self._drain_inbox(timeout=delay):  # a command (an image, a prompt) ends it early
+                    break
+                idle = False  # then ask again at once
+                continue
             result = self.core.step()
             self._dispatch(result.events)
             self._run_hooks(self._loop_hooks)

@@ -1,11 +1,14 @@
 """A PD beside an encoder (services/pd/shared_cores.py): before each step the engine thread asks for sleeping
-OpenMP workers while an image it reserved room for is awaited, and for spinning ones otherwise."""
+OpenMP workers while an image it reserved room for is awaited, and for spinning ones otherwise; meanwhile it
+spaces its decode-only steps, never a step with a prompt to prefill."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from core_support import FakeClock, make_core
+from scheduler_harness import IMG
 
 from services.pd import shared_cores
 from services.pd.bridge import EngineBridge
@@ -51,7 +54,7 @@ def _recorded_bridge(monkeypatch, awaited: list[bool]) -> tuple[EngineBridge, li
 async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(monkeypatch):
     awaited = [True]
     bridge, order = _recorded_bridge(monkeypatch, awaited)
-    workers = shared_cores.yield_cores_to_encoder(bridge)
+    workers = shared_cores.yield_cores_to_encoder(bridge, hold_s=0.0)
     bridge.start()
     try:
         assert workers.owner_alive()
@@ -64,3 +67,68 @@ async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(m
     finally:
         bridge.shutdown()
     assert not workers.owner_alive()  # the real switch ends its spare team and thread then
+
+
+def _held_bridge(monkeypatch, awaited: list[bool], ready: list[bool], **hold) -> tuple[EngineBridge, list[str]]:
+    bridge, order = _recorded_bridge(monkeypatch, awaited)
+    monkeypatch.setattr(shared_cores, "has_prefill_ready", lambda scheduler: ready[0])
+    shared_cores.yield_cores_to_encoder(bridge, **hold)
+    return bridge, order
+
+
+async def test_decode_steps_are_held_while_an_image_is_awaited_and_commands_still_run(monkeypatch):
+    awaited, ready = [True], [False]
+    bridge, order = _held_bridge(monkeypatch, awaited, ready, hold_s=30.0)
+    bridge.start()
+    try:
+        await _iterations(bridge, 3)  # each command is answered during the hold
+        assert "step" not in order
+        awaited[0] = False  # the image arrived
+        await _iterations(bridge, 1)
+        assert "step" in order
+    finally:
+        bridge.shutdown()
+
+
+async def test_a_step_with_a_prompt_to_prefill_is_not_held(monkeypatch):
+    awaited, ready = [True], [False]
+    bridge, order = _held_bridge(monkeypatch, awaited, ready, hold_s=30.0)
+    bridge.start()
+    try:
+        await _iterations(bridge, 2)
+        assert "step" not in order
+        ready[0] = True  # a prompt arrived (or an image a prompt waited for)
+        await _iterations(bridge, 1)
+        assert "step" in order
+    finally:
+        bridge.shutdown()
+
+
+async def test_the_hold_ends_after_its_period_though_the_image_never_came(monkeypatch):
+    awaited, ready = [True], [False]
+    bridge, order = _held_bridge(monkeypatch, awaited, ready, hold_s=30.0, max_hold_period_s=0.3)
+    bridge.start()
+    try:
+        started = time.monotonic()
+        while "step" not in order and time.monotonic() - started < 10.0:
+            await _iterations(bridge, 1)
+        assert "step" in order and awaited[0]
+    finally:
+        bridge.shutdown()
+
+
+def test_a_prefill_is_ready_unless_every_prompt_left_waits_for_its_image(h):
+    assert not shared_cores.has_prefill_ready(h.sched)
+    text = h.add("t", [1, 2, 3], max_tokens=4)
+    assert shared_cores.has_prefill_ready(h.sched)  # queued, not yet started
+    h.step()
+    assert text.is_decoding and not shared_cores.has_prefill_ready(h.sched)
+    image = h.add("i", [4] + [IMG] * 8 + [5], spans=[("cat", 1, 8)])
+    assert shared_cores.has_prefill_ready(h.sched)  # the text before its image can be computed
+    h.step()
+    assert shared_cores.has_prefill_ready(h.sched)  # not known to be blocked until a step reaches the image
+    h.step()
+    assert image.timings.embedding_wait_since is not None and not shared_cores.has_prefill_ready(h.sched)
+    h.push("i", "cat")
+    assert shared_cores.has_prefill_ready(h.sched)
+    h.run()
