@@ -345,8 +345,8 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
             num_kv_leases=self._preallocated.num_kv_leases,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
-            num_running_tokens=sum(r.num_tokens - r.num_cached_tokens for r in self.scheduler.running),
-            num_waiting_tokens=sum(r.num_tokens - r.num_cached_tokens for r in self.scheduler.waiting),
+            num_running_tokens=sum(map(_uncached_tokens, self.scheduler.running)),
+            num_waiting_tokens=sum(map(_uncached_tokens, self.scheduler.waiting)),
             **dataclasses.asdict(embedding),
             num_embeddings_stored=len(self._embeddings),
             num_expired_leases=self._num_expired_leases,
@@ -368,3 +368,14 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
             "a READY entry has no tensor",
         )
         check(set(self._streams.request_ids) == {r.request_id for r in requests}, "streams and queues disagree")
+
+
+def _uncached_tokens(request: Request) -> int:
+    """Tokens the request has computed or will compute here: prompt tokens past its cached prefix, plus its
+    output so far. A request still waiting counts the prefix found for it (at Preallocate, or when a step
+    last tried it), not nothing: the proxy that routed it counts only what the cache did not hold, and a
+    waiting follow-up turn would otherwise look a thousand tokens heavier to it until the next report."""
+    cached = request.num_cached_tokens
+    if request.cached_prefix is not None:
+        cached = max(cached, request.cached_prefix.num_tokens)
+    return request.num_tokens - cached

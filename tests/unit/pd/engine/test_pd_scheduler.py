@@ -297,6 +297,21 @@ def test_prefix_hit_with_images(h):
     h.run()
 
 
+def test_a_waiting_request_reports_only_the_tokens_its_cached_prefix_leaves(h):
+    # GetLoad's uncached tokens are the cache-aware proxy's load; the proxy counts a follow-up turn by what
+    # the cache did not hold, so a PD must too while the turn waits (its prefix is found at Preallocate).
+    prompt = [1, 2] + [IMG] * 8 + [3, 4, 5]
+    h.add("a", prompt, spans=[("cat", 2, 8)], ready=["cat"], max_tokens=1)
+    h.run()
+    follow = h.add("b", prompt + [6, 7, 8, 9], spans=[("cat", 2, 8)], max_tokens=2)
+    assert follow in h.sched.waiting
+    assert h.core.stats().num_waiting_tokens == follow.num_tokens - 12
+    h.step()
+    assert follow in h.sched.running and follow.num_cached_tokens == 12
+    assert h.core.stats().num_running_tokens == follow.num_tokens - 12
+    h.run()
+
+
 @pytest.mark.parametrize(
     "sampling, tokens, status, num_out",
     [
