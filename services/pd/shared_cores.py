@@ -54,11 +54,15 @@ def yield_cores_to_encoder(
     workers = openmp.SleepingWorkers(lambda: engine.is_alive)
     scheduler = engine.core.scheduler
     cache = scheduler.embedding_cache
-    engine.add_loop_hook(lambda: workers.set(cache.awaits_push()), before_step=True)
+    awaiting = [False]  # asked once per loop iteration, before the step: the hook, then ``delay``
     awaiting_since: list[float | None] = [None]  # start of the current stretch of awaiting
 
+    def before_step() -> None:
+        awaiting[0] = cache.awaits_push()
+        workers.set(awaiting[0])
+
     def delay() -> float:
-        if hold_s <= 0 or not cache.awaits_push():
+        if hold_s <= 0 or not awaiting[0]:
             awaiting_since[0] = None
             return 0.0
         now = time.monotonic()
@@ -67,5 +71,6 @@ def yield_cores_to_encoder(
             return 0.0
         return max(0.0, min(hold_s - (now - engine.last_step_time), since + max_hold_period_s - now))
 
+    engine.add_loop_hook(before_step, before_step=True)
     engine.set_step_delay(delay)
     return workers

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from core_support import FakeClock, make_core
 from scheduler_harness import IMG
 
@@ -76,28 +77,23 @@ def _held_bridge(monkeypatch, awaited: list[bool], ready: list[bool], **hold) ->
     return bridge, order
 
 
-async def test_decode_steps_are_held_while_an_image_is_awaited_and_commands_still_run(monkeypatch):
+def _image_arrived(awaited: list[bool], ready: list[bool]) -> None:
+    awaited[0] = False
+
+
+def _prompt_arrived(awaited: list[bool], ready: list[bool]) -> None:
+    ready[0] = True  # a prompt arrived (or an image a prompt waited for)
+
+
+@pytest.mark.parametrize("release", [_image_arrived, _prompt_arrived])
+async def test_decode_steps_are_held_while_an_image_is_awaited_until_it_or_a_prompt_comes(monkeypatch, release):
     awaited, ready = [True], [False]
     bridge, order = _held_bridge(monkeypatch, awaited, ready, hold_s=30.0)
     bridge.start()
     try:
         await _iterations(bridge, 3)  # each command is answered during the hold
         assert "step" not in order
-        awaited[0] = False  # the image arrived
-        await _iterations(bridge, 1)
-        assert "step" in order
-    finally:
-        bridge.shutdown()
-
-
-async def test_a_step_with_a_prompt_to_prefill_is_not_held(monkeypatch):
-    awaited, ready = [True], [False]
-    bridge, order = _held_bridge(monkeypatch, awaited, ready, hold_s=30.0)
-    bridge.start()
-    try:
-        await _iterations(bridge, 2)
-        assert "step" not in order
-        ready[0] = True  # a prompt arrived (or an image a prompt waited for)
+        release(awaited, ready)
         await _iterations(bridge, 1)
         assert "step" in order
     finally:
