@@ -102,7 +102,7 @@ def _add_topology_flags(parser: argparse.ArgumentParser) -> None:
     add(
         parser,
         "--pd-policy",
-        default="least-loaded",
+        default="cache-aware",
         choices=["cache-aware", "least-loaded", "round-robin"],
         help="proxy: how a PD is chosen; cache-aware = where the prompt's prefix and images are cached, weighed "
         "against load (other proxy flags, --pd-cache-weight among them: set their EPD_* variables)",

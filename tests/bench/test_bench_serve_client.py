@@ -57,6 +57,11 @@ class FakeSseProxy:
                 writer.write(sse({"error": {"message": "x", "type": "server_error", "code": "overloaded"}}))
             if case in ("ok", "error_event"):
                 writer.write(sse({"choices": [], "usage": {"prompt_tokens": 21, "completion_tokens": 3}}))
+            if case == "epd_usage":
+                timings = {"preallocate": 4.5, "encode": 120, "first_token": 300.25, "odd": "x", "flag": True}
+                usage = {"prompt_tokens": 21, "completion_tokens": 3, "epd": {"timings_ms": timings}}
+                writer.write(sse({"choices": [], "usage": usage}))
+            if case in ("ok", "error_event", "epd_usage"):
                 writer.write(sse(b"[DONE]"))
         await writer.drain()
         writer.close()
@@ -74,6 +79,16 @@ async def test_tokens_are_timestamped_per_chunk_and_counted_from_token_ids():
     first, second, third = record.token_times_s
     assert first < second == third  # the last two came in one chunk: one arrival time
     assert record.end_s >= third and record.target == url
+
+
+async def test_stage_timings_are_kept_when_the_server_reports_them():
+    async with FakeSseProxy() as url:
+        plain, epd = await run_schedule(
+            [url], [spec(0), spec(1)], [json.dumps({"case": c}).encode() for c in ("ok", "epd_usage")], [0.0, 0.0]
+        )
+    assert plain.ok and plain.stages_ms == {}  # a server without the extension (vLLM)
+    assert epd.ok and epd.stages_ms == {"preallocate": 4.5, "encode": 120.0, "first_token": 300.25}
+    assert epd.to_json()["stages_ms"] == epd.stages_ms
 
 
 async def test_failures_get_short_reasons_without_content():

@@ -17,6 +17,11 @@ from services.bench.serve.stats import RequestRecord, percentile
 
 KINDS = ("all", "text", "image")
 LATENCIES = (("ttft", 50.0), ("ttft", 99.0), ("itl", 50.0), ("itl", 99.0))
+STAGES = ("preprocess", "preallocate", "encode", "queue", "embedding_wait", "prefill", "first_token")
+"""The stages of a request's first token an ``epd`` proxy reports (``usage.epd.timings_ms``), in the order they
+begin: proxy preprocessing, PD's reservation, the slowest Encode call (its push included), then PD's queue (arrival
+to first step), time blocked on images, first step to first token; ``first_token`` is the proxy's arrival-to-first-
+message. They overlap (Encode runs while PD queues), so they do not add up to the TTFT."""
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -43,7 +48,15 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
             f"{metric}_p{q:g}_ms": round(1000 * percentile(values[metric], q), 1) if values[metric] else None
             for metric, q in LATENCIES
         }
+        if stages := stage_medians(group):
+            out[kind]["stages_ms"] = stages
     return out
+
+
+def stage_medians(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Median of each reported stage (``STAGES``) over the requests that reported it; {} when none did."""
+    found = {stage: [r.stages_ms[stage] for r in records if stage in r.stages_ms] for stage in STAGES}
+    return {stage: round(statistics.median(values), 1) for stage, values in found.items() if values}
 
 
 def token_counts(records: Sequence[RequestRecord]) -> dict[int, tuple[int, int]]:
@@ -181,6 +194,36 @@ def render(results: dict[str, Any]) -> str:
             + ".",
             "",
         ]
+        lines += _stage_lines(per_server, servers)
     for server, errors in (results.get("start_failures") or {}).items():
         lines.append(f"- {server} did not start in {len(errors)} run(s): {errors[0]}")
     return "\n".join(lines) + "\n"
+
+
+def _stage_lines(per_server: dict[str, list[dict[str, Any]]], servers: Sequence[str]) -> list[str]:
+    """A table of the stage medians servers reported for one workload (median over runs), or nothing (a peer
+    that is an ``epd`` cluster, such as the code before a change, reports them too)."""
+    rows = []
+    for server in servers:
+        runs = per_server.get(server, [])
+        kinds = [k for k in KINDS if any("stages_ms" in (run.get(k) or {}) for run in runs)]
+        for kind in kinds if len(kinds) == 1 else [k for k in kinds if k != "all"]:
+            stages = [(run.get(kind) or {}).get("stages_ms") or {} for run in runs]
+            cells = []
+            for stage in STAGES:
+                values = [s[stage] for s in stages if stage in s]
+                cells.append(f"{statistics.median(values):,.0f}" if values else "–")
+            ttft = median_of(runs, kind, "ttft_p50_ms")
+            rows.append([server, kind, "–" if ttft is None else f"{ttft:,.0f}", *cells])
+    if not rows:
+        return []
+    header = ["server", "kind", "TTFT p50", *STAGES]
+    return [
+        "Where the first token's time went, as the server reports it (`usage.epd.timings_ms`; medians over "
+        "requests, then over runs; ms; the stages overlap):",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+    ]

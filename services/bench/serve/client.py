@@ -52,6 +52,15 @@ def _error_of(payload: dict) -> str:
     return f"stream error: {str(reason)[:MAX_ERROR_CHARS]}"
 
 
+def _stages_of(usage: dict) -> dict[str, float]:
+    """The stage timings an ``epd`` proxy reports in ``usage.epd.timings_ms`` (numbers only; {} elsewhere)."""
+    extension = usage.get("epd")
+    timings = extension.get("timings_ms") if isinstance(extension, dict) else None
+    if not isinstance(timings, dict):
+        return {}
+    return {str(k): float(v) for k, v in timings.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 async def send_one(
     client: httpx.AsyncClient,
     targets: Targets,
@@ -95,6 +104,7 @@ async def send_one(
                 usage = payload.get("usage")
                 if usage:
                     record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    record.stages_ms = _stages_of(usage)
             if record.error is None and record.end_s is None:
                 record.error = "stream ended without [DONE]"
     except (httpx.HTTPError, OSError, ValueError) as error:

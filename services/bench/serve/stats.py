@@ -44,6 +44,9 @@ class RequestRecord:
     prompt_tokens: int = 0
     error: str | None = None  # short reason (HTTP status, error type); never request content
     target: str = ""  # proxy URL it was sent to
+    # Where the server says the request's time went (``usage.epd.timings_ms`` of an ``epd`` proxy: preprocess,
+    # preallocate, encode, queue, embedding_wait, prefill, first_token, ...); empty for other servers.
+    stages_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -93,6 +96,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "error": self.error,
             "target": self.target,
+            "stages_ms": self.stages_ms,
         }
 
 

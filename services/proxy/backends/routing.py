@@ -18,9 +18,9 @@ from typing import Protocol
 from services.proxy.backends.cache_index import CacheIndex, RouteDecision, RoutedPrompt
 from services.proxy.backends.instances import EncoderClient, PdClient
 
-DEFAULT_PD_POLICY = "least-loaded"
-"""``--pd-policy``'s default. ``cache-aware`` is opt-in: on the multi-turn benchmark it has not yet shown the
-gain that would make it the default (docs/benchmarks/multiturn.md)."""
+DEFAULT_PD_POLICY = "cache-aware"
+"""``--pd-policy``'s default: on the multi-turn benchmark it halves the prompt tokens follow-up turns compute and
+their TTFT against ``least-loaded`` (docs/benchmarks/multiturn.md)."""
 DEFAULT_CACHE_WEIGHT = 2.0
 """``--pd-cache-weight``: a prompt token a PD would have to compute weighs this many tokens of its load."""
 
