@@ -19,8 +19,8 @@ from services.proxy.backends.cache_index import CacheIndex, RouteDecision, Route
 from services.proxy.backends.instances import EncoderClient, PdClient
 
 DEFAULT_PD_POLICY = "cache-aware"
-"""``--pd-policy``'s default: on the multi-turn benchmark it halves the prompt tokens follow-up turns compute and
-their TTFT against ``least-loaded`` (docs/benchmarks/multiturn.md)."""
+"""``--pd-policy``'s default: on the multi-turn benchmark its follow-up turns compute the fewest prompt tokens the
+chats allow, and come sooner than ``least-loaded``'s (docs/benchmarks/multiturn.md)."""
 DEFAULT_CACHE_WEIGHT = 2.0
 """``--pd-cache-weight``: a prompt token a PD would have to compute weighs this many tokens of its load."""
 

@@ -178,3 +178,15 @@ def test_default_cluster_has_no_roles_and_no_decode_list(clean_env):
 )
 def test_prefills_and_decodes_misuse_is_a_usage_error(argv):
     assert up._usage_error(_args(argv)) is not None
+
+
+def test_epd_up_offers_the_proxys_pd_policies_and_default(clean_env, monkeypatch):
+    # epd up may not import the proxy (it starts it as a process), so its flag repeats the proxy's.
+    from services.proxy.backends.routing import DEFAULT_PD_POLICY, PD_POLICIES
+
+    monkeypatch.delenv("EPD_PD_POLICY", raising=False)
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    (action,) = [a for a in parser._actions if a.dest == "pd_policy"]
+    assert action.default == DEFAULT_PD_POLICY == "cache-aware"
+    assert sorted(action.choices) == sorted(PD_POLICIES)
