@@ -20,9 +20,9 @@ step it ran (which the ``StepTimeModel`` learns from). The rule:
   step that lets every prompt still able to meet its TTFT deadline meet it
   (an approaching deadline wins over the ITL target; a lost one does not);
   and the **queue share** (a burst, many prompts waiting
-  beside few streams, is prefilled in one step, or in whole-cap steps until
-  what it had queued is computed; a few waiting prompts get one ITL share
-  each). The step takes the largest of the four;
+  beside few streams, is prefilled in steps of whole prompts no longer than
+  a head-share step, until what it had queued is computed; a few waiting
+  prompts get one ITL share each). The step takes the largest of the four;
 - the ITL target is ``--slo-itl-ms``, or with ``auto`` ``AUTO_TARGET_MULTIPLE``
   times the predicted decode-only step of the current batch; the TTFT target
   is ``--slo-ttft-ms``, or with ``auto`` ``AUTO_TTFT_MULTIPLE`` times the
@@ -203,12 +203,15 @@ class StepBudget:
             itl_share = self._fit(self._target_s - since_last_step_s - base_s)
             per_token_s = self.model.prefill_seconds_per_token
             head_fits = self._fit(HEAD_STEP_MULTIPLE * self._target_s - since_last_step_s - base_s)
+            # Beside decoding streams a queue is prefilled in steps no longer than the head's: whole
+            # prompts while they fit (at least the first), so the first of them start sooner.
+            batch_fits = slo.whole_prompts(queue, head_fits)
             budget = max(
                 itl_share,
                 slo.head_share(queue, head_fits),
-                slo.queue_share(queue, itl_share, cap, decoding.num_decode_rows),
+                min(batch_fits, slo.queue_share(queue, itl_share, cap, decoding.num_decode_rows)),
                 slo.deadline_share(queue, base_s, per_token_s, cap, since_last_step_s),
-                min(cap, self._owed_to_burst(queue, decoding.num_decode_rows)),
+                min(cap, batch_fits, self._owed_to_burst(queue, decoding.num_decode_rows)),
             )
         self._last_budget = budget
         return budget

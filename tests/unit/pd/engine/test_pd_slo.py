@@ -34,30 +34,33 @@ def itl_share(b: StepBudget) -> int:
 
 
 # --------------------------------------------------------------- the rules
-def test_a_burst_is_prefilled_in_one_step_not_one_itl_share_at_a_time():
+def test_a_burst_is_prefilled_in_whole_prompts_not_one_itl_share_at_a_time():
     b = budget()
-    alone = itl_share(b)  # 8 streams decoding
+    alone = itl_share(b)  # 8 streams decoding: the head's step may take (8 x 57.5 - 46) ms, 828 tokens
     burst = [PendingPrompt(100, -1.0) for _ in range(6)]  # 6 prompts waiting: >= half as many as streams
     assert alone < 30 and b.prefill_budget(DECODING, queue=burst) == 600  # all of them, in one step
     big = [PendingPrompt(300, -1.0) for _ in range(24)]
-    assert b.prefill_budget(DECODING, queue=big) == CAP  # never more than the cap
+    assert b.prefill_budget(DECODING, queue=big) == 600  # the whole prompts a head's step holds
+    assert budget().prefill_budget(StepShape(0, 0, 0), queue=big) == CAP  # nothing decoding: up to the cap
+    assert b.prefill_budget(DECODING, queue=[PendingPrompt(1500, -1.0)] * 4) == 1500  # at least the first, whole
 
 
-def test_a_burst_larger_than_the_cap_is_finished_in_whole_cap_steps():
+def test_a_burst_larger_than_the_cap_is_finished_in_whole_prompt_steps():
     """Its tail is few prompts beside the many streams it started, yet is still owed what it queued."""
     b = budget()
-    burst = [PendingPrompt(150, -1.0)] * 32  # 4800 tokens beside 2 streams: a burst over two caps
-    assert b.prefill_budget(StepShape(2, 0, 200), queue=burst) == CAP
+    burst = [PendingPrompt(150, -1.0)] * 32  # 4800 tokens arriving at an idle engine
+    assert b.prefill_budget(StepShape(0, 0, 0), queue=burst) == CAP
     b.after_step(_prefill_step(CAP), started=1.0, ended=1.5)
-    # 18 prompts left beside the 16 that started: still a burst by the count.
+    # 18 prompts left beside the 13 that started: whole prompts, as many as a head's step holds (8 ITL targets).
     left = [PendingPrompt(150, -1.0)] * 18
-    assert b.prefill_budget(StepShape(16, 0, 2000), queue=left) == CAP
-    b.after_step(_prefill_step(CAP), started=1.5, ended=2.0)
-    # 2700 - 2048 = 652 tokens in 5 prompts beside 29 streams: not a burst by the count, owed by the first one.
-    tail = [PendingPrompt(130, -1.0)] * 4 + [PendingPrompt(132, -1.0)]
+    step = b.prefill_budget(StepShape(13, 0, 1600), queue=left)
+    assert step % 150 == 0 and 150 < step < 18 * 150
+    b.after_step(_prefill_step(step), started=1.5, ended=1.9)
+    # The rest beside 29 streams: no longer a burst by the count, still owed, and a head's step holds them all.
+    tail = [PendingPrompt(150, -1.0)] * (18 - step // 150)
     busy = StepShape(29, 0, 5000)
-    assert b.prefill_budget(busy, queue=tail) == 652
-    b.after_step(_prefill_step(652), started=2.0, ended=2.3)
+    assert b.prefill_budget(busy, queue=tail) == 150 * len(tail)
+    b.after_step(_prefill_step(150 * len(tail)), started=1.9, ended=2.9)
     # Paid off: of the next prompts behind the busy batch, the first in line goes whole; the rest wait their turn.
     later = [PendingPrompt(500, 1e6)] * 3
     assert b.prefill_budget(busy, queue=later) == 500
@@ -66,7 +69,7 @@ def test_a_burst_larger_than_the_cap_is_finished_in_whole_cap_steps():
 def test_what_a_burst_is_owed_never_exceeds_what_is_queued():
     b, busy = budget(), StepShape(29, 0, 5000)
     alone = budget().prefill_budget(busy)
-    assert b.prefill_budget(StepShape(2, 0, 200), queue=[PendingPrompt(1500, -1.0)] * 4) == CAP
+    assert b.prefill_budget(StepShape(0, 0, 0), queue=[PendingPrompt(1500, -1.0)] * 4) == CAP
     # Its prompts were aborted: one short prompt is left, and it gets only what it needs (not the cap).
     assert alone < 100 and b.prefill_budget(busy, queue=[PendingPrompt(100, 1e6)]) == 100
     b.after_step(_prefill_step(100), started=1.0, ended=1.2)
