@@ -50,10 +50,10 @@ waiting prompts override it, by these rules:
   which is what a burst's throughput needs. Not the whole queue in one step:
   that made every prompt of it wait for the last one's prefill and every
   stream for the whole step (head-length steps: the text burst's ITL p99
-  0.5-0.7 s against 1.6 s, its TTFT p50 0.84x). With fewer waiting prompts a long step would stretch many streams' gaps
-  for few prompts, so each waiting prompt gets the ITL share one prompt
-  alone would get (``W`` times it in all), beside the head share that
-  starts the first of them.
+  0.5-0.7 s against 1.6 s, its TTFT p50 0.84x). With fewer waiting prompts
+  a long step would stretch many streams' gaps for few prompts, so each
+  waiting prompt gets the ITL share one prompt alone would get (``W`` times
+  it in all), beside the head share that starts the first of them.
 - **A burst is finished as a burst.** A burst larger than the cap takes
   several steps, and after the first its own prompts are decoding streams:
   its last few prompts are then few beside many and would get one ITL share
