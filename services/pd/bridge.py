@@ -213,8 +213,11 @@ class EngineBridge:
             self._has_work = self.core.has_work()  # a step hung after idling is a stall
             self._run_hooks(self._pre_step_hooks)
             if self._step_delay is not None and (delay := self._step_delay()) > 0:
-                if not self._drain_inbox(timeout=delay):  # a command (an image, a prompt) ends it early
+                # A command (an image, a prompt) ends the hold early; leases end on time meanwhile.
+                if not self._drain_inbox(timeout=min(delay, self.core.sweep_interval_s)):
                     break
+                self._dispatch(self.core.sweep_without_step())
+                self.last_step_time = time.monotonic()  # the loop goes round: no stall
                 idle = False  # then ask again at once
                 continue
             result = self.core.step()

@@ -12,16 +12,23 @@ room reserved for is still to arrive, its workers sleep; otherwise they spin.
 The encoder's own workers never spin (``epd encoder`` sets
 ``OMP_WAIT_POLICY=PASSIVE`` unless the environment chose).
 
-While such an image is awaited the PD also spaces its decode-only steps
-``hold_s`` apart (until the image arrives), as a colocated PD's engine thread
-is held by the vision forward it runs: the encoder gets the cores for the
-image, and the streams decoding meanwhile still get a token every ``hold_s``
-plus a step. A step that has a prompt to prefill is never held: a prompt that
-arrives meanwhile starts at once, and a prompt whose image is awaited has the
-text before its image computed first, so its wait for the image is counted as
-such. It holds in the first ``max_hold_period_s`` of a stretch of awaiting
-only, so that an encoder that never pushes (one that died with the image)
-slows the PD for that long and not until the reservation's lease ends.
+Even with sleeping workers, a PD that computes beside the encoder slows
+both: in an image burst on the 2-core bench VM, a PD that stepped whenever it
+had work spent 19-20 CPU-seconds against 17-18 when it waited for the
+encoder, and under mixed traffic an image's encode took 578 ms (median)
+against 382. So while such an image is awaited the PD also holds its steps
+until the image arrives, as a colocated PD's engine thread is held by the
+vision forward it runs: the encoder computes alone, and the prompts whose
+images arrived meanwhile are prefilled together after it (image burst 1.2x
+the throughput, TTFT p50 0.77x; mixed traffic's ITL p99 0.82x, image TTFT
+p50 0.75x: ``docs/benchmarks/compare.md``). A step with a text-only prompt to
+prefill is never held (text does not wait for images), nor one with the
+text before an awaited image (so that the prompt's wait for its image is
+counted as such, ``timings.embedding_wait_s``). The PD holds in the
+first ``max_hold_period_s`` of a stretch of awaiting only, so that an
+encoder that never pushes (one that died with the image) holds the PD for
+that long and not until the reservation's lease ends, and a stream of images that never
+lets up does not hold the PD for good.
 """
 
 from __future__ import annotations
@@ -31,26 +38,38 @@ import time
 
 from services.common import openmp
 from services.pd.bridge import EngineBridge
+from services.pd.engine import spans
+from services.pd.engine.request import Request
 from services.pd.engine.scheduler import Scheduler
 
-HOLD_S = 0.35
-"""About one image's vision forward on the bench checkpoint (2 CPU threads): 330-350 ms."""
-MAX_HOLD_PERIOD_S = 2.0
-"""An image burst's first encoder batches; past it, steps run while images are still awaited."""
+MAX_HOLD_PERIOD_S = 6.0
+"""Longest the PD holds its steps in one stretch of awaiting images: an image burst's encoding
+(16 images of the bench checkpoint on 2 CPU threads: ~4 s); past it, steps run while images are awaited."""
 
 
-def has_prefill_ready(scheduler: Scheduler) -> bool:
-    """Whether a request has prompt tokens the next step could compute: not decoding, not blocked on an image."""
-    return any(
-        not request.is_decoding and request.timings.embedding_wait_since is None
-        for request in itertools.chain(scheduler.running, scheduler.waiting)
-    )
+def has_text_to_prefill(scheduler: Scheduler) -> bool:
+    """Whether the next step has prompt work that no arrived image stands behind: a text-only prompt,
+    or one whose next image is not here yet and is not yet known to wait for it (the step computes the
+    text before that image, or finds nothing before it, and from then on its wait counts as such)."""
+    is_ready = scheduler.embedding_cache.is_ready
+
+    def text_ahead(request: Request) -> bool:
+        if request.is_decoding or request.timings.embedding_wait_since is not None:
+            return False
+        if not request.mm_spans:
+            return True
+        _, stopped_at = spans.computable(request, request.num_computed_tokens, request.num_tokens, is_ready)
+        return stopped_at is not None
+
+    return any(text_ahead(request) for request in itertools.chain(scheduler.running, scheduler.waiting))
 
 
 def yield_cores_to_encoder(
-    engine: EngineBridge, hold_s: float = HOLD_S, max_hold_period_s: float = MAX_HOLD_PERIOD_S
+    engine: EngineBridge, max_hold_period_s: float = MAX_HOLD_PERIOD_S
 ) -> openmp.SleepingWorkers:
-    """Registers both on the engine loop; returns the workers' switch (its thread ends soon after the engine's)."""
+    """Registers both on the engine loop; returns the workers' switch (its thread ends soon after the engine's).
+
+    ``max_hold_period_s`` 0 turns the hold off (the workers still sleep while an image is awaited)."""
     workers = openmp.SleepingWorkers(lambda: engine.is_alive)
     scheduler = engine.core.scheduler
     cache = scheduler.embedding_cache
@@ -62,14 +81,16 @@ def yield_cores_to_encoder(
         workers.set(awaiting[0])
 
     def delay() -> float:
-        if hold_s <= 0 or not awaiting[0]:
+        if max_hold_period_s <= 0 or not awaiting[0]:
             awaiting_since[0] = None
             return 0.0
         now = time.monotonic()
         since = awaiting_since[0] = awaiting_since[0] or now
-        if now - since >= max_hold_period_s or has_prefill_ready(scheduler):
+        if has_text_to_prefill(scheduler):
             return 0.0
-        return max(0.0, min(hold_s - (now - engine.last_step_time), since + max_hold_period_s - now))
+        # Until the period ends; a command that arrives (a push, a prompt) ends the wait early and the
+        # engine thread asks again.
+        return max(0.0, since + max_hold_period_s - now)
 
     engine.add_loop_hook(before_step, before_step=True)
     engine.set_step_delay(delay)

@@ -47,7 +47,7 @@ from services.pd.engine.errors import EngineError, ErrorKind
 from services.pd.engine.handoff_core import KVHandoffMixin
 from services.pd.engine.invariants import check
 from services.pd.engine.kv_handoff import ReservationLimits, Role
-from services.pd.engine.outputs import Failed, Finished, ModelRunnerOutput, SchedulerOutput, StepResult
+from services.pd.engine.outputs import Failed, Finished, ModelRunnerOutput, RequestEvent, SchedulerOutput, StepResult
 from services.pd.engine.preallocated import PreallocatedRequests, PreallocationLimits, claim_spans
 from services.pd.engine.request import CachedPrefix, Request, RequestStatus
 from services.pd.engine.scheduler import QueueFull, Scheduler
@@ -218,10 +218,19 @@ class EngineCore(EmbeddingIntakeMixin, KVHandoffMixin):
     # -------------------------------------------------------------------- step
     def step(self) -> StepResult:
         """Sweeps leases when due, runs one scheduled step, returns the events since the last call."""
-        if self._clock() >= self._next_sweep:
-            self.sweep()
+        self._sweep_if_due()
         executed = self.scheduler.has_unfinished_requests() and self._run_step()
         return StepResult(self._streams.take(), executed)
+
+    def sweep_without_step(self) -> list[RequestEvent]:
+        """What ``step`` does but the step, for a loop that holds its steps: leases still end on time.
+        Returns the events since the last call."""
+        self._sweep_if_due()
+        return self._streams.take()
+
+    def _sweep_if_due(self) -> None:
+        if self._clock() >= self._next_sweep:
+            self.sweep()
 
     def has_work(self) -> bool:
         """Whether a step may do something now (requests queued or events to hand out)."""

@@ -1,6 +1,6 @@
 """A PD beside an encoder (services/pd/shared_cores.py): before each step the engine thread asks for sleeping
 OpenMP workers while an image it reserved room for is awaited, and for spinning ones otherwise; meanwhile it
-spaces its decode-only steps, never a step with a prompt to prefill."""
+holds its steps until the image comes, never a step with a text-only prompt to prefill."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ async def _iterations(bridge: EngineBridge, count: int) -> None:
     await asyncio.sleep(0.05)
 
 
-def _recorded_bridge(monkeypatch, awaited: list[bool]) -> tuple[EngineBridge, list[str]]:
+def _recorded_bridge(monkeypatch, awaited: list[bool], clock=None) -> tuple[EngineBridge, list[str]]:
     monkeypatch.setattr(shared_cores.openmp, "SleepingWorkers", RecordingWorkers)
-    bridge = EngineBridge(make_core(clock=FakeClock(), num_blocks=64, block_size=4))
+    bridge = EngineBridge(make_core(clock=clock or FakeClock(), num_blocks=64, block_size=4))
     order: list[str] = []
 
     def awaits_push() -> bool:
@@ -55,7 +55,7 @@ def _recorded_bridge(monkeypatch, awaited: list[bool]) -> tuple[EngineBridge, li
 async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(monkeypatch):
     awaited = [True]
     bridge, order = _recorded_bridge(monkeypatch, awaited)
-    workers = shared_cores.yield_cores_to_encoder(bridge, hold_s=0.0)
+    workers = shared_cores.yield_cores_to_encoder(bridge, max_hold_period_s=0.0)
     bridge.start()
     try:
         assert workers.owner_alive()
@@ -70,9 +70,11 @@ async def test_the_engine_asks_before_each_step_and_follows_the_awaited_images(m
     assert not workers.owner_alive()  # the real switch ends its spare team and thread then
 
 
-def _held_bridge(monkeypatch, awaited: list[bool], ready: list[bool], **hold) -> tuple[EngineBridge, list[str]]:
-    bridge, order = _recorded_bridge(monkeypatch, awaited)
-    monkeypatch.setattr(shared_cores, "has_prefill_ready", lambda scheduler: ready[0])
+def _held_bridge(
+    monkeypatch, awaited: list[bool], ready: list[bool], clock=None, **hold
+) -> tuple[EngineBridge, list[str]]:
+    bridge, order = _recorded_bridge(monkeypatch, awaited, clock)
+    monkeypatch.setattr(shared_cores, "has_text_to_prefill", lambda scheduler: ready[0])
     shared_cores.yield_cores_to_encoder(bridge, **hold)
     return bridge, order
 
@@ -81,14 +83,14 @@ def _image_arrived(awaited: list[bool], ready: list[bool]) -> None:
     awaited[0] = False
 
 
-def _prompt_arrived(awaited: list[bool], ready: list[bool]) -> None:
-    ready[0] = True  # a prompt arrived (or an image a prompt waited for)
+def _text_prompt_arrived(awaited: list[bool], ready: list[bool]) -> None:
+    ready[0] = True
 
 
-@pytest.mark.parametrize("release", [_image_arrived, _prompt_arrived])
-async def test_decode_steps_are_held_while_an_image_is_awaited_until_it_or_a_prompt_comes(monkeypatch, release):
+@pytest.mark.parametrize("release", [_image_arrived, _text_prompt_arrived])
+async def test_steps_are_held_while_an_image_is_awaited_until_it_or_a_text_prompt_comes(monkeypatch, release):
     awaited, ready = [True], [False]
-    bridge, order = _held_bridge(monkeypatch, awaited, ready, hold_s=30.0)
+    bridge, order = _held_bridge(monkeypatch, awaited, ready, max_hold_period_s=30.0)
     bridge.start()
     try:
         await _iterations(bridge, 3)  # each command is answered during the hold
@@ -102,7 +104,7 @@ async def test_decode_steps_are_held_while_an_image_is_awaited_until_it_or_a_pro
 
 async def test_the_hold_ends_after_its_period_though_the_image_never_came(monkeypatch):
     awaited, ready = [True], [False]
-    bridge, order = _held_bridge(monkeypatch, awaited, ready, hold_s=30.0, max_hold_period_s=0.3)
+    bridge, order = _held_bridge(monkeypatch, awaited, ready, max_hold_period_s=0.3)
     bridge.start()
     try:
         started = time.monotonic()
@@ -113,18 +115,46 @@ async def test_the_hold_ends_after_its_period_though_the_image_never_came(monkey
         bridge.shutdown()
 
 
-def test_a_prefill_is_ready_unless_every_prompt_left_waits_for_its_image(h):
-    assert not shared_cores.has_prefill_ready(h.sched)
-    text = h.add("t", [1, 2, 3], max_tokens=4)
-    assert shared_cores.has_prefill_ready(h.sched)  # queued, not yet started
-    h.step()
-    assert text.is_decoding and not shared_cores.has_prefill_ready(h.sched)
+def test_text_ahead_of_any_arrived_image_releases_the_hold_and_an_arrived_image_does_not(h):
+    assert not shared_cores.has_text_to_prefill(h.sched)
     image = h.add("i", [4] + [IMG] * 8 + [5], spans=[("cat", 1, 8)])
-    assert shared_cores.has_prefill_ready(h.sched)  # the text before its image can be computed
+    assert shared_cores.has_text_to_prefill(h.sched)  # the text before its image can be computed
     h.step()
-    assert shared_cores.has_prefill_ready(h.sched)  # not known to be blocked until a step reaches the image
+    assert shared_cores.has_text_to_prefill(h.sched)  # reached its image, not yet known to wait for it
     h.step()
-    assert image.timings.embedding_wait_since is not None and not shared_cores.has_prefill_ready(h.sched)
+    assert image.timings.embedding_wait_since is not None and not shared_cores.has_text_to_prefill(h.sched)
+    text = h.add("t", [1, 2, 3], max_tokens=4)
+    assert shared_cores.has_text_to_prefill(h.sched)  # a text-only prompt, queued
+    h.step()
+    assert text.is_decoding and not shared_cores.has_text_to_prefill(h.sched)
     h.push("i", "cat")
-    assert shared_cores.has_prefill_ready(h.sched)
+    assert not shared_cores.has_text_to_prefill(h.sched)  # the rest of its prompt stands behind an arrived image
     h.run()
+    assert image.is_finished and text.is_finished
+
+
+def test_a_prompt_whose_image_came_is_held_with_the_rest(h):
+    image = h.add("j", [IMG] * 8 + [5], spans=[("dog", 0, 8)])
+    assert shared_cores.has_text_to_prefill(h.sched)  # nothing before its image: a step marks it waiting
+    h.step()
+    assert image.timings.embedding_wait_since is not None and not shared_cores.has_text_to_prefill(h.sched)
+    h.push("j", "dog")
+    assert not shared_cores.has_text_to_prefill(h.sched)
+    h.run()
+    assert image.is_finished
+
+
+async def test_a_held_loop_still_sweeps_leases_and_reports_no_stall(monkeypatch):
+    awaited, ready = [True], [False]
+    bridge, order = _held_bridge(monkeypatch, awaited, ready, clock=time.monotonic, max_hold_period_s=30.0)
+    sweeps: list[float] = []
+    sweep = bridge.core.sweep
+    monkeypatch.setattr(bridge.core, "sweep", lambda: (sweeps.append(time.monotonic()), sweep()))
+    monkeypatch.setattr(bridge.core, "has_work", lambda: True)
+    bridge.start()
+    try:
+        await asyncio.sleep(4 * bridge.core.sweep_interval_s)
+        assert "step" not in order and len(sweeps) >= 2  # held, yet the loop came round and swept
+        assert bridge.stalled_for() < 2 * bridge.core.sweep_interval_s
+    finally:
+        bridge.shutdown()
