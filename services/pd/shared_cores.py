@@ -22,9 +22,9 @@ vision forward it runs: the encoder computes alone, and the prompts whose
 images arrived meanwhile are prefilled together after it (image burst 1.2x
 the throughput, TTFT p50 0.77x; mixed traffic's ITL p99 0.82x, image TTFT
 p50 0.75x: ``docs/benchmarks/compare.md``). A step with a text-only prompt to
-prefill is never held (text does not wait for images), nor one with the
-text before an awaited image (so that the prompt's wait for its image is
-counted as such, ``timings.embedding_wait_s``). The PD holds in the
+prefill is never held: text does not wait for images. A prompt held with
+its image still to come counts as waiting for it (``embedding_wait_s``),
+though no step has reached its image yet. The PD holds in the
 first ``max_hold_period_s`` of a stretch of awaiting only, so that an
 encoder that never pushes (one that died with the image) holds the PD for
 that long and not until the reservation's lease ends, and a stream of images that never
@@ -38,8 +38,6 @@ import time
 
 from services.common import openmp
 from services.pd.bridge import EngineBridge
-from services.pd.engine import spans
-from services.pd.engine.request import Request
 from services.pd.engine.scheduler import Scheduler
 
 MAX_HOLD_PERIOD_S = 6.0
@@ -47,21 +45,12 @@ MAX_HOLD_PERIOD_S = 6.0
 (16 images of the bench checkpoint on 2 CPU threads: ~4 s); past it, steps run while images are awaited."""
 
 
-def has_text_to_prefill(scheduler: Scheduler) -> bool:
-    """Whether the next step has prompt work that no arrived image stands behind: a text-only prompt,
-    or one whose next image is not here yet and is not yet known to wait for it (the step computes the
-    text before that image, or finds nothing before it, and from then on its wait counts as such)."""
-    is_ready = scheduler.embedding_cache.is_ready
-
-    def text_ahead(request: Request) -> bool:
-        if request.is_decoding or request.timings.embedding_wait_since is not None:
-            return False
-        if not request.mm_spans:
-            return True
-        _, stopped_at = spans.computable(request, request.num_computed_tokens, request.num_tokens, is_ready)
-        return stopped_at is not None
-
-    return any(text_ahead(request) for request in itertools.chain(scheduler.running, scheduler.waiting))
+def has_text_prompt_ready(scheduler: Scheduler) -> bool:
+    """Whether a prompt without images has tokens the next step could compute."""
+    return any(
+        not request.is_decoding and not request.mm_spans
+        for request in itertools.chain(scheduler.running, scheduler.waiting)
+    )
 
 
 def yield_cores_to_encoder(
@@ -86,8 +75,9 @@ def yield_cores_to_encoder(
             return 0.0
         now = time.monotonic()
         since = awaiting_since[0] = awaiting_since[0] or now
-        if has_text_to_prefill(scheduler):
+        if has_text_prompt_ready(scheduler):
             return 0.0
+        engine.core.start_image_waits()  # a held prompt waits for its image: its wait counts as such
         # Until the period ends; a command that arrives (a push, a prompt) ends the wait early and the
         # engine thread asks again.
         return max(0.0, since + max_hold_period_s - now)

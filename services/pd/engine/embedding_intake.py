@@ -10,6 +10,7 @@ lands in a live reservation; its tensor goes into the core's embedding store.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -174,6 +175,13 @@ class EmbeddingIntakeMixin:
         now = self._clock()
         for request in self.scheduler.requests_waiting_on(mm_hash):
             spans.end_wait_if_computable(request, now, self.embedding_cache.is_ready)
+
+    def start_image_waits(self) -> None:
+        """Starts the image wait of every prompt whose next image is not here (``spans.start_wait_if_blocked``):
+        a loop that holds its steps for the image calls it, so that the wait counts as such, not as queueing."""
+        now = self._clock()
+        for request in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+            spans.start_wait_if_blocked(request, now, self.embedding_cache.is_ready)
 
     def _drop_embeddings(self, mm_hashes: Sequence[str]) -> None:
         """Frees the tensors of entries a cache call removed."""

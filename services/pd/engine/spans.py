@@ -60,6 +60,15 @@ def end_embedding_wait(request: Request, now: float) -> None:
         request.timings.embedding_wait_since = None
 
 
+def start_wait_if_blocked(request: Request, now: float, is_ready: Callable[[str], bool]) -> None:
+    """Starts ``request``'s image wait when the next image it needs is not here, before any step finds
+    it blocked: for a loop that holds its steps for that image, so that no step does meanwhile."""
+    if request.is_decoding or request.timings.embedding_wait_since is not None or not request.mm_spans:
+        return
+    if computable(request, request.num_computed_tokens, request.num_tokens, is_ready)[1] is not None:
+        request.timings.embedding_wait_since = now
+
+
 def end_wait_if_computable(request: Request, now: float, is_ready: Callable[[str], bool]) -> None:
     """Ends ``request``'s image wait when its next token can be computed (the image it waited for is ready)."""
     if (

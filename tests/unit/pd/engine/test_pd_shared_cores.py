@@ -74,7 +74,7 @@ def _held_bridge(
     monkeypatch, awaited: list[bool], ready: list[bool], clock=None, **hold
 ) -> tuple[EngineBridge, list[str]]:
     bridge, order = _recorded_bridge(monkeypatch, awaited, clock)
-    monkeypatch.setattr(shared_cores, "has_text_to_prefill", lambda scheduler: ready[0])
+    monkeypatch.setattr(shared_cores, "has_text_prompt_ready", lambda scheduler: ready[0])
     shared_cores.yield_cores_to_encoder(bridge, **hold)
     return bridge, order
 
@@ -115,33 +115,33 @@ async def test_the_hold_ends_after_its_period_though_the_image_never_came(monkey
         bridge.shutdown()
 
 
-def test_text_ahead_of_any_arrived_image_releases_the_hold_and_an_arrived_image_does_not(h):
-    assert not shared_cores.has_text_to_prefill(h.sched)
+def test_only_a_text_only_prompt_releases_the_hold(h):
+    assert not shared_cores.has_text_prompt_ready(h.sched)
     image = h.add("i", [4] + [IMG] * 8 + [5], spans=[("cat", 1, 8)])
-    assert shared_cores.has_text_to_prefill(h.sched)  # the text before its image can be computed
-    h.step()
-    assert shared_cores.has_text_to_prefill(h.sched)  # reached its image, not yet known to wait for it
-    h.step()
-    assert image.timings.embedding_wait_since is not None and not shared_cores.has_text_to_prefill(h.sched)
+    assert not shared_cores.has_text_prompt_ready(h.sched)  # it waits for its image with the held steps
     text = h.add("t", [1, 2, 3], max_tokens=4)
-    assert shared_cores.has_text_to_prefill(h.sched)  # a text-only prompt, queued
+    assert shared_cores.has_text_prompt_ready(h.sched)  # queued, not yet started
     h.step()
-    assert text.is_decoding and not shared_cores.has_text_to_prefill(h.sched)
+    assert text.is_decoding and not shared_cores.has_text_prompt_ready(h.sched)
     h.push("i", "cat")
-    assert not shared_cores.has_text_to_prefill(h.sched)  # the rest of its prompt stands behind an arrived image
+    assert not shared_cores.has_text_prompt_ready(h.sched)  # its prompt is not text-only
     h.run()
     assert image.is_finished and text.is_finished
 
 
-def test_a_prompt_whose_image_came_is_held_with_the_rest(h):
-    image = h.add("j", [IMG] * 8 + [5], spans=[("dog", 0, 8)])
-    assert shared_cores.has_text_to_prefill(h.sched)  # nothing before its image: a step marks it waiting
-    h.step()
-    assert image.timings.embedding_wait_since is not None and not shared_cores.has_text_to_prefill(h.sched)
-    h.push("j", "dog")
-    assert not shared_cores.has_text_to_prefill(h.sched)
+def test_a_prompt_held_for_its_image_counts_as_waiting_for_it_until_the_image_comes(h):
+    queued = h.add("q", [4, 5] + [IMG] * 8 + [6], spans=[("cat", 2, 8)])  # its text before the image not computed
+    started = h.add("s", [IMG] * 8 + [7], spans=[("dog", 0, 8)])
+    h.push("s", "dog")
+    ready = h.add("r", [IMG] * 8 + [8], spans=[("dog", 0, 8)])  # its image is here: nothing to wait for
+    h.core.start_image_waits()
+    assert queued.timings.embedding_wait_since is not None
+    assert started.timings.embedding_wait_since is None and ready.timings.embedding_wait_since is None
+    h.clock.now += 0.5
+    h.push("q", "cat")  # the image ends the wait at once (the step budget counts it as a waiting prompt)
+    assert queued.timings.embedding_wait_since is None and queued.timings.embedding_wait_s == 0.5
     h.run()
-    assert image.is_finished
+    assert queued.is_finished and started.is_finished and ready.is_finished
 
 
 async def test_a_held_loop_still_sweeps_leases_and_reports_no_stall(monkeypatch):
