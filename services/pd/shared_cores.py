@@ -13,21 +13,21 @@ The encoder's own workers never spin (``epd encoder`` sets
 ``OMP_WAIT_POLICY=PASSIVE`` unless the environment chose).
 
 Even with sleeping workers, a PD that computes beside the encoder slows
-both: in an image burst on the 2-core bench VM, a PD that stepped whenever it
-had work spent 19-20 CPU-seconds against 17-18 when it waited for the
-encoder, and under mixed traffic an image's encode took 578 ms (median)
-against 382. So while such an image is awaited the PD also holds its steps
+both: in an image burst on the 2-core bench VM, a PD that stepped whenever
+it had work spent 19-20 CPU-seconds against 17-18.6 when it waited for the
+encoder, and under mixed traffic an image's Encode took 582 ms (median)
+against 393. So while such an image is awaited the PD also holds its steps
 until the image arrives, as a colocated PD's engine thread is held by the
 vision forward it runs: the encoder computes alone, and the prompts whose
-images arrived meanwhile are prefilled together after it (image burst 1.2x
-the throughput, TTFT p50 0.77x; mixed traffic's ITL p99 0.82x, image TTFT
-p50 0.75x: ``docs/benchmarks/compare.md``). A step with a text-only prompt to
-prefill is never held: text does not wait for images. A prompt held with
+images arrived meanwhile are prefilled together after it (image burst 1.05x
+the throughput, ITL p99 0.76x; mixed traffic's ITL p99 0.76x, image TTFT
+p50 0.91x: ``docs/benchmarks/compare.md``). A step with a text-only prompt
+to prefill is never held: text does not wait for images. A prompt held with
 its image still to come counts as waiting for it (``embedding_wait_s``),
-though no step has reached its image yet. The PD holds in the
-first ``max_hold_period_s`` of a stretch of awaiting only, so that an
-encoder that never pushes (one that died with the image) holds the PD for
-that long and not until the reservation's lease ends, and a stream of images that never
+though no step has reached its image yet. The PD holds in the first
+``max_hold_period_s`` of a stretch of awaiting only, so that an encoder that
+never pushes (one that died with the image) holds the PD for that long and
+not until the reservation's lease ends, and a stream of images that never
 lets up does not hold the PD for good.
 """
 
