@@ -13,6 +13,7 @@ from services.pd.engine.preallocated import DEFAULT_MAX_PREALLOCATED, DEFAULT_MA
 from services.pd.engine.step_budget import DEFAULT_MIN_PREFILL_TOKENS
 from services.pd.faults import NO_FAULTS, PdFaults
 from services.pd.runner.grammar_compile import DEFAULT_CACHE_MB, DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_PENDING_COMPILES
+from services.pd.shared_cores import MAX_HOLD_PERIOD_S
 
 DEFAULT_MAX_KV_BUFFER_MB = 2048
 """``--max-kv-push-buffer-mb``: the KV pushes being received, together (``kv_transfer.py``)."""
@@ -27,6 +28,10 @@ DEFAULT_MAX_PUSHES_PER_PEER = 64
 """Embedding pushes in flight from one caller address (``--max-pushes-per-peer``; ``push_intake.py``)."""
 DEFAULT_MAX_CACHE_SUBSCRIBERS = 16
 """SubscribeCacheEvents streams open at once (``--max-cache-subscribers``; ``cache_feed.py``)."""
+
+
+MAX_IMAGE_HOLD_S = 600.0
+"""Most ``--image-hold-s`` may ask: a PD holds its decoding streams that long at worst."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,8 @@ class PdConfig:
     # time to first token: None = auto (a multiple of the predicted lone prefill), 0 = off (no deadline share).
     slo_ttft_ms: float | None = None
     min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # prefill every step may take whatever the target
+    # A CPU PD beside an encoder holds its steps for an image it awaits, this long at most (0 = never).
+    image_hold_s: float = MAX_HOLD_PERIOD_S
     max_num_seqs: int = 64
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_waiting_requests: int = 1024
@@ -130,6 +137,8 @@ class PdConfig:
                 raise ValueError(f"{name} must be auto (None), 0 (off) or a positive number of milliseconds")
         if self.min_prefill_tokens <= 0:
             raise ValueError("min_prefill_tokens must be positive")
+        if not 0 <= self.image_hold_s <= MAX_IMAGE_HOLD_S:
+            raise ValueError(f"image_hold_s must be between 0 (never hold) and {MAX_IMAGE_HOLD_S:g} seconds")
         if self.max_waiting_requests <= 0 or self.max_waiting_tokens <= 0 or self.waiting_retry_after_ms <= 0:
             raise ValueError("max_waiting_requests, max_waiting_tokens and waiting_retry_after_ms must be positive")
         if self.role not in ("both", "prefill", "decode"):

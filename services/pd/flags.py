@@ -23,6 +23,7 @@ from services.pd.engine.step_budget import (
     TYPICAL_PROMPT_TOKENS,
 )
 from services.pd.limit_flags import add_limit_arguments
+from services.pd.shared_cores import MAX_HOLD_PERIOD_S
 
 HELP_GROUPS = (
     ("model and devices", ("--model", "--device", "--dtype", "--threads", "--linear-backend")),
@@ -45,6 +46,7 @@ HELP_GROUPS = (
             "--slo-itl-ms",
             "--slo-ttft-ms",
             "--min-prefill-tokens",
+            "--image-hold-s",
             "--max-num-seqs",
             "--max-model-len",
         ),
@@ -190,6 +192,16 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "under any decode load (its time to first token stays bounded); the price: a step may exceed the "
         "target by the time of this many tokens. Larger = faster first tokens under load, spikier "
         "inter-token latency",
+    )
+    add(
+        parser,
+        "--image-hold-s",
+        type=float,
+        default=MAX_HOLD_PERIOD_S,
+        help="a CPU PD with an encoder beside it (not colocated) holds its steps while an image it awaits is "
+        "encoded, until the image arrives, for at most this many seconds of a stretch of awaiting: the "
+        "encoder computes alone and the prompts whose images came are prefilled together; a step with a "
+        "text-only prompt is never held. 0 = never hold (a PD whose encoders run on other machines)",
     )
     add(parser, "--max-num-seqs", type=int, default=64, help="most requests running at once")
     add(parser, "--max-model-len", type=int, default=0, help="context length (0 = the model's)")

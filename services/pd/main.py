@@ -43,6 +43,7 @@ def config_from_args(args: argparse.Namespace) -> PdConfig:
         slo_itl_ms=args.slo_itl_ms,
         slo_ttft_ms=args.slo_ttft_ms,
         min_prefill_tokens=args.min_prefill_tokens,
+        image_hold_s=args.image_hold_s,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_waiting_requests=args.max_waiting_requests,

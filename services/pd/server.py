@@ -315,7 +315,7 @@ async def start_pd(config: PdConfig) -> PdServer:
     engine, facts = await asyncio.to_thread(openmp.on_own_thread, build_engine, config)
     colocated = await Colocated.load(config, engine) if config.encoder == "local" else None  # before engine.start()
     if colocated is None and engine.core.runner.device.type == "cpu":  # an encoder computes beside it
-        yield_cores_to_encoder(engine)
+        yield_cores_to_encoder(engine, max_hold_period_s=config.image_hold_s)
     cache_feed = CacheFeed(engine, max_subscribers=config.max_cache_subscribers)  # hooks the loop: before start
     engine.start()
     servicer = PrefillDecodeServicer(

@@ -167,8 +167,10 @@ def _video_requests(image_processor) -> list[tuple[list[dict], list, list]]:
     [
         ({"max_num_batched_tokens": 16}, False),
         ({"max_num_batched_tokens": 16}, True),
-        # Colocated, the vision forwards stagger the arrivals, so a small pool need not preempt: disaggregated only.
-        ({"num_kv_blocks": 0, "block_size": 16}, False),
+        # Colocated, the vision forwards stagger the arrivals, so a small pool need not preempt: disaggregated only,
+        # with no hold for images (a held PD admits the requests one by one as their videos land and the pool
+        # fits them; without it the text before each video already holds KV when the videos land together).
+        ({"num_kv_blocks": 0, "block_size": 16, "image_hold_s": 0.0}, False),
     ],
     ids=["chunked", "chunked-colocated", "preempted"],
 )

@@ -100,11 +100,23 @@ def test_bad_slo_values_are_usage_errors(flag, value, capsys):
         ("slo_ttft_ms", -1.0),
         ("slo_ttft_ms", float("nan")),
         ("min_prefill_tokens", 0),
+        ("image_hold_s", -1.0),
+        ("image_hold_s", float("nan")),
+        ("image_hold_s", 601.0),
     ],
 )
 def test_impossible_budget_settings_are_refused(field, value):
     with pytest.raises(ValueError):
         PdConfig(model="", **{field: value})
+
+
+def test_image_hold_flag_takes_seconds_and_zero_turns_it_off(monkeypatch):
+    assert _config([]).image_hold_s == 6.0
+    assert _config(["--image-hold-s", "0"]).image_hold_s == 0.0
+    monkeypatch.setenv("EPD_IMAGE_HOLD_S", "2.5")
+    assert _config([]).image_hold_s == 2.5
+    with pytest.raises(SystemExit):
+        _config(["--image-hold-s", "soon"])
 
 
 def test_role_flag_defaults_to_both():
