@@ -127,9 +127,11 @@ def test_preemption_in_a_kv_pool_barely_larger_than_one_request(start_cluster, o
     block_size = 16
     num_blocks = -(-(longest + MAX_TOKENS) // block_size) + 1
     # Every image in one batch of the encoder, so that their requests reach PD together and contend for the
-    # pool: encoded one by one, each could finish before the next one's embedding arrived.
+    # pool: encoded one by one, each could finish before the next one's embedding arrived. No hold for images:
+    # a held PD computes nothing of an image prompt before its image and then admits only what the pool fits;
+    # without the hold the text before each image already holds KV when the images land together.
     one_batch = {"max_wait_ms": 3000.0, "max_batch_images": 16}
-    cluster = start_cluster(encoder=one_batch, num_kv_blocks=num_blocks, block_size=block_size)
+    cluster = start_cluster(encoder=one_batch, num_kv_blocks=num_blocks, block_size=block_size, image_hold_s=0.0)
     _check_concurrently(cluster, oracle, requests)
     assert _pd_stats(cluster).num_preemptions > 0, "the pool was meant to force preemption"
 
