@@ -30,7 +30,9 @@ in a decode-only step of the static path, a third:
   decode row of the step in one call of a C kernel that reads K/V in place
   through the block tables, over PyTorch's OpenMP threads; no per-request
   ops. At 32 streams of ~150 tokens it took a layer's decode attention from
-  ~6 to ~1.6 ms on two cores (bench model shapes).
+  ~6 to ~1.6 ms on two cores (bench model shapes). When the decodes are the
+  step's first rows (the scheduler puts them there) the kernel also writes
+  their new K/V, so the layer's ``index_copy_`` covers only prefill rows.
 - flex (decode-only steps on GPU; ``flex_decode.py``): PyTorch's
   ``flex_attention`` reads every row's blocks in place through a block mask
   over static tensors, so the step can be replayed from a CUDA graph
@@ -92,16 +94,21 @@ def paged_attention_forward(
     layer_idx = cast(int, module.layer_idx)  # HF's attention modules carry their layer's index
     key_cache = meta.key_cache[layer_idx]  # [KVH, blocks, block_size, D]
     value_cache = meta.value_cache[layer_idx]
-    # index_copy_ on a [KVH, slots, D] view writes all new tokens of all requests in one op.
-    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key[0])
-    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, value[0])
+    # index_copy_ on a [KVH, slots, D] view writes all new tokens of all requests in one op
+    # (but those of the leading decode rows the kernel writes itself).
+    written = meta.kernel_writes
+    if written < key.shape[2]:
+        slots = meta.slot_mapping[written:] if written else meta.slot_mapping
+        key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key[0, :, written:])
+        value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value[0, :, written:])
 
     out = query.new_empty(query.shape[2], query.shape[1], head_dim)  # [T, H, D]
     decode = meta.decode
     if isinstance(decode, FlexDecodeGroup):
         out[: decode.num_rows] = flex_decode_attention(query[0], key_cache, value_cache, decode, scaling)
     elif isinstance(decode, KernelDecodeGroup):
-        _kernel_decode_attention(query[0], key_cache, value_cache, decode, scaling, out)
+        new_kv = (key[0, :, :written].transpose(0, 1), value[0, :, :written].transpose(0, 1)) if written else None
+        _kernel_decode_attention(query[0], key_cache, value_cache, decode, scaling, out, new_kv)
     elif isinstance(decode, RaggedDecodeGroup):
         out[decode.rows] = _ragged_decode_attention(query[0], key_cache, value_cache, meta, decode, scaling)
     elif decode is not None:
@@ -131,17 +138,34 @@ def _decode_attention(
 
 
 def _kernel_decode_attention(
-    query, key_cache, value_cache, group: KernelDecodeGroup, scaling, out: torch.Tensor
+    query,
+    key_cache,
+    value_cache,
+    group: KernelDecodeGroup,
+    scaling,
+    out: torch.Tensor,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """The step's decodes attended in place by the CPU kernel, written into their rows of ``out [T, H, D]``."""
+    """The step's decodes attended in place by the CPU kernel, written into their rows of ``out [T, H, D]``;
+    ``new_kv``: the rows' new keys and values (``[D, KVH, head_dim]`` each), for the kernel to write first."""
     kernel = load_paged_decode()
     if kernel is None:  # the runner picks this path only where the kernel loaded
         raise RuntimeError("the CPU paged decode kernel is not available")
     scale = query.shape[2] ** -0.5 if scaling is None else scaling
     q = query[:, group.rows].transpose(0, 1)  # [D, H, head_dim]: a view when the rows are a slice
     if isinstance(group.rows, slice):
+        new_keys, new_values = new_kv if new_kv is not None else (None, None)
         kernel(
-            q, key_cache, value_cache, group.block_tables, group.context_lens, group.max_context, scale, out[group.rows]
+            q,
+            key_cache,
+            value_cache,
+            group.block_tables,
+            group.context_lens,
+            group.max_context,
+            scale,
+            out[group.rows],
+            new_keys,
+            new_values,
         )
     else:
         rows_out = torch.empty_like(q)

@@ -85,6 +85,10 @@ class PagedAttentionMetadata:
     prefills: tuple[PrefillSeq, ...]
     gather_keys: torch.Tensor  # flat scratch with room for any one gather of this step
     gather_values: torch.Tensor
+    # The first ``kernel_writes`` packed tokens are decode rows whose new K/V the
+    # CPU decode kernel writes as it attends them; the rest are written in one
+    # index_copy_ per layer.
+    kernel_writes: int = 0
 
 
 class GatherScratch:
@@ -168,6 +172,9 @@ def build_metadata(
             device,
         )
     gather_keys, gather_values = scratch.buffers(_largest_gather(prefills, decode))
+    kernel_writes = 0
+    if isinstance(decode, KernelDecodeGroup) and isinstance(decode.rows, slice) and decode.rows.start == 0:
+        kernel_writes = decode.rows.stop  # the usual case: the decodes are the step's first rows
     return PagedAttentionMetadata(
         key_cache=key_cache,
         value_cache=value_cache,
@@ -176,6 +183,7 @@ def build_metadata(
         prefills=prefills,
         gather_keys=gather_keys,
         gather_values=gather_values,
+        kernel_writes=kernel_writes,
     )
 
 

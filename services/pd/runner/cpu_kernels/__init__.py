@@ -4,7 +4,8 @@ PyTorch has no paged attention for the CPU: attending each decode row on its
 own took a dozen small ops per request and layer, about half of a decode
 step at 32 streams (bench model). ``paged_decode.c`` attends every decode
 row of a step in one call per layer, reading K/V in place through the block
-tables, spread over the OpenMP threads PyTorch itself uses.
+tables, spread over the OpenMP threads PyTorch itself uses, and writes the
+rows' new keys and values on the way.
 
 ``linear.c`` runs the linear layers over weights packed once for it: at the
 row counts of decode steps the matmuls PyTorch offers (MKL, oneDNN) read the
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 LINEAR_SOURCE = Path(__file__).with_name("linear.c")
-ABI_VERSION = 1  # epd_paged_decode_abi() and epd_linear_abi(): bumped with a C signature
+PAGED_DECODE_ABI = 2  # epd_paged_decode_abi(): bumped with its C signature
+LINEAR_ABI = 1  # epd_linear_abi(): bumped with its C signature
 MAX_GROUP = 64  # query heads per KV head the kernel takes (EPD_MAX_GROUP in the source)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120.0
@@ -80,9 +82,9 @@ def library_path(compiler: str, source: Path | None = None) -> Path:
     """Where the library for ``source`` (default: the paged decode kernel), compiler and CPU lives in the cache."""
     source = source or SOURCE
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        "\0".join([source.read_text(), version, " ".join(FLAGS), _cpu_flags(), str(ABI_VERSION)]).encode()
-    ).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[
+        :16
+    ]
     return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
@@ -117,12 +119,14 @@ class PagedDecode:
 
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))  # CDLL: the GIL is released for the call
-        if library.epd_paged_decode_abi() != ABI_VERSION:
+        if library.epd_paged_decode_abi() != PAGED_DECODE_ABI:
             raise KernelUnavailable(f"{path.name} has another ABI version")
         self._fn = library.epd_paged_decode_f32
         self._fn.restype = None
         self._fn.argtypes = [
             _PTR, _I64, _I64,  # q, row stride, head stride
+            _PTR, _I64, _I64,  # new keys (or NULL), row stride, head stride
+            _PTR, _I64, _I64,  # new values (or NULL), row stride, head stride
             _PTR, _PTR, _I64,  # k, v caches of one layer, kv head stride
             _PTR, _I64, _PTR,  # block tables, table stride, context lengths
             _PTR, _I64, _I64,  # out, row stride, head stride
@@ -140,14 +144,20 @@ class PagedDecode:
         max_context: int,
         scale: float,
         out: torch.Tensor,
+        new_keys: torch.Tensor | None = None,
+        new_values: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query [rows, H, D]`` over one layer's ``[KVH, blocks, block_size, D]`` caches into
         ``out [rows, H, D]``; ``block_tables [rows, W]`` and ``context_lens [rows]`` int32.
 
+        With ``new_keys`` and ``new_values`` (``[rows, KVH, D]`` each), each row's are first written into the caches at its last
+        position (``context_lens - 1``), which the row then attends.
+
         float32 CPU tensors whose last dim is contiguous; checked here, since a
-        wrong stride or dtype would read out of bounds in C."""
+        wrong stride or dtype would read (or write) out of bounds in C."""
         rows, num_heads, head_dim = query.shape
         num_kv_heads, _, block_size, _ = key_cache.shape
+        writes = new_keys is not None or new_values is not None
         if not (
             query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.float32
             and block_tables.dtype == context_lens.dtype == torch.int32
@@ -163,10 +173,17 @@ class PagedDecode:
             and block_tables.shape[0] == context_lens.shape[0] == rows
             and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= MAX_GROUP
-        ):
+        ) or (writes and not _fits_new_rows(new_keys, new_values, (rows, num_kv_heads, head_dim))):
             raise ValueError("paged decode kernel: tensors of another dtype, shape or layout")
+        new: tuple[int | None, int, int, int | None, int, int] = (None, 0, 0, None, 0, 0)
+        if new_keys is not None and new_values is not None:  # both or neither: _fits_new_rows checked
+            new = (
+                new_keys.data_ptr(), new_keys.stride(0), new_keys.stride(1),
+                new_values.data_ptr(), new_values.stride(0), new_values.stride(1),
+            )  # fmt: skip
         self._fn(
             query.data_ptr(), query.stride(0), query.stride(1),
+            *new,
             key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0),
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
             out.data_ptr(), out.stride(0), out.stride(1),
@@ -174,6 +191,18 @@ class PagedDecode:
             max_context, scale, torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+
+def _fits_new_rows(keys: torch.Tensor | None, values: torch.Tensor | None, shape: tuple[int, int, int]) -> bool:
+    """Both given, float32 CPU tensors of ``shape`` with contiguous last dims."""
+    return (
+        keys is not None
+        and values is not None
+        and keys.dtype == values.dtype == torch.float32
+        and keys.device.type == values.device.type == "cpu"
+        and tuple(keys.shape) == tuple(values.shape) == shape
+        and keys.stride(2) == values.stride(2) == 1
+    )
 
 
 def self_check(kernel: PagedDecode) -> None:
@@ -233,7 +262,7 @@ class LinearKernel:
 
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))  # CDLL: the GIL is released for the call
-        if library.epd_linear_abi() != ABI_VERSION:
+        if library.epd_linear_abi() != LINEAR_ABI:
             raise KernelUnavailable(f"{path.name} has another ABI version")
         self.panel = int(library.epd_linear_panel())
         self._fn = library.epd_linear_f32

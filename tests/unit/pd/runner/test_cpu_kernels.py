@@ -32,7 +32,10 @@ def _reference(query, keys, values, tables, lens, scale):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(4, 4, 8, 4), (8, 2, 16, 16), (6, 3, 64, 5)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(4, 4, 8, 4), (8, 2, 16, 16), (6, 3, 64, 5), (12, 12, 64, 16), (4, 2, 128, 3), (2, 1, 24, 7)],
+)
 def test_kernel_matches_attention_over_scattered_blocks(kernel, heads, kv_heads, head_dim, block_size):
     generator = torch.Generator().manual_seed(heads * head_dim)
     num_blocks, rows = 40, 7
@@ -64,6 +67,41 @@ def test_kernel_reads_strided_queries_and_writes_strided_rows(kernel):
     kernel(query, keys, values, tables, lens, 8, 8**-0.5, out[1:3])
     torch.testing.assert_close(out[1:3], _reference(query, keys, values, tables, lens, 8**-0.5), rtol=1e-5, atol=1e-5)
     assert out[0].abs().sum() == 0 and out[3:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_kernel_writes_each_rows_new_key_and_value_before_attending(kernel, head_dim):
+    generator = torch.Generator().manual_seed(head_dim)
+    kv_heads, heads, block_size = 2, 4, 4
+    keys = torch.randn(kv_heads, 8, block_size, head_dim, generator=generator)
+    values = torch.randn(kv_heads, 8, block_size, head_dim, generator=generator)
+    tables = torch.tensor([[6, 1, 0], [3, 5, 0], [2, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([9, 8, 1], dtype=torch.int32)  # last positions: block 0 slot 0, 5 slot 3, 2 slot 0
+    query = torch.randn(3, heads, head_dim, generator=generator)
+    # As HF hands them over: [KVH, tokens, D], rows 0-2 of 4 viewed as [rows, KVH, D]; values strided otherwise.
+    new_keys = torch.randn(kv_heads, 4, head_dim, generator=generator)[:, :3].transpose(0, 1)
+    new_values = torch.randn(4, kv_heads, head_dim, generator=generator)[:3]
+    want_keys, want_values = keys.clone(), values.clone()
+    for row, (block, slot) in enumerate([(0, 0), (5, 3), (2, 0)]):
+        want_keys[:, block, slot] = new_keys[row]
+        want_values[:, block, slot] = new_values[row]
+    want = _reference(query, want_keys, want_values, tables, lens, 0.5)
+    got = kernel(query, keys, values, tables, lens, 9, 0.5, torch.empty_like(query), new_keys, new_values)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)  # nothing else was written
+
+
+def test_kernel_refuses_new_rows_it_would_misread(kernel):
+    keys = torch.zeros(1, 2, 4, 8)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    query = torch.zeros(1, 1, 8)
+    new = torch.zeros(1, 1, 8)
+    for new_keys, new_values in ((new, None), (None, new), (new.double(), new), (new, torch.zeros(2, 1, 8))):
+        with pytest.raises(ValueError, match="layout"):
+            kernel(query, keys, keys.clone(), tables, lens, 1, 1.0, torch.empty_like(query), new_keys, new_values)
+    with pytest.raises(ValueError, match="layout"):
+        kernel(query, keys, keys.clone(), tables, lens, 1, 1.0, torch.empty_like(query), new, new.transpose(1, 2))
 
 
 def test_kernel_refuses_tensors_it_would_misread(kernel):

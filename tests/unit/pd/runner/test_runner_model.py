@@ -186,6 +186,28 @@ def test_multi_head_attention_with_explicit_head_dim(decode_path):
     torch.testing.assert_close(logits[1], _ref_logits(ref, a)[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_decodes_ahead_of_prefills_write_their_kv_in_the_kernel(head_dim):
+    # The scheduler's order: decodes first, so the CPU kernel writes their new K/V as it attends them and
+    # index_copy_ writes only the prefill rows; the next decode step reads back what both wrote.
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(_config(hidden_size=4 * head_dim, head_dim=head_dim)).eval()
+    ref = copy.deepcopy(model)
+    runner = ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE, device="cpu", dtype=torch.float32)
+    assert runner.decode_path == "kernel"
+    a, b, c = _tokens(9, 40), _tokens(7, 41), _tokens(12, 42)
+    ta, tb, tc = [5, 2, 7], [11, 3], [20, 21, 22]
+    _step(runner, _chunk("a", a[:7], 0, ta), _chunk("b", b[:5], 0, tb), _chunk("c", c[:4], 0, tc, sample=False))
+    mixed = [_chunk("a", a[7:8], 7, ta), _chunk("b", b[5:6], 5, tb), _chunk("c", c[4:11], 4, tc)]
+    assert runner._metadata(mixed).kernel_writes == 2  # a's and b's rows; c's seven go through index_copy_
+    logits = _step(runner, *mixed)
+    for row, seq in enumerate([a[:8], b[:6], c[:11]]):
+        torch.testing.assert_close(logits[row], _ref_logits(ref, seq)[-1], atol=1e-4, rtol=1e-4)
+    logits = _step(runner, _chunk("a", a[8:], 8, ta), _chunk("b", b[6:], 6, tb), _chunk("c", c[11:], 11, tc))
+    for row, seq in enumerate([a, b, c]):
+        torch.testing.assert_close(logits[row], _ref_logits(ref, seq)[-1], atol=1e-4, rtol=1e-4)
+
+
 def test_execute_with_empty_step_and_finished_ids(runner):
     out = runner.execute(SchedulerOutput(finished_request_ids=["gone"], preempted_request_ids=["x"]), {})
     assert out.sampled == {}
