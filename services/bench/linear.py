@@ -63,8 +63,8 @@ def _child(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from services.pd.runner.cpu_kernels import load_linear
-    from services.pd.runner.cpu_linear import onednn_linear
+    from services.common.cpu_kernels import load_linear
+    from services.common.cpu_linear import onednn_linear
 
     torch.set_num_threads(args.threads)
     backend = args.child

@@ -28,6 +28,9 @@ class EncoderConfig:
     """Torch device for the vision tower: auto (cuda when present, else cpu), cpu, cuda, cuda:N."""
     dtype: str = "auto"
     """Weight/activation dtype: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16."""
+    linear_backend: str = "auto"
+    """Who runs the vision tower's linear layers on CPU in float32: auto, kernel, onednn, torch
+    (``services/common/cpu_linear.py``)."""
     host: str = "127.0.0.1"
     port: int = DEFAULT_ENCODER_PORT
     """gRPC port; 0 picks a free one (tests)."""
@@ -102,6 +105,8 @@ class EncoderConfig:
         )
 
     def __post_init__(self) -> None:
+        if self.linear_backend not in ("auto", "torch", "onednn", "kernel"):
+            raise ValueError("linear_backend must be auto, torch, onednn or kernel")
         positive = {
             "max_batch_images": self.max_batch_images,
             "max_pending": self.max_pending,

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 KIB = 1 << 10
 
 HELP_GROUPS = (
-    ("model and devices", ("--model", "--device", "--dtype", "--threads")),
+    ("model and devices", ("--model", "--device", "--dtype", "--threads", "--linear-backend")),
     ("network", ("--host", "--port")),
     (
         "batching and limits",
@@ -55,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_common_flags(parser, port=defaults.port, metrics_port=DEFAULT_METRICS_PORT)
     add = cli_args.add_flag
     add(parser, "--metrics-host", default="", help="address of the /metrics endpoint ('' = --host)")
+    add(
+        parser,
+        "--linear-backend",
+        default=defaults.linear_backend,
+        choices=["auto", "torch", "onednn", "kernel"],
+        help="who runs the vision tower's linear layers on CPU for float32: kernel (a C kernel over weights "
+        "packed at start, built with the C compiler), onednn or torch (services/common/cpu_linear.py); auto = "
+        "kernel where it builds, else onednn where it works, else torch; torch on GPUs and for other dtypes",
+    )
     add(
         parser,
         "--max-batch-images",
@@ -209,6 +218,7 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        linear_backend=args.linear_backend,
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,

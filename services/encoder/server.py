@@ -54,7 +54,7 @@ class EncoderStats(NamedTuple):
 
 def load_vision(config: EncoderConfig) -> LoadedVision:
     """Loads only the vision tower + projector of ``config.model`` (blocking; run off the loop)."""
-    return LoadedVision.load(config.model, config.device, config.dtype, config.video_limits())
+    return LoadedVision.load(config.model, config.device, config.dtype, config.video_limits(), config.linear_backend)
 
 
 def _log_pd_allow(spec: PdAllowSpec) -> None:

@@ -301,7 +301,13 @@ class Colocated:
     async def load(cls, config: PdConfig, engine: EngineBridge) -> Colocated:
         """Loads the vision half off the event loop; serve it with ``register`` + ``become_ready``."""
         vision = await asyncio.to_thread(
-            openmp.on_own_thread, LoadedVision.load, config.model, config.device, config.dtype, config.video_limits()
+            openmp.on_own_thread,
+            LoadedVision.load,
+            config.model,
+            config.device,
+            config.dtype,
+            config.video_limits(),
+            config.linear_backend,
         )
         return cls(ColocatedEncoder(engine, vision), config.accept_pixel_values)
 

@@ -48,7 +48,7 @@ class PdConfig:
     metrics_port: int = -1
     metrics_host: str = ""  # "" = host
     threads: int = 0
-    linear_backend: str = "auto"  # auto | torch | onednn | kernel (see services/pd/runner/cpu_linear.py)
+    linear_backend: str = "auto"  # auto | torch | onednn | kernel (see services/common/cpu_linear.py)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 = size from memory (services/pd/runner/kv_sizing.py)

@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "onednn", "kernel"],
         help="who runs the LM's linear layers on CPU for float32: kernel (a C kernel over weights packed at "
         "start, built with the C compiler; fastest at decode batch sizes), onednn (about 2x torch), or torch "
-        "(services/pd/runner/cpu_linear.py); auto = kernel where it builds, else onednn where it works, else "
+        "(services/common/cpu_linear.py); auto = kernel where it builds, else onednn where it works, else "
         "torch; torch on GPUs and for other dtypes",
     )
     _add_cache_arguments(parser)

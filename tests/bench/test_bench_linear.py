@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from services.bench import linear
-from services.pd.runner.cpu_linear import onednn_works
+from services.common.cpu_linear import onednn_works
 
 
 def _args(*argv: str) -> argparse.Namespace:

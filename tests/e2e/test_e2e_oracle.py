@@ -138,8 +138,8 @@ def _tower_layers(tower):
 
 @pytest.mark.parametrize("cluster", ["llava", "qwen2.5"], indirect=True)
 def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
+    from services.common.cpu_linear import KernelLinear
     from services.common.models import count_parameters
-    from services.pd.runner.cpu_linear import KernelLinear
 
     full = oracle.model
     if hasattr(full.model, "visual"):  # Qwen: tower + merger
@@ -149,17 +149,21 @@ def test_each_service_holds_only_its_half_of_the_weights(cluster, oracle):
     lm_half = count_parameters(full) - vision_half
     pd_model = cluster.pds[0].engine.core.runner.model
     encoder_module = cluster.encoders[0].vision.module
-    # The CPU linear kernel holds its weights packed (a buffer; the dense parameter dropped).
-    packed_away = sum(
-        m.in_features * m.out_features for m in pd_model.modules() if isinstance(m, KernelLinear) and m.weight is None
-    )
-    assert count_parameters(pd_model) + packed_away == lm_half
+
+    def held(module) -> int:
+        # The CPU linear kernel holds its weights packed (a buffer; the dense parameter dropped).
+        packed_away = sum(
+            m.in_features * m.out_features for m in module.modules() if isinstance(m, KernelLinear) and m.weight is None
+        )
+        return count_parameters(module) + packed_away
+
+    assert held(pd_model) == lm_half
     if not hasattr(full.model, "visual"):  # LLaVA: the tower's layers past the feature layer are not loaded
         kept = len(_tower_layers(encoder_module.vision_tower))
         full_layers = _tower_layers(full.model.vision_tower)
         assert kept == len(full_layers) + full.config.vision_feature_layer + 1
         vision_half -= sum(count_parameters(layer) for layer in full_layers[kept:])
-    assert count_parameters(encoder_module) == vision_half
+    assert held(encoder_module) == vision_half
     pd_names = [name for name, _ in pd_model.named_parameters()]
     encoder_names = [name for name, _ in encoder_module.named_parameters()]
     assert not any("vision" in n or "projector" in n or "visual" in n or "merger" in n for n in pd_names)

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from services.common.cpu_kernels import load_paged_decode
 from services.pd.runner.attention_metadata import (
     DecodeGroup,
     KernelDecodeGroup,
@@ -58,7 +59,6 @@ from services.pd.runner.attention_metadata import (
     PrefillSeq,
     RaggedDecodeGroup,
 )
-from services.pd.runner.cpu_kernels import load_paged_decode
 from services.pd.runner.flex_decode import FlexDecodeGroup, flex_decode_attention
 
 ATTN_IMPLEMENTATION = "epd_paged"

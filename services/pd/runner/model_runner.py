@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.common.cpu_kernels import load_paged_decode
+from services.common.cpu_linear import use_linear_backend
 from services.pd.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from services.pd.runner.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, register_paged_attention
 from services.pd.runner.attention_metadata import (
@@ -40,12 +42,11 @@ from services.pd.runner.attention_metadata import (
     build_metadata,
     to_device,
 )
-from services.pd.runner.cpu_kernels import load_linear, load_paged_decode
-from services.pd.runner.cpu_linear import resolve_backend, use_kernel_linear, use_onednn_linear
 from services.pd.runner.decode_graphs import DecodeBuffers, FlexTables, RaggedTables, StaticDecoder, batch_ladder
 from services.pd.runner.decode_plan import StaticDecodeConfig, plan_static_decode, start_static_decoder
 from services.pd.runner.deepstack import DeepstackRows
 from services.pd.runner.flex_decode import flex_available
+from services.pd.runner.fused_norm import use_fused_rms_norm
 from services.pd.runner.grammar import BitmaskFiller
 from services.pd.runner.sampler import Sampler
 from services.pd.runner.step_inputs import splice_image_rows, step_position_ids
@@ -128,13 +129,8 @@ class ModelRunner:
         if decode_path == "kernel" and (self.device.type != "cpu" or dtype != torch.float32 or not load_paged_decode()):
             raise ValueError("decode_path 'kernel' needs float32 on the CPU and a built CPU kernel")
         self.decode_path = decode_path
-        self.linear_backend = resolve_backend(linear_backend, self.device, dtype)
-        if self.linear_backend == "onednn":
-            use_onednn_linear(model)
-        elif self.linear_backend == "kernel":
-            kernel = load_linear()
-            assert kernel is not None  # resolve_backend picked it
-            use_kernel_linear(model, kernel)
+        use_fused_rms_norm(model)
+        self.linear_backend = use_linear_backend(model, linear_backend, self.device, dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pad_block = num_blocks

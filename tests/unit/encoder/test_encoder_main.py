@@ -39,6 +39,9 @@ def test_flags_and_env_build_the_config(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("EPD_MAX_MESSAGE_MIB", "8")
     assert main.config_from_args(parse([])).max_message_bytes == 8 * MIB
     assert "--max-message-mib" in _help()
+    monkeypatch.setenv("EPD_LINEAR_BACKEND", "torch")
+    assert main.config_from_args(parse([])).linear_backend == "torch"
+    assert main.config_from_args(parse(["--linear-backend", "kernel"])).linear_backend == "kernel"
 
 
 def test_invalid_config_exits_with_2() -> None:
@@ -52,6 +55,8 @@ def test_config_validation() -> None:
         EncoderConfig(max_pending=0)
     with pytest.raises(ValueError):
         EncoderConfig(max_wait_ms=-1)
+    with pytest.raises(ValueError, match="linear_backend"):
+        EncoderConfig(linear_backend="mkl")
 
 
 def test_pd_allow_builds_the_allow_list_and_a_bad_entry_exits_with_2() -> None:

@@ -9,9 +9,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.pd.engine.outputs import ScheduledChunk, SchedulerOutput
-from services.pd.runner import cpu_kernels
-from services.pd.runner.cpu_linear import (
+from services.common import cpu_kernels
+from services.common.cpu_linear import (
     KernelLinear,
     OneDnnLinear,
     onednn_works,
@@ -20,6 +19,7 @@ from services.pd.runner.cpu_linear import (
     use_kernel_linear,
     use_onednn_linear,
 )
+from services.pd.engine.outputs import ScheduledChunk, SchedulerOutput
 from services.pd.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not onednn_works(), reason="this PyTorch build has no oneDNN linear")

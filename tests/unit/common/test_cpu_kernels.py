@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.pd.runner import cpu_kernels
-from services.pd.runner.cpu_kernels import KernelUnavailable, LinearKernel, PagedDecode, load_linear, load_paged_decode
+from services.common import cpu_kernels
+from services.common.cpu_kernels import KernelUnavailable, LinearKernel, PagedDecode, load_linear, load_paged_decode
 
 
 @pytest.fixture(scope="module")

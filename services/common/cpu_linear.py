@@ -1,4 +1,5 @@
-"""Who runs the language model's linear layers on CPU: the packed kernel, oneDNN or torch.
+"""Who runs a model's linear layers on CPU (the PD's language model, the encoder's vision tower):
+the packed kernel, oneDNN or torch.
 
 The default for float32 on CPU is ``kernel``: ``cpu_kernels/linear.c`` over
 each weight packed once into its layout. A decode step reads every weight
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.pd.runner.cpu_kernels import LinearKernel, load_linear
+from services.common.cpu_kernels import LinearKernel, load_linear
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +154,16 @@ def use_kernel_linear(model: nn.Module, kernel: LinearKernel) -> int:
             switched += 1
     log.info("CPU linear kernel for %d layers", switched)
     return switched
+
+
+def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Resolves ``backend`` (``resolve_backend``) and switches ``model``'s linear layers to it in place;
+    returns the backend in use."""
+    resolved = resolve_backend(backend, device, dtype)
+    if resolved == "onednn":
+        use_onednn_linear(model)
+    elif resolved == "kernel":
+        kernel = load_linear()
+        assert kernel is not None  # resolve_backend picked it
+        use_kernel_linear(model, kernel)
+    return resolved
