@@ -82,9 +82,8 @@ def library_path(compiler: str, source: Path | None = None) -> Path:
     """Where the library for ``source`` (default: the paged decode kernel), compiler and CPU lives in the cache."""
     source = source or SOURCE
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[
-        :16
-    ]
+    parts = [source.read_text(), version, " ".join(FLAGS), _cpu_flags()]  # the source carries its ABI version
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
@@ -150,8 +149,9 @@ class PagedDecode:
         """``query [rows, H, D]`` over one layer's ``[KVH, blocks, block_size, D]`` caches into
         ``out [rows, H, D]``; ``block_tables [rows, W]`` and ``context_lens [rows]`` int32.
 
-        With ``new_keys`` and ``new_values`` (``[rows, KVH, D]`` each), each row's are first written into the caches at its last
-        position (``context_lens - 1``), which the row then attends.
+        With ``new_keys`` and ``new_values`` (``[rows, KVH, D]`` each), each row's are first
+        written into the caches at its last position (``context_lens - 1``), which the row
+        then attends.
 
         float32 CPU tensors whose last dim is contiguous; checked here, since a
         wrong stride or dtype would read (or write) out of bounds in C."""
