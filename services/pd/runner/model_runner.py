@@ -46,7 +46,7 @@ from services.pd.runner.decode_graphs import DecodeBuffers, FlexTables, RaggedTa
 from services.pd.runner.decode_plan import StaticDecodeConfig, plan_static_decode, start_static_decoder
 from services.pd.runner.deepstack import DeepstackRows
 from services.pd.runner.flex_decode import flex_available
-from services.pd.runner.fused_norm import use_fused_rms_norm
+from services.pd.runner.fused_ops import use_fused_rms_norm, use_fused_silu_mlp
 from services.pd.runner.grammar import BitmaskFiller
 from services.pd.runner.sampler import Sampler
 from services.pd.runner.step_inputs import splice_image_rows, step_position_ids
@@ -130,6 +130,7 @@ class ModelRunner:
             raise ValueError("decode_path 'kernel' needs float32 on the CPU and a built CPU kernel")
         self.decode_path = decode_path
         use_fused_rms_norm(model)
+        use_fused_silu_mlp(model)
         self.linear_backend = use_linear_backend(model, linear_backend, self.device, dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size

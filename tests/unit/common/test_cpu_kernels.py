@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from services.common import cpu_kernels
-from services.common.cpu_kernels import KernelUnavailable, LinearKernel, PagedDecode, load_linear, load_paged_decode
+from services.common.cpu_kernels import (
+    Elementwise,
+    KernelUnavailable,
+    LinearKernel,
+    PagedDecode,
+    load_elementwise,
+    load_linear,
+    load_paged_decode,
+)
 
 
 @pytest.fixture(scope="module")
@@ -204,12 +212,84 @@ def test_linear_kernel_is_inference_only(linear_kernel):
         assert linear_kernel.linear(x, packed, 4, None).shape == (2, 4)
 
 
-def test_a_linear_kernel_that_disagrees_is_left_out(monkeypatch, caplog):
-    original = LinearKernel.pack
-    monkeypatch.setattr(LinearKernel, "pack", lambda self, weight: original(self, weight).mul_(2))  # a broken pack
-    load_linear.cache_clear()
+@pytest.mark.parametrize(
+    ("cls", "method", "load", "says"),
+    [
+        (LinearKernel, "pack", load_linear, "disagrees with PyTorch's linear"),
+        (Elementwise, "silu_mul", load_elementwise, "SiLU-and-multiply kernel disagrees"),
+        (Elementwise, "rms_norm", load_elementwise, "RMSNorm kernel disagrees"),
+    ],
+)
+def test_a_kernel_that_disagrees_is_left_out(monkeypatch, caplog, cls, method, load, says):
+    original = getattr(cls, method)
+    monkeypatch.setattr(cls, method, lambda self, *args: original(self, *args) * 2)  # a broken op
+    load.cache_clear()
     try:
-        assert load_linear() is None
-        assert "disagrees with PyTorch's linear" in caplog.text
+        assert load() is None
+        assert says in caplog.text
     finally:
-        load_linear.cache_clear()
+        load.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def elementwise() -> Elementwise:
+    built = load_elementwise()
+    assert built is not None, "the test machine has a C compiler: the kernel must build"
+    return built
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("shape", [(1, 768), (32, 768), (3, 5, 37), (2100, 64), (0, 16), (4, 1)])
+def test_rms_norm_kernel_matches_torch(elementwise, shape):
+    """One row, decode and prefill sizes (the last spread over threads), a dim with a tail past the lanes, none."""
+    generator = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=generator) * 3
+    weight = torch.randn(shape[-1], generator=generator)
+    got = elementwise.rms_norm(x, weight, 1e-6)
+    assert got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got, _rms_norm_reference(x, weight, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_kernel_reads_strided_rows(elementwise):
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 3, 100, generator=generator)[:, 1, 4:84]  # rows strided, columns contiguous
+    y = torch.randn(40, 12, generator=generator).T  # columns strided: copied first
+    for view in (x, y):
+        weight = torch.randn(view.shape[-1], generator=generator)
+        torch.testing.assert_close(
+            elementwise.rms_norm(view, weight, 1e-5), _rms_norm_reference(view, weight, 1e-5), rtol=1e-5, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (32, 3072), (700, 300), (3, 13), (0, 8)])
+def test_silu_mul_kernel_matches_torch(elementwise, shape):
+    generator = torch.Generator().manual_seed(shape[0])
+    gate = torch.randn(*shape, generator=generator) * 8  # far into both tails of the exponential
+    up = torch.randn(*shape, generator=generator)
+    got = elementwise.silu_mul(gate, up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_kernel_keeps_extreme_values_finite_and_nan_as_nan(elementwise):
+    gate = torch.tensor([[float("nan"), float("inf"), 100.0, -100.0, 88.5, -88.5, 1e-30, 0.0, 20.0, -20.0]])
+    got = elementwise.silu_mul(gate, torch.ones_like(gate))
+    assert torch.isnan(got[0, 0]) and got[0, 1] == float("inf")
+    torch.testing.assert_close(got[:, 2:], torch.nn.functional.silu(gate[:, 2:]), rtol=1e-5, atol=1e-30)
+
+
+def test_elementwise_kernels_refuse_what_they_would_misread(elementwise):
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="dtype, device or shape"):
+        elementwise.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6)
+    with pytest.raises(ValueError, match="dtype, device or shape"):
+        elementwise.rms_norm(x, torch.ones(9), 1e-6)
+    with pytest.raises(ValueError, match="dtype, device or shape"):
+        elementwise.silu_mul(x, torch.randn(3, 9))
+    with pytest.raises(ValueError, match="dtype, device or shape"):
+        elementwise.silu_mul(x.requires_grad_(), torch.randn(3, 8))  # outside autograd only
+    assert not Elementwise.takes(torch.randn(2, requires_grad=True))
+    with torch.no_grad():
+        assert Elementwise.takes(torch.randn(2, requires_grad=True))
