@@ -25,8 +25,8 @@ from test_e2e_oracle import _chat
 from services.pd.faults import NO_FAULTS, PdFaults
 
 MAX_TOKENS = 16
-LEASE_MS = 300  # the proxy's --lease-ms: what it asks D's ReserveKV for
-FREEZE_MS = 1500  # P's first client step stalls this long: its push comes after the lease
+LEASE_MS = 800  # the proxy's --lease-ms: what it asks D's ReserveKV for (room for a loaded CI host)
+FREEZE_MS = 2500  # P's first client step stalls this long: its push comes after the lease
 EXPIRED = 'epd_pd_kv_reservations_expired_total{role="decode"}'
 
 
