@@ -11,6 +11,7 @@ from services.proxy.backends.cache_index import DEFAULT_MAX_BYTES
 from services.proxy.backends.discovery import parse_target
 from services.proxy.backends.routing import DEFAULT_CACHE_WEIGHT, DEFAULT_PD_POLICY, ENCODER_POLICIES, PD_POLICIES
 from services.proxy.cache_isolation import CacheIsolation
+from services.proxy.dispatch.image_window import DEFAULT_IMAGE_WINDOW
 from services.proxy.faults import NO_FAULTS, ProxyFaults
 
 MIB = 1024 * 1024
@@ -83,6 +84,8 @@ class ProxyConfig:
     pd_cache_index_mb: int = DEFAULT_MAX_BYTES // MIB  # cache-aware: memory bound of the index of PD caches
     encoder_policy: str = "rendezvous"  # see routing.ENCODER_POLICIES
     encoder_saturation: int = 16  # images in flight beyond which an encoder's affinity yields
+    # image requests per PD between their Preallocate and their first token (dispatch/image_window.py; 0 = no bound)
+    pd_image_window: int = DEFAULT_IMAGE_WINDOW
     pd_attempts: int = 3  # PDs one request may try (before its first byte)
     encoder_attempts: int = 3  # encoders one image may try
     breaker_failures: int = 3  # consecutive failures that open an instance's breaker
@@ -186,8 +189,8 @@ class ProxyConfig:
             raise ValueError("max_images_per_request must be >= 0 (0 = text only)")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
-        if self.lease_ms < 0 or self.load_poll_s < 0 or self.max_model_len < 0:
-            raise ValueError("lease_ms, load_poll_s and max_model_len must be >= 0")
+        if self.lease_ms < 0 or self.load_poll_s < 0 or self.max_model_len < 0 or self.pd_image_window < 0:
+            raise ValueError("lease_ms, load_poll_s, max_model_len and pd_image_window must be >= 0")
         if not self.pd_cache_weight >= 0 or self.pd_cache_index_mb <= 0:
             raise ValueError("pd_cache_weight must be >= 0 and pd_cache_index_mb > 0")
         if self.pd_policy not in PD_POLICIES:

@@ -15,6 +15,7 @@ from services.common.ports import DEFAULT_ENCODER_PORT, DEFAULT_PD_PORT
 from services.proxy.backends.cache_index import DEFAULT_MAX_BYTES
 from services.proxy.backends.routing import DEFAULT_CACHE_WEIGHT, DEFAULT_PD_POLICY, ENCODER_POLICIES, PD_POLICIES
 from services.proxy.config import MIB
+from services.proxy.dispatch.image_window import DEFAULT_IMAGE_WINDOW
 from services.proxy.request_flags import add_request_arguments
 
 HELP_GROUPS = (
@@ -29,6 +30,7 @@ HELP_GROUPS = (
             "--pd-cache-index-mb",
             "--encoder-policy",
             "--encoder-saturation",
+            "--pd-image-window",
             "--pd-attempts",
             "--encoder-attempts",
             "--breaker-failures",
@@ -286,6 +288,15 @@ def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="images in flight on an encoder beyond which its rendezvous images go to the least-loaded one",
+    )
+    add(
+        parser,
+        "--pd-image-window",
+        type=int,
+        default=DEFAULT_IMAGE_WINDOW,
+        help="image requests per PD between their Preallocate and their first token; more wait in the proxy, in "
+        "arrival order, so that an encoder sharing PD's cores encodes the images of the prompts PD prefills next, "
+        "not a whole burst ahead of them (docs: Routing). 0 = no bound: encoders on other machines than their PDs",
     )
     add(parser, "--pd-attempts", type=int, default=3, help="PDs one request may try before its first byte")
     add(parser, "--encoder-attempts", type=int, default=3, help="encoders one image may try")

@@ -122,6 +122,7 @@ def _new_pipeline(config: ProxyConfig, pool: Backends, metrics: ProxyMetrics) ->
         lease_ms=config.lease_ms,
         pd_attempts=config.pd_attempts,
         encoder_attempts=config.encoder_attempts,
+        image_window=config.pd_image_window,
         metrics=metrics,
         stall_limits=StallLimits(config.first_token_timeout_s, config.inter_token_timeout_s, config.encode_timeout_s),
     )

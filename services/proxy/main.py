@@ -71,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         pd_cache_index_mb=args.pd_cache_index_mb,
         encoder_policy=args.encoder_policy,
         encoder_saturation=args.encoder_saturation,
+        pd_image_window=args.pd_image_window,
         pd_attempts=args.pd_attempts,
         encoder_attempts=args.encoder_attempts,
         breaker_failures=args.breaker_failures,

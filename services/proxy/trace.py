@@ -23,6 +23,7 @@ class Trace:
 
     started: float = field(default_factory=time.monotonic)
     preprocess_ms: float = 0.0
+    window_ms: float | None = None  # waiting for room in the PD's image window (``dispatch/image_window.py``)
     preallocate_ms: float | None = None
     encode_ms: float | None = None  # wall time of the slowest Encode call
     first_token_ms: float | None = None  # arrival -> first PD message

@@ -17,7 +17,7 @@ from services.bench.serve.stats import RequestRecord, percentile
 
 KINDS = ("all", "text", "image")
 LATENCIES = (("ttft", 50.0), ("ttft", 99.0), ("itl", 50.0), ("itl", 99.0))
-STAGES = ("preprocess", "preallocate", "encode", "queue", "embedding_wait", "prefill", "first_token")
+STAGES = ("preprocess", "window", "preallocate", "encode", "queue", "embedding_wait", "prefill", "first_token")
 """The stages of a request's first token an ``epd`` proxy reports (``usage.epd.timings_ms``), in the order they
 begin: proxy preprocessing, PD's reservation, the slowest Encode call (its push included), then PD's queue (arrival
 to first step), time blocked on images, first step to first token; ``first_token`` is the proxy's arrival-to-first-

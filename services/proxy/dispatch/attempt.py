@@ -46,6 +46,7 @@ class Attempt:
         self.hold(pd, len(job.prompt.token_ids) - cached_tokens)
         self.settled = False
         self.pd_is_innocent = False  # set when an error was another instance's doing
+        self._in_window = False  # holds a place in the PD's image window (``Calls.enter_window``)
 
     async def start(self, handoff: epd_pb2.KVHandoff | None = None) -> epd_pb2.GenerateResponse:
         """Admits the job on this PD and returns its first message (``handoff``: PD is E+P+D's prefill
@@ -55,6 +56,8 @@ class Attempt:
         self.started_rpc = True
         job.trace.num_images_ready = job.trace.num_encoder_cache_hits = 0  # this attempt's, not a failed one's
         if job.prompt.images:
+            await self.calls.enter_window(job, pd.address)
+            self._in_window = True
             begin = time.monotonic()
             reply = await pd.preallocate(
                 epd_pb2.PreallocateRequest(
@@ -68,6 +71,8 @@ class Attempt:
             )
             job.trace.preallocate_ms = (time.monotonic() - begin) * 1000
             reserved = self._reserved(reply)
+            if not reserved:  # every image already on PD: nothing to encode, nothing to take turns with
+                self._leave_window()
         self.call = pd.generate(
             job.generate_request(self.request_id, kv_handoff=handoff), timeout=self.calls.remaining(job)
         )
@@ -77,6 +82,7 @@ class Attempt:
         ]
         self._pending_encodes = set(self.encode_tasks)
         self.first = await self.next()
+        self._leave_window()  # prefilled: the next image request may start
         if self.first is None:
             raise internal_error("The model server ended the stream without a result.")
         self.outcome = Outcome.SUCCESS
@@ -159,11 +165,17 @@ class Attempt:
             self.call.cancel()
         for task in self.encode_tasks:
             task.cancel()
+        self._leave_window()
         self.pd.end(self.outcome, probe=self.probe, settled=self.settled)
         for pd, num_tokens in self._held.items():
             pd.release_tokens(num_tokens, finished=self.finished)
         self._held.clear()
         return self.encode_tasks
+
+    def _leave_window(self) -> None:
+        if self._in_window:
+            self._in_window = False
+            self.calls.windows.leave(self.pd.address)
 
     def hold(self, pd: PdClient, num_tokens: int) -> None:
         """Counts ``num_tokens`` of work of this attempt on ``pd`` (its load, for the cache-aware policy) until

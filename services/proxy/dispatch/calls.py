@@ -3,7 +3,8 @@
 ``Calls`` is all an attempt (``attempt.py``) needs besides its PD: ``encode_image`` sends one image
 that PD reserved to the best encoder for it, moving to the next in its ranking when one fails (same
 reservation: nothing was filled); ``remaining`` is what is left of the job's one deadline (every call's
-gRPC timeout); ``lease_ms`` is how long PD holds a reservation for those Encodes. The job loop
+gRPC timeout); ``lease_ms`` is how long PD holds a reservation for those Encodes; ``windows`` bounds the
+image requests per PD between their Preallocate and their first token (``image_window.py``). The job loop
 (``pipeline.py``) builds one and hands it to each attempt, so an attempt never calls back into the loop
 that runs it.
 
@@ -12,6 +13,7 @@ that runs it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from services.common import grpc_utils
 from services.common.pb import epd_pb2
 from services.proxy.backends.instances import Instance, Outcome, outcome_of
 from services.proxy.backends.pools import Backends
+from services.proxy.dispatch.image_window import ImageWindows
 from services.proxy.dispatch.jobs import Job
 from services.proxy.errors import from_grpc, no_backend
 from services.proxy.metrics import ProxyMetrics
@@ -55,6 +58,7 @@ class Calls:
 
     ``encode_s``: the bound on one Encode call (0 = none but the deadline); an encoder that takes
     longer is charged for it (its circuit breaker), as a request deadline that runs out never is.
+    ``image_window``: image requests per PD between their Preallocate and their first token (0 = no bound).
     """
 
     def __init__(
@@ -65,9 +69,11 @@ class Calls:
         lease_ms: int = 0,
         encoder_attempts: int = 3,
         encode_s: float = 0.0,
+        image_window: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backends = backends
+        self.windows = ImageWindows(image_window)
         self.metrics = metrics
         self.encoder_attempts = encoder_attempts
         self.encode_s = encode_s
@@ -89,6 +95,17 @@ class Calls:
         """
         left_ms = int(self.remaining(job) * 1000)
         return max(1, min(self._lease_ms or left_ms, left_ms))
+
+    async def enter_window(self, job: Job, pd_address: str) -> None:
+        """Waits, within the job's deadline, until an image request of ``job`` may start on that PD
+        (``windows``; the caller leaves it at its first token or its end)."""
+        begin = time.monotonic()
+        try:
+            async with asyncio.timeout(self.remaining(job)):
+                await self.windows.enter(pd_address)
+        except TimeoutError:
+            raise from_grpc(S.DEADLINE_EXCEEDED) from None
+        job.trace.window_ms = (job.trace.window_ms or 0.0) + (time.monotonic() - begin) * 1000
 
     async def encode_image(
         self, job: Job, request_id: str, pd_address: str, image: ImageItem, reservation_id: str

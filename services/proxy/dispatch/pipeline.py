@@ -95,6 +95,7 @@ class Pipeline:
         lease_ms: int = 0,
         pd_attempts: int = 3,
         encoder_attempts: int = 3,
+        image_window: int = 0,
         metrics: ProxyMetrics | None = None,
         stall_limits: StallLimits = StallLimits(),
         clock: Callable[[], float] = time.monotonic,
@@ -112,6 +113,7 @@ class Pipeline:
             lease_ms=lease_ms,
             encoder_attempts=encoder_attempts,
             encode_s=stall_limits.encode_s,
+            image_window=image_window,
             clock=clock,
         )
 

@@ -47,6 +47,7 @@ def usage_dict(usage: epd_pb2.Usage, trace: Trace, num_images: int, num_video_to
     embedding token as an image token; ``num_video_tokens`` of them were videos' (the proxy's count)."""
     timings = {
         "preprocess": _ms(trace.preprocess_ms),
+        "window": _ms(trace.window_ms),
         "preallocate": _ms(trace.preallocate_ms),
         "encode": _ms(trace.encode_ms),
         "queue": _ms(usage.timings.queue_ms),
