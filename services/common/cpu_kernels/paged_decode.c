@@ -45,6 +45,32 @@ static inline float hsum8(v8 v) {
     return s;
 }
 
+/* An item reads its key blocks, then its value blocks. A request's blocks lie anywhere in the cache, so
+ * the hardware prefetcher, which follows sequential streams, stalls at the start of each; asking for the
+ * block AHEAD_BLOCKS further in that order while one is used hides the stall. Over 32 rows of 180 tokens
+ * in scattered blocks (12 layers, 12 heads of 64; 2 threads, AMD Zen 5): 24-30 ms without, 19.5-20.3
+ * with 2 blocks ahead (3: 20.6; 1: 21.6-23.8). The same bytes are read, in the same order: same sums. */
+#define AHEAD_BLOCKS 2
+
+static inline void prefetch_block(const float* block, int64_t block_stride) {
+    for (int64_t f = 0; f < block_stride; f += 16) __builtin_prefetch(block + f); /* one cache line each */
+}
+
+/* Block i of an item's reading order (its key blocks, then its value blocks), or NULL past its end. */
+static inline const float* kv_block(const float* keys, const float* values, const int32_t* table,
+                                    int64_t num_blocks, int64_t block_stride, int64_t i) {
+    if (i >= 2 * num_blocks) return NULL;
+    return (i < num_blocks ? keys + (int64_t)table[i] * block_stride
+                           : values + (int64_t)table[i - num_blocks] * block_stride);
+}
+
+/* Inside an item (its keys, values, table, num_blocks, block_stride): prefetches its block i. */
+#define PREFETCH_KV_BLOCK(i)                                                                          \
+    do {                                                                                              \
+        const float* ahead = kv_block(keys, values, table, num_blocks, block_stride, (i));           \
+        if (ahead != NULL) prefetch_block(ahead, block_stride);                                       \
+    } while (0)
+
 /* Softmax of n scores in place, the maximum `mx` subtracted; returns 1 / the sum. */
 static inline float softmax_weights(float* sc, int64_t n, float mx) {
     float sum = 0.f;
@@ -70,6 +96,8 @@ static inline float softmax_weights(float* sc, int64_t n, float mx) {
         for (int64_t b = 0; b < num_blocks; ++b) {                                                    \
             const float* kb = keys + (int64_t)table[b] * block_stride;                                \
             const int64_t t0 = b * block_size, m = n - t0 < block_size ? n - t0 : block_size;        \
+            for (int64_t a = b == 0 ? 1 : AHEAD_BLOCKS; a <= AHEAD_BLOCKS; ++a)                       \
+                PREFETCH_KV_BLOCK(b + a);                                                             \
             for (int64_t r = 0; r < group; ++r) {                                                     \
                 v8 qv[NV];                                                                            \
                 for (int i = 0; i < NV; ++i) qv[i] = *(const v8*)(queries + r * q_head_stride + i * 8); \
@@ -111,6 +139,7 @@ static inline float softmax_weights(float* sc, int64_t n, float mx) {
             for (int64_t b = 0; b < num_blocks; ++b) {                                                \
                 const float* vb = values + (int64_t)table[b] * block_stride;                          \
                 const int64_t t0 = b * block_size, m = n - t0 < block_size ? n - t0 : block_size;    \
+                PREFETCH_KV_BLOCK(num_blocks + b + AHEAD_BLOCKS);                                     \
                 for (int64_t j = 0; j < m; ++j) {                                                     \
                     const float p = sc[t0 + j];                                                       \
                     const float* v = vb + j * head_dim;                                               \

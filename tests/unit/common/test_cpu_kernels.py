@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+
 import pytest
 import torch
 
@@ -177,6 +180,29 @@ def test_linear_kernel_matches_torch(linear_kernel, shape, out_features, with_bi
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     got = linear_kernel.linear(x, linear_kernel.pack(weight), out_features, bias)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX-512 and AVX2 are x86 builds")
+def test_linear_kernel_sums_the_same_at_either_vector_width(linear_kernel, tmp_path):
+    """Built without AVX-512 (8-float vectors, 6-row tiles) the kernel returns the very same bits as the
+    native build (16-float vectors and 8-row tiles where the CPU has AVX-512): each output is one chain of
+    fused multiply-adds in input order at any width, so no model's output depends on the host's vectors."""
+    narrow_path = tmp_path / "linear-avx2.so"
+    done = subprocess.run(
+        [cpu_kernels._compiler(), *cpu_kernels.FLAGS, "-mno-avx512f", "-o", str(narrow_path),
+         str(cpu_kernels.LINEAR_SOURCE), "-lm"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    narrow = LinearKernel(narrow_path)
+    assert narrow.panel == 16 and linear_kernel.panel in (16, 32)
+    generator = torch.Generator().manual_seed(5)
+    for rows, in_features, out_features in ((1, 64, 48), (7, 300, 70), (8, 33, 17), (17, 700, 40), (300, 96, 33)):
+        x = torch.randn(rows, in_features, generator=generator)
+        weight = torch.randn(out_features, in_features, generator=generator)
+        bias = torch.randn(out_features, generator=generator)
+        wide = linear_kernel.linear(x, linear_kernel.pack(weight), out_features, bias)
+        assert torch.equal(narrow.linear(x, narrow.pack(weight), out_features, bias), wide)
 
 
 def test_linear_kernel_takes_strided_rows(linear_kernel):
