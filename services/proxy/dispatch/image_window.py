@@ -26,8 +26,9 @@ import collections
 
 DEFAULT_IMAGE_WINDOW = 2
 """Image requests per PD let start at once by default. In an image burst through ``epd up`` on 2 CPU
-cores (bench checkpoint, two runs each) 2 gave the earliest first tokens and the most throughput: TTFT p50
-0.63x, 1.09x the tok/s of no bound; 1 and 4 came between (docs/benchmarks/compare.md)."""
+cores (bench checkpoint, two runs each) 2 gave the earliest first tokens: TTFT p50 0.63x that of no bound
+and 1.09x the tok/s on one host, 0.79x and 0.95x on a host twice as fast; 1 and 4 came between
+(docs/benchmarks/compare.md)."""
 
 
 class _Window:
