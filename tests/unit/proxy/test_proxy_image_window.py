@@ -49,12 +49,18 @@ async def test_each_pd_has_its_own_window():
     await asyncio.wait_for(waiting, 1.0)
 
 
-async def test_a_waiter_cancelled_holds_no_place():
+async def _full_window_and_two_waiting() -> tuple[ImageWindows, asyncio.Task, asyncio.Task]:
+    """A window of 1 on pd-a, taken, and two requests waiting for it: the first, then the next."""
     windows = ImageWindows(1)
     await windows.enter("pd-a")
-    gone = asyncio.create_task(windows.enter("pd-a"))
+    first = asyncio.create_task(windows.enter("pd-a"))
     after = asyncio.create_task(windows.enter("pd-a"))
     await _settle()
+    return windows, first, after
+
+
+async def test_a_waiter_cancelled_holds_no_place():
+    windows, gone, after = await _full_window_and_two_waiting()
     gone.cancel()
     await _settle()
     assert windows.num_waiting() == 1
@@ -64,11 +70,7 @@ async def test_a_waiter_cancelled_holds_no_place():
 
 
 async def test_a_place_given_to_a_waiter_cancelled_meanwhile_goes_to_the_next():
-    windows = ImageWindows(1)
-    await windows.enter("pd-a")
-    gone = asyncio.create_task(windows.enter("pd-a"))
-    after = asyncio.create_task(windows.enter("pd-a"))
-    await _settle()
+    windows, gone, after = await _full_window_and_two_waiting()
     windows.leave("pd-a")  # the place goes to ``gone``'s turn ...
     gone.cancel()  # ... before its task resumes to take it
     with pytest.raises(asyncio.CancelledError):
