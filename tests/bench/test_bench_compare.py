@@ -75,8 +75,8 @@ def test_stage_medians_are_reported_per_kind_for_servers_that_give_them():
     }
     rows = [line for line in report.render(results).splitlines() if line.startswith("| up |")]
     assert rows == [
-        "| up | text | 500 | – | – | – | 10 | – | – | – |",
-        "| up | image | 500 | – | – | 200 | – | – | – | 500 |",
+        "| up | text | 500 | – | – | – | – | 10 | – | – | – |",
+        "| up | image | 500 | – | – | – | 200 | – | – | – | 500 |",
     ]
 
 
