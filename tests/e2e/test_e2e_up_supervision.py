@@ -65,6 +65,21 @@ def free_port_range(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
+def disjoint_port_ranges(*counts: int) -> list[int]:
+    """The first port of a free range per count, no two ranges overlapping (drawn apart, two could)."""
+    taken: set[int] = set()
+    bases = []
+    for count in counts:
+        while True:
+            base = free_port_range(count)
+            ports = set(range(base, base + count))
+            if not ports & taken:
+                break
+        taken |= ports
+        bases.append(base)
+    return bases
+
+
 class Launcher:
     """A running ``epd up`` and everything it has printed (read on a thread so the pipe never fills)."""
 
@@ -119,8 +134,9 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    proxy_port, launcher_metrics, proxy_metrics = (free_port_range(1) for _ in range(3))
-    encoder_base, pd_base, encoder_metrics, pd_metrics = (free_port_range(2) for _ in range(4))
+    proxy_port, launcher_metrics, proxy_metrics, encoder_base, pd_base, encoder_metrics, pd_metrics = (
+        disjoint_port_ranges(1, 1, 1, 2, 2, 2, 2)
+    )
     command = [
         sys.executable,
         "-m",
