@@ -22,7 +22,6 @@ prefills, and should.
 from __future__ import annotations
 
 import asyncio
-import collections
 
 DEFAULT_IMAGE_WINDOW = 2
 """Image requests per PD let start at once by default. In an image burst through ``epd up`` on 2 CPU
@@ -32,11 +31,13 @@ and 1.09x the tok/s on one host, 0.79x and 0.95x on a host twice as fast; 1 and 
 
 
 class _Window:
-    """One PD's window: how many requests are in it, and who waits, first come first."""
+    """One PD's window: its places (``asyncio.Semaphore``: first come, first served; a place handed to a
+    waiter cancelled meanwhile goes on to the next), and the requests inside it or waiting for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.places = asyncio.Semaphore(size)
         self.inside = 0
-        self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.users = 0  # inside or waiting
 
 
 class ImageWindows:
@@ -54,21 +55,14 @@ class ImageWindows:
         Cancelled while waiting, it holds no place (one passed to it meanwhile goes to the next)."""
         if self.size <= 0:
             return
-        window = self._windows.setdefault(address, _Window())
-        if window.inside < self.size and not window.waiting:
-            window.inside += 1
-            return
-        turn = asyncio.get_running_loop().create_future()
-        window.waiting.append(turn)
+        window = self._windows.setdefault(address, _Window(self.size))
+        window.users += 1
         try:
-            await turn
-        except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():  # the place came with the cancellation: pass it on
-                self.leave(address)
-            elif turn in window.waiting:  # a leave() meanwhile may have dropped it already
-                window.waiting.remove(turn)
-                self._forget_if_empty(address, window)
+            await window.places.acquire()
+        except BaseException:
+            self._done_with(address, window)
             raise
+        window.inside += 1
 
     def leave(self, address: str) -> None:
         """Gives the place of one request that entered to the next one waiting, if any."""
@@ -76,16 +70,12 @@ class ImageWindows:
             return
         window = self._windows[address]
         window.inside -= 1
-        while window.waiting:
-            turn = window.waiting.popleft()
-            if not turn.done():
-                window.inside += 1
-                turn.set_result(None)
-                break
-        self._forget_if_empty(address, window)
+        window.places.release()
+        self._done_with(address, window)
 
-    def _forget_if_empty(self, address: str, window: _Window) -> None:
-        if window.inside == 0 and not window.waiting:
+    def _done_with(self, address: str, window: _Window) -> None:
+        window.users -= 1
+        if window.users == 0:
             del self._windows[address]  # PDs come and go (DNS): keep no entry for one with nothing in it
 
     def num_inside(self, address: str) -> int:
@@ -95,4 +85,4 @@ class ImageWindows:
 
     def num_waiting(self) -> int:
         """Requests waiting to enter, over every PD."""
-        return sum(len(window.waiting) for window in self._windows.values())
+        return sum(window.users - window.inside for window in self._windows.values())
